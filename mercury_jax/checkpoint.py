@@ -1,0 +1,163 @@
+"""Orbax checkpoints: training save/resume, restore onto any mesh, and params-only restore for inference.
+
+A checkpoint directory (``WORKDIR/checkpoints``) holds one folder per step with the items
+
+- ``params``: the model parameters (restorable alone, for inference),
+- ``train``: ``{"step", "opt_state", "key"}``,
+- ``data``: the grain iterator state (so the data stream resumes exactly),
+- ``config``: the full ``Config`` as JSON.
+
+Orbax writes each step into a temporary folder and renames it when complete, so a crash mid-save never replaces a
+good checkpoint, and ``max_to_keep`` only removes old steps after a newer one is committed.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import grain
+import jax
+import orbax.checkpoint as ocp
+from jax.sharding import Mesh
+
+from mercury_jax import sharding as sh
+from mercury_jax.config import CheckpointConfig, Config, ConfigError, MeshConfig, config_from_dict
+from mercury_jax.model import Transformer
+from mercury_jax.trainer import abstract_params
+
+ITEMS = ("params", "train", "data", "config")
+
+
+class Checkpointer:
+  """Saves and restores the train state, the data iterator and the config under ``directory``."""
+
+  def __init__(self, directory: str | Path, cfg: CheckpointConfig):
+    self.directory = Path(directory).absolute()
+    options = ocp.CheckpointManagerOptions(
+      max_to_keep=cfg.max_to_keep, enable_async_checkpointing=cfg.async_save, create=True
+    )
+    self.manager = ocp.CheckpointManager(
+      self.directory, item_names=ITEMS, options=options, item_handlers={"data": grain.checkpoint.CheckpointHandler()}
+    )
+
+  def latest_step(self) -> int | None:
+    return self.manager.latest_step()
+
+  def save(self, state: dict[str, Any], data_iterator, cfg: Config) -> None:
+    """Saves ``state`` at ``state["step"]`` (asynchronously when configured); no-op if that step exists."""
+    step = int(jax.device_get(state["step"]))
+    if step in self.manager.all_steps():
+      return
+    train = {k: state[k] for k in ("step", "opt_state", "key")}
+    self.manager.save(
+      step,
+      args=ocp.args.Composite(
+        params=ocp.args.StandardSave(state["params"]),
+        train=ocp.args.StandardSave(train),
+        data=grain.checkpoint.CheckpointSave(data_iterator),
+        config=ocp.args.JsonSave(cfg.to_dict()),
+      ),
+      force=True,
+    )
+
+  def restore(self, abstract_state: dict[str, Any], data_iterator, step: int | None = None) -> dict[str, Any]:
+    """Restores the state onto the shardings carried by ``abstract_state`` and the iterator in place."""
+    step = self.latest_step() if step is None else step
+    abstract_train = {k: abstract_state[k] for k in ("step", "opt_state", "key")}
+    restored = self.manager.restore(
+      step,
+      args=ocp.args.Composite(
+        params=ocp.args.StandardRestore(abstract_state["params"]),
+        train=ocp.args.StandardRestore(abstract_train),
+        data=grain.checkpoint.CheckpointRestore(data_iterator),
+      ),
+    )
+    return {"params": restored.params, **restored.train}
+
+  def stored_config(self, step: int | None = None) -> Config:
+    step = self.latest_step() if step is None else step
+    return config_from_dict(self.manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore())).config)
+
+  def wait(self) -> None:
+    self.manager.wait_until_finished()
+
+  def close(self) -> None:
+    self.manager.wait_until_finished()
+    self.manager.close()
+
+
+def _manager_root(path: Path) -> Path:
+  """Accepts a train workdir, its ``checkpoints`` folder, or one step folder inside it."""
+  if (path / "checkpoints").is_dir():
+    return path / "checkpoints"
+  if (path / "params").is_dir() and path.name.isdigit():
+    return path.parent
+  return path
+
+
+TOKENIZER_FILE = "tokenizer.model"
+
+
+def find_tokenizer(path: str | Path) -> Path:
+  """The sentencepiece model that belongs to a checkpoint: ``tokenizer.model`` beside or above its folders."""
+  path = Path(path).absolute()
+  for folder in (path, path.parent, path.parent.parent):
+    if (folder / TOKENIZER_FILE).is_file():
+      return folder / TOKENIZER_FILE
+  raise FileNotFoundError(f"no {TOKENIZER_FILE} found in {str(path)!r} or the two folders above it")
+
+
+def restore_params(
+  path: str | Path, mesh: Mesh | None = None, mesh_cfg: MeshConfig | None = None, step: int | None = None
+) -> tuple[Any, Config]:
+  """Params-only restore for inference: reads the ``params`` and ``config`` items, never the optimiser state.
+
+  Args:
+    path: a train workdir, its ``checkpoints`` folder, a step folder, or an exported inference checkpoint.
+    mesh: where to place the parameters; default: a one-device mesh.
+    mesh_cfg: its rule overrides (default: the stored config's).
+    step: which step; default: the latest (or the step named by a step-folder path).
+
+  Returns:
+    ``(params, config)`` with params sharded by the model's logical axis rules on ``mesh``.
+  """
+  path = Path(path).absolute()
+  if not path.exists():
+    raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist")
+  root = _manager_root(path)
+  if step is None and path.name.isdigit() and root == path.parent:
+    step = int(path.name)
+  with ocp.CheckpointManager(root, item_names=("params", "config")) as manager:
+    step = manager.latest_step() if step is None else step
+    if step is None:
+      raise FileNotFoundError(f"no checkpoint found in {str(path)!r} (expected step folders written by train)")
+    try:
+      cfg = config_from_dict(manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore())).config)
+    except ConfigError:
+      raise
+    except Exception as e:  # Orbax raises several types for a missing or foreign item.
+      raise FileNotFoundError(f"{str(path)!r} step {step} has no readable mercury_jax config: {e}") from None
+    mesh = mesh if mesh is not None else sh.make_mesh(MeshConfig(data=1), jax.devices()[:1])
+    rules = sh.axis_rules(mesh_cfg if mesh_cfg is not None else cfg.mesh)
+    target = abstract_params(Transformer(cfg.model), mesh, rules)
+    params = manager.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(target))).params
+  return params, cfg
+
+
+def export_params(path: str | Path, params: Any, cfg: Config, tokenizer_file: str | Path, step: int = 0) -> Path:
+  """Writes an inference checkpoint (``params``, ``config`` and the tokenizer) readable by :func:`restore_params`."""
+  root = Path(path).absolute()
+  root.mkdir(parents=True, exist_ok=True)
+  shutil.copyfile(tokenizer_file, root / TOKENIZER_FILE)
+  with ocp.CheckpointManager(
+    root, item_names=("params", "config"), options=ocp.CheckpointManagerOptions(create=True)
+  ) as manager:
+    manager.save(
+      step,
+      args=ocp.args.Composite(params=ocp.args.StandardSave(params), config=ocp.args.JsonSave(cfg.to_dict())),
+      force=True,
+    )
+    manager.wait_until_finished()
+  return root / str(step)

@@ -1,0 +1,360 @@
+"""The one typed configuration schema of mercury_jax.
+
+Every default lives here, once. Presets in the top-level ``configs/`` folder are TOML files that hold only what
+differs from these defaults, and every command accepts ``--config NAME_OR_PATH`` plus repeatable
+``--set section.key=value`` overrides. Unknown keys and badly typed values fail with a message naming the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import typing
+from importlib import resources
+from pathlib import Path
+from typing import Any, Literal
+
+import tomllib
+
+ATTENTION_IMPLS = ("auto", "xla", "pallas", "cudnn")
+OBJECTIVES = ("diffusion", "autoregressive")
+SCHEDULES = ("linear", "cosine", "polynomial")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+class ConfigError(ValueError):
+  """A configuration key or value is wrong; the message names the key."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """The transformer denoiser. It knows nothing about diffusion: tokens (and optionally t) in, logits out."""
+
+  vocab_size: int = 4096
+  d_model: int = 256
+  num_layers: int = 6
+  num_heads: int = 4
+  num_kv_heads: int = 4  # < num_heads gives grouped-query attention.
+  head_dim: int = 64
+  mlp_dim: int = 704  # SwiGLU hidden width.
+  max_length: int = 256  # Context length: training sequence length and the sampler's canvas limit.
+  rope_theta: float = 10_000.0
+  norm_eps: float = 1e-6
+  causal: bool = False  # True for the autoregressive twin; diffusion denoisers are bidirectional.
+  time_conditioning: bool = False  # Adds an embedding of t to every block's input (MDLM/MD4 both work without).
+  tie_embeddings: bool = False
+  dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # Compute dtype; parameters are always float32.
+  attention: Literal["auto", "xla", "pallas", "cudnn"] = "auto"  # auto: pallas on GPU, xla elsewhere.
+  remat: bool = False  # Rematerialise each block in the backward pass (saves activation memory).
+
+  def validate(self) -> None:
+    if self.num_heads % self.num_kv_heads:
+      raise ConfigError(
+        f"model.num_heads={self.num_heads} must be a multiple of model.num_kv_heads={self.num_kv_heads}"
+      )
+    for name in (
+      "vocab_size",
+      "d_model",
+      "num_layers",
+      "num_heads",
+      "num_kv_heads",
+      "head_dim",
+      "mlp_dim",
+      "max_length",
+    ):
+      if getattr(self, name) < 1:
+        raise ConfigError(f"model.{name}={getattr(self, name)} must be >= 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class DiffusionConfig:
+  """The training objective: masked (absorbing-state) diffusion, or next-token prediction for the AR twin."""
+
+  objective: Literal["diffusion", "autoregressive"] = "diffusion"
+  schedule: Literal["linear", "cosine", "polynomial"] = "linear"
+  exponent: float = 1.0  # Polynomial schedule: alpha_t = 1 - t**exponent.
+  antithetic: bool = True  # Low-discrepancy t across the global batch (Kingma et al. 2021, VDM).
+  t_min: float = 1e-4  # t is drawn from [t_min, 1] so the ELBO weight stays finite.
+  mask_id: int = 4  # The [MASK] token; mercury_jax tokenizers put it at 4 (pad 0, unk 1, bos 2, eos 3).
+
+  def validate(self) -> None:
+    if self.exponent <= 0:
+      raise ConfigError(f"diffusion.exponent={self.exponent} must be > 0")
+    if not 0.0 <= self.t_min < 1.0:
+      raise ConfigError(f"diffusion.t_min={self.t_min} must lie in [0, 1)")
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+  """Where prepared ArrayRecord shards live and how grain reads them."""
+
+  path: str = ""  # A directory written by `python -m mercury_jax.prepare`.
+  batch_size: int = 16  # Global batch, split over the mesh's data axes and over processes.
+  shuffle_seed: int = 0
+  num_threads: int = 2
+  prefetch: int = 8
+
+  def validate(self) -> None:
+    if self.batch_size < 1:
+      raise ConfigError(f"data.batch_size={self.batch_size} must be >= 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+  """AdamW with linear warmup, cosine decay and global-norm clipping."""
+
+  learning_rate: float = 3e-4
+  warmup_steps: int = 200
+  final_lr_fraction: float = 0.1  # Cosine decays to learning_rate * final_lr_fraction at train.steps.
+  weight_decay: float = 0.1
+  b1: float = 0.9
+  b2: float = 0.98
+  eps: float = 1e-9
+  clip_norm: float = 1.0
+
+  def validate(self) -> None:
+    if self.learning_rate <= 0:
+      raise ConfigError(f"optim.learning_rate={self.learning_rate} must be > 0")
+    if self.warmup_steps < 0:
+      raise ConfigError(f"optim.warmup_steps={self.warmup_steps} must be >= 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+  """Device mesh shape; -1 on one axis absorbs the remaining devices.
+
+  ``rules`` overrides single entries of the logical-to-mesh table in ``mercury_jax.sharding``, as
+  ``"logical=mesh_axis"`` or ``"logical=axis1+axis2"`` or ``"logical="`` (replicated).
+  """
+
+  data: int = -1
+  fsdp: int = 1
+  tensor: int = 1
+  rules: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  steps: int = 1000
+  seed: int = 0
+  log_every: int = 10
+  eval_every: int = 200
+  eval_batches: int = 8
+
+  def validate(self) -> None:
+    if self.steps < 1:
+      raise ConfigError(f"train.steps={self.steps} must be >= 1")
+    for name in ("log_every", "eval_every", "eval_batches"):
+      if getattr(self, name) < 0:
+        raise ConfigError(f"train.{name}={getattr(self, name)} must be >= 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+  every: int = 200
+  max_to_keep: int = 3
+  async_save: bool = True
+
+  def validate(self) -> None:
+    if self.every < 1:
+      raise ConfigError(f"checkpoint.every={self.every} must be >= 1")
+    if self.max_to_keep < 1:
+      raise ConfigError(f"checkpoint.max_to_keep={self.max_to_keep} must be >= 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  model: ModelConfig = ModelConfig()
+  diffusion: DiffusionConfig = DiffusionConfig()
+  data: DataConfig = DataConfig()
+  optim: OptimConfig = OptimConfig()
+  mesh: MeshConfig = MeshConfig()
+  train: TrainConfig = TrainConfig()
+  checkpoint: CheckpointConfig = CheckpointConfig()
+  name: str = "custom"
+
+  def validate(self) -> Config:
+    for section in dataclasses.fields(self):
+      value = getattr(self, section.name)
+      if hasattr(value, "validate"):
+        value.validate()
+    if self.diffusion.objective == "autoregressive" and not self.model.causal:
+      raise ConfigError("diffusion.objective='autoregressive' needs model.causal=true")
+    if self.diffusion.objective == "autoregressive" and self.model.time_conditioning:
+      raise ConfigError("model.time_conditioning=true has no t to condition on with diffusion.objective='autoregressive'")
+    if self.diffusion.objective == "diffusion" and self.model.causal:
+      raise ConfigError("model.causal=true is only meaningful with diffusion.objective='autoregressive'")
+    return self
+
+  def to_dict(self) -> dict[str, Any]:
+    return dataclasses.asdict(self)
+
+  def to_json(self) -> str:
+    return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+
+# ----------------------------------------------------------------------------------------------- parsing
+
+
+def _coerce(key: str, annotation: Any, value: Any) -> Any:
+  """Converts ``value`` (a TOML/JSON value or a command-line string) to ``annotation``, naming ``key`` on error."""
+  origin = typing.get_origin(annotation)
+  if origin is Literal:
+    choices = typing.get_args(annotation)
+    if value not in choices:
+      raise ConfigError(f"{key}={value!r} is not one of {', '.join(map(repr, choices))}")
+    return value
+  if annotation is bool:
+    if isinstance(value, bool):
+      return value
+    if isinstance(value, str) and value.lower() in ("true", "1", "yes", "false", "0", "no"):
+      return value.lower() in ("true", "1", "yes")
+    raise ConfigError(f"{key}={value!r} is not a boolean (use true or false)")
+  if annotation is int:
+    if isinstance(value, bool):
+      raise ConfigError(f"{key}={value!r} is not an integer")
+    if isinstance(value, int):
+      return value
+    try:
+      return int(str(value).replace("_", ""))
+    except ValueError:
+      raise ConfigError(f"{key}={value!r} is not an integer") from None
+  if annotation is float:
+    if isinstance(value, bool):
+      raise ConfigError(f"{key}={value!r} is not a number")
+    try:
+      return float(value)
+    except (TypeError, ValueError):
+      raise ConfigError(f"{key}={value!r} is not a number") from None
+  if annotation is str:
+    if not isinstance(value, str):
+      raise ConfigError(f"{key}={value!r} is not a string")
+    return value
+  if origin is tuple:
+    if isinstance(value, str):
+      value = [v for v in value.split(",") if v] if value else []
+    if not isinstance(value, (list, tuple)):
+      raise ConfigError(f"{key}={value!r} is not a list")
+    (item_type, _) = typing.get_args(annotation)
+    return tuple(_coerce(key, item_type, v) for v in value)
+  raise AssertionError(f"unsupported annotation {annotation} for {key}")
+
+
+def _section_types(cls: type) -> dict[str, Any]:
+  return typing.get_type_hints(cls)
+
+
+def apply_overrides(cfg: Config, overrides: dict[str, Any], source: str = "--set") -> Config:
+  """Returns ``cfg`` with dotted-key overrides applied, e.g. ``{"model.d_model": 512}``."""
+  sections: dict[str, dict[str, Any]] = {}
+  top: dict[str, Any] = {}
+  top_types = _section_types(Config)
+  for key, value in overrides.items():
+    section, _, field = key.partition(".")
+    if section not in top_types:
+      known = ", ".join(sorted(top_types))
+      raise ConfigError(f"unknown config key {key!r} in {source}; top-level sections are: {known}")
+    section_type = top_types[section]
+    if not dataclasses.is_dataclass(section_type):
+      if field:
+        raise ConfigError(f"unknown config key {key!r} in {source}")
+      top[section] = _coerce(key, section_type, value)
+      continue
+    field_types = _section_types(section_type)
+    if field not in field_types:
+      known = ", ".join(sorted(field_types))
+      raise ConfigError(f"unknown config key {key!r} in {source}; {section} has: {known}")
+    sections.setdefault(section, {})[field] = _coerce(key, field_types[field], value)
+  updated = {name: dataclasses.replace(getattr(cfg, name), **fields) for name, fields in sections.items()}
+  return dataclasses.replace(cfg, **updated, **top)
+
+
+def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+  flat: dict[str, Any] = {}
+  for key, value in tree.items():
+    if isinstance(value, dict):
+      flat.update(_flatten(value, f"{prefix}{key}."))
+    else:
+      flat[f"{prefix}{key}"] = value
+  return flat
+
+
+def _preset_dir():
+  """The presets: packaged as ``mercury_jax.configs`` in a wheel, the top-level ``configs/`` in a source tree."""
+  try:
+    return resources.files("mercury_jax.configs")
+  except ModuleNotFoundError:
+    return Path(__file__).resolve().parent.parent / "configs"
+
+
+def preset_names() -> list[str]:
+  """Names of the presets shipped in ``configs/``."""
+  return sorted(p.name.removesuffix(".toml") for p in _preset_dir().iterdir() if p.name.endswith(".toml"))
+
+
+def _read_preset(name_or_path: str) -> tuple[str, dict[str, Any]]:
+  path = Path(name_or_path)
+  if name_or_path.endswith(".toml") or path.exists():
+    if not path.is_file():
+      raise ConfigError(f"--config {name_or_path!r}: no such file")
+    text, name = path.read_text(), path.stem
+  else:
+    preset = _preset_dir() / f"{name_or_path}.toml"
+    if not preset.is_file():
+      raise ConfigError(
+        f"--config {name_or_path!r} is neither a file nor a preset; presets: {', '.join(preset_names())}"
+      )
+    text, name = preset.read_text(), name_or_path
+  try:
+    return name, tomllib.loads(text)
+  except tomllib.TOMLDecodeError as e:
+    raise ConfigError(f"--config {name_or_path!r} is not valid TOML: {e}") from None
+
+
+def parse_set_args(items: list[str] | tuple[str, ...]) -> dict[str, str]:
+  """Turns repeated ``--set key=value`` strings into a dict."""
+  out = {}
+  for item in items:
+    key, sep, value = item.partition("=")
+    if not sep or not key:
+      raise ConfigError(f"--set {item!r} must look like section.key=value")
+    out[key.strip()] = value.strip()
+  return out
+
+
+def load_config(name_or_path: str = "default", overrides: dict[str, Any] | None = None) -> Config:
+  """Loads a preset (a name from ``configs/`` or a TOML path), applies overrides and validates."""
+  name, tree = _read_preset(name_or_path)
+  cfg = apply_overrides(Config(name=name), _flatten(tree), source=f"config {name_or_path!r}")
+  cfg = apply_overrides(cfg, overrides or {})
+  return cfg.validate()
+
+
+def config_from_dict(tree: dict[str, Any]) -> Config:
+  """Rebuilds a Config from ``Config.to_dict()`` output (as stored in checkpoints)."""
+  return apply_overrides(Config(), _flatten(tree), source="stored config").validate()
+
+
+def dtype_of(name: str) -> Any:
+  import jax.numpy as jnp
+
+  return {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}[name]
+
+
+__all__ = [
+  "Config",
+  "ConfigError",
+  "ModelConfig",
+  "DiffusionConfig",
+  "DataConfig",
+  "OptimConfig",
+  "MeshConfig",
+  "TrainConfig",
+  "CheckpointConfig",
+  "load_config",
+  "apply_overrides",
+  "parse_set_args",
+  "config_from_dict",
+  "preset_names",
+  "dtype_of",
+]

@@ -1,0 +1,231 @@
+"""Reading prepared data: grain pipelines for training, fixed batches for evaluation, and global arrays.
+
+Training (``train_dataset``) gives each process a disjoint slice of the train records (``[process_index::
+process_count]``), shuffled with a seed and reshuffled every epoch, repeated forever and batched to the per-process
+batch. Its iterator's ``get_state``/``set_state`` resume exactly, also through Orbax with
+``grain.checkpoint.CheckpointHandler``. Reading uses threads only: grain's multiprocessing workers need absl flags
+to be parsed and cost seconds to start.
+
+Evaluation (``eval_batches``) builds the same global batches on any number of processes: global row ``g`` is
+record ``g % num_records`` of the split, in stored order, and process ``p`` takes rows ``[p * local, (p + 1) *
+local)`` of each global batch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import grain
+import jax
+import numpy as np
+
+from mercury_jax import sharding
+from mercury_jax.data import records
+from mercury_jax.data.tokenizer import Tokenizer
+
+FORMAT_VERSION = 1
+METADATA_FILE = "metadata.json"
+MANIFEST_FILE = "manifest.json"
+TOKENIZER_FILE = "tokenizer.model"
+_PREPARE_HINT = "run `python -m mercury_jax.prepare --corpus python-stdlib --out DATA_DIR` to prepare one"
+
+
+def read_metadata(data_dir: str | os.PathLike) -> dict[str, Any]:
+  """The ``metadata.json`` of a directory written by ``python -m mercury_jax.prepare``.
+
+  Raises:
+    ValueError: ``data_dir`` is not a prepared directory, or was written by an incompatible version.
+  """
+  path = Path(data_dir) / METADATA_FILE
+  if not Path(data_dir).is_dir():
+    raise ValueError(f"data directory {str(data_dir)!r} does not exist; {_PREPARE_HINT}")
+  if not path.is_file():
+    raise ValueError(f"{str(data_dir)!r} is not a prepared data directory (no {METADATA_FILE}); {_PREPARE_HINT}")
+  try:
+    metadata = json.loads(path.read_text())
+  except (OSError, json.JSONDecodeError) as e:
+    raise ValueError(f"cannot read {str(path)!r}: {e}; {_PREPARE_HINT}") from None
+  if metadata.get("format_version") != FORMAT_VERSION:
+    raise ValueError(
+      f"{str(path)!r} has format_version={metadata.get('format_version')!r}, this code reads "
+      f"{FORMAT_VERSION}; re-run `python -m mercury_jax.prepare` with --force"
+    )
+  return metadata
+
+
+def load_tokenizer(data_dir: str | os.PathLike) -> Tokenizer:
+  """The tokenizer that a prepared directory was encoded with."""
+  read_metadata(data_dir)
+  return Tokenizer.load(Path(data_dir) / TOKENIZER_FILE)
+
+
+def split_paths(data_dir: str | os.PathLike, split: str, metadata: dict[str, Any] | None = None) -> list[str]:
+  """The shard paths of ``split``, in record order.
+
+  Raises:
+    ValueError: The split is unknown or has no records.
+  """
+  metadata = metadata or read_metadata(data_dir)
+  splits = metadata["splits"]
+  if split not in splits:
+    raise ValueError(f"split={split!r} is not in {str(data_dir)!r}; it has {sorted(splits)}")
+  if not splits[split]["records"]:
+    raise ValueError(f"split {split!r} of {str(data_dir)!r} has no records (its corpus split was empty)")
+  return [str(Path(data_dir) / name) for name in splits[split]["shards"]]
+
+
+def _check_seq_len(data_dir: str | os.PathLike, metadata: dict[str, Any], seq_len: int) -> None:
+  if seq_len != metadata["seq_len"]:
+    raise ValueError(
+      f"seq_len={seq_len} but {str(data_dir)!r} was prepared with seq_len={metadata['seq_len']}; "
+      f"set model.max_length={metadata['seq_len']}, or re-run `python -m mercury_jax.prepare` with "
+      f"--seq-len {seq_len}"
+    )
+
+
+def _process_layout(
+  global_batch_size: int, process_index: int | None, process_count: int | None
+) -> tuple[int, int, int]:
+  """``(process_index, process_count, per_process_batch)`` with jax's values as defaults."""
+  process_index = jax.process_index() if process_index is None else process_index
+  process_count = jax.process_count() if process_count is None else process_count
+  if not 0 <= process_index < process_count:
+    raise ValueError(f"process_index={process_index} must lie in [0, process_count={process_count})")
+  if global_batch_size < 1 or global_batch_size % process_count:
+    raise ValueError(
+      f"global_batch_size={global_batch_size} must be a positive multiple of the {process_count} processes"
+    )
+  return process_index, process_count, global_batch_size // process_count
+
+
+class DecodeRecord(grain.transforms.Map):
+  """Record bytes -> ``{"tokens": int32[seq_len], "kinds": int32[seq_len]}`` (module level, so it pickles)."""
+
+  def __init__(self, seq_len: int):
+    self.seq_len = seq_len
+
+  def map(self, element: bytes) -> dict[str, np.ndarray]:
+    return records.decode_record(element, self.seq_len)
+
+
+def train_dataset(
+  data_dir: str | os.PathLike,
+  *,
+  seq_len: int,
+  global_batch_size: int,
+  seed: int,
+  process_index: int | None = None,
+  process_count: int | None = None,
+  num_threads: int = 2,
+  prefetch: int = 8,
+) -> grain.IterDataset:
+  """An endless, shuffled stream of this process's training batches.
+
+  ``iter(dataset)`` is a ``grain.DatasetIterator``: save ``it.get_state()`` (or ``grain.checkpoint.CheckpointSave
+  (it)`` in Orbax) and a fresh iterator given that state yields exactly the batches that would have come next.
+
+  Args:
+    data_dir: A directory written by ``python -m mercury_jax.prepare``.
+    seq_len: Must equal the prepared ``seq_len``.
+    global_batch_size: Batch over all processes; each process yields ``global_batch_size // process_count`` rows.
+    seed: Shuffle seed in ``[0, 2**32)``; epoch ``e`` is shuffled with ``seed + e``.
+    process_index: This process's index; defaults to ``jax.process_index()``.
+    process_count: Number of processes; defaults to ``jax.process_count()``.
+    num_threads: Reader threads.
+    prefetch: Elements buffered ahead.
+
+  Returns:
+    An IterDataset of ``{"tokens": int32[local_batch, seq_len], "kinds": int32[local_batch, seq_len]}``.
+  """
+  metadata = read_metadata(data_dir)
+  _check_seq_len(data_dir, metadata, seq_len)
+  process_index, process_count, local_batch = _process_layout(global_batch_size, process_index, process_count)
+  if not 0 <= seed < 2**32:
+    raise ValueError(f"seed={seed} must lie in [0, 2**32)")
+  source = grain.sources.ArrayRecordDataSource(split_paths(data_dir, "train", metadata))
+  dataset = grain.MapDataset.source(source)[process_index::process_count]
+  if len(dataset) == 0:
+    raise ValueError(
+      f"the train split of {str(data_dir)!r} has {len(source)} records, fewer than the {process_count} processes"
+    )
+  dataset = dataset.shuffle(seed=seed).repeat().map(DecodeRecord(seq_len))
+  options = grain.ReadOptions(num_threads=num_threads, prefetch_buffer_size=prefetch)
+  return dataset.to_iter_dataset(options).batch(local_batch, drop_remainder=True)
+
+
+def eval_batches(
+  data_dir: str | os.PathLike,
+  split: str,
+  *,
+  seq_len: int,
+  global_batch_size: int,
+  num_batches: int | None,
+  process_index: int | None = None,
+  process_count: int | None = None,
+) -> list[dict[str, np.ndarray]]:
+  """The same per-process evaluation batches on every call.
+
+  Args:
+    data_dir: A directory written by ``python -m mercury_jax.prepare``.
+    split: ``"validation"`` or ``"train"``.
+    seq_len: Must equal the prepared ``seq_len``.
+    global_batch_size: Batch over all processes.
+    num_batches: How many batches; records wrap around when the split is smaller. ``None`` makes one exact pass:
+      ``ceil(records / global_batch_size)`` batches whose surplus rows are all padding (kind 0, so they add no loss
+      and no target tokens), so summed losses cover each record exactly once.
+    process_index: This process's index; defaults to ``jax.process_index()``.
+    process_count: Number of processes; defaults to ``jax.process_count()``.
+
+  Returns:
+    A list of ``{"tokens": int32[local_batch, seq_len], "kinds": int32[local_batch, seq_len]}``.
+  """
+  metadata = read_metadata(data_dir)
+  _check_seq_len(data_dir, metadata, seq_len)
+  process_index, _, local_batch = _process_layout(global_batch_size, process_index, process_count)
+  source = grain.sources.ArrayRecordDataSource(split_paths(data_dir, split, metadata))
+  num_records = len(source)
+  one_pass = num_batches is None
+  if one_pass:
+    num_batches = -(-num_records // global_batch_size)
+  elif num_batches < 0:
+    raise ValueError(f"num_batches={num_batches} must be >= 0 (or None for one pass over the split)")
+  decode = DecodeRecord(seq_len)
+  padding = {"tokens": np.full([seq_len], metadata["pad_id"], np.int32), "kinds": np.zeros([seq_len], np.int32)}
+  batches = []
+  for step in range(num_batches):
+    start = step * global_batch_size + process_index * local_batch
+    rows = [
+      padding if one_pass and row >= num_records else decode.map(source[row % num_records])
+      for row in range(start, start + local_batch)
+    ]
+    batches.append({key: np.stack([r[key] for r in rows]) for key in ("tokens", "kinds")})
+  return batches
+
+
+def to_global(batch: dict[str, np.ndarray], mesh: jax.sharding.Mesh, rules) -> dict[str, jax.Array]:
+  """Assembles global ``jax.Array``s, sharded over the mesh's data axes, from this process's rows.
+
+  Args:
+    batch: Per-process arrays ``[local_batch, ...]``.
+    mesh: The device mesh.
+    rules: The logical-to-mesh rules table (``sharding.axis_rules(...)``).
+
+  Returns:
+    Arrays of shape ``[local_batch * jax.process_count(), ...]``.
+  """
+  out = {}
+  for key, local in batch.items():
+    local = np.asarray(local)
+    global_shape = (local.shape[0] * jax.process_count(), *local.shape[1:])
+    ways = sharding.data_parallel_size(mesh, rules)
+    if global_shape[0] % ways:
+      raise ValueError(
+        f"the global batch of {global_shape[0]} rows ({key!r}) must be a multiple of the {ways} "
+        "data-parallel shards of the mesh; change data.batch_size"
+      )
+    target = sharding.batch_sharding(mesh, rules, local.ndim)
+    out[key] = jax.make_array_from_process_local_data(target, local, global_shape)
+  return out

@@ -1,0 +1,152 @@
+"""Packing token ids into fixed-length records, and ArrayRecord shard I/O.
+
+The record format (the trainer and evaluation depend on it): each record is the bytes of an
+``np.ndarray(int32, shape [2, seq_len])``. Row 0 holds token ids, row 1 token kinds:
+
+* ``PADDING`` (0): fills the record; never attended to, never masked, no loss.
+* ``PROMPT`` (1): conditioning (SFT prompts); never masked, no loss.
+* ``TARGET`` (2): noised by diffusion and predicted; in the loss.
+
+Language modelling (``pack_lm``): documents, each followed by EOS, are concatenated and cut into ``seq_len`` chunks
+of kind ``TARGET``; a chunk may start mid-document. The final partial chunk is kept and padded, so no text is lost
+and even a one-file validation split has a record.
+
+SFT (``pack_sft``): one example per record: ``[BOS] + prompt`` (kind ``PROMPT``), then ``response + [EOS]`` (kind
+``TARGET``), then padding. Examples longer than ``seq_len`` are skipped, never truncated, so the characters counted
+for an evaluation are exactly those of the responses in the records.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import numpy as np
+from array_record.python.array_record_module import ArrayRecordReader, ArrayRecordWriter
+
+PADDING = 0
+PROMPT = 1
+TARGET = 2
+RECORD_DTYPE = np.int32
+SHARD_SUFFIX = ".array_record"
+
+
+def encode_record(record: np.ndarray) -> bytes:
+  """The bytes of one ``[2, seq_len]`` record (row 0 ids, row 1 kinds)."""
+  record = np.asarray(record)
+  assert record.ndim == 2 and record.shape[0] == 2, record.shape
+  return record.astype(RECORD_DTYPE).tobytes()
+
+
+def decode_record(data: bytes, seq_len: int | None = None) -> dict[str, np.ndarray]:
+  """``{"tokens": int32[seq_len], "kinds": int32[seq_len]}`` of one record's bytes.
+
+  Raises:
+    ValueError: The byte length does not match ``seq_len`` (or is not a whole ``[2, L]`` int32 array).
+  """
+  itemsize = np.dtype(RECORD_DTYPE).itemsize
+  length = len(data) // (2 * itemsize)
+  if len(data) != 2 * itemsize * length or (seq_len is not None and length != seq_len):
+    raise ValueError(
+      f"a record of {len(data)} bytes is not an int32 [2, {seq_len or 'L'}] array; "
+      "was the data prepared with another --seq-len?"
+    )
+  record = np.frombuffer(data, dtype=RECORD_DTYPE).reshape(2, length)
+  return {"tokens": record[0].copy(), "kinds": record[1].copy()}
+
+
+def pack_lm(documents: Iterable[Sequence[int]], seq_len: int, *, eos_id: int, pad_id: int) -> np.ndarray:
+  """Concatenates ``doc + [eos]`` for every document and cuts the stream into records.
+
+  Returns:
+    ``int32[num_records, 2, seq_len]``; the last record is padded (ids ``pad_id``, kind ``PADDING``).
+  """
+  pieces = []
+  for doc in documents:
+    pieces.append(np.asarray(doc, dtype=RECORD_DTYPE))
+    pieces.append(np.asarray([eos_id], dtype=RECORD_DTYPE))
+  stream = np.concatenate(pieces) if pieces else np.zeros([0], RECORD_DTYPE)
+  num_records = -(-stream.size // seq_len)
+  tokens = np.full([num_records * seq_len], pad_id, dtype=RECORD_DTYPE)
+  kinds = np.full([num_records * seq_len], PADDING, dtype=RECORD_DTYPE)
+  tokens[: stream.size] = stream
+  kinds[: stream.size] = TARGET
+  records = np.stack([tokens.reshape(num_records, seq_len), kinds.reshape(num_records, seq_len)], axis=1)
+  return records
+
+
+def pack_sft(
+  examples: Iterable[tuple[Sequence[int], Sequence[int]]], seq_len: int, *, bos_id: int, eos_id: int, pad_id: int
+) -> tuple[np.ndarray, list[int]]:
+  """One record per ``(prompt_ids, response_ids)`` example.
+
+  Returns:
+    ``(records, skipped)``: ``int32[num_kept, 2, seq_len]`` and the indices of examples that did not fit
+    (``1 + len(prompt) + len(response) + 1 > seq_len``).
+  """
+  rows, skipped = [], []
+  for index, (prompt, response) in enumerate(examples):
+    prompt_ids = [bos_id, *prompt]
+    target_ids = [*response, eos_id]
+    used = len(prompt_ids) + len(target_ids)
+    if used > seq_len:
+      skipped.append(index)
+      continue
+    record = np.full([2, seq_len], pad_id, dtype=RECORD_DTYPE)
+    record[1] = PADDING
+    record[0, :used] = prompt_ids + target_ids
+    record[1, : len(prompt_ids)] = PROMPT
+    record[1, len(prompt_ids) : used] = TARGET
+    rows.append(record)
+  records = np.stack(rows) if rows else np.zeros([0, 2, seq_len], RECORD_DTYPE)
+  return records, skipped
+
+
+def record_stats(records: np.ndarray) -> dict[str, int]:
+  """Counts of records and of non-padding, target and prompt tokens in ``int32[n, 2, seq_len]``."""
+  kinds = records[:, 1]
+  return {
+    "records": int(records.shape[0]),
+    "tokens": int(np.count_nonzero(kinds != PADDING)),
+    "target_tokens": int(np.count_nonzero(kinds == TARGET)),
+    "prompt_tokens": int(np.count_nonzero(kinds == PROMPT)),
+  }
+
+
+def shard_names(split: str, num_shards: int) -> list[str]:
+  """``["train-00000-of-00004.array_record", ...]``."""
+  return [f"{split}-{i:05d}-of-{num_shards:05d}{SHARD_SUFFIX}" for i in range(num_shards)]
+
+
+def write_shards(records: np.ndarray, directory: str | os.PathLike, split: str, num_shards: int) -> list[str]:
+  """Writes ``records`` in order, in contiguous runs, to at most ``num_shards`` shards (none for zero records).
+
+  Reading the returned shards in order gives the records in their original order.
+
+  Returns:
+    The shard file names, relative to ``directory``.
+  """
+  if num_shards < 1:
+    raise ValueError(f"num_shards={num_shards} must be >= 1")
+  num_shards = min(num_shards, len(records))
+  names = shard_names(split, num_shards)
+  for name, part in zip(names, np.array_split(records, num_shards) if num_shards else [], strict=True):
+    writer = ArrayRecordWriter(str(Path(directory) / name), "group_size:1")
+    for record in part:
+      writer.write(encode_record(record))
+    writer.close()
+  return names
+
+
+def read_shards(paths: Sequence[str | os.PathLike]) -> np.ndarray:
+  """All records of ``paths``, in order, as ``int32[n, 2, seq_len]`` (for inspection and tests)."""
+  records = []
+  for path in paths:
+    reader = ArrayRecordReader(str(path))
+    records.extend(reader.read_all())
+    reader.close()
+  if not records:
+    return np.zeros([0, 2, 0], RECORD_DTYPE)
+  seq_len = len(records[0]) // (2 * np.dtype(RECORD_DTYPE).itemsize)
+  return np.stack([np.frombuffer(r, RECORD_DTYPE).reshape(2, seq_len) for r in records])

@@ -1,0 +1,1 @@
+"""Pallas kernels (GPU via Triton; any backend with interpret=True)."""

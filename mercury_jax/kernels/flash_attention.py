@@ -1,0 +1,515 @@
+"""Flash attention in Pallas for GPUs (Triton lowering), with its plain-``jnp`` reference.
+
+FlashAttention-2 (Dao, 2023, arXiv:2307.08691). The forward kernel keeps one query tile resident and streams key/value
+tiles past it with an online softmax, saving the per-row log-sum-exp. The backward pass recomputes the probabilities
+from that residual: after the precompute ``delta = rowsum(dO * O)``, one kernel walks key tiles (dk, dv; for
+grouped-query attention it also walks the query heads of the group, so dk and dv are summed in registers) and one walks
+query tiles (dq). Scores live in the base-2 domain (``s * sm_scale * log2(e)``) so the kernels use ``exp2``.
+
+Masks. A query at position ``i`` sees the keys ``j < limit(i)``:
+
+* ``bidirectional``: every key, ``limit(i) = length``;
+* ``causal``: ``limit(i) = i + 1``;
+* ``block_causal``: ``limit(i) = (i // diffusion_block + 1) * diffusion_block`` (block diffusion: a query sees its
+  own diffusion block and every earlier one; ``diffusion_block`` is unrelated to the tile sizes).
+
+Because ``limit`` never decreases, the key tiles a query tile needs form a prefix: tiles past it are never visited
+(loop bounds come from the tile indices) and only the tiles that straddle the boundary compute a mask.
+``segment_ids`` ``[batch, length]`` (non-negative int32) further restrict a query to the keys of its own segment;
+segment 0 is padding. A padding query sees no key at all and its output is defined as **zeros** (its log-sum-exp is
+stored as ``+inf``, so it gets and gives no gradient). With segment ids, a pair of tiles whose segment ranges do not
+overlap is skipped.
+
+Lengths that are not a multiple of the tiles are zero-padded to one; the padding keys get no weight (through the
+segment ids when given, else through an explicit key bound) and the padding rows are sliced off. A ``head_dim`` that
+is not a power of two (Triton tiles must be) is zero-padded too, which changes no score.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+MASKS = ("bidirectional", "causal", "block_causal")
+_LOG2_E = math.log2(math.e)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class BlockSizes:
+  """Tile sizes and Triton launch parameters; every block is a power of two >= 16.
+
+  Attributes:
+    block_q: query rows per forward program.
+    block_k: key rows per step of the forward loop.
+    block_q_dkv: query rows per step of the dk/dv loop.
+    block_kv_dkv: key rows per dk/dv program.
+    block_q_dq: query rows per dq program.
+    block_kv_dq: key rows per step of the dq loop.
+    num_warps: warps per program (forward, backward); None picks 4 for head_dim <= 64, else 8.
+    num_stages: software-pipelining depth of the key/query loops (forward, backward).
+  """
+
+  block_q: int = 128
+  block_k: int = 64
+  block_q_dkv: int = 32
+  block_kv_dkv: int = 128
+  block_q_dq: int = 128
+  block_kv_dq: int = 32
+  num_warps: tuple[int, int] | None = None
+  num_stages: tuple[int, int] = (3, 3)
+
+  def __post_init__(self):
+    for name in ("block_q", "block_k", "block_q_dkv", "block_kv_dkv", "block_q_dq", "block_kv_dq"):
+      value = getattr(self, name)
+      if value < 16 or value & (value - 1):
+        raise ValueError(f"BlockSizes.{name}={value} must be a power of two >= 16 (Triton tiles and tensor cores)")
+
+  @classmethod
+  def get_default(cls, head_dim: int) -> BlockSizes:
+    """Defaults per head dimension (see the module README of ``mercury_jax.kernels`` for the reasoning)."""
+    if head_dim <= 64:
+      return cls(num_warps=(4, 4))
+    return cls(block_kv_dkv=64, block_q_dq=64, num_warps=(8, 4), num_stages=(2, 2))
+
+  @property
+  def largest(self) -> int:
+    return max(self.block_q, self.block_k, self.block_q_dkv, self.block_kv_dkv, self.block_q_dq, self.block_kv_dq)
+
+  def fit(self, length: int) -> BlockSizes:
+    """Shrinks every block to at most the padded ``length`` (a short sequence needs no 128-row tile)."""
+    cap = max(16, pl.next_power_of_2(length))
+    return dataclasses.replace(self, **{f.name: min(getattr(self, f.name), cap) for f in dataclasses.fields(self)
+                                        if f.name.startswith("block_")})
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+  """Everything static about one call, hashable so that it can be a ``custom_vjp`` non-differentiable argument."""
+
+  mask: str
+  diffusion_block: int  # 1 for causal (a block of one); unused for bidirectional.
+  sm_scale: float
+  q_len: int  # Queries at or past this index are padding: their tiles are skipped, their rows sliced off.
+  kv_len: int  # Keys at or past this index are padding (the padded length when segment ids mark it instead).
+  length: int  # Padded length: a multiple of every block.
+  groups: int  # Query heads per key/value head.
+  head_dim: int  # Padded head dimension.
+  blocks: BlockSizes
+  interpret: bool
+
+  def key_limit(self, rows):
+    """How many leading keys the query ``rows`` (int32 scalar or vector, >= 0) may see, clipped to ``kv_len``."""
+    if self.mask == "bidirectional":
+      return jnp.full_like(rows, self.kv_len)
+    block_end = (lax.div(rows, self.diffusion_block) + 1) * self.diffusion_block if self.diffusion_block > 1 else rows + 1
+    return jnp.minimum(block_end, self.kv_len)
+
+  def first_row(self, col):
+    """The first query row that sees key ``col`` (an int32 scalar < kv_len)."""
+    if self.mask == "bidirectional":
+      return jnp.zeros_like(col)
+    return lax.div(col, self.diffusion_block) * self.diffusion_block if self.diffusion_block > 1 else col
+
+  def compiler_params(self, backward: bool) -> pltriton.CompilerParams:
+    warps = self.blocks.num_warps or ((4, 4) if self.head_dim <= 64 else (8, 4))
+    return pltriton.CompilerParams(num_warps=warps[backward], num_stages=self.blocks.num_stages[backward])
+
+
+def _cdiv(a, b: int):
+  return lax.div(a + b - 1, b)
+
+
+def _tile(program: int, num_tiles: int, plan: _Plan):
+  """Program -> tile index; masked attention runs the (most expensive) last query tiles first."""
+  i = pl.program_id(program)
+  return i if plan.mask == "bidirectional" else num_tiles - 1 - i
+
+
+def _tile_map(i, num_tiles: int, plan: _Plan):
+  """The same mapping for index maps, where the grid index is an argument."""
+  return i if plan.mask == "bidirectional" else num_tiles - 1 - i
+
+
+def _key_tiles(i, block_q: int, block_k: int, plan: _Plan):
+  """Key tiles ``[0, n_full)`` every row of query tile ``i`` sees whole, ``[n_full, n_visit)`` that need a mask."""
+  n_full = lax.div(plan.key_limit(i * block_q), block_k)
+  n_visit = _cdiv(plan.key_limit(i * block_q + block_q - 1), block_k)
+  padding = i * block_q >= plan.q_len  # A tile of padding queries only: nothing to compute, the rows are dropped.
+  return jnp.where(padding, 0, n_full), jnp.where(padding, 0, n_visit)
+
+
+def _ranges_overlap(q_seg, k_seg):
+  """False only if no query segment id equals a key segment id (padding queries carry -1 and never match)."""
+  q_hi = jnp.max(q_seg)
+  q_lo = jnp.min(jnp.where(q_seg < 0, jnp.iinfo(jnp.int32).max, q_seg))
+  return (jnp.min(k_seg) <= q_hi) & (jnp.max(k_seg) >= q_lo)
+
+
+def _mask_scores(s, rows_limit, cols, q_seg, k_seg, positional: bool):
+  """Sets invisible scores to -inf; ``rows_limit`` [rows] is ``key_limit`` of the rows, ``cols`` [cols] key indices."""
+  visible = None
+  if positional:
+    visible = cols[None, :] < rows_limit[:, None]
+  if q_seg is not None:
+    same = q_seg[:, None] == k_seg[None, :]
+    visible = same if visible is None else visible & same
+  return s if visible is None else jnp.where(visible, s, -jnp.inf)
+
+
+def _dot(a, b, contract: tuple[int, int]):
+  """2-D matmul contracting ``a``'s dim ``contract[0]`` with ``b``'s dim ``contract[1]``, accumulated in f32."""
+  return lax.dot_general(a, b, (((contract[0],), (contract[1],)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def _forward_kernel(q_ref, k_ref, v_ref, q_seg_ref, k_seg_ref, o_ref, lse_ref, *, plan: _Plan):
+  block_q, block_k = plan.blocks.block_q, plan.blocks.block_k
+  i = _tile(0, plan.length // block_q, plan)
+  rows_limit = plan.key_limit(i * block_q + lax.iota(jnp.int32, block_q))  # [block_q]
+  n_full, n_visit = _key_tiles(i, block_q, block_k, plan)
+  q = q_ref[...]  # [block_q, head_dim]
+  q_seg = None if q_seg_ref is None else q_seg_ref[...]
+  scale = plan.sm_scale * _LOG2_E
+  # Without segment ids every row sees key 0 in the first tile it visits, so its running max is finite from then on.
+  may_be_empty = q_seg is not None
+
+  def step(t, carry, positional: bool):
+    m, l, acc = carry
+    keys = pl.ds(pl.multiple_of(t * block_k, block_k), block_k)
+    k_seg = None if k_seg_ref is None else k_seg_ref[keys]
+
+    def update(carry):
+      m, l, acc = carry
+      s = _dot(q, k_ref[keys, :], (1, 1)) * scale  # [block_q, block_k]
+      s = _mask_scores(s, rows_limit, t * block_k + lax.iota(jnp.int32, block_k), q_seg, k_seg, positional)
+      m_new = jnp.maximum(m, jnp.max(s, axis=1))
+      if may_be_empty:  # A row that has seen only -inf keeps m = -inf; shift by 0 instead of by -inf.
+        m_new_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+      else:
+        m_new_safe = m_new
+      p = jnp.exp2(s - m_new_safe[:, None])  # [block_q, block_k]
+      alpha = jnp.exp2(m - m_new_safe)
+      acc = acc * alpha[:, None] + _dot(p.astype(v_ref.dtype), v_ref[keys, :], (1, 0))
+      return m_new, l * alpha + jnp.sum(p, axis=1), acc
+
+    if q_seg is None:
+      return update(carry)
+    return lax.cond(_ranges_overlap(q_seg, k_seg), update, lambda c: c, carry)
+
+  carry = (jnp.full((block_q,), -jnp.inf, jnp.float32), jnp.zeros((block_q,), jnp.float32),
+           jnp.zeros((block_q, plan.head_dim), jnp.float32))
+  carry = lax.fori_loop(0, n_full, functools.partial(step, positional=False), carry)
+  m, l, acc = lax.fori_loop(n_full, n_visit, functools.partial(step, positional=True), carry)
+  empty = l == 0.0  # Only padding queries (segment 0) see no key.
+  o_ref[...] = (acc * (1.0 / jnp.where(empty, 1.0, l))[:, None]).astype(o_ref.dtype)
+  lse_ref[...] = jnp.where(empty, jnp.inf, m + jnp.log2(jnp.where(empty, 1.0, l)))
+
+
+def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, k_seg_ref, dk_ref, dv_ref, *, plan: _Plan):
+  block_q, block_k = plan.blocks.block_q_dkv, plan.blocks.block_kv_dkv
+  num_q_tiles = -(-plan.q_len // block_q)  # Padding query tiles have zero do: they add nothing.
+  t = pl.program_id(0)
+  cols = t * block_k + lax.iota(jnp.int32, block_k)
+  k = k_ref[...]  # [block_k, head_dim]
+  v = v_ref[...]
+  k_seg = None if k_seg_ref is None else k_seg_ref[...]
+  scale = plan.sm_scale * _LOG2_E
+  last_col = jnp.minimum(t * block_k + block_k, plan.kv_len) - 1
+  # A tile of padding keys needs no work (its rows are dropped); otherwise query tiles before `first_tile` see none of
+  # its keys, those from `full_tile` on see all of them, and a tile that holds some padding keys is masked throughout.
+  first_tile = jnp.where(t * block_k >= plan.kv_len, num_q_tiles,
+                         lax.div(plan.first_row(jnp.minimum(t * block_k, plan.kv_len - 1)), block_q))
+  full_tile = jnp.where(t * block_k + block_k > plan.kv_len, num_q_tiles,
+                        jnp.minimum(_cdiv(plan.first_row(last_col), block_q), num_q_tiles))
+
+  def head(g, carry):
+    def step(s_idx, carry, positional: bool):
+      rows = pl.ds(pl.multiple_of(s_idx * block_q, block_q), block_q)
+      q_seg = None if q_seg_ref is None else q_seg_ref[rows]
+
+      def update(carry):
+        dk, dv = carry
+        q = q_ref[rows, g, :]  # [block_q, head_dim]
+        do = do_ref[rows, g, :]
+        s = _dot(q, k, (1, 1)) * scale  # [block_q, block_k]
+        rows_limit = plan.key_limit(s_idx * block_q + lax.iota(jnp.int32, block_q))
+        s = _mask_scores(s, rows_limit, cols, q_seg, k_seg, positional)
+        p = jnp.exp2(s - lse_ref[g, rows][:, None])  # [block_q, block_k]
+        dv = dv + _dot(p.astype(do.dtype), do, (0, 0))  # [block_k, head_dim]
+        dp = _dot(do, v, (1, 1))  # [block_q, block_k]
+        ds = p * (dp - delta_ref[g, rows][:, None])
+        dk = dk + _dot(ds.astype(q.dtype), q, (0, 0))  # [block_k, head_dim]
+        return dk, dv
+
+      if q_seg is None:
+        return update(carry)
+      return lax.cond(_ranges_overlap(q_seg, k_seg), update, lambda c: c, carry)
+
+    carry = lax.fori_loop(first_tile, full_tile, functools.partial(step, positional=True), carry)
+    return lax.fori_loop(full_tile, num_q_tiles, functools.partial(step, positional=False), carry)
+
+  zeros = jnp.zeros((block_k, plan.head_dim), jnp.float32)
+  dk, dv = lax.fori_loop(0, plan.groups, head, (zeros, zeros))
+  dk_ref[...] = (dk * plan.sm_scale).astype(dk_ref.dtype)
+  dv_ref[...] = dv.astype(dv_ref.dtype)
+
+
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, k_seg_ref, dq_ref, *, plan: _Plan):
+  block_q, block_k = plan.blocks.block_q_dq, plan.blocks.block_kv_dq
+  i = _tile(0, plan.length // block_q, plan)
+  rows_limit = plan.key_limit(i * block_q + lax.iota(jnp.int32, block_q))  # [block_q]
+  n_full, n_visit = _key_tiles(i, block_q, block_k, plan)
+  q = q_ref[...]  # [block_q, head_dim]
+  do = do_ref[...]
+  lse = lse_ref[...]
+  delta = delta_ref[...]
+  q_seg = None if q_seg_ref is None else q_seg_ref[...]
+  scale = plan.sm_scale * _LOG2_E
+
+  def step(t, dq, positional: bool):
+    keys = pl.ds(pl.multiple_of(t * block_k, block_k), block_k)
+    k_seg = None if k_seg_ref is None else k_seg_ref[keys]
+
+    def update(dq):
+      k = k_ref[keys, :]  # [block_k, head_dim]
+      s = _dot(q, k, (1, 1)) * scale  # [block_q, block_k]
+      s = _mask_scores(s, rows_limit, t * block_k + lax.iota(jnp.int32, block_k), q_seg, k_seg, positional)
+      p = jnp.exp2(s - lse[:, None])
+      ds = p * (_dot(do, v_ref[keys, :], (1, 1)) - delta[:, None])  # [block_q, block_k]
+      return dq + _dot(ds.astype(k.dtype), k, (1, 0))  # [block_q, head_dim]
+
+    if q_seg is None:
+      return update(dq)
+    return lax.cond(_ranges_overlap(q_seg, k_seg), update, lambda c: c, dq)
+
+  dq = jnp.zeros((block_q, plan.head_dim), jnp.float32)
+  dq = lax.fori_loop(0, n_full, functools.partial(step, positional=False), dq)
+  dq = lax.fori_loop(n_full, n_visit, functools.partial(step, positional=True), dq)
+  dq_ref[...] = (dq * plan.sm_scale).astype(dq_ref.dtype)
+
+
+def _forward_call(q, k, v, q_seg, k_seg, plan: _Plan):
+  batch, length, heads, head_dim = q.shape
+  block_q, groups = plan.blocks.block_q, plan.groups
+  n = length // block_q
+  seg_spec = None if q_seg is None else pl.BlockSpec((None, block_q), lambda i, b, h: (b, _tile_map(i, n, plan)))
+  kseg_spec = None if k_seg is None else pl.BlockSpec((None, length), lambda i, b, h: (b, 0))
+  return pl.pallas_call(
+    functools.partial(_forward_kernel, plan=plan),
+    grid=(n, batch, heads),
+    in_specs=[
+      pl.BlockSpec((None, block_q, None, head_dim), lambda i, b, h: (b, _tile_map(i, n, plan), h, 0)),
+      pl.BlockSpec((None, length, None, head_dim), lambda i, b, h: (b, 0, lax.div(h, groups), 0)),
+      pl.BlockSpec((None, length, None, head_dim), lambda i, b, h: (b, 0, lax.div(h, groups), 0)),
+      seg_spec,
+      kseg_spec,
+    ],
+    out_specs=[
+      pl.BlockSpec((None, block_q, None, head_dim), lambda i, b, h: (b, _tile_map(i, n, plan), h, 0)),
+      pl.BlockSpec((None, None, block_q), lambda i, b, h: (b, h, _tile_map(i, n, plan))),
+    ],
+    out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((batch, heads, length), jnp.float32)],
+    compiler_params=plan.compiler_params(backward=False),
+    interpret=plan.interpret,
+    name="mercury_flash_forward",
+  )(q, k, v, q_seg, k_seg)
+
+
+def _backward_calls(q, k, v, q_seg, k_seg, do, lse, delta, plan: _Plan):
+  batch, length, heads, head_dim = q.shape
+  kv_heads, groups, blocks = k.shape[2], plan.groups, plan.blocks
+  full_seq = lambda t, b, j: (b, 0)  # noqa: E731
+  bk = blocks.block_kv_dkv
+  dk, dv = pl.pallas_call(
+    functools.partial(_dkv_kernel, plan=plan),
+    grid=(length // bk, batch, kv_heads),
+    in_specs=[
+      pl.BlockSpec((None, length, groups, head_dim), lambda t, b, j: (b, 0, j, 0)),  # q: the group's heads
+      pl.BlockSpec((None, bk, None, head_dim), lambda t, b, j: (b, t, j, 0)),
+      pl.BlockSpec((None, bk, None, head_dim), lambda t, b, j: (b, t, j, 0)),
+      pl.BlockSpec((None, length, groups, head_dim), lambda t, b, j: (b, 0, j, 0)),  # do
+      pl.BlockSpec((None, groups, length), lambda t, b, j: (b, j, 0)),  # lse
+      pl.BlockSpec((None, groups, length), lambda t, b, j: (b, j, 0)),  # delta
+      None if q_seg is None else pl.BlockSpec((None, length), full_seq),
+      None if k_seg is None else pl.BlockSpec((None, bk), lambda t, b, j: (b, t)),
+    ],
+    out_specs=[pl.BlockSpec((None, bk, None, head_dim), lambda t, b, j: (b, t, j, 0))] * 2,
+    out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+    compiler_params=plan.compiler_params(backward=True),
+    interpret=plan.interpret,
+    name="mercury_flash_dkv",
+  )(q, k, v, do, lse, delta, q_seg, k_seg)
+
+  bq = blocks.block_q_dq
+  n = length // bq
+  tile = lambda i: _tile_map(i, n, plan)  # noqa: E731
+  dq = pl.pallas_call(
+    functools.partial(_dq_kernel, plan=plan),
+    grid=(n, batch, heads),
+    in_specs=[
+      pl.BlockSpec((None, bq, None, head_dim), lambda i, b, h: (b, tile(i), h, 0)),
+      pl.BlockSpec((None, length, None, head_dim), lambda i, b, h: (b, 0, lax.div(h, groups), 0)),
+      pl.BlockSpec((None, length, None, head_dim), lambda i, b, h: (b, 0, lax.div(h, groups), 0)),
+      pl.BlockSpec((None, bq, None, head_dim), lambda i, b, h: (b, tile(i), h, 0)),  # do
+      pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, tile(i))),  # lse
+      pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, tile(i))),  # delta
+      None if q_seg is None else pl.BlockSpec((None, bq), lambda i, b, h: (b, tile(i))),
+      None if k_seg is None else pl.BlockSpec((None, length), lambda i, b, h: (b, 0)),
+    ],
+    out_specs=pl.BlockSpec((None, bq, None, head_dim), lambda i, b, h: (b, tile(i), h, 0)),
+    out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+    compiler_params=plan.compiler_params(backward=True),
+    interpret=plan.interpret,
+    name="mercury_flash_dq",
+  )(q, k, v, do, lse, delta, q_seg, k_seg)
+  return dq, dk, dv
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _flash(q, k, v, q_seg, k_seg, plan: _Plan):
+  return _forward_call(q, k, v, q_seg, k_seg, plan)[0]
+
+
+def _flash_fwd(q, k, v, q_seg, k_seg, plan: _Plan):
+  out, lse = _forward_call(q, k, v, q_seg, k_seg, plan)
+  return out, (q, k, v, q_seg, k_seg, out, lse)
+
+
+def _flash_bwd(plan: _Plan, residuals, do):
+  q, k, v, q_seg, k_seg, out, lse = residuals
+  delta = jnp.einsum("blhd,blhd->bhl", out.astype(jnp.float32), do.astype(jnp.float32))  # [batch, heads, length]
+  dq, dk, dv = _backward_calls(q, k, v, q_seg, k_seg, do.astype(q.dtype), lse, delta, plan)
+  return dq, dk, dv, None, None
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+def _check_args(q, k, v, segment_ids, mask, diffusion_block):
+  if q.ndim != 4 or k.ndim != 4:
+    raise ValueError(f"{q.shape=} and {k.shape=} must be [batch, length, heads, head_dim]")
+  if k.shape != v.shape:
+    raise ValueError(f"{k.shape=} must equal {v.shape=}")
+  batch, length, heads, head_dim = q.shape
+  if k.shape[:2] != (batch, length) or k.shape[3] != head_dim:
+    raise ValueError(f"{k.shape=} must be (batch, length, kv_heads, head_dim) matching {q.shape=}")
+  if heads % k.shape[2]:
+    raise ValueError(f"heads={heads} must be a multiple of kv_heads={k.shape[2]}")
+  if not (q.dtype == k.dtype == v.dtype) or not jnp.issubdtype(q.dtype, jnp.floating):
+    raise ValueError(f"q, k, v must share one floating dtype, got {q.dtype=}, {k.dtype=}, {v.dtype=}")
+  if mask not in MASKS:
+    raise ValueError(f"{mask=} must be one of {MASKS}")
+  if mask == "block_causal" and (not isinstance(diffusion_block, int) or diffusion_block < 1):
+    raise ValueError(f"{diffusion_block=} must be a positive int for mask='block_causal'")
+  if mask != "block_causal" and diffusion_block is not None:
+    raise ValueError(f"{diffusion_block=} is only meaningful for mask='block_causal', got {mask=}")
+  if segment_ids is not None and (segment_ids.shape != (batch, length) or not jnp.issubdtype(segment_ids.dtype, jnp.integer)):
+    raise ValueError(f"segment_ids ({segment_ids.shape}, {segment_ids.dtype}) must be int [batch, length]={batch, length}")
+
+
+def flash_attention(
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  *,
+  segment_ids: jax.Array | None = None,
+  mask: str = "bidirectional",
+  diffusion_block: int | None = None,
+  sm_scale: float | None = None,
+  block_sizes: BlockSizes | None = None,
+  interpret: bool = False,
+) -> jax.Array:
+  """Flash attention with a custom VJP; the layout is that of ``jax.nn.dot_product_attention``.
+
+  Args:
+    q: queries ``[batch, length, heads, head_dim]``.
+    k: keys ``[batch, length, kv_heads, head_dim]``; ``heads`` must be a multiple of ``kv_heads``.
+    v: values, shaped like ``k``.
+    segment_ids: optional int32 ``[batch, length]``, non-negative: a query sees only keys of its own segment; 0 marks
+      padding, whose queries see nothing and output zeros.
+    mask: ``"bidirectional"``, ``"causal"`` or ``"block_causal"`` (see the module docstring).
+    diffusion_block: block size of ``"block_causal"``; must be None for the other masks.
+    sm_scale: multiplies the scores; defaults to ``head_dim ** -0.5``.
+    block_sizes: tiles; defaults to ``BlockSizes.get_default(head_dim)``. Blocks larger than the padded length shrink.
+    interpret: run the kernels with the Pallas interpreter (any backend; slow).
+
+  Returns:
+    ``[batch, length, heads, head_dim]`` in ``q.dtype``; all accumulation is float32.
+  """
+  _check_args(q, k, v, segment_ids, mask, diffusion_block)
+  batch, length, heads, head_dim = q.shape
+  blocks = (block_sizes or BlockSizes.get_default(head_dim)).fit(length)
+  padded_len = -(-length // blocks.largest) * blocks.largest
+  padded_dim = max(16, pl.next_power_of_2(head_dim))
+  q_seg = k_seg = None
+  if segment_ids is not None:
+    segment_ids = segment_ids.astype(jnp.int32)
+    pad = ((0, 0), (0, padded_len - length))
+    k_seg = jnp.pad(segment_ids, pad)  # Padding keys get segment 0,
+    q_seg = jnp.pad(jnp.where(segment_ids == 0, -1, segment_ids), pad, constant_values=-1)  # which no query matches.
+  plan = _Plan(
+    mask=mask,
+    diffusion_block=diffusion_block if mask == "block_causal" else 1,
+    sm_scale=float(head_dim**-0.5 if sm_scale is None else sm_scale),
+    q_len=length,
+    kv_len=length if segment_ids is None else padded_len,
+    length=padded_len,
+    groups=heads // k.shape[2],
+    head_dim=padded_dim,
+    blocks=blocks,
+    interpret=interpret,
+  )
+  if (padded_len, padded_dim) != (length, head_dim):
+    pad = ((0, 0), (0, padded_len - length), (0, 0), (0, padded_dim - head_dim))
+    q, k, v = jnp.pad(q, pad), jnp.pad(k, pad), jnp.pad(v, pad)
+  out = _flash(q, k, v, q_seg, k_seg, plan)
+  return out[:, :length, :, :head_dim]
+
+
+def visibility(length: int, mask: str, diffusion_block: int | None = None) -> jax.Array:
+  """``[length, length]`` bool, True where query ``i`` (row) may see key ``j`` (column) under ``mask``."""
+  rows = jnp.arange(length)[:, None]
+  cols = jnp.arange(length)[None, :]
+  if mask == "bidirectional":
+    return jnp.ones((length, length), jnp.bool_)
+  if mask == "causal":
+    return cols <= rows
+  if mask == "block_causal":
+    return cols // diffusion_block <= rows // diffusion_block
+  raise ValueError(f"{mask=} must be one of {MASKS}")
+
+
+def reference_attention(
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  *,
+  segment_ids: jax.Array | None = None,
+  mask: str = "bidirectional",
+  diffusion_block: int | None = None,
+  sm_scale: float | None = None,
+) -> jax.Array:
+  """The same function as ``flash_attention`` in plain ``jnp`` with float32 math (O(length^2) memory)."""
+  _check_args(q, k, v, segment_ids, mask, diffusion_block)
+  batch, length, heads, head_dim = q.shape
+  kv_heads = k.shape[2]
+  scale = head_dim**-0.5 if sm_scale is None else sm_scale
+  q5 = q.astype(jnp.float32).reshape(batch, length, kv_heads, heads // kv_heads, head_dim)  # [b, q, kv, group, d]
+  logits = jnp.einsum("bqkgd,bskd->bkgqs", q5, k.astype(jnp.float32)) * scale  # [b, kv, group, q, s]
+  visible = visibility(length, mask, diffusion_block)[None]  # [1, q, s]
+  if segment_ids is not None:
+    same = segment_ids[:, :, None] == segment_ids[:, None, :]
+    visible = visible & same & (segment_ids != 0)[:, :, None]  # [b, q, s]
+  logits = jnp.where(visible[:, None, None], logits, -jnp.inf)
+  peak = lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
+  weights = jnp.exp(logits - jnp.where(peak == -jnp.inf, 0.0, peak))
+  total = jnp.sum(weights, axis=-1, keepdims=True)
+  weights = weights / jnp.where(total == 0.0, 1.0, total)  # Rows that see nothing (padding) output zeros.
+  out = jnp.einsum("bkgqs,bskd->bqkgd", weights, v.astype(jnp.float32))  # [b, q, kv, group, d]
+  return out.reshape(batch, length, heads, head_dim).astype(q.dtype)

@@ -1,0 +1,192 @@
+"""The transformer denoiser: ``(tokens[, t]) -> logits``. It knows nothing about diffusion.
+
+Pre-norm RMSNorm blocks with rotary position embeddings, multi-head or grouped-query attention and a SwiGLU MLP;
+layers are stacked with ``nn.scan`` (one compiled block, a leading ``layers`` axis on every block parameter).
+Parameters are float32; activations use ``ModelConfig.dtype``. Every parameter carries logical axis names and
+activations are constrained at block edges, so the same module runs on one device or any mesh.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+
+from mercury_jax import sharding as sh
+from mercury_jax.attention import attend
+from mercury_jax.config import ModelConfig, dtype_of
+
+_INIT = nn.initializers.normal(stddev=0.02)
+
+
+def _param(module: nn.Module, name: str, shape: tuple[int, ...], axes: tuple[str, ...], init=_INIT) -> jax.Array:
+  return module.param(name, nn.with_logical_partitioning(init, axes), shape, jnp.float32)
+
+
+class RMSNorm(nn.Module):
+  eps: float
+  dtype: jnp.dtype
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    scale = _param(self, "scale", (x.shape[-1],), (sh.EMBED,), nn.initializers.ones)
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    return (normed * scale).astype(self.dtype)
+
+
+def rotary(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+  """Applies rotary position embeddings (Su et al. 2021) to ``x`` of shape [batch, length, heads, head_dim]."""
+  half = x.shape[-1] // 2
+  inv_freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+  angles = positions[..., None].astype(jnp.float32) * inv_freq  # [batch, length, half]
+  sin, cos = jnp.sin(angles)[:, :, None, :], jnp.cos(angles)[:, :, None, :]
+  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+class Attention(nn.Module):
+  config: ModelConfig
+
+  @nn.compact
+  def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None) -> jax.Array:
+    cfg, dtype = self.config, dtype_of(self.config.dtype)
+    d, h, kv, hd = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    w_q = _param(self, "query", (d, h, hd), (sh.EMBED, sh.HEADS, sh.HEAD_DIM)).astype(dtype)
+    w_k = _param(self, "key", (d, kv, hd), (sh.EMBED, sh.KV_HEADS, sh.HEAD_DIM)).astype(dtype)
+    w_v = _param(self, "value", (d, kv, hd), (sh.EMBED, sh.KV_HEADS, sh.HEAD_DIM)).astype(dtype)
+    w_o = _param(
+      self,
+      "out",
+      (h, hd, d),
+      (sh.HEADS, sh.HEAD_DIM, sh.EMBED),
+      nn.initializers.normal(stddev=0.02 / math.sqrt(2 * cfg.num_layers)),
+    ).astype(dtype)
+    q = jnp.einsum("bld,dhk->blhk", x, w_q)  # [batch, length, heads, head_dim]
+    k = jnp.einsum("bld,dhk->blhk", x, w_k)  # [batch, length, kv_heads, head_dim]
+    v = jnp.einsum("bld,dhk->blhk", x, w_v)
+    q = nn.with_logical_constraint(
+      rotary(q, positions, cfg.rope_theta), (sh.BATCH, sh.LENGTH, sh.ACT_HEADS, sh.HEAD_DIM)
+    )
+    k = nn.with_logical_constraint(
+      rotary(k, positions, cfg.rope_theta), (sh.BATCH, sh.LENGTH, sh.ACT_KV_HEADS, sh.HEAD_DIM)
+    )
+    v = nn.with_logical_constraint(v, (sh.BATCH, sh.LENGTH, sh.ACT_KV_HEADS, sh.HEAD_DIM))
+    out = attend(q, k, v, causal=cfg.causal, segment_ids=segment_ids, implementation=cfg.attention)
+    out = nn.with_logical_constraint(out, (sh.BATCH, sh.LENGTH, sh.ACT_HEADS, sh.HEAD_DIM))
+    return jnp.einsum("blhk,hkd->bld", out, w_o)  # [batch, length, embed]
+
+
+class SwiGLU(nn.Module):
+  config: ModelConfig
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    cfg, dtype = self.config, dtype_of(self.config.dtype)
+    w_gate = _param(self, "gate", (cfg.d_model, cfg.mlp_dim), (sh.EMBED, sh.MLP)).astype(dtype)
+    w_up = _param(self, "up", (cfg.d_model, cfg.mlp_dim), (sh.EMBED, sh.MLP)).astype(dtype)
+    w_down = _param(
+      self,
+      "down",
+      (cfg.mlp_dim, cfg.d_model),
+      (sh.MLP, sh.EMBED),
+      nn.initializers.normal(stddev=0.02 / math.sqrt(2 * cfg.num_layers)),
+    ).astype(dtype)
+    hidden = jax.nn.silu(x @ w_gate) * (x @ w_up)  # [batch, length, mlp]
+    hidden = nn.with_logical_constraint(hidden, (sh.BATCH, sh.LENGTH, sh.ACT_MLP))
+    return hidden @ w_down
+
+
+class Block(nn.Module):
+  """One pre-norm transformer block; the signature fits ``nn.scan`` (carry in, carry out)."""
+
+  config: ModelConfig
+
+  @nn.compact
+  def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None):
+    cfg, dtype = self.config, dtype_of(self.config.dtype)
+    x = nn.with_logical_constraint(x, (sh.BATCH, sh.LENGTH, sh.ACT_EMBED))
+    x = x + Attention(cfg, name="attention")(
+      RMSNorm(cfg.norm_eps, dtype, name="attention_norm")(x), positions, segment_ids
+    )
+    x = x + SwiGLU(cfg, name="mlp")(RMSNorm(cfg.norm_eps, dtype, name="mlp_norm")(x))
+    return nn.with_logical_constraint(x, (sh.BATCH, sh.LENGTH, sh.ACT_EMBED)), None
+
+
+def timestep_embedding(t: jax.Array, dim: int, max_period: float = 10_000.0) -> jax.Array:
+  """Sinusoidal features of t in [0, 1] (scaled by 1000, as in DDPM-style embeddings): [batch] -> [batch, dim]."""
+  half = dim // 2
+  freqs = jnp.exp(-math.log(max_period) * jnp.arange(half, dtype=jnp.float32) / half)
+  args = 1000.0 * t.astype(jnp.float32)[:, None] * freqs[None]
+  return jnp.concatenate([jnp.cos(args), jnp.sin(args)], axis=-1)
+
+
+class Transformer(nn.Module):
+  """Maps tokens ``[batch, length]`` (and optionally ``t`` of shape ``[batch]``) to float32 logits."""
+
+  config: ModelConfig
+
+  @nn.compact
+  def __call__(
+    self,
+    tokens: jax.Array,
+    t: jax.Array | None = None,
+    *,
+    segment_ids: jax.Array | None = None,
+    positions: jax.Array | None = None,
+  ) -> jax.Array:
+    cfg, dtype = self.config, dtype_of(self.config.dtype)
+    batch, length = tokens.shape
+    if positions is None:
+      positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
+    embedding = _param(
+      self, "embedding", (cfg.vocab_size, cfg.d_model), (sh.VOCAB, sh.EMBED), nn.initializers.normal(1.0)
+    )
+    # Gather from a replicated table: a gather from a vocab- and fsdp-sharded table makes GSPMD replicate its output.
+    table = nn.with_logical_constraint(embedding, (None, sh.ACT_EMBED))
+    x = jnp.take(table, tokens, axis=0).astype(dtype)  # [batch, length, embed]
+    if cfg.time_conditioning:
+      if t is None:
+        raise ValueError("model.time_conditioning=true needs t of shape [batch]")
+      w_t = _param(self, "time_in", (cfg.d_model, cfg.d_model), (sh.EMBED, sh.MLP))
+      w_t2 = _param(self, "time_out", (cfg.d_model, cfg.d_model), (sh.MLP, sh.EMBED), nn.initializers.zeros)
+      t_emb = jax.nn.silu(timestep_embedding(t, cfg.d_model) @ w_t) @ w_t2  # [batch, embed]
+      x = x + t_emb[:, None, :].astype(dtype)
+    x = nn.with_logical_constraint(x, (sh.BATCH, sh.LENGTH, sh.ACT_EMBED))
+
+    block = Block
+    if cfg.remat:
+      block = nn.remat(block, prevent_cse=False, policy=jax.checkpoint_policies.nothing_saveable)
+    stack = nn.scan(
+      block,
+      variable_axes={"params": 0},
+      split_rngs={"params": True},
+      in_axes=(nn.broadcast, nn.broadcast),
+      length=cfg.num_layers,
+      metadata_params={nn.PARTITION_NAME: sh.LAYERS},
+    )
+    x, _ = stack(cfg, name="blocks")(x, positions, segment_ids)
+    x = RMSNorm(cfg.norm_eps, dtype, name="final_norm")(x)
+    if cfg.tie_embeddings:
+      logits = jnp.einsum("bld,vd->blv", x, embedding.astype(dtype)) / math.sqrt(cfg.d_model)
+    else:
+      head = _param(self, "head", (cfg.d_model, cfg.vocab_size), (sh.EMBED, sh.VOCAB)).astype(dtype)
+      logits = jnp.einsum("bld,dv->blv", x, head)  # [batch, length, vocab]
+    return nn.with_logical_constraint(logits.astype(jnp.float32), (sh.BATCH, sh.LENGTH, sh.ACT_VOCAB))
+
+
+def count_params(params) -> int:
+  return sum(math.prod(p.shape) for p in jax.tree.leaves(params))
+
+
+def flops_per_token(cfg: ModelConfig, num_params: int, training: bool = True) -> float:
+  """Matmul FLOPs per token: 6N + 12·layers·length·heads·head_dim for training, a third of it for a forward pass.
+
+  N excludes the embedding table (a gather, not a matmul) but includes the output head (Kaplan et al. 2020).
+  """
+  n = num_params - cfg.vocab_size * cfg.d_model * (0 if cfg.tie_embeddings else 1)
+  attention = 2 * cfg.num_layers * cfg.max_length * cfg.num_heads * cfg.head_dim * 2  # QK^T and PV, forward.
+  forward = 2 * n + attention
+  return 3 * forward if training else forward

@@ -1,0 +1,121 @@
+"""Sharding by logical axis names: the names, the one rules table, and the mesh.
+
+Parameters carry ``nn.with_logical_partitioning`` and activations ``nn.with_logical_constraint`` with the names
+below; ``RULES`` maps them onto the mesh axes ``data``, ``fsdp`` and ``tensor``. A config may override single rules
+(``mesh.rules = ["vocab=", "mlp=tensor"]``). A single device is simply a mesh of size 1.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from flax import linen as nn
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+from mercury_jax.config import ConfigError, MeshConfig
+
+MESH_AXES = ("data", "fsdp", "tensor")
+DATA_AXES = ("data", "fsdp")  # The batch is split over both; fsdp additionally shards parameters.
+
+# Logical axis names: parameters.
+EMBED = "embed"
+HEADS = "heads"
+KV_HEADS = "kv_heads"
+HEAD_DIM = "head_dim"
+MLP = "mlp"
+VOCAB = "vocab"
+LAYERS = "layers"
+# Logical axis names: activations.
+BATCH = "batch"
+LENGTH = "length"
+ACT_EMBED = "activation_embed"
+ACT_HEADS = "activation_heads"
+ACT_KV_HEADS = "activation_kv_heads"
+ACT_MLP = "activation_mlp"
+ACT_VOCAB = "activation_vocab"
+
+RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
+  (BATCH, DATA_AXES),
+  (LENGTH, None),
+  (EMBED, "fsdp"),
+  (HEADS, "tensor"),
+  (KV_HEADS, "tensor"),
+  (HEAD_DIM, None),
+  (MLP, "tensor"),
+  (VOCAB, "tensor"),
+  (LAYERS, None),
+  (ACT_EMBED, None),
+  (ACT_HEADS, "tensor"),
+  (ACT_KV_HEADS, "tensor"),
+  (ACT_MLP, "tensor"),
+  (ACT_VOCAB, "tensor"),
+)
+
+
+def axis_rules(mesh_cfg: MeshConfig | None = None) -> tuple[tuple[str, str | tuple[str, ...] | None], ...]:
+  """The rules table with the config's single-rule overrides applied."""
+  rules = dict(RULES)
+  for item in mesh_cfg.rules if mesh_cfg else ():
+    logical, sep, target = item.partition("=")
+    if not sep or logical not in rules:
+      raise ConfigError(f"mesh.rules entry {item!r} must be 'logical=axis[+axis]' with logical one of {sorted(rules)}")
+    axes = tuple(a for a in target.split("+") if a)
+    for axis in axes:
+      if axis not in MESH_AXES:
+        raise ConfigError(f"mesh.rules entry {item!r} names mesh axis {axis!r}; mesh axes are {MESH_AXES}")
+    rules[logical] = None if not axes else axes[0] if len(axes) == 1 else axes
+  return tuple(rules.items())
+
+
+def mesh_shape(mesh_cfg: MeshConfig, num_devices: int) -> tuple[int, int, int]:
+  """Resolves the -1 entry of the configured mesh and checks the product against ``num_devices``."""
+  shape = [mesh_cfg.data, mesh_cfg.fsdp, mesh_cfg.tensor]
+  if any(s == 0 or s < -1 for s in shape) or shape.count(-1) > 1:
+    raise ConfigError(
+      f"mesh (data={shape[0]}, fsdp={shape[1]}, tensor={shape[2]}) needs positive sizes and at most one -1"
+    )
+  if -1 in shape:
+    known = math.prod(s for s in shape if s != -1)
+    if num_devices % known:
+      raise ConfigError(f"mesh fsdp*tensor*...={known} does not divide the {num_devices} available devices")
+    shape[shape.index(-1)] = num_devices // known
+  if math.prod(shape) != num_devices:
+    raise ConfigError(
+      f"mesh (data={shape[0]}, fsdp={shape[1]}, tensor={shape[2]}) needs {math.prod(shape)} devices but "
+      f"{num_devices} are available; set mesh.data=-1 or sizes whose product is {num_devices}"
+    )
+  return tuple(shape)  # type: ignore[return-value]
+
+
+def make_mesh(mesh_cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
+  """Builds the ``(data, fsdp, tensor)`` mesh (Auto axis types, as Flax linen's constraints require)."""
+  devices = list(jax.devices() if devices is None else devices)
+  shape = mesh_shape(mesh_cfg, len(devices))
+  if devices == list(jax.devices()):
+    return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * 3)
+  return Mesh(np.asarray(devices).reshape(shape), MESH_AXES, axis_types=(AxisType.Auto,) * 3)
+
+
+def logical_to_sharding(logical_specs, mesh: Mesh, rules) -> object:
+  """Maps a pytree of logical ``PartitionSpec``s to ``NamedSharding``s on ``mesh``."""
+  return nn.logical_to_mesh_sharding(logical_specs, mesh, rules)
+
+
+def batch_spec(rules, ndim: int) -> P:
+  """The partition spec of a ``[batch, length, ...]`` input: batch over the data axes, the rest replicated."""
+  (spec,) = nn.logical_to_mesh_axes((BATCH,), rules)
+  return P(spec, *([None] * (ndim - 1)))
+
+
+def batch_sharding(mesh: Mesh, rules, ndim: int = 2) -> NamedSharding:
+  return NamedSharding(mesh, batch_spec(rules, ndim))
+
+
+def data_parallel_size(mesh: Mesh, rules) -> int:
+  """How many ways the batch axis is split on ``mesh``."""
+  (spec,) = nn.logical_to_mesh_axes((BATCH,), rules)
+  axes = (spec,) if isinstance(spec, str) else (spec or ())
+  return math.prod(mesh.shape[a] for a in axes)

@@ -1,0 +1,243 @@
+"""``python -m mercury_jax.train --config NAME --workdir DIR [--set key=value ...]``: the one training loop.
+
+Rerunning the same command resumes from the latest checkpoint in ``DIR/checkpoints``. SIGTERM saves a checkpoint
+and exits cleanly. A non-finite loss stops the run with an error; the step that produced it is discarded inside
+the compiled step, so the last good checkpoint is never overwritten by a bad state. Metrics are appended to
+``DIR/metrics.jsonl``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+from flax import linen as nn
+
+from mercury_jax import distributed, sharding as sh
+from mercury_jax.checkpoint import TOKENIZER_FILE, Checkpointer
+from mercury_jax.config import Config, ConfigError, load_config, parse_set_args
+from mercury_jax.data import pipeline
+from mercury_jax.model import count_params, flops_per_token
+from mercury_jax.throughput import matmul_peak
+from mercury_jax.trainer import Trainer
+
+
+class NonFiniteLoss(RuntimeError):
+  pass
+
+
+class _Progress:
+  """One status line on stderr: redrawn in place on a terminal, printed every ``log_every`` steps otherwise."""
+
+  def __init__(self, total: int, enabled: bool):
+    self.total, self.enabled, self.tty = total, enabled, sys.stderr.isatty()
+
+  def show(self, text: str, final: bool = False) -> None:
+    if not self.enabled:
+      return
+    if self.tty:
+      sys.stderr.write(f"\r\033[K{text}" + ("\n" if final else ""))
+    else:
+      sys.stderr.write(text + "\n")
+    sys.stderr.flush()
+
+
+class _MetricsLog:
+  """Appends JSON lines to ``metrics.jsonl``; on resume, drops lines from steps after the restored one."""
+
+  def __init__(self, path: Path, resume_step: int, enabled: bool):
+    self.path, self.enabled = path, enabled
+    if enabled and path.exists():
+      kept = [line for line in path.read_text().splitlines() if line and json.loads(line).get("step", 0) <= resume_step]
+      tmp = path.with_suffix(".tmp")
+      tmp.write_text("".join(line + "\n" for line in kept))
+      os.replace(tmp, path)
+
+  def write(self, record: dict[str, Any]) -> None:
+    if self.enabled:
+      with self.path.open("a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def _check_data(cfg: Config, meta: dict[str, Any]) -> None:
+  if meta["seq_len"] != cfg.model.max_length:
+    raise ConfigError(
+      f"data at {cfg.data.path!r} has seq_len={meta['seq_len']} but model.max_length="
+      f"{cfg.model.max_length}; set --set model.max_length={meta['seq_len']} or re-run prepare "
+      f"with --seq-len {cfg.model.max_length}"
+    )
+  if meta["vocab_size"] > cfg.model.vocab_size:
+    raise ConfigError(
+      f"the tokenizer has {meta['vocab_size']} pieces but model.vocab_size={cfg.model.vocab_size}; "
+      f"set model.vocab_size >= {meta['vocab_size']}"
+    )
+  if meta["mask_id"] != cfg.diffusion.mask_id:
+    raise ConfigError(f"the tokenizer's mask id is {meta['mask_id']} but diffusion.mask_id={cfg.diffusion.mask_id}")
+
+
+def _same_model(stored: Config, cfg: Config) -> None:
+  if stored.model != cfg.model or stored.diffusion != cfg.diffusion:
+    raise ConfigError(
+      "the checkpoint in the workdir was trained with a different model or diffusion config; "
+      "use a new --workdir or the original --config/--set"
+    )
+
+
+def evaluate(trainer: Trainer, params, batches: list[dict[str, jax.Array]], seed: int) -> dict[str, float]:
+  """Held-out negative ELBO (or NLL) in nats per target token, with a fixed key per batch."""
+  loss_sum = tokens = 0.0
+  for i, batch in enumerate(batches):
+    out = trainer.eval_step(params, batch, jax.random.key(seed + i))
+    loss_sum += float(out["loss_sum"])
+    tokens += float(out["tokens"])
+  nats = loss_sum / max(tokens, 1.0)
+  return {"eval_nats_per_token": nats, "eval_perplexity_bound": math.exp(min(nats, 50.0))}
+
+
+def train(cfg: Config, workdir: str | Path, *, log: bool = True) -> dict[str, Any]:
+  """Trains (or resumes) ``cfg`` in ``workdir``; returns the last metrics. See the module docstring."""
+  workdir = Path(workdir)
+  primary = distributed.is_primary()
+  if primary:
+    workdir.mkdir(parents=True, exist_ok=True)
+  meta = pipeline.read_metadata(cfg.data.path)
+  _check_data(cfg, meta)
+  mesh = sh.make_mesh(cfg.mesh)
+  trainer = Trainer(cfg, mesh)
+  checkpointer = Checkpointer(workdir / "checkpoints", cfg.checkpoint)
+  dataset = pipeline.train_dataset(
+    cfg.data.path,
+    seq_len=cfg.model.max_length,
+    global_batch_size=cfg.data.batch_size,
+    seed=cfg.data.shuffle_seed,
+    num_threads=cfg.data.num_threads,
+    prefetch=cfg.data.prefetch,
+  )
+  data_iter = iter(dataset)
+  if checkpointer.latest_step() is not None:
+    _same_model(checkpointer.stored_config(), cfg)
+    state = checkpointer.restore(trainer.abstract_state(), data_iter)
+  else:
+    state = trainer.init_state(cfg.train.seed)
+  start_step = int(jax.device_get(state["step"]))
+  if primary:
+    (workdir / "config.json").write_text(cfg.to_json())
+    shutil.copyfile(Path(cfg.data.path) / TOKENIZER_FILE, workdir / TOKENIZER_FILE)
+  metrics_log = _MetricsLog(workdir / "metrics.jsonl", start_step, primary)
+  progress = _Progress(cfg.train.steps, log and primary)
+
+  eval_batches = []
+  if cfg.train.eval_every and cfg.train.eval_batches and meta["splits"].get("validation", {}).get("records", 0):
+    eval_batches = [
+      pipeline.to_global(b, mesh, trainer.rules)
+      for b in pipeline.eval_batches(
+        cfg.data.path,
+        "validation",
+        seq_len=cfg.model.max_length,
+        global_batch_size=cfg.data.batch_size,
+        num_batches=cfg.train.eval_batches,
+      )
+    ]
+  num_params = count_params(state["params"])
+  step_flops = flops_per_token(cfg.model, num_params) * cfg.data.batch_size * cfg.model.max_length
+  peak = matmul_peak() * (1 if jax.default_backend() == "cpu" else jax.device_count())
+  progress.show(
+    f"{cfg.name}: {num_params / 1e6:.2f} M parameters, mesh {dict(mesh.shape)}, resuming at step {start_step}"
+    if start_step
+    else f"{cfg.name}: {num_params / 1e6:.2f} M parameters, mesh {dict(mesh.shape)}",
+    final=True,
+  )
+
+  stop = {"signal": None}
+  previous_handler = signal.signal(signal.SIGTERM, lambda signum, _: stop.update(signal=signum))
+  last: dict[str, Any] = {"step": start_step}
+  window_start, window_tokens = time.perf_counter(), 0.0
+  try:
+    with jax.set_mesh(mesh), nn.logical_axis_rules(trainer.rules):
+      pending = None
+      for step in range(start_step, cfg.train.steps):
+        batch = pipeline.to_global(next(data_iter), mesh, trainer.rules)
+        state, metrics = trainer.train_step(state, batch)
+        if pending is not None:  # Read the previous step's metrics while this one runs.
+          last = _finish_step(*pending, cfg=cfg, progress=progress, metrics_log=metrics_log)
+        pending = (step + 1, metrics)
+        window_tokens += cfg.data.batch_size * cfg.model.max_length
+        done = step + 1
+        if done % max(cfg.train.log_every, 1) == 0 or done == cfg.train.steps:
+          last = _finish_step(*pending, cfg=cfg, progress=progress, metrics_log=metrics_log)
+          pending = None
+          elapsed = time.perf_counter() - window_start
+          rate = window_tokens / elapsed
+          last.update(tokens_per_s=rate, mfu=rate * step_flops / (cfg.data.batch_size * cfg.model.max_length) / peak)
+          window_start, window_tokens = time.perf_counter(), 0.0
+          if cfg.train.eval_every and eval_batches and (done % cfg.train.eval_every == 0 or done == cfg.train.steps):
+            last.update(evaluate(trainer, state["params"], eval_batches, cfg.train.seed))
+          metrics_log.write(last)
+          progress.show(_status(last, cfg.train.steps), final=done == cfg.train.steps)
+        if done % cfg.checkpoint.every == 0 or done == cfg.train.steps or stop["signal"]:
+          if pending is not None:
+            last = _finish_step(*pending, cfg=cfg, progress=progress, metrics_log=metrics_log)
+            pending = None
+          checkpointer.save(state, data_iter, cfg)
+        if stop["signal"]:
+          progress.show(f"received signal {stop['signal']}: saved step {done} to {checkpointer.directory}", final=True)
+          break
+  finally:
+    checkpointer.close()
+    signal.signal(signal.SIGTERM, previous_handler)
+  return last
+
+
+def _finish_step(step: int, metrics, *, cfg: Config, progress: _Progress, metrics_log: _MetricsLog) -> dict[str, Any]:
+  values = {k: float(v) for k, v in jax.device_get(metrics).items()}
+  if not math.isfinite(values["loss"]) or not math.isfinite(values["grad_norm"]):
+    raise NonFiniteLoss(
+      f"non-finite loss {values['loss']} (grad norm {values['grad_norm']}) at step {step}; the "
+      f"update was discarded and no checkpoint was written after it. Lower optim.learning_rate "
+      f"(now {cfg.optim.learning_rate}) or check the data."
+    )
+  return {"step": step, "loss": values["loss"], "grad_norm": values["grad_norm"]}
+
+
+def _status(m: dict[str, Any], total: int) -> str:
+  text = f"step {m['step']}/{total} | loss {m['loss']:.4f} | {m['tokens_per_s']:,.0f} tok/s | MFU {100 * m['mfu']:.1f}%"
+  if "eval_nats_per_token" in m:
+    text += f" | eval {m['eval_nats_per_token']:.4f} nats/tok (ppl <= {m['eval_perplexity_bound']:.2f})"
+  return text
+
+
+def main(argv: list[str] | None = None) -> None:
+  parser = argparse.ArgumentParser(prog="python -m mercury_jax.train", description=__doc__.split("\n")[0])
+  parser.add_argument("--config", default="default", help="a preset name from configs/ or a TOML file")
+  parser.add_argument("--workdir", required=True, help="checkpoints, metrics.jsonl and config.json go here")
+  parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
+  distributed.add_arguments(parser)
+  args = parser.parse_args(argv)
+  try:
+    cfg = load_config(args.config, parse_set_args(args.set))
+    if not cfg.data.path:
+      raise ConfigError(
+        "data.path is empty; prepare data with `python -m mercury_jax.prepare --corpus python-stdlib "
+        "--out DATA_DIR` and pass --set data.path=DATA_DIR"
+      )
+    distributed.initialize(args)
+    train(cfg, args.workdir)
+  except (ConfigError, FileNotFoundError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    raise SystemExit(2) from None
+  except NonFiniteLoss as e:
+    print(f"error: {e}", file=sys.stderr)
+    raise SystemExit(1) from None
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,178 @@
+"""Sharded train state, optimiser, and the jitted train and eval steps (one trainer for every mesh).
+
+The state is a plain dict ``{"step", "params", "opt_state", "key"}`` so Orbax saves and restores it without
+custom handlers. It is built ``eval_shape -> logical partition specs -> shardings -> jit(init, out_shardings)``
+(MaxText's recipe), so no unsharded copy of the parameters ever exists.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import linen as nn
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from mercury_jax import diffusion, sharding as sh
+from mercury_jax.config import Config, OptimConfig
+from mercury_jax.model import Transformer
+
+State = dict[str, Any]
+Batch = dict[str, jax.Array]
+
+
+def make_optimizer(cfg: OptimConfig, total_steps: int) -> optax.GradientTransformation:
+  """AdamW with linear warmup then cosine decay to ``final_lr_fraction``, after global-norm clipping."""
+  warmup = min(cfg.warmup_steps, max(total_steps - 1, 0))
+  schedule = optax.warmup_cosine_decay_schedule(
+    init_value=0.0,
+    peak_value=cfg.learning_rate,
+    warmup_steps=warmup,
+    decay_steps=max(total_steps, warmup + 1),
+    end_value=cfg.learning_rate * cfg.final_lr_fraction,
+  )
+  decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)  # No decay on norm scales.  # noqa: E731
+  return optax.chain(
+    optax.clip_by_global_norm(cfg.clip_norm),
+    optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay, mask=decay_mask),
+  )
+
+
+def segment_ids_of(kinds: jax.Array) -> jax.Array:
+  """Padding (kind 0) is segment 0, everything else segment 1: padding is never attended to."""
+  return (kinds != diffusion.PAD).astype(jnp.int32)
+
+
+def loss_terms(params, batch: Batch, key: jax.Array, model: Transformer, cfg: Config) -> dict[str, jax.Array]:
+  """The objective's sums for one batch: diffusion ELBO or autoregressive NLL, chosen by the config."""
+  segment_ids = segment_ids_of(batch["kinds"])
+  if cfg.diffusion.objective == "autoregressive":
+    logits_fn = lambda x: model.apply({"params": params}, x, segment_ids=segment_ids)  # noqa: E731
+    return diffusion.autoregressive_loss(logits_fn, batch["tokens"], batch["kinds"])
+  use_t = cfg.model.time_conditioning
+
+  def denoise_fn(z_t, t):
+    return model.apply({"params": params}, z_t, t if use_t else None, segment_ids=segment_ids)
+
+  return diffusion.diffusion_loss(
+    denoise_fn, batch["tokens"], batch["kinds"], key, cfg.diffusion.mask_id, cfg.diffusion
+  )
+
+
+def _init_params(model: Transformer, key: jax.Array):
+  cfg = model.config
+  tokens = jnp.zeros((1, cfg.max_length), jnp.int32)
+  t = jnp.zeros((1,), jnp.float32) if cfg.time_conditioning else None
+  return model.init(key, tokens, t)["params"]
+
+
+def param_shardings(model: Transformer, mesh: Mesh, rules) -> Any:
+  """The parameters' ``NamedSharding``s on ``mesh``, from their logical axis names (no parameters are built)."""
+  boxed = jax.eval_shape(functools.partial(_init_params, model), jax.random.key(0))
+  return nn.logical_to_mesh_sharding(nn.get_partition_spec(boxed), mesh, rules)
+
+
+def abstract_params(model: Transformer, mesh: Mesh, rules) -> Any:
+  """Shape, dtype and sharding of the parameters: a restore target for inference."""
+  boxed = jax.eval_shape(functools.partial(_init_params, model), jax.random.key(0))
+  return jax.tree.map(
+    lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+    nn.meta.unbox(boxed),
+    param_shardings(model, mesh, rules),
+  )
+
+
+class Trainer:
+  """Builds the model, the optimiser, the sharded state and the compiled steps for one config on one mesh."""
+
+  def __init__(self, cfg: Config, mesh: Mesh):
+    self.cfg, self.mesh = cfg, mesh
+    self.rules = sh.axis_rules(cfg.mesh)
+    self.model = Transformer(cfg.model)
+    self.optimizer = make_optimizer(cfg.optim, cfg.train.steps)
+    if cfg.data.batch_size % sh.data_parallel_size(mesh, self.rules):
+      raise ValueError(
+        f"data.batch_size={cfg.data.batch_size} must be a multiple of the mesh's data-parallel size "
+        f"{sh.data_parallel_size(mesh, self.rules)}"
+      )
+    self.batch_sharding = sh.batch_sharding(mesh, self.rules, 2)
+    self.state_shardings = self._state_shardings()
+
+  # -------------------------------------------------------------------------------------------- state
+  def _init_state(self, key: jax.Array) -> State:
+    init_key, train_key = jax.random.split(key)
+    params = nn.meta.unbox(_init_params(self.model, init_key))
+    return {
+      "step": jnp.zeros((), jnp.int32),
+      "params": params,
+      "opt_state": self.optimizer.init(params),
+      "key": train_key,
+    }
+
+  def _state_shardings(self):
+    param_sh = param_shardings(self.model, self.mesh, self.rules)
+    replicated = NamedSharding(self.mesh, P())
+    abstract = jax.eval_shape(self._init_state, jax.random.key(0))
+    opt_sh = optax.tree_map_params(
+      self.optimizer, lambda _, s: s, abstract["opt_state"], param_sh, transform_non_params=lambda _: replicated
+    )
+    return {"step": replicated, "params": param_sh, "opt_state": opt_sh, "key": replicated}
+
+  def abstract_state(self) -> State:
+    """Shape, dtype and sharding of the state, as a restore target."""
+    abstract = jax.eval_shape(self._init_state, jax.random.key(0))
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, self.state_shardings)
+
+  def init_state(self, seed: int) -> State:
+    with jax.set_mesh(self.mesh), nn.logical_axis_rules(self.rules):
+      return jax.jit(self._init_state, out_shardings=self.state_shardings)(jax.random.key(seed))
+
+  # -------------------------------------------------------------------------------------------- steps
+  def _train_step(self, state: State, batch: Batch) -> tuple[State, dict[str, jax.Array]]:
+    key = jax.random.fold_in(state["key"], state["step"])
+
+    def objective(params):
+      terms = loss_terms(params, batch, key, self.model, self.cfg)
+      return terms["loss_sum"] / jnp.maximum(terms["tokens"], 1.0), terms
+
+    (loss, terms), grads = jax.value_and_grad(objective, has_aux=True)(state["params"])
+    updates, opt_state = self.optimizer.update(grads, state["opt_state"], state["params"])
+    params = optax.apply_updates(state["params"], updates)
+    grad_norm = optax.tree.norm(grads)
+    new_state = {"step": state["step"] + 1, "params": params, "opt_state": opt_state, "key": state["key"]}
+    # A non-finite loss or gradient discards the update: the returned state is the incoming one, so the host can
+    # stop with an error and no bad parameters can ever reach a checkpoint.
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    new_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old), new_state, state)
+    return new_state, {"loss": loss, "grad_norm": grad_norm, "tokens": terms["tokens"]}
+
+  def _eval_step(self, params, batch: Batch, key: jax.Array) -> dict[str, jax.Array]:
+    terms = loss_terms(params, batch, key, self.model, self.cfg)
+    return {"loss_sum": terms["loss_sum"], "tokens": terms["tokens"]}
+
+  @functools.cached_property
+  def train_step(self):
+    """``(state, batch) -> (state, metrics)``; the incoming state is donated."""
+    batch_sh = {"tokens": self.batch_sharding, "kinds": self.batch_sharding}
+    return jax.jit(
+      self._train_step,
+      in_shardings=(self.state_shardings, batch_sh),
+      out_shardings=(self.state_shardings, None),
+      donate_argnums=(0,),
+    )
+
+  @functools.cached_property
+  def eval_step(self):
+    """``(params, batch, key) -> {"loss_sum", "tokens"}`` with a fixed key, so evaluations are comparable."""
+    batch_sh = {"tokens": self.batch_sharding, "kinds": self.batch_sharding}
+    return jax.jit(self._eval_step, in_shardings=(self.state_shardings["params"], batch_sh, None))
+
+  def lower_train_step(self):
+    """Lowers the train step from abstract values only (ahead-of-time compile checks of big presets)."""
+    b, length = self.cfg.data.batch_size, self.cfg.model.max_length
+    batch = {k: jax.ShapeDtypeStruct((b, length), jnp.int32, sharding=self.batch_sharding) for k in ("tokens", "kinds")}
+    with jax.set_mesh(self.mesh), nn.logical_axis_rules(self.rules):
+      return self.train_step.lower(self.abstract_state(), batch)

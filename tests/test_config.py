@@ -1,0 +1,97 @@
+"""Typed configs: presets, overrides, and errors that name the key."""
+
+import math
+import subprocess
+import sys
+
+import jax
+import pytest
+
+from mercury_jax import sharding as sh
+from mercury_jax.config import Config, ConfigError, MeshConfig, config_from_dict, load_config, parse_set_args, preset_names
+from mercury_jax.model import Transformer
+from mercury_jax.trainer import abstract_params
+
+
+def test_presets_load_and_hold_only_differences():
+  assert {"tiny", "default", "default_ar", "gpu8_125m", "pod64_1b"} <= set(preset_names())
+  for name in preset_names():
+    cfg = load_config(name)
+    assert cfg.name == name
+  assert load_config("default").model == Config().model  # The schema's defaults are the default model.
+
+
+def test_overrides_are_typed():
+  cfg = load_config("tiny", parse_set_args(["model.d_model=96", "optim.learning_rate=2e-3", "model.causal=true",
+                                            "diffusion.objective=autoregressive", "mesh.rules=vocab=,mlp=fsdp"]))
+  assert cfg.model.d_model == 96 and isinstance(cfg.model.d_model, int)
+  assert cfg.optim.learning_rate == 2e-3
+  assert cfg.model.causal is True
+  assert cfg.mesh.rules == ("vocab=", "mlp=fsdp")
+  assert config_from_dict(cfg.to_dict()) == cfg
+
+
+@pytest.mark.parametrize("item, fragment", [
+  ("model.d_modle=3", "model.d_modle"),
+  ("modle.d_model=3", "modle.d_model"),
+  ("model.d_model=abc", "model.d_model='abc' is not an integer"),
+  ("model.dtype=float64", "model.dtype='float64' is not one of"),
+  ("diffusion.schedule=sqrt", "diffusion.schedule"),
+  ("model.causal=maybe", "model.causal"),
+  ("model.num_kv_heads=3", "model.num_heads=4 must be a multiple of model.num_kv_heads=3"),
+  ("train.steps=0", "train.steps=0"),
+])
+def test_bad_overrides_name_the_key(item, fragment):
+  with pytest.raises(ConfigError, match=None) as err:
+    load_config("tiny", parse_set_args([item]))
+  assert fragment in str(err.value)
+
+
+def test_bad_preset_and_set_syntax(tmp_path):
+  with pytest.raises(ConfigError, match="neither a file nor a preset"):
+    load_config("no_such_preset")
+  with pytest.raises(ConfigError, match="section.key=value"):
+    parse_set_args(["model.d_model"])
+  bad = tmp_path / "bad.toml"
+  bad.write_text("[model]\nwidth = 3\n")
+  with pytest.raises(ConfigError, match="model.width"):
+    load_config(str(bad))
+
+
+def test_mesh_is_validated_against_device_count():
+  assert sh.mesh_shape(MeshConfig(data=-1, fsdp=2, tensor=2), 8) == (2, 2, 2)
+  with pytest.raises(ConfigError, match="needs 12 devices but 8 are available"):
+    sh.mesh_shape(MeshConfig(data=3, fsdp=2, tensor=2), 8)
+  with pytest.raises(ConfigError, match="does not divide"):
+    sh.mesh_shape(MeshConfig(data=-1, fsdp=3), 8)
+  with pytest.raises(ConfigError, match="mesh.rules entry"):
+    sh.axis_rules(MeshConfig(rules=("vocab=model",)))
+
+
+def test_cli_reports_config_errors_with_exit_code_2(tmp_path):
+  proc = subprocess.run([sys.executable, "-m", "mercury_jax.train", "--config", "tiny", "--workdir", str(tmp_path),
+                         "--set", "model.d_modle=3"], capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 2
+  assert proc.stderr.strip().splitlines() == [proc.stderr.strip()]  # One line, no traceback.
+  assert "model.d_modle" in proc.stderr
+
+
+@pytest.mark.parametrize("name", ["tiny", "default", "default_ar"])
+def test_small_presets_compile_on_eight_devices(name):
+  from mercury_jax.aot import compile_report
+
+  cfg = load_config(name, {"mesh.data": "2", "mesh.fsdp": "2", "mesh.tensor": "2", "data.batch_size": "8"})
+  report = compile_report(cfg)
+  assert report["devices"] == 8
+
+
+@pytest.mark.parametrize("name, devices, params", [("gpu8_125m", 8, 135e6), ("pod64_1b", 64, 0.98e9)])
+def test_accelerator_presets_compile_ahead_of_time_on_their_mesh(name, devices, params):
+  proc = subprocess.run([sys.executable, "-m", "mercury_jax.aot", "--config", name], capture_output=True, text=True,
+                        timeout=600)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert f"compiled the train step on {devices} devices" in proc.stdout
+  cfg = load_config(name)
+  mesh = sh.make_mesh(MeshConfig(data=1), jax.devices()[:1])
+  n = sum(math.prod(p.shape) for p in jax.tree.leaves(abstract_params(Transformer(cfg.model), mesh, sh.RULES)))
+  assert abs(n - params) / params < 0.05
