@@ -86,9 +86,9 @@ def _cudnn(q, k, v, segment_ids, mask, diffusion_block):
 
 def _mesh_spec(logical: tuple[str, ...], shape: tuple[int, ...], mesh, rules) -> P:
   """The partition spec of ``logical`` under ``rules``, keeping only free mesh axes that divide each dimension."""
-  free = {name for name, kind in zip(mesh.axis_names, mesh.axis_types) if kind != AxisType.Manual}
+  free = {name for name, kind in zip(mesh.axis_names, mesh.axis_types, strict=True) if kind != AxisType.Manual}
   spec = []
-  for axes, size in zip(nn.logical_to_mesh_axes(logical, rules), shape):
+  for axes, size in zip(nn.logical_to_mesh_axes(logical, rules), shape, strict=True):
     axes = tuple(a for a in ((axes,) if isinstance(axes, str) else axes or ()) if a in free)
     if size % math.prod(mesh.shape[a] for a in axes):
       axes = ()
@@ -97,8 +97,9 @@ def _mesh_spec(logical: tuple[str, ...], shape: tuple[int, ...], mesh, rules) ->
 
 
 def _pallas(q, k, v, segment_ids, mask, diffusion_block):
-  kernel = functools.partial(fa.flash_attention, mask=mask, diffusion_block=diffusion_block,
-                             interpret=jax.default_backend() != "gpu")
+  kernel = functools.partial(
+    fa.flash_attention, mask=mask, diffusion_block=diffusion_block, interpret=jax.default_backend() != "gpu"
+  )
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty:
     return kernel(q, k, v, segment_ids=segment_ids)
@@ -106,8 +107,9 @@ def _pallas(q, k, v, segment_ids, mask, diffusion_block):
   # `tensor`; length and head_dim stay whole.
   rules = nn.get_logical_axis_rules()
   q_spec = _mesh_spec((sharding.BATCH, sharding.LENGTH, sharding.ACT_HEADS, sharding.HEAD_DIM), q.shape, mesh, rules)
-  kv_spec = _mesh_spec((sharding.BATCH, sharding.LENGTH, sharding.ACT_KV_HEADS, sharding.HEAD_DIM), k.shape, mesh,
-                       rules)
+  kv_spec = _mesh_spec(
+    (sharding.BATCH, sharding.LENGTH, sharding.ACT_KV_HEADS, sharding.HEAD_DIM), k.shape, mesh, rules
+  )
   if q_spec[1] is not None or q_spec[3] is not None:
     raise ValueError(f"the pallas kernel needs whole sequences and heads; the rules shard q as {q_spec}")
   kv_spec = P(q_spec[0], None, kv_spec[2], None)  # The batch is split exactly like the queries'.

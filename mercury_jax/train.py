@@ -164,30 +164,29 @@ def train(cfg: Config, workdir: str | Path, *, log: bool = True) -> dict[str, An
   try:
     with jax.set_mesh(mesh), nn.logical_axis_rules(trainer.rules):
       pending = None
+      tokens_per_step = cfg.data.batch_size * cfg.model.max_length
       for step in range(start_step, cfg.train.steps):
         batch = pipeline.to_global(next(data_iter), mesh, trainer.rules)
         state, metrics = trainer.train_step(state, batch)
         if pending is not None:  # Read the previous step's metrics while this one runs.
-          last = _finish_step(*pending, cfg=cfg, progress=progress, metrics_log=metrics_log)
-        pending = (step + 1, metrics)
-        window_tokens += cfg.data.batch_size * cfg.model.max_length
-        done = step + 1
-        if done % max(cfg.train.log_every, 1) == 0 or done == cfg.train.steps:
-          last = _finish_step(*pending, cfg=cfg, progress=progress, metrics_log=metrics_log)
-          pending = None
-          elapsed = time.perf_counter() - window_start
-          rate = window_tokens / elapsed
-          last.update(tokens_per_s=rate, mfu=rate * step_flops / (cfg.data.batch_size * cfg.model.max_length) / peak)
-          window_start, window_tokens = time.perf_counter(), 0.0
+          last = _finish_step(*pending, cfg=cfg)
+        pending, done = (step + 1, metrics), step + 1
+        window_tokens += tokens_per_step
+        log_now = done % max(cfg.train.log_every, 1) == 0 or done == cfg.train.steps
+        save_now = done % cfg.checkpoint.every == 0 or done == cfg.train.steps or stop["signal"]
+        if log_now or save_now or step == start_step:
+          last, pending = _finish_step(*pending, cfg=cfg), None
+        if log_now:
+          rate = window_tokens / (time.perf_counter() - window_start)
+          last.update(tokens_per_s=rate, mfu=rate * step_flops / tokens_per_step / peak)
           if cfg.train.eval_every and eval_batches and (done % cfg.train.eval_every == 0 or done == cfg.train.steps):
             last.update(evaluate(trainer, state["params"], eval_batches, cfg.train.seed))
           metrics_log.write(last)
           progress.show(_status(last, cfg.train.steps), final=done == cfg.train.steps)
-        if done % cfg.checkpoint.every == 0 or done == cfg.train.steps or stop["signal"]:
-          if pending is not None:
-            last = _finish_step(*pending, cfg=cfg, progress=progress, metrics_log=metrics_log)
-            pending = None
+        if save_now:
           checkpointer.save(state, data_iter, cfg)
+        if log_now or step == start_step:  # Compilation, evaluation and saving stay out of the throughput window.
+          window_start, window_tokens = time.perf_counter(), 0.0
         if stop["signal"]:
           progress.show(f"received signal {stop['signal']}: saved step {done} to {checkpointer.directory}", final=True)
           break
@@ -197,7 +196,7 @@ def train(cfg: Config, workdir: str | Path, *, log: bool = True) -> dict[str, An
   return last
 
 
-def _finish_step(step: int, metrics, *, cfg: Config, progress: _Progress, metrics_log: _MetricsLog) -> dict[str, Any]:
+def _finish_step(step: int, metrics, *, cfg: Config) -> dict[str, Any]:
   values = {k: float(v) for k, v in jax.device_get(metrics).items()}
   if not math.isfinite(values["loss"]) or not math.isfinite(values["grad_norm"]):
     raise NonFiniteLoss(
@@ -229,6 +228,11 @@ def main(argv: list[str] | None = None) -> None:
         "data.path is empty; prepare data with `python -m mercury_jax.prepare --corpus python-stdlib "
         "--out DATA_DIR` and pass --set data.path=DATA_DIR"
       )
+    _check_data(cfg, pipeline.read_metadata(cfg.data.path))  # Bad data is a usage error: report it before starting.
+  except (ConfigError, ValueError, FileNotFoundError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    raise SystemExit(2) from None
+  try:
     distributed.initialize(args)
     train(cfg, args.workdir)
   except (ConfigError, FileNotFoundError) as e:

@@ -52,18 +52,18 @@ class BlockSizes:
     block_kv_dkv: key rows per dk/dv program.
     block_q_dq: query rows per dq program.
     block_kv_dq: key rows per step of the dq loop.
-    num_warps: warps per program (forward, backward); None picks 4 for head_dim <= 64, else 8.
-    num_stages: software-pipelining depth of the key/query loops (forward, backward).
+    num_warps: warps per program of the (forward, dkv, dq) kernels.
+    num_stages: software-pipelining depth of the inner loops of the (forward, dkv, dq) kernels.
   """
 
-  block_q: int = 128
-  block_k: int = 64
-  block_q_dkv: int = 32
-  block_kv_dkv: int = 128
-  block_q_dq: int = 128
-  block_kv_dq: int = 32
-  num_warps: tuple[int, int] | None = None
-  num_stages: tuple[int, int] = (3, 3)
+  block_q: int
+  block_k: int
+  block_q_dkv: int
+  block_kv_dkv: int
+  block_q_dq: int
+  block_kv_dq: int
+  num_warps: tuple[int, int, int] = (4, 8, 8)
+  num_stages: tuple[int, int, int] = (3, 3, 3)
 
   def __post_init__(self):
     for name in ("block_q", "block_k", "block_q_dkv", "block_kv_dkv", "block_q_dq", "block_kv_dq"):
@@ -72,11 +72,25 @@ class BlockSizes:
         raise ValueError(f"BlockSizes.{name}={value} must be a power of two >= 16 (Triton tiles and tensor cores)")
 
   @classmethod
-  def get_default(cls, head_dim: int) -> BlockSizes:
-    """Defaults per head dimension (see the module README of ``mercury_jax.kernels`` for the reasoning)."""
-    if head_dim <= 64:
-      return cls(num_warps=(4, 4))
-    return cls(block_kv_dkv=64, block_q_dq=64, num_warps=(8, 4), num_stages=(2, 2))
+  def get_default(cls, head_dim: int, dtype=jnp.bfloat16) -> BlockSizes:
+    """Tiles for Hopper (H100/H200) chosen so that no kernel spills registers or exceeds 227 KiB shared memory.
+
+    Checked by compiling the kernels' Triton IR for sm_90 (Triton 3.9, ``cuobjdump -res-usage``), not yet timed on a
+    GPU: ``launch/gpu_attention_bench.py --sweep`` times alternatives. The forward pass keeps a 128-row query tile;
+    the dk/dv kernel holds a key tile and two f32 accumulators, so its key tile shrinks as head_dim grows and it runs
+    8 warps; 4-byte inputs double the shared memory per stage, so they pipeline 2 deep instead of 3.
+
+    Args:
+      head_dim: the head dimension (padded internally to a power of two >= 16).
+      dtype: the input dtype.
+    """
+    padded = max(16, pl.next_power_of_2(head_dim))
+    stages = (3, 3, 3) if jnp.dtype(dtype).itemsize <= 2 else (2, 2, 2)
+    if padded <= 64:
+      return cls(128, 64, 32, 128, 128, 32, num_warps=(4, 8, 4), num_stages=stages)
+    if padded <= 128:
+      return cls(128, 64, 32, 64, 64, 32, num_warps=(8, 8, 4), num_stages=stages)
+    return cls(64, 32, 32, 32, 32, 32, num_warps=(8, 8, 4), num_stages=(2, 2, 2))
 
   @property
   def largest(self) -> int:
@@ -85,8 +99,9 @@ class BlockSizes:
   def fit(self, length: int) -> BlockSizes:
     """Shrinks every block to at most the padded ``length`` (a short sequence needs no 128-row tile)."""
     cap = max(16, pl.next_power_of_2(length))
-    return dataclasses.replace(self, **{f.name: min(getattr(self, f.name), cap) for f in dataclasses.fields(self)
-                                        if f.name.startswith("block_")})
+    return dataclasses.replace(
+      self, **{f.name: min(getattr(self, f.name), cap) for f in dataclasses.fields(self) if f.name.startswith("block_")}
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,32 +123,29 @@ class _Plan:
     """How many leading keys the query ``rows`` (int32 scalar or vector, >= 0) may see, clipped to ``kv_len``."""
     if self.mask == "bidirectional":
       return jnp.full_like(rows, self.kv_len)
-    block_end = (lax.div(rows, self.diffusion_block) + 1) * self.diffusion_block if self.diffusion_block > 1 else rows + 1
-    return jnp.minimum(block_end, self.kv_len)
+    if self.diffusion_block == 1:
+      return jnp.minimum(rows + 1, self.kv_len)
+    return jnp.minimum((lax.div(rows, self.diffusion_block) + 1) * self.diffusion_block, self.kv_len)
 
   def first_row(self, col):
     """The first query row that sees key ``col`` (an int32 scalar < kv_len)."""
     if self.mask == "bidirectional":
       return jnp.zeros_like(col)
-    return lax.div(col, self.diffusion_block) * self.diffusion_block if self.diffusion_block > 1 else col
+    if self.diffusion_block == 1:
+      return col
+    return lax.div(col, self.diffusion_block) * self.diffusion_block
 
-  def compiler_params(self, backward: bool) -> pltriton.CompilerParams:
-    warps = self.blocks.num_warps or ((4, 4) if self.head_dim <= 64 else (8, 4))
-    return pltriton.CompilerParams(num_warps=warps[backward], num_stages=self.blocks.num_stages[backward])
+  def compiler_params(self, kernel: int) -> pltriton.CompilerParams:
+    """Launch parameters of kernel 0 (forward), 1 (dkv) or 2 (dq)."""
+    return pltriton.CompilerParams(num_warps=self.blocks.num_warps[kernel], num_stages=self.blocks.num_stages[kernel])
 
 
 def _cdiv(a, b: int):
   return lax.div(a + b - 1, b)
 
 
-def _tile(program: int, num_tiles: int, plan: _Plan):
-  """Program -> tile index; masked attention runs the (most expensive) last query tiles first."""
-  i = pl.program_id(program)
-  return i if plan.mask == "bidirectional" else num_tiles - 1 - i
-
-
-def _tile_map(i, num_tiles: int, plan: _Plan):
-  """The same mapping for index maps, where the grid index is an argument."""
+def _query_tile(i, num_tiles: int, plan: _Plan):
+  """Grid index -> query tile; with a causal-type mask the most expensive (last) query tiles are launched first."""
   return i if plan.mask == "bidirectional" else num_tiles - 1 - i
 
 
@@ -143,6 +155,20 @@ def _key_tiles(i, block_q: int, block_k: int, plan: _Plan):
   n_visit = _cdiv(plan.key_limit(i * block_q + block_q - 1), block_k)
   padding = i * block_q >= plan.q_len  # A tile of padding queries only: nothing to compute, the rows are dropped.
   return jnp.where(padding, 0, n_full), jnp.where(padding, 0, n_visit)
+
+
+def _query_tiles(t, block_q: int, block_k: int, plan: _Plan):
+  """Query tiles ``[first, full)`` that see part of key tile ``t``, ``[full, cdiv(q_len, block_q))`` that see it whole.
+
+  A key tile that holds padding keys is masked for every query tile; one of padding keys only needs no work.
+  """
+  num_q_tiles = -(-plan.q_len // block_q)
+  first = lax.div(plan.first_row(jnp.minimum(t * block_k, plan.kv_len - 1)), block_q)
+  full = jnp.minimum(_cdiv(plan.first_row(jnp.minimum(t * block_k + block_k, plan.kv_len) - 1), block_q), num_q_tiles)
+  return (
+    jnp.where(t * block_k >= plan.kv_len, num_q_tiles, first),
+    jnp.where(t * block_k + block_k > plan.kv_len, num_q_tiles, full),
+  )
 
 
 def _ranges_overlap(q_seg, k_seg):
@@ -163,6 +189,17 @@ def _mask_scores(s, rows_limit, cols, q_seg, k_seg, positional: bool):
   return s if visible is None else jnp.where(visible, s, -jnp.inf)
 
 
+def _mask_scores_t(s_t, rows_limit, cols, q_seg, k_seg, positional: bool):
+  """``_mask_scores`` for transposed scores ``[cols, rows]``."""
+  visible = None
+  if positional:
+    visible = cols[:, None] < rows_limit[None, :]
+  if q_seg is not None:
+    same = k_seg[:, None] == q_seg[None, :]
+    visible = same if visible is None else visible & same
+  return s_t if visible is None else jnp.where(visible, s_t, -jnp.inf)
+
+
 def _dot(a, b, contract: tuple[int, int]):
   """2-D matmul contracting ``a``'s dim ``contract[0]`` with ``b``'s dim ``contract[1]``, accumulated in f32."""
   return lax.dot_general(a, b, (((contract[0],), (contract[1],)), ((), ())), preferred_element_type=jnp.float32)
@@ -170,7 +207,7 @@ def _dot(a, b, contract: tuple[int, int]):
 
 def _forward_kernel(q_ref, k_ref, v_ref, q_seg_ref, k_seg_ref, o_ref, lse_ref, *, plan: _Plan):
   block_q, block_k = plan.blocks.block_q, plan.blocks.block_k
-  i = _tile(0, plan.length // block_q, plan)
+  i = _query_tile(pl.program_id(0), plan.length // block_q, plan)
   rows_limit = plan.key_limit(i * block_q + lax.iota(jnp.int32, block_q))  # [block_q]
   n_full, n_visit = _key_tiles(i, block_q, block_k, plan)
   q = q_ref[...]  # [block_q, head_dim]
@@ -180,12 +217,12 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_seg_ref, k_seg_ref, o_ref, lse_ref, *
   may_be_empty = q_seg is not None
 
   def step(t, carry, positional: bool):
-    m, l, acc = carry
+    m, ell, acc = carry
     keys = pl.ds(pl.multiple_of(t * block_k, block_k), block_k)
     k_seg = None if k_seg_ref is None else k_seg_ref[keys]
 
     def update(carry):
-      m, l, acc = carry
+      m, ell, acc = carry
       s = _dot(q, k_ref[keys, :], (1, 1)) * scale  # [block_q, block_k]
       s = _mask_scores(s, rows_limit, t * block_k + lax.iota(jnp.int32, block_k), q_seg, k_seg, positional)
       m_new = jnp.maximum(m, jnp.max(s, axis=1))
@@ -196,37 +233,34 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_seg_ref, k_seg_ref, o_ref, lse_ref, *
       p = jnp.exp2(s - m_new_safe[:, None])  # [block_q, block_k]
       alpha = jnp.exp2(m - m_new_safe)
       acc = acc * alpha[:, None] + _dot(p.astype(v_ref.dtype), v_ref[keys, :], (1, 0))
-      return m_new, l * alpha + jnp.sum(p, axis=1), acc
+      return m_new, ell * alpha + jnp.sum(p, axis=1), acc
 
     if q_seg is None:
       return update(carry)
     return lax.cond(_ranges_overlap(q_seg, k_seg), update, lambda c: c, carry)
 
-  carry = (jnp.full((block_q,), -jnp.inf, jnp.float32), jnp.zeros((block_q,), jnp.float32),
-           jnp.zeros((block_q, plan.head_dim), jnp.float32))
+  carry = (
+    jnp.full((block_q,), -jnp.inf, jnp.float32),
+    jnp.zeros((block_q,), jnp.float32),
+    jnp.zeros((block_q, plan.head_dim), jnp.float32),
+  )
   carry = lax.fori_loop(0, n_full, functools.partial(step, positional=False), carry)
-  m, l, acc = lax.fori_loop(n_full, n_visit, functools.partial(step, positional=True), carry)
-  empty = l == 0.0  # Only padding queries (segment 0) see no key.
-  o_ref[...] = (acc * (1.0 / jnp.where(empty, 1.0, l))[:, None]).astype(o_ref.dtype)
-  lse_ref[...] = jnp.where(empty, jnp.inf, m + jnp.log2(jnp.where(empty, 1.0, l)))
+  m, ell, acc = lax.fori_loop(n_full, n_visit, functools.partial(step, positional=True), carry)
+  empty = ell == 0.0  # Only padding queries (segment 0) see no key.
+  o_ref[...] = (acc * (1.0 / jnp.where(empty, 1.0, ell))[:, None]).astype(o_ref.dtype)
+  lse_ref[...] = jnp.where(empty, jnp.inf, m + jnp.log2(jnp.where(empty, 1.0, ell)))
 
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, k_seg_ref, dk_ref, dv_ref, *, plan: _Plan):
   block_q, block_k = plan.blocks.block_q_dkv, plan.blocks.block_kv_dkv
-  num_q_tiles = -(-plan.q_len // block_q)  # Padding query tiles have zero do: they add nothing.
+  num_q_tiles = -(-plan.q_len // block_q)  # Query tiles of padding only have zero do: they add nothing.
   t = pl.program_id(0)
   cols = t * block_k + lax.iota(jnp.int32, block_k)
   k = k_ref[...]  # [block_k, head_dim]
   v = v_ref[...]
   k_seg = None if k_seg_ref is None else k_seg_ref[...]
   scale = plan.sm_scale * _LOG2_E
-  last_col = jnp.minimum(t * block_k + block_k, plan.kv_len) - 1
-  # A tile of padding keys needs no work (its rows are dropped); otherwise query tiles before `first_tile` see none of
-  # its keys, those from `full_tile` on see all of them, and a tile that holds some padding keys is masked throughout.
-  first_tile = jnp.where(t * block_k >= plan.kv_len, num_q_tiles,
-                         lax.div(plan.first_row(jnp.minimum(t * block_k, plan.kv_len - 1)), block_q))
-  full_tile = jnp.where(t * block_k + block_k > plan.kv_len, num_q_tiles,
-                        jnp.minimum(_cdiv(plan.first_row(last_col), block_q), num_q_tiles))
+  first_tile, full_tile = _query_tiles(t, block_q, block_k, plan)
 
   def head(g, carry):
     def step(s_idx, carry, positional: bool):
@@ -234,17 +268,17 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, k_se
       q_seg = None if q_seg_ref is None else q_seg_ref[rows]
 
       def update(carry):
+        # Transposed scores, [block_k, block_q]: p^T and ds^T feed the dv and dk matmuls without a transpose.
         dk, dv = carry
         q = q_ref[rows, g, :]  # [block_q, head_dim]
         do = do_ref[rows, g, :]
-        s = _dot(q, k, (1, 1)) * scale  # [block_q, block_k]
+        s_t = _dot(k, q, (1, 1)) * scale  # [block_k, block_q]
         rows_limit = plan.key_limit(s_idx * block_q + lax.iota(jnp.int32, block_q))
-        s = _mask_scores(s, rows_limit, cols, q_seg, k_seg, positional)
-        p = jnp.exp2(s - lse_ref[g, rows][:, None])  # [block_q, block_k]
-        dv = dv + _dot(p.astype(do.dtype), do, (0, 0))  # [block_k, head_dim]
-        dp = _dot(do, v, (1, 1))  # [block_q, block_k]
-        ds = p * (dp - delta_ref[g, rows][:, None])
-        dk = dk + _dot(ds.astype(q.dtype), q, (0, 0))  # [block_k, head_dim]
+        s_t = _mask_scores_t(s_t, rows_limit, cols, q_seg, k_seg, positional)
+        p_t = jnp.exp2(s_t - lse_ref[g, rows][None, :])
+        dv = dv + _dot(p_t.astype(do.dtype), do, (1, 0))  # [block_k, head_dim]
+        ds_t = p_t * (_dot(v, do, (1, 1)) - delta_ref[g, rows][None, :])  # [block_k, block_q]
+        dk = dk + _dot(ds_t.astype(q.dtype), q, (1, 0))  # [block_k, head_dim]
         return dk, dv
 
       if q_seg is None:
@@ -262,7 +296,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, k_se
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, k_seg_ref, dq_ref, *, plan: _Plan):
   block_q, block_k = plan.blocks.block_q_dq, plan.blocks.block_kv_dq
-  i = _tile(0, plan.length // block_q, plan)
+  i = _query_tile(pl.program_id(0), plan.length // block_q, plan)
   rows_limit = plan.key_limit(i * block_q + lax.iota(jnp.int32, block_q))  # [block_q]
   n_full, n_visit = _key_tiles(i, block_q, block_k, plan)
   q = q_ref[...]  # [block_q, head_dim]
@@ -298,24 +332,24 @@ def _forward_call(q, k, v, q_seg, k_seg, plan: _Plan):
   batch, length, heads, head_dim = q.shape
   block_q, groups = plan.blocks.block_q, plan.groups
   n = length // block_q
-  seg_spec = None if q_seg is None else pl.BlockSpec((None, block_q), lambda i, b, h: (b, _tile_map(i, n, plan)))
+  seg_spec = None if q_seg is None else pl.BlockSpec((None, block_q), lambda i, b, h: (b, _query_tile(i, n, plan)))
   kseg_spec = None if k_seg is None else pl.BlockSpec((None, length), lambda i, b, h: (b, 0))
   return pl.pallas_call(
     functools.partial(_forward_kernel, plan=plan),
     grid=(n, batch, heads),
     in_specs=[
-      pl.BlockSpec((None, block_q, None, head_dim), lambda i, b, h: (b, _tile_map(i, n, plan), h, 0)),
+      pl.BlockSpec((None, block_q, None, head_dim), lambda i, b, h: (b, _query_tile(i, n, plan), h, 0)),
       pl.BlockSpec((None, length, None, head_dim), lambda i, b, h: (b, 0, lax.div(h, groups), 0)),
       pl.BlockSpec((None, length, None, head_dim), lambda i, b, h: (b, 0, lax.div(h, groups), 0)),
       seg_spec,
       kseg_spec,
     ],
     out_specs=[
-      pl.BlockSpec((None, block_q, None, head_dim), lambda i, b, h: (b, _tile_map(i, n, plan), h, 0)),
-      pl.BlockSpec((None, None, block_q), lambda i, b, h: (b, h, _tile_map(i, n, plan))),
+      pl.BlockSpec((None, block_q, None, head_dim), lambda i, b, h: (b, _query_tile(i, n, plan), h, 0)),
+      pl.BlockSpec((None, None, block_q), lambda i, b, h: (b, h, _query_tile(i, n, plan))),
     ],
     out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((batch, heads, length), jnp.float32)],
-    compiler_params=plan.compiler_params(backward=False),
+    compiler_params=plan.compiler_params(0),
     interpret=plan.interpret,
     name="mercury_flash_forward",
   )(q, k, v, q_seg, k_seg)
@@ -324,7 +358,7 @@ def _forward_call(q, k, v, q_seg, k_seg, plan: _Plan):
 def _backward_calls(q, k, v, q_seg, k_seg, do, lse, delta, plan: _Plan):
   batch, length, heads, head_dim = q.shape
   kv_heads, groups, blocks = k.shape[2], plan.groups, plan.blocks
-  full_seq = lambda t, b, j: (b, 0)  # noqa: E731
+  full_seq = lambda t, b, j: (b, 0)
   bk = blocks.block_kv_dkv
   dk, dv = pl.pallas_call(
     functools.partial(_dkv_kernel, plan=plan),
@@ -341,14 +375,14 @@ def _backward_calls(q, k, v, q_seg, k_seg, do, lse, delta, plan: _Plan):
     ],
     out_specs=[pl.BlockSpec((None, bk, None, head_dim), lambda t, b, j: (b, t, j, 0))] * 2,
     out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
-    compiler_params=plan.compiler_params(backward=True),
+    compiler_params=plan.compiler_params(1),
     interpret=plan.interpret,
     name="mercury_flash_dkv",
   )(q, k, v, do, lse, delta, q_seg, k_seg)
 
   bq = blocks.block_q_dq
   n = length // bq
-  tile = lambda i: _tile_map(i, n, plan)  # noqa: E731
+  tile = lambda i: _query_tile(i, n, plan)
   dq = pl.pallas_call(
     functools.partial(_dq_kernel, plan=plan),
     grid=(n, batch, heads),
@@ -364,7 +398,7 @@ def _backward_calls(q, k, v, q_seg, k_seg, do, lse, delta, plan: _Plan):
     ],
     out_specs=pl.BlockSpec((None, bq, None, head_dim), lambda i, b, h: (b, tile(i), h, 0)),
     out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-    compiler_params=plan.compiler_params(backward=True),
+    compiler_params=plan.compiler_params(2),
     interpret=plan.interpret,
     name="mercury_flash_dq",
   )(q, k, v, do, lse, delta, q_seg, k_seg)
@@ -409,8 +443,10 @@ def _check_args(q, k, v, segment_ids, mask, diffusion_block):
     raise ValueError(f"{diffusion_block=} must be a positive int for mask='block_causal'")
   if mask != "block_causal" and diffusion_block is not None:
     raise ValueError(f"{diffusion_block=} is only meaningful for mask='block_causal', got {mask=}")
-  if segment_ids is not None and (segment_ids.shape != (batch, length) or not jnp.issubdtype(segment_ids.dtype, jnp.integer)):
-    raise ValueError(f"segment_ids ({segment_ids.shape}, {segment_ids.dtype}) must be int [batch, length]={batch, length}")
+  if segment_ids is not None and (
+    segment_ids.shape != (batch, length) or not jnp.issubdtype(segment_ids.dtype, jnp.integer)
+  ):
+    raise ValueError(f"{segment_ids.shape=} ({segment_ids.dtype}) must be int32 [batch, length]={batch, length}")
 
 
 def flash_attention(
@@ -436,7 +472,8 @@ def flash_attention(
     mask: ``"bidirectional"``, ``"causal"`` or ``"block_causal"`` (see the module docstring).
     diffusion_block: block size of ``"block_causal"``; must be None for the other masks.
     sm_scale: multiplies the scores; defaults to ``head_dim ** -0.5``.
-    block_sizes: tiles; defaults to ``BlockSizes.get_default(head_dim)``. Blocks larger than the padded length shrink.
+    block_sizes: tiles; defaults to ``BlockSizes.get_default(head_dim, q.dtype)``. Blocks longer than the padded
+      length shrink to it.
     interpret: run the kernels with the Pallas interpreter (any backend; slow).
 
   Returns:
@@ -444,7 +481,7 @@ def flash_attention(
   """
   _check_args(q, k, v, segment_ids, mask, diffusion_block)
   batch, length, heads, head_dim = q.shape
-  blocks = (block_sizes or BlockSizes.get_default(head_dim)).fit(length)
+  blocks = (block_sizes or BlockSizes.get_default(head_dim, q.dtype)).fit(length)
   padded_len = -(-length // blocks.largest) * blocks.largest
   padded_dim = max(16, pl.next_power_of_2(head_dim))
   q_seg = k_seg = None
