@@ -181,7 +181,7 @@ class Config:
     if self.diffusion.objective == "autoregressive" and not self.model.causal:
       raise ConfigError("diffusion.objective='autoregressive' needs model.causal=true")
     if self.diffusion.objective == "autoregressive" and self.model.time_conditioning:
-      raise ConfigError("model.time_conditioning=true has no t to condition on with diffusion.objective='autoregressive'")
+      raise ConfigError("model.time_conditioning=true needs diffusion.objective='diffusion' (an AR model has no t)")
     if self.diffusion.objective == "diffusion" and self.model.causal:
       raise ConfigError("model.causal=true is only meaningful with diffusion.objective='autoregressive'")
     return self

@@ -8,7 +8,15 @@ import jax
 import pytest
 
 from mercury_jax import sharding as sh
-from mercury_jax.config import Config, ConfigError, MeshConfig, config_from_dict, load_config, parse_set_args, preset_names
+from mercury_jax.config import (
+  Config,
+  ConfigError,
+  MeshConfig,
+  config_from_dict,
+  load_config,
+  parse_set_args,
+  preset_names,
+)
 from mercury_jax.model import Transformer
 from mercury_jax.trainer import abstract_params
 
@@ -22,8 +30,18 @@ def test_presets_load_and_hold_only_differences():
 
 
 def test_overrides_are_typed():
-  cfg = load_config("tiny", parse_set_args(["model.d_model=96", "optim.learning_rate=2e-3", "model.causal=true",
-                                            "diffusion.objective=autoregressive", "mesh.rules=vocab=,mlp=fsdp"]))
+  cfg = load_config(
+    "tiny",
+    parse_set_args(
+      [
+        "model.d_model=96",
+        "optim.learning_rate=2e-3",
+        "model.causal=true",
+        "diffusion.objective=autoregressive",
+        "mesh.rules=vocab=,mlp=fsdp",
+      ]
+    ),
+  )
   assert cfg.model.d_model == 96 and isinstance(cfg.model.d_model, int)
   assert cfg.optim.learning_rate == 2e-3
   assert cfg.model.causal is True
@@ -31,16 +49,19 @@ def test_overrides_are_typed():
   assert config_from_dict(cfg.to_dict()) == cfg
 
 
-@pytest.mark.parametrize("item, fragment", [
-  ("model.d_modle=3", "model.d_modle"),
-  ("modle.d_model=3", "modle.d_model"),
-  ("model.d_model=abc", "model.d_model='abc' is not an integer"),
-  ("model.dtype=float64", "model.dtype='float64' is not one of"),
-  ("diffusion.schedule=sqrt", "diffusion.schedule"),
-  ("model.causal=maybe", "model.causal"),
-  ("model.num_kv_heads=3", "model.num_heads=4 must be a multiple of model.num_kv_heads=3"),
-  ("train.steps=0", "train.steps=0"),
-])
+@pytest.mark.parametrize(
+  "item, fragment",
+  [
+    ("model.d_modle=3", "model.d_modle"),
+    ("modle.d_model=3", "modle.d_model"),
+    ("model.d_model=abc", "model.d_model='abc' is not an integer"),
+    ("model.dtype=float64", "model.dtype='float64' is not one of"),
+    ("diffusion.schedule=sqrt", "diffusion.schedule"),
+    ("model.causal=maybe", "model.causal"),
+    ("model.num_kv_heads=3", "model.num_heads=4 must be a multiple of model.num_kv_heads=3"),
+    ("train.steps=0", "train.steps=0"),
+  ],
+)
 def test_bad_overrides_name_the_key(item, fragment):
   with pytest.raises(ConfigError, match=None) as err:
     load_config("tiny", parse_set_args([item]))
@@ -69,8 +90,22 @@ def test_mesh_is_validated_against_device_count():
 
 
 def test_cli_reports_config_errors_with_exit_code_2(tmp_path):
-  proc = subprocess.run([sys.executable, "-m", "mercury_jax.train", "--config", "tiny", "--workdir", str(tmp_path),
-                         "--set", "model.d_modle=3"], capture_output=True, text=True, timeout=120)
+  proc = subprocess.run(
+    [
+      sys.executable,
+      "-m",
+      "mercury_jax.train",
+      "--config",
+      "tiny",
+      "--workdir",
+      str(tmp_path),
+      "--set",
+      "model.d_modle=3",
+    ],
+    capture_output=True,
+    text=True,
+    timeout=120,
+  )
   assert proc.returncode == 2
   assert proc.stderr.strip().splitlines() == [proc.stderr.strip()]  # One line, no traceback.
   assert "model.d_modle" in proc.stderr
@@ -87,8 +122,9 @@ def test_small_presets_compile_on_eight_devices(name):
 
 @pytest.mark.parametrize("name, devices, params", [("gpu8_125m", 8, 135e6), ("pod64_1b", 64, 0.98e9)])
 def test_accelerator_presets_compile_ahead_of_time_on_their_mesh(name, devices, params):
-  proc = subprocess.run([sys.executable, "-m", "mercury_jax.aot", "--config", name], capture_output=True, text=True,
-                        timeout=600)
+  proc = subprocess.run(
+    [sys.executable, "-m", "mercury_jax.aot", "--config", name], capture_output=True, text=True, timeout=600
+  )
   assert proc.returncode == 0, proc.stderr[-2000:]
   assert f"compiled the train step on {devices} devices" in proc.stdout
   cfg = load_config(name)

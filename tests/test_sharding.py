@@ -12,8 +12,16 @@ from mercury_jax import sharding as sh
 from mercury_jax.config import MeshConfig, load_config
 from mercury_jax.trainer import Trainer
 
-CFG = load_config("tiny", {"model.vocab_size": "256", "model.max_length": "32", "model.num_kv_heads": "2",
-                           "model.time_conditioning": "true", "optim.warmup_steps": "0"})
+CFG = load_config(
+  "tiny",
+  {
+    "model.vocab_size": "256",
+    "model.max_length": "32",
+    "model.num_kv_heads": "2",
+    "model.time_conditioning": "true",
+    "optim.warmup_steps": "0",
+  },
+)
 
 
 def _batch(seed: int) -> dict[str, jax.Array]:
@@ -39,8 +47,11 @@ def _run(cfg, devices, steps=2):
 def test_sharded_train_steps_equal_single_device(objective):
   cfg = CFG
   if objective == "autoregressive":
-    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, causal=True, time_conditioning=False),
-                              diffusion=dataclasses.replace(cfg.diffusion, objective="autoregressive"))
+    cfg = dataclasses.replace(
+      cfg,
+      model=dataclasses.replace(cfg.model, causal=True, time_conditioning=False),
+      diffusion=dataclasses.replace(cfg.diffusion, objective="autoregressive"),
+    )
   single_cfg = dataclasses.replace(cfg, mesh=MeshConfig(data=1))
   _, single, single_losses = _run(single_cfg, jax.devices()[:1])
   mesh_cfg = dataclasses.replace(cfg, mesh=MeshConfig(data=2, fsdp=2, tensor=2))

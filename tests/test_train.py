@@ -20,23 +20,38 @@ from mercury_jax.prepare import main as prepare_main
 from mercury_jax.trainer import Trainer
 
 FIXTURES = Path(__file__).parent / "fixtures"
-SETS = ["model.max_length=64", "model.vocab_size=400", "checkpoint.every=4", "train.eval_every=0", "train.log_every=4",
-        "checkpoint.async_save=false"]
+SETS = [
+  "model.max_length=64",
+  "model.vocab_size=400",
+  "checkpoint.every=4",
+  "train.eval_every=0",
+  "train.log_every=4",
+  "checkpoint.async_save=false",
+]
 
 
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory) -> Path:
   out = tmp_path_factory.mktemp("data") / "fixture"
-  code = prepare_main(["--corpus", str(FIXTURES / "corpus" / "**" / "*"), "--out", str(out), "--vocab-size", "400",
-                       "--seq-len", "64"])
+  code = prepare_main(
+    ["--corpus", str(FIXTURES / "corpus" / "**" / "*"), "--out", str(out), "--vocab-size", "400", "--seq-len", "64"]
+  )
   assert code in (0, None)
   return out
 
 
 def _train_cmd(workdir: Path, data_dir: Path, steps: int, *extra: str) -> list[str]:
   sets = [*SETS, f"data.path={data_dir}", f"train.steps={steps}", *extra]
-  return [sys.executable, "-m", "mercury_jax.train", "--config", "tiny", "--workdir", str(workdir),
-          *[a for s in sets for a in ("--set", s)]]
+  return [
+    sys.executable,
+    "-m",
+    "mercury_jax.train",
+    "--config",
+    "tiny",
+    "--workdir",
+    str(workdir),
+    *[a for s in sets for a in ("--set", s)],
+  ]
 
 
 def _final_params(workdir: Path):
@@ -58,8 +73,9 @@ def _wait_for_checkpoint(workdir: Path, proc: subprocess.Popen, minimum: int, ti
 
 def test_kill_and_resume_gives_bitwise_identical_parameters(tmp_path, data_dir):
   steps = 120
-  reference = subprocess.run(_train_cmd(tmp_path / "uninterrupted", data_dir, steps), capture_output=True, text=True,
-                             timeout=600)
+  reference = subprocess.run(
+    _train_cmd(tmp_path / "uninterrupted", data_dir, steps), capture_output=True, text=True, timeout=600
+  )
   assert reference.returncode == 0, reference.stderr[-3000:]
 
   workdir = tmp_path / "killed"
@@ -78,15 +94,17 @@ def test_kill_and_resume_gives_bitwise_identical_parameters(tmp_path, data_dir):
   a, b = _final_params(tmp_path / "uninterrupted"), _final_params(workdir)
   for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
     np.testing.assert_array_equal(x, y)
-  logged = [int(line.split('"step": ')[1].split(",")[0]) for line in (workdir / "metrics.jsonl").read_text().split("\n")
-            if line]
+  logged = [
+    int(line.split('"step": ')[1].split(",")[0]) for line in (workdir / "metrics.jsonl").read_text().split("\n") if line
+  ]
   assert logged == sorted(set(logged)), "metrics.jsonl must not repeat steps after a resume"
 
 
 def test_sigterm_saves_and_exits_cleanly_then_resumes(tmp_path, data_dir):
   workdir = tmp_path / "run"
-  proc = subprocess.Popen(_train_cmd(workdir, data_dir, 100000, "checkpoint.every=1000"), stderr=subprocess.PIPE,
-                          text=True)
+  proc = subprocess.Popen(
+    _train_cmd(workdir, data_dir, 100000, "checkpoint.every=1000"), stderr=subprocess.PIPE, text=True
+  )
   try:
     deadline = time.time() + 240
     while not (workdir / "metrics.jsonl").exists() and time.time() < deadline and proc.poll() is None:
@@ -103,9 +121,20 @@ def test_sigterm_saves_and_exits_cleanly_then_resumes(tmp_path, data_dir):
 
 def test_nonfinite_loss_stops_without_touching_the_last_good_checkpoint(tmp_path, data_dir):
   workdir = tmp_path / "diverge"
-  proc = subprocess.run(_train_cmd(workdir, data_dir, 40, "optim.learning_rate=1e30", "optim.warmup_steps=0",
-                                   "checkpoint.every=1", "optim.clip_norm=1e30"),
-                        capture_output=True, text=True, timeout=600)
+  proc = subprocess.run(
+    _train_cmd(
+      workdir,
+      data_dir,
+      40,
+      "optim.learning_rate=1e30",
+      "optim.warmup_steps=0",
+      "checkpoint.every=1",
+      "optim.clip_norm=1e30",
+    ),
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
   assert proc.returncode == 1, proc.stderr[-3000:]
   assert proc.stderr.strip().splitlines()[-1].startswith("error: non-finite loss")
   failing_step = int(proc.stderr.split(" at step ")[1].split(";")[0])
@@ -115,11 +144,15 @@ def test_nonfinite_loss_stops_without_touching_the_last_good_checkpoint(tmp_path
   assert all(np.isfinite(p).all() for p in jax.tree.leaves(params))
 
 
-@pytest.mark.parametrize("source, target", [((1, 4, 2), (1, 2, 4)), ((2, 2, 2), (1, 1, 1))],
-                         ids=["fsdp4xtensor2->fsdp2xtensor4", "8devices->1"])
+@pytest.mark.parametrize(
+  "source, target",
+  [((1, 4, 2), (1, 2, 4)), ((2, 2, 2), (1, 1, 1))],
+  ids=["fsdp4xtensor2->fsdp2xtensor4", "8devices->1"],
+)
 def test_checkpoint_restores_onto_another_mesh(tmp_path, data_dir, source, target):
-  base = load_config("tiny", {"model.max_length": "64", "model.vocab_size": "400", "model.num_kv_heads": "4",
-                              "data.path": str(data_dir)})
+  base = load_config(
+    "tiny", {"model.max_length": "64", "model.vocab_size": "400", "model.num_kv_heads": "4", "data.path": str(data_dir)}
+  )
 
   def setup(shape):
     cfg = dataclasses.replace(base, mesh=MeshConfig(*shape))
@@ -141,8 +174,12 @@ def test_checkpoint_restores_onto_another_mesh(tmp_path, data_dir, source, targe
   ckpt.close()
   np.testing.assert_array_equal(jax.random.key_data(state["key"]), jax.random.key_data(restored["key"]))
   for name in ("params", "opt_state", "step"):
-    for a, b, want in zip(jax.tree.leaves(state[name]), jax.tree.leaves(restored[name]),
-                          jax.tree.leaves(trainer_b.state_shardings[name]), strict=True):
+    for a, b, want in zip(
+      jax.tree.leaves(state[name]),
+      jax.tree.leaves(restored[name]),
+      jax.tree.leaves(trainer_b.state_shardings[name]),
+      strict=True,
+    ):
       np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
       assert b.sharding.is_equivalent_to(want, b.ndim)
   np.testing.assert_array_equal(next(it_a)["tokens"], next(it_b)["tokens"])  # The data stream resumes too.
@@ -153,8 +190,22 @@ def test_checkpoint_restores_onto_another_mesh(tmp_path, data_dir, source, targe
 
 
 def test_missing_data_dir_is_a_clear_cli_error(tmp_path):
-  proc = subprocess.run([sys.executable, "-m", "mercury_jax.train", "--config", "tiny", "--workdir", str(tmp_path),
-                         "--set", f"data.path={tmp_path / 'nope'}"], capture_output=True, text=True, timeout=120,
-                        env={**os.environ})
+  proc = subprocess.run(
+    [
+      sys.executable,
+      "-m",
+      "mercury_jax.train",
+      "--config",
+      "tiny",
+      "--workdir",
+      str(tmp_path),
+      "--set",
+      f"data.path={tmp_path / 'nope'}",
+    ],
+    capture_output=True,
+    text=True,
+    timeout=120,
+    env={**os.environ},
+  )
   assert proc.returncode == 2
   assert len(proc.stderr.strip().splitlines()) == 1 and "prepare" in proc.stderr
