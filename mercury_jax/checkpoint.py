@@ -4,7 +4,9 @@ A checkpoint directory (``WORKDIR/checkpoints``) holds one folder per step with 
 
 - ``params``: the model parameters (restorable alone, for inference),
 - ``train``: ``{"step", "opt_state", "key"}``,
-- ``data``: the grain iterator state (so the data stream resumes exactly),
+- ``data``: the grain iterator state (so the data stream resumes exactly). The training stream's state is the same
+  on every process and for every process count (see ``data.pipeline.train_dataset``), so it is stored once as
+  JSON and a run saved by N processes resumes on M,
 - ``config``: the full ``Config`` as JSON.
 
 Orbax writes each step into a temporary folder and renames it when complete, so a crash mid-save never replaces a
@@ -17,7 +19,6 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-import grain
 import jax
 import orbax.checkpoint as ocp
 from jax.sharding import Mesh
@@ -38,9 +39,7 @@ class Checkpointer:
     options = ocp.CheckpointManagerOptions(
       max_to_keep=cfg.max_to_keep, enable_async_checkpointing=cfg.async_save, create=True
     )
-    self.manager = ocp.CheckpointManager(
-      self.directory, item_names=ITEMS, options=options, item_handlers={"data": grain.checkpoint.CheckpointHandler()}
-    )
+    self.manager = ocp.CheckpointManager(self.directory, item_names=ITEMS, options=options)
 
   def latest_step(self) -> int | None:
     return self.manager.latest_step()
@@ -56,7 +55,7 @@ class Checkpointer:
       args=ocp.args.Composite(
         params=ocp.args.StandardSave(state["params"]),
         train=ocp.args.StandardSave(train),
-        data=grain.checkpoint.CheckpointSave(data_iterator),
+        data=ocp.args.JsonSave(data_iterator.get_state()),
         config=ocp.args.JsonSave(cfg.to_dict()),
       ),
       force=True,
@@ -71,9 +70,10 @@ class Checkpointer:
       args=ocp.args.Composite(
         params=ocp.args.StandardRestore(abstract_state["params"]),
         train=ocp.args.StandardRestore(abstract_train),
-        data=grain.checkpoint.CheckpointRestore(data_iterator),
+        data=ocp.args.JsonRestore(),
       ),
     )
+    data_iterator.set_state(restored.data)
     return {"params": restored.params, **restored.train}
 
   def stored_config(self, step: int | None = None) -> Config:

@@ -91,10 +91,21 @@ def mask_tokens(
   return jnp.where(is_masked, mask_id, x), is_masked
 
 
+def without_mask_class(logits: jax.Array, mask_id: int) -> jax.Array:
+  """Float32 logits with the mask class removed (MDLM's zero-masking parameterisation): clean tokens only."""
+  vocab = jnp.arange(logits.shape[-1])
+  return jnp.where(vocab == mask_id, -jnp.inf, logits.astype(jnp.float32))
+
+
 def masked_log_probs(logits: jax.Array, mask_id: int) -> jax.Array:
-  """Log-probabilities of the clean token with the mask class removed (MDLM's zero-masking parameterisation)."""
-  logits = logits.astype(jnp.float32).at[..., mask_id].set(-jnp.inf)
-  return jax.nn.log_softmax(logits, axis=-1)
+  """Log-probabilities of the clean token with the mask class removed."""
+  return jax.nn.log_softmax(without_mask_class(logits, mask_id), axis=-1)
+
+
+def token_nll(logits: jax.Array, targets: jax.Array) -> jax.Array:
+  """``-log softmax(logits)[target]`` per position, without materialising the full log-softmax."""
+  target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+  return jax.nn.logsumexp(logits, axis=-1) - target_logit
 
 
 # --------------------------------------------------------------------------------------------------- losses
@@ -120,8 +131,7 @@ def diffusion_loss(
   t_key, mask_key = jax.random.split(key)
   t = sample_t(t_key, x.shape[0], cfg)
   z_t, is_masked = mask_tokens(mask_key, x, kinds, t, mask_id, cfg)
-  log_probs = masked_log_probs(denoise_fn(z_t, t), mask_id)
-  nll = -jnp.take_along_axis(log_probs, x[..., None], axis=-1)[..., 0]  # [batch, length]
+  nll = token_nll(without_mask_class(denoise_fn(z_t, t), mask_id), x)  # [batch, length]
   nll = jnp.where(is_masked, nll, 0.0)
   per_sequence = elbo_weight(t, cfg) * nll.sum(axis=-1)  # [batch]
   return {
@@ -140,8 +150,7 @@ def autoregressive_loss(
   and padding never is. The first token of each sequence has no context and is not scored.
   """
   logits = logits_fn(x)  # [batch, length, vocab]
-  log_probs = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)
-  nll = -jnp.take_along_axis(log_probs, x[:, 1:, None], axis=-1)[..., 0]  # [batch, length - 1]
+  nll = token_nll(logits[:, :-1].astype(jnp.float32), x[:, 1:])  # [batch, length - 1]
   scored = kinds[:, 1:] == TARGET
   return {
     "loss_sum": jnp.where(scored, nll, 0.0).sum(),

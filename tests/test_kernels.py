@@ -81,21 +81,27 @@ def _out_and_grads(fn, q, k, v, do):
 def _kernel_and_reference(case: Case, dtype, interpret: bool = True):
   q, k, v, do, segment_ids = _inputs(case, dtype)
   options = {"segment_ids": segment_ids, "mask": case.mask, "diffusion_block": case.diffusion_block}
-  kernel = jax.jit(lambda q, k, v, do: _out_and_grads(
-    lambda q, k, v: fa.flash_attention(q, k, v, block_sizes=case.blocks, interpret=interpret, **options), q, k, v, do))
-  reference = jax.jit(lambda q, k, v, do: _out_and_grads(
-    lambda q, k, v: fa.reference_attention(q, k, v, **options), q, k, v, do))
-  f32 = lambda xs: [x.astype(jnp.float32) for xs_ in [xs] for x in xs_]
-  return f32(kernel(q, k, v, do)), f32(reference(*(x.astype(jnp.float32) for x in (q, k, v, do))))
+  kernel = jax.jit(
+    lambda q, k, v, do: _out_and_grads(
+      lambda q, k, v: fa.flash_attention(q, k, v, block_sizes=case.blocks, interpret=interpret, **options), q, k, v, do
+    )
+  )
+  reference = jax.jit(
+    lambda q, k, v, do: _out_and_grads(lambda q, k, v: fa.reference_attention(q, k, v, **options), q, k, v, do)
+  )
+  f32 = lambda xs: [x.astype(jnp.float32) for x in xs]
+  return f32(kernel(q, k, v, do)), f32(reference(*f32((q, k, v, do))))
 
 
 def _check_f32(got, want):
-  for name, g, w, tol in zip(("out", "dq", "dk", "dv"), got, want, (F32_OUT, F32_GRAD, F32_GRAD, F32_GRAD), strict=True):
+  for name, g, w, tol in zip(
+    ("out", "dq", "dk", "dv"), got, want, (F32_OUT, F32_GRAD, F32_GRAD, F32_GRAD), strict=True
+  ):
     np.testing.assert_allclose(np.asarray(g), np.asarray(w), err_msg=name, **tol)
 
 
 def _check_bf16(got, want):
-  for name, g, w in zip(("out", "dq", "dk", "dv"), got, want, strict=True):
+  for name, g, w in zip(("out", "dq", "dk", "dv")[: len(got)], got, want, strict=True):
     bound = BF16_REL * float(jnp.max(jnp.abs(w)))
     np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=bound, rtol=0, err_msg=name)
 
@@ -115,8 +121,14 @@ def test_padding_queries_output_zeros_and_get_no_gradient():
   q, k, v, do, _ = _inputs(case, jnp.float32)
   segment_ids = jnp.asarray([[1] * 10 + [2] * 20 + [0] * 10], jnp.int32)
   out, dq, dk, dv = _out_and_grads(
-    lambda q, k, v: fa.flash_attention(q, k, v, segment_ids=segment_ids, mask="causal", block_sizes=SMALL,
-                                       interpret=True), q, k, v, do)
+    lambda q, k, v: fa.flash_attention(
+      q, k, v, segment_ids=segment_ids, mask="causal", block_sizes=SMALL, interpret=True
+    ),
+    q,
+    k,
+    v,
+    do,
+  )
   assert all(bool(jnp.all(jnp.isfinite(x))) for x in (out, dq, dk, dv))
   np.testing.assert_array_equal(np.asarray(out[:, 30:]), 0.0)
   np.testing.assert_array_equal(np.asarray(dq[:, 30:]), 0.0)
@@ -130,8 +142,9 @@ def test_reference_matches_brute_force_loops():
   case = Case(1, 12, 2, 1, 16, "block_causal", 4, segments=True, blocks=None)
   q, k, v, _, _ = _inputs(case, jnp.float32, seed=3)
   segment_ids = np.asarray([[1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 0, 0]])
-  got = np.asarray(fa.reference_attention(q, k, v, segment_ids=jnp.asarray(segment_ids), mask="block_causal",
-                                          diffusion_block=4))
+  got = np.asarray(
+    fa.reference_attention(q, k, v, segment_ids=jnp.asarray(segment_ids), mask="block_causal", diffusion_block=4)
+  )
   q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
   for h in range(2):
     for i in range(12):
@@ -144,15 +157,26 @@ def test_reference_matches_brute_force_loops():
       np.testing.assert_allclose(got[0, i, h], (weights / weights.sum()) @ v[0, keys, 0], atol=1e-5)
 
 
-@pytest.mark.parametrize("mask,diffusion_block", [("bidirectional", None), ("causal", None), ("block_causal", 24),
-                                                  ("block_causal", 5)])
+@pytest.mark.parametrize(
+  "mask,diffusion_block", [("bidirectional", None), ("causal", None), ("block_causal", 24), ("block_causal", 5)]
+)
 @pytest.mark.parametrize("q_len", [64, 50])
 def test_loop_bounds_visit_exactly_the_visible_tiles(mask, diffusion_block, q_len):
   """Tiles outside the loop bounds are fully masked; tiles in the unmasked range are fully visible (no mask needed)."""
   length, block_q, block_k = 64, 16, 8
-  plan = fa._Plan(mask=mask, diffusion_block=diffusion_block or 1, sm_scale=1.0, q_len=q_len, kv_len=q_len,
-                  length=length, groups=1, head_dim=16, blocks=SMALL, interpret=True)
-  visible = np.asarray(fa.visibility(length, mask, diffusion_block))
+  plan = fa._Plan(
+    mask=mask,
+    diffusion_block=diffusion_block or 1,
+    sm_scale=1.0,
+    q_len=q_len,
+    kv_len=q_len,
+    length=length,
+    groups=1,
+    head_dim=16,
+    blocks=SMALL,
+    interpret=True,
+  )
+  visible = np.array(fa.visibility(length, mask, diffusion_block))
   visible[:, q_len:] = False  # Padding keys.
   for i in range(length // block_q):
     n_full, n_visit = (int(x) for x in fa._key_tiles(jnp.int32(i), block_q, block_k, plan))
@@ -208,8 +232,9 @@ def _mesh_case(kv_heads: int):
   q, k, v, do, segment_ids = _inputs(case, jnp.float32)
 
   def run(q, k, v, do):
-    fn = lambda q, k, v: attention.attend(q, k, v, segment_ids=segment_ids, implementation="pallas",
-                                          mask="block_causal", diffusion_block=8)
+    fn = lambda q, k, v: attention.attend(
+      q, k, v, segment_ids=segment_ids, implementation="pallas", mask="block_causal", diffusion_block=8
+    )
     return _out_and_grads(fn, q, k, v, do)
 
   return q, k, v, do, run

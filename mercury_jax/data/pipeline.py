@@ -146,14 +146,15 @@ def train_dataset(
   if not 0 <= seed < 2**32:
     raise ValueError(f"seed={seed} must lie in [0, 2**32)")
   source = grain.sources.ArrayRecordDataSource(split_paths(data_dir, "train", metadata))
-  dataset = grain.MapDataset.source(source)[process_index::process_count]
-  if len(dataset) == 0:
-    raise ValueError(
-      f"the train split of {str(data_dir)!r} has {len(source)} records, fewer than the {process_count} processes"
-    )
-  dataset = dataset.shuffle(seed=seed).repeat().map(DecodeRecord(seq_len))
+  if len(source) == 0:
+    raise ValueError(f"the train split of {str(data_dir)!r} has no records")
+  # One global order for every process count: the shuffled stream is cut into per-process chunks, and global
+  # batch k is chunks k*P .. k*P+P-1, so process p reads only its own rows (chunk k*P+p) and the global batch, its
+  # row order and the iterator state ({"next_index": k}) are the same for 1, 2 or 64 processes.
+  dataset = grain.MapDataset.source(source).shuffle(seed=seed).repeat().map(DecodeRecord(seq_len))
+  dataset = dataset.batch(local_batch, drop_remainder=True)[process_index::process_count]
   options = grain.ReadOptions(num_threads=num_threads, prefetch_buffer_size=prefetch)
-  return dataset.to_iter_dataset(options).batch(local_batch, drop_remainder=True)
+  return dataset.to_iter_dataset(options)
 
 
 def eval_batches(

@@ -538,7 +538,8 @@ def reference_attention(
   kv_heads = k.shape[2]
   scale = head_dim**-0.5 if sm_scale is None else sm_scale
   q5 = q.astype(jnp.float32).reshape(batch, length, kv_heads, heads // kv_heads, head_dim)  # [b, q, kv, group, d]
-  logits = jnp.einsum("bqkgd,bskd->bkgqs", q5, k.astype(jnp.float32)) * scale  # [b, kv, group, q, s]
+  exact = lax.Precision.HIGHEST  # No TF32 on GPUs: the reference is the float32 truth.
+  logits = jnp.einsum("bqkgd,bskd->bkgqs", q5, k.astype(jnp.float32), precision=exact) * scale  # [b, kv, group, q, s]
   visible = visibility(length, mask, diffusion_block)[None]  # [1, q, s]
   if segment_ids is not None:
     same = segment_ids[:, :, None] == segment_ids[:, None, :]
@@ -548,5 +549,5 @@ def reference_attention(
   weights = jnp.exp(logits - jnp.where(peak == -jnp.inf, 0.0, peak))
   total = jnp.sum(weights, axis=-1, keepdims=True)
   weights = weights / jnp.where(total == 0.0, 1.0, total)  # Rows that see nothing (padding) output zeros.
-  out = jnp.einsum("bkgqs,bskd->bqkgd", weights, v.astype(jnp.float32))  # [b, q, kv, group, d]
+  out = jnp.einsum("bkgqs,bskd->bqkgd", weights, v.astype(jnp.float32), precision=exact)  # [b, q, kv, group, d]
   return out.reshape(batch, length, heads, head_dim).astype(q.dtype)

@@ -1,0 +1,154 @@
+"""Canvases: what the sampler fills in. Prompts, infilling and templates all become ``(tokens, kinds)`` rows.
+
+A canvas row has one kind per position: ``FIXED`` tokens (prompt, fill-in-the-middle context, a template's text)
+are conditioning and never change; ``GENERATE`` positions start masked and are filled by the sampler; ``PAD``
+right-pads rows of a batch to one length and is never attended to. The kinds are the training record kinds
+(``mercury_jax.diffusion``: padding, prompt, target), so a sampler canvas looks like an SFT record.
+
+Templates are strings whose holes are written ``<mask:N>`` (N tokens to generate), for example
+``'{"name": "<mask:8>", "age": <mask:2>}'``: the text between holes is fixed, which gives schema-aligned output.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+import jax
+import numpy as np
+
+from mercury_jax import diffusion
+
+PAD, FIXED, GENERATE = diffusion.PAD, diffusion.PROMPT, diffusion.TARGET
+HOLE_PATTERN = re.compile(r"<mask:(\d+)>")
+
+
+class Canvas(NamedTuple):
+  """A batch of canvases (a pytree of arrays, so it passes through ``jax.jit``).
+
+  Attributes:
+    tokens: int32 [batch, length]: the fixed tokens; the value at ``GENERATE`` and ``PAD`` positions is ignored.
+    kinds: int32 [batch, length]: ``PAD`` (0), ``FIXED`` (1) or ``GENERATE`` (2) per position.
+    streams: int32 [batch]: each example's random stream; the example's draws come from
+      ``fold_in(key, streams[i])``, so an example gives the same output alone or at any row of any batch when
+      its stream is the same.
+  """
+
+  tokens: jax.Array | np.ndarray
+  kinds: jax.Array | np.ndarray
+  streams: jax.Array | np.ndarray
+
+
+@dataclasses.dataclass(frozen=True)
+class Hole:
+  """``length`` positions for the sampler to fill."""
+
+  length: int
+
+
+Piece = Sequence[int] | Hole  # Fixed token ids, or a hole.
+
+
+def prefix(prompt_ids: Sequence[int], length: int) -> list[Piece]:
+  """A prompt followed by ``length`` tokens to generate (plain continuation)."""
+  return [list(prompt_ids), Hole(length)]
+
+
+def parse_template(template: str, encode: Callable[[str], list[int]]) -> list[Piece]:
+  """Splits a template at its ``<mask:N>`` holes and encodes the fixed text between them.
+
+  Raises:
+    ValueError: The template has no hole, or a hole of length 0.
+  """
+  pieces: list[Piece] = []
+  position = 0
+  for match in HOLE_PATTERN.finditer(template):
+    if match.start() > position:
+      pieces.append(encode(template[position : match.start()]))
+    size = int(match.group(1))
+    if size < 1:
+      raise ValueError(f"template hole {match.group(0)!r} must ask for at least 1 token")
+    pieces.append(Hole(size))
+    position = match.end()
+  if not any(isinstance(p, Hole) for p in pieces):
+    raise ValueError(f"template {template!r} has no hole; write the positions to fill as <mask:N>, e.g. <mask:8>")
+  if position < len(template):
+    pieces.append(encode(template[position:]))
+  return pieces
+
+
+def example(pieces: Sequence[Piece]) -> tuple[np.ndarray, np.ndarray]:
+  """``(tokens, kinds)`` of one canvas, int32 [length] each."""
+  tokens, kinds = [], []
+  for piece in pieces:
+    if isinstance(piece, Hole):
+      tokens.extend([0] * piece.length)
+      kinds.extend([GENERATE] * piece.length)
+    else:
+      tokens.extend(int(t) for t in piece)
+      kinds.extend([FIXED] * len(piece))
+  return np.asarray(tokens, np.int32), np.asarray(kinds, np.int32)
+
+
+def make_canvas(
+  examples: Sequence[Sequence[Piece]],
+  *,
+  length: int | None = None,
+  streams: Sequence[int] | None = None,
+  pad_id: int = 0,
+) -> Canvas:
+  """Right-pads examples of different lengths into one batch.
+
+  Args:
+    examples: Each example's pieces (see :func:`prefix` and :func:`parse_template`).
+    length: Canvas length; default: the longest example.
+    streams: Each example's random stream; default: its index.
+    pad_id: The token written at padding positions.
+
+  Raises:
+    ValueError: An example is longer than ``length``, has nothing to generate, or ``streams`` has the wrong size.
+  """
+  rows = [example(pieces) for pieces in examples]
+  for i, (_, kinds) in enumerate(rows):
+    if not (kinds == GENERATE).any():
+      raise ValueError(f"example {i} has no position to generate; add a Hole (or <mask:N> in a template)")
+  longest = max((len(t) for t, _ in rows), default=0)
+  length = longest if length is None else length
+  if longest > length:
+    raise ValueError(f"an example of {longest} tokens does not fit a canvas of length={length}")
+  tokens = np.full((len(rows), length), pad_id, np.int32)
+  kinds = np.full((len(rows), length), PAD, np.int32)
+  for i, (t, k) in enumerate(rows):
+    tokens[i, : len(t)], kinds[i, : len(k)] = t, k
+  streams = np.arange(len(rows), dtype=np.int32) if streams is None else np.asarray(streams, np.int32)
+  if streams.shape != (len(rows),):
+    raise ValueError(f"streams has shape {streams.shape} but there are {len(rows)} examples")
+  return Canvas(tokens, kinds, streams)
+
+
+def from_fixed(tokens, fixed, valid=None, streams=None) -> Canvas:
+  """A canvas from arrays: ``fixed`` [b, l] marks tokens to keep (any pattern: infilling), ``valid`` the non-padding.
+
+  Positions that are valid and not fixed are generated.
+  """
+  tokens = np.asarray(tokens, np.int32)
+  fixed = np.asarray(fixed, bool)
+  valid = np.ones_like(fixed) if valid is None else np.asarray(valid, bool)
+  kinds = np.where(valid, np.where(fixed, FIXED, GENERATE), PAD).astype(np.int32)
+  streams = np.arange(tokens.shape[0], dtype=np.int32) if streams is None else np.asarray(streams, np.int32)
+  return Canvas(tokens, kinds, streams)
+
+
+def pad_batch(canvas: Canvas, multiple: int, pad_id: int = 0) -> Canvas:
+  """Adds all-padding rows (nothing to generate) so the batch divides by ``multiple`` (a mesh's data size)."""
+  batch, length = canvas.tokens.shape
+  extra = -batch % multiple
+  if not extra:
+    return canvas
+  return Canvas(
+    np.concatenate([np.asarray(canvas.tokens), np.full((extra, length), pad_id, np.int32)]),
+    np.concatenate([np.asarray(canvas.kinds), np.full((extra, length), PAD, np.int32)]),
+    np.concatenate([np.asarray(canvas.streams), np.zeros((extra,), np.int32)]),
+  )

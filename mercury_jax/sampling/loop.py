@@ -1,0 +1,262 @@
+"""The one sampling loop: every sampler is this ``lax.while_loop`` with a step rule plugged in.
+
+:func:`sample` is pure and jit-able: params, a batch of canvases, a PRNG key and a *traced* step count in, tokens
+out, so 4, 16 or 64 steps reuse one compilation per (batch, length) shape. The loop stops as soon as no masked
+position is left, so no forward pass is spent on a finished batch; the forward passes each example needed (NFE)
+come back with the tokens.
+
+Schedule. An example with ``n`` positions to generate and block length ``B_len`` has ``B = ceil(n / B_len)``
+blocks (one when ``block_length=0``), numbered left to right over its generated positions. With ``S`` steps, step
+``i`` works on the blocks up to ``h = ceil((i + 1) B / S) - 1``, and block ``h`` must be finished by step
+``floor((h + 1) S / B) - 1``; when a block is finished early the window moves on to the next one. Within the window
+the confidence rules commit ``k = ceil(open / steps_left)`` tokens (LLaDA's linear schedule) and the ancestral rule
+steps the window's own time grid from ``t = 1`` down to ``0``; at a window's last step everything open is committed.
+
+Randomness. Example ``i`` draws from ``key_i = fold_in(key, streams[i])`` and step ``j`` from
+``fold_in(key_i, j)``, each draw shaped for one example; with partitionable threefry (JAX's default) an example's
+output does not depend on its batch, its row, its padding or the mesh.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from mercury_jax import sharding as sh
+from mercury_jax.config import ModelConfig
+from mercury_jax.model import Transformer
+from mercury_jax.sampling.canvas import GENERATE, PAD, Canvas
+from mercury_jax.sampling.proposal import propose
+from mercury_jax.sampling.rules import StepInputs, make_rule
+from mercury_jax.sampling.settings import SamplerSettings
+
+# (params, z_t [batch, length], t [batch], segment_ids [batch, length]) -> logits [batch, length, vocab].
+DenoiseFn = Callable[[Any, jax.Array, jax.Array, jax.Array], jax.Array]
+
+
+class SampleOutput(NamedTuple):
+  """The sampler's result.
+
+  Attributes:
+    tokens: int32 [batch, length]: the finished canvases (no mask left; after a generated EOS, padding).
+    nfe: int32 [batch]: forward passes each example needed (steps in which it still had masked positions).
+    steps: int32 []: forward passes the batch used (the loop's iterations, ``max(nfe)``).
+    canvases: int32 [trace, batch, length]: the canvas after each step, when ``settings.trace`` > 0.
+    commits: int32 [trace, batch]: tokens committed at each step, when traced.
+    remasks: int32 [trace, batch]: tokens re-masked at each step (revision), when traced.
+  """
+
+  tokens: jax.Array
+  nfe: jax.Array
+  steps: jax.Array
+  canvases: jax.Array | None = None
+  commits: jax.Array | None = None
+  remasks: jax.Array | None = None
+
+
+class _Carry(NamedTuple):
+  step: jax.Array  # []
+  z: jax.Array  # [b, l] the canvas
+  score: jax.Array  # [b, l] confidence of each generated token when it was committed
+  window: jax.Array  # [b] last block of the current window (-1 before the first step)
+  window_start: jax.Array  # [b] step at which the current window began
+  nfe: jax.Array  # [b]
+  trace: tuple[jax.Array, ...]  # (canvases, commits, remasks) or ()
+
+
+def model_denoise_fn(model_cfg: ModelConfig) -> DenoiseFn:
+  """The Transformer as a denoiser; it is given ``t`` only when it was trained with time conditioning."""
+  model = Transformer(model_cfg)
+
+  def denoise_fn(params, z_t, t, segment_ids):
+    return model.apply({"params": params}, z_t, t if model_cfg.time_conditioning else None, segment_ids=segment_ids)
+
+  return denoise_fn
+
+
+def _ceil_div(a: jax.Array, b: jax.Array) -> jax.Array:
+  return (a + b - 1) // b
+
+
+def sample(
+  params: Any,
+  canvas: Canvas,
+  key: jax.Array,
+  num_steps: jax.Array,
+  *,
+  denoise_fn: DenoiseFn,
+  settings: SamplerSettings,
+) -> SampleOutput:
+  """Fills every ``GENERATE`` position of ``canvas`` in at most ``num_steps`` refinement steps.
+
+  Args:
+    params: The denoiser's parameters (any sharding).
+    canvas: The batch to fill (see :mod:`mercury_jax.sampling.canvas`).
+    key: A PRNG key (typed or raw); each example folds in its stream.
+    num_steps: Step budget, an int32 scalar (pass ``jnp.int32(n)``, not a Python int: it stays traced).
+    denoise_fn: ``(params, z_t, t, segment_ids) -> logits``.
+    settings: The step rule and its knobs (static).
+
+  Returns:
+    A :class:`SampleOutput`.
+  """
+  rule = make_rule(settings)
+  mask_id = settings.mask_id
+  tokens, kinds = jnp.asarray(canvas.tokens, jnp.int32), jnp.asarray(canvas.kinds, jnp.int32)
+  batch, length = tokens.shape
+  generate = kinds == GENERATE
+  segment_ids = (kinds != PAD).astype(jnp.int32)
+  num_steps = jnp.maximum(jnp.asarray(num_steps, jnp.int32), 1)
+
+  rank = jnp.cumsum(generate, axis=-1, dtype=jnp.int32) - 1  # [b, l] index among the example's generated positions
+  num_generate = generate.sum(axis=-1, dtype=jnp.int32)  # [b]
+  if settings.block_length:
+    block = rank // settings.block_length
+    num_blocks = jnp.maximum(_ceil_div(num_generate, settings.block_length), 1)
+  else:
+    block = jnp.zeros_like(rank)
+    num_blocks = jnp.ones_like(num_generate)
+  eos_banned = generate & (rank < settings.min_length)
+  example_keys = jax.vmap(lambda stream: jax.random.fold_in(key, stream))(jnp.asarray(canvas.streams, jnp.int32))
+
+  def still_masked(z):
+    return (z == mask_id) & generate
+
+  def cond(carry: _Carry) -> jax.Array:
+    return (carry.step < num_steps) & jnp.any(still_masked(carry.z))
+
+  def body(carry: _Carry) -> _Carry:
+    i, z = carry.step, carry.z
+    masked = still_masked(z)
+    # The window: the scheduled blocks, or further when those are finished.
+    first_open = jnp.min(jnp.where(masked, block, num_blocks[:, None]), axis=-1)  # [b]
+    scheduled = _ceil_div((i + 1) * num_blocks, num_steps) - 1
+    window = jnp.minimum(jnp.maximum(scheduled, first_open), num_blocks - 1)
+    last = jnp.clip((window + 1) * num_steps // num_blocks - 1, i, num_steps - 1)  # the window's deadline
+    start = jnp.where(window != carry.window, i, carry.window_start)
+    steps_left, window_steps = last - i + 1, last - start + 1
+    t = 1.0 - (i - start) / window_steps  # [b] float32
+    s = 1.0 - (i - start + 1) / window_steps
+    in_window = generate & (block <= window[:, None])
+    open_ = masked & in_window
+    committed = in_window & ~masked
+
+    logits = denoise_fn(params, z, t.astype(jnp.float32), segment_ids)  # [b, l, vocab]
+    step_keys = jax.vmap(lambda k: jax.random.fold_in(k, i))(example_keys)
+    gumbel_keys = jax.vmap(lambda k: jax.random.fold_in(k, 0))(step_keys)
+    u = jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, 1), (length,)))(step_keys)  # [b, l]
+    x0, confidence = propose(logits, gumbel_keys, eos_banned, settings)
+
+    inputs = StepInputs(
+      x0=x0,
+      confidence=confidence,
+      open=open_,
+      committed=committed,
+      score=carry.score,
+      k=_ceil_div(open_.sum(axis=-1, dtype=jnp.int32), steps_left),
+      steps_left=steps_left,
+      window_steps=window_steps,
+      t=t.astype(jnp.float32),
+      s=s.astype(jnp.float32),
+      u=u,
+    )
+    out = rule(inputs)
+    is_last = (i >= last)[:, None]
+    commit = (out.commit | is_last) & open_
+    remask = out.remask & committed & ~is_last
+    z_next = jnp.where(remask, mask_id, jnp.where(commit, x0, z))
+    score = jnp.where(commit, confidence, carry.score)
+    nfe = carry.nfe + jnp.any(masked, axis=-1).astype(jnp.int32)
+    trace = carry.trace
+    if trace:
+      canvases, commits, remasks = trace
+      row = jnp.minimum(i, settings.trace - 1)
+      keep = i < settings.trace
+      trace = (
+        canvases.at[row].set(jnp.where(keep, z_next, canvases[row])),
+        commits.at[row].set(jnp.where(keep, commit.sum(axis=-1, dtype=jnp.int32), commits[row])),
+        remasks.at[row].set(jnp.where(keep, remask.sum(axis=-1, dtype=jnp.int32), remasks[row])),
+      )
+    return _Carry(i + 1, z_next, score, window, start, nfe, trace)
+
+  z = jnp.where(generate, mask_id, tokens)
+  trace = ()
+  if settings.trace:
+    trace = (
+      jnp.full((settings.trace, batch, length), settings.pad_id, jnp.int32),
+      jnp.zeros((settings.trace, batch), jnp.int32),
+      jnp.zeros((settings.trace, batch), jnp.int32),
+    )
+  init = _Carry(
+    step=jnp.zeros((), jnp.int32),
+    z=z,
+    score=jnp.zeros((batch, length), jnp.float32),
+    window=jnp.full((batch,), -1, jnp.int32),
+    window_start=jnp.zeros((batch,), jnp.int32),
+    nfe=jnp.zeros((batch,), jnp.int32),
+    trace=trace,
+  )
+  final = jax.lax.while_loop(cond, body, init)
+  z = final.z
+  if settings.eos_to_pad:
+    first_eos = jnp.min(jnp.where(generate & (z == settings.eos_id), rank, length), axis=-1)  # [b]
+    z = jnp.where(generate & (rank > first_eos[:, None]), settings.pad_id, z)
+  return SampleOutput(z, final.nfe, final.step, *final.trace)
+
+
+def jit_sample(
+  denoise_fn: DenoiseFn,
+  settings: SamplerSettings,
+  *,
+  mesh: Mesh | None = None,
+  rules=None,
+  param_shardings: Any = None,
+) -> Callable[[Any, Canvas, jax.Array, jax.Array], SampleOutput]:
+  """``jax.jit`` of :func:`sample` for fixed settings; on a mesh, canvases are split over the batch axes.
+
+  Call the result inside ``with jax.set_mesh(mesh), nn.logical_axis_rules(rules):`` (see :func:`mesh_context`) so
+  the model's logical sharding constraints apply when it is traced.
+
+  Args:
+    denoise_fn: The denoiser (e.g. :func:`model_denoise_fn`).
+    settings: Static sampler settings.
+    mesh: The device mesh; None for plain ``jax.jit`` (one device or committed inputs).
+    rules: Logical axis rules (default ``mercury_jax.sharding.RULES``).
+    param_shardings: The parameters' shardings on ``mesh`` (needed with a mesh; e.g.
+      ``mercury_jax.trainer.param_shardings``).
+  """
+  fn = functools.partial(sample, denoise_fn=denoise_fn, settings=settings.validate())
+  if mesh is None:
+    return jax.jit(fn)
+  if param_shardings is None:
+    raise ValueError("jit_sample on a mesh needs param_shardings (e.g. mercury_jax.trainer.param_shardings)")
+  rules = sh.RULES if rules is None else rules
+  rows, vectors = sh.batch_sharding(mesh, rules, 2), sh.batch_sharding(mesh, rules, 1)
+  replicated = NamedSharding(mesh, P())
+  traced = None
+  if settings.trace:
+    traced = NamedSharding(mesh, P(None, *sh.batch_spec(rules, 2)))
+    traced_vectors = NamedSharding(mesh, P(None, *sh.batch_spec(rules, 1)))
+  out_shardings = SampleOutput(
+    rows, vectors, replicated, traced, traced_vectors if traced else None, traced_vectors if traced else None
+  )
+  return jax.jit(
+    fn,
+    in_shardings=(param_shardings, Canvas(rows, rows, vectors), replicated, replicated),
+    out_shardings=out_shardings,
+  )
+
+
+def mesh_context(mesh: Mesh, rules=None) -> contextlib.ExitStack:
+  """``jax.set_mesh(mesh)`` together with the model's logical axis rules, for tracing the sampler on a mesh."""
+  stack = contextlib.ExitStack()
+  stack.enter_context(jax.set_mesh(mesh))
+  stack.enter_context(nn.logical_axis_rules(sh.RULES if rules is None else rules))
+  return stack
