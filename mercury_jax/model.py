@@ -21,6 +21,17 @@ from mercury_jax.config import ModelConfig, dtype_of
 _INIT = nn.initializers.normal(stddev=0.02)
 
 
+def dense(x: jax.Array, w: jax.Array, contract: int = 1) -> jax.Array:
+  """Contracts the last ``contract`` dims of ``x`` with the first ``contract`` dims of ``w``, as one 2-D matmul.
+
+  ``[..., *in] @ [*in, *out] -> [..., *out]``. Flattening to ``[tokens, in] @ [in, out]`` keeps the backward pass's
+  weight gradient a plain matmul: XLA:CPU runs the 3-D ``bld,blm->dm`` contraction about 1.6x slower.
+  """
+  lead, inner, out = x.shape[: x.ndim - contract], x.shape[x.ndim - contract :], w.shape[contract:]
+  y = x.reshape(math.prod(lead), math.prod(inner)) @ w.reshape(math.prod(inner), math.prod(out))
+  return y.reshape(*lead, *out)
+
+
 def _param(module: nn.Module, name: str, shape: tuple[int, ...], axes: tuple[str, ...], init=_INIT) -> jax.Array:
   return module.param(name, nn.with_logical_partitioning(init, axes), shape, jnp.float32)
 
@@ -64,9 +75,9 @@ class Attention(nn.Module):
       (sh.HEADS, sh.HEAD_DIM, sh.EMBED),
       nn.initializers.normal(stddev=0.02 / math.sqrt(2 * cfg.num_layers)),
     ).astype(dtype)
-    q = jnp.einsum("bld,dhk->blhk", x, w_q)  # [batch, length, heads, head_dim]
-    k = jnp.einsum("bld,dhk->blhk", x, w_k)  # [batch, length, kv_heads, head_dim]
-    v = jnp.einsum("bld,dhk->blhk", x, w_v)
+    q = dense(x, w_q)  # [batch, length, heads, head_dim]
+    k = dense(x, w_k)  # [batch, length, kv_heads, head_dim]
+    v = dense(x, w_v)
     q = nn.with_logical_constraint(
       rotary(q, positions, cfg.rope_theta), (sh.BATCH, sh.LENGTH, sh.ACT_HEADS, sh.HEAD_DIM)
     )
@@ -76,7 +87,7 @@ class Attention(nn.Module):
     v = nn.with_logical_constraint(v, (sh.BATCH, sh.LENGTH, sh.ACT_KV_HEADS, sh.HEAD_DIM))
     out = attend(q, k, v, causal=cfg.causal, segment_ids=segment_ids, implementation=cfg.attention)
     out = nn.with_logical_constraint(out, (sh.BATCH, sh.LENGTH, sh.ACT_HEADS, sh.HEAD_DIM))
-    return jnp.einsum("blhk,hkd->bld", out, w_o)  # [batch, length, embed]
+    return dense(out, w_o, contract=2)  # [batch, length, embed]
 
 
 class SwiGLU(nn.Module):
@@ -94,9 +105,9 @@ class SwiGLU(nn.Module):
       (sh.MLP, sh.EMBED),
       nn.initializers.normal(stddev=0.02 / math.sqrt(2 * cfg.num_layers)),
     ).astype(dtype)
-    hidden = jax.nn.silu(x @ w_gate) * (x @ w_up)  # [batch, length, mlp]
+    hidden = jax.nn.silu(dense(x, w_gate)) * dense(x, w_up)  # [batch, length, mlp]
     hidden = nn.with_logical_constraint(hidden, (sh.BATCH, sh.LENGTH, sh.ACT_MLP))
-    return hidden @ w_down
+    return dense(hidden, w_down)
 
 
 class Block(nn.Module):
@@ -165,6 +176,7 @@ class Transformer(nn.Module):
       split_rngs={"params": True},
       in_axes=(nn.broadcast, nn.broadcast),
       length=cfg.num_layers,
+      unroll=cfg.num_layers if cfg.unroll_layers else 1,
       metadata_params={nn.PARTITION_NAME: sh.LAYERS},
     )
     x, _ = stack(cfg, name="blocks")(x, positions, segment_ids)
@@ -173,7 +185,7 @@ class Transformer(nn.Module):
       logits = jnp.einsum("bld,vd->blv", x, embedding.astype(dtype)) / math.sqrt(cfg.d_model)
     else:
       head = _param(self, "head", (cfg.d_model, cfg.vocab_size), (sh.EMBED, sh.VOCAB)).astype(dtype)
-      logits = jnp.einsum("bld,dv->blv", x, head)  # [batch, length, vocab]
+      logits = dense(x, head)  # [batch, length, vocab]
     return nn.with_logical_constraint(logits.astype(jnp.float32), (sh.BATCH, sh.LENGTH, sh.ACT_VOCAB))
 
 
