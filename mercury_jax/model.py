@@ -8,6 +8,7 @@ activations are constrained at block edges, so the same module runs on one devic
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -59,7 +60,10 @@ def rotary(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
 
 
 class Attention(nn.Module):
+  """Multi-head / grouped-query self-attention; with ``decode=True``, a key-value cache for causal decoding."""
+
   config: ModelConfig
+  decode: bool = False
 
   @nn.compact
   def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None) -> jax.Array:
@@ -85,9 +89,37 @@ class Attention(nn.Module):
       rotary(k, positions, cfg.rope_theta), (sh.BATCH, sh.LENGTH, sh.ACT_KV_HEADS, sh.HEAD_DIM)
     )
     v = nn.with_logical_constraint(v, (sh.BATCH, sh.LENGTH, sh.ACT_KV_HEADS, sh.HEAD_DIM))
-    out = attend(q, k, v, causal=cfg.causal, segment_ids=segment_ids, implementation=cfg.attention)
+    if self.decode:
+      out = self._cached_attention(q, k, v, positions, segment_ids)
+    else:
+      out = attend(q, k, v, causal=cfg.causal, segment_ids=segment_ids, implementation=cfg.attention)
     out = nn.with_logical_constraint(out, (sh.BATCH, sh.LENGTH, sh.ACT_HEADS, sh.HEAD_DIM))
     return dense(out, w_o, contract=2)  # [batch, length, embed]
+
+  def _cached_attention(self, q, k, v, positions, segment_ids):
+    """Writes this chunk's keys and values at ``positions`` into the cache and attends over the whole cache.
+
+    The chunk may be a prompt (prefill) or one token. Keys are visible when at a position <= the query's and of
+    the query's segment (segment 0 is padding, e.g. the left padding of shorter prompts in a batch).
+    """
+    cfg = self.config
+    batch, chunk = q.shape[:2]
+    shape = (batch, cfg.max_length, cfg.num_kv_heads, cfg.head_dim)
+    initialising = not self.has_variable("cache", "key")
+    cached_k = self.variable("cache", "key", jnp.zeros, shape, k.dtype)
+    cached_v = self.variable("cache", "value", jnp.zeros, shape, v.dtype)
+    cached_segments = self.variable("cache", "segment", jnp.zeros, (batch, cfg.max_length), jnp.int32)
+    if initialising:
+      return jnp.zeros_like(q)
+    segment_ids = jnp.ones((batch, chunk), jnp.int32) if segment_ids is None else segment_ids
+    start = positions[0, 0]  # Every row of a chunk sits at the same cache slots.
+    cached_k.value = jax.lax.dynamic_update_slice(cached_k.value, k, (0, start, 0, 0))
+    cached_v.value = jax.lax.dynamic_update_slice(cached_v.value, v, (0, start, 0, 0))
+    cached_segments.value = jax.lax.dynamic_update_slice(cached_segments.value, segment_ids, (0, start))
+    key_positions = jnp.arange(cfg.max_length)
+    visible = key_positions[None, None, :] <= positions[:, :, None]  # [batch, chunk, max_length]
+    visible &= cached_segments.value[:, None, :] == segment_ids[:, :, None]
+    return jax.nn.dot_product_attention(q, cached_k.value, cached_v.value, mask=visible[:, None])
 
 
 class SwiGLU(nn.Module):
@@ -114,12 +146,13 @@ class Block(nn.Module):
   """One pre-norm transformer block; the signature fits ``nn.scan`` (carry in, carry out)."""
 
   config: ModelConfig
+  decode: bool = False
 
   @nn.compact
   def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None):
     cfg, dtype = self.config, dtype_of(self.config.dtype)
     x = nn.with_logical_constraint(x, (sh.BATCH, sh.LENGTH, sh.ACT_EMBED))
-    x = x + Attention(cfg, name="attention")(
+    x = x + Attention(cfg, self.decode, name="attention")(
       RMSNorm(cfg.norm_eps, dtype, name="attention_norm")(x), positions, segment_ids
     )
     x = x + SwiGLU(cfg, name="mlp")(RMSNorm(cfg.norm_eps, dtype, name="mlp_norm")(x))
@@ -147,7 +180,22 @@ class Transformer(nn.Module):
     *,
     segment_ids: jax.Array | None = None,
     positions: jax.Array | None = None,
+    decode: bool = False,
   ) -> jax.Array:
+    """Logits for ``tokens``.
+
+    Args:
+      tokens: ``[batch, length]`` int32.
+      t: ``[batch]`` diffusion time, used only when ``config.time_conditioning``.
+      segment_ids: ``[batch, length]`` int32; attention stays within a segment and segment 0 is padding.
+      positions: ``[batch, length]`` rotary positions (default ``0 .. length-1``).
+      decode: causal decoding with a key-value cache in the ``cache`` collection (autoregressive twin only): call
+        ``apply(..., mutable=["cache"])`` chunk by chunk with explicit ``positions``; initialise the cache with
+        ``init(key, tokens_of_full_length, decode=True)["cache"]``.
+
+    Returns:
+      ``[batch, length, vocab]`` float32 logits.
+    """
     cfg, dtype = self.config, dtype_of(self.config.dtype)
     batch, length = tokens.shape
     if positions is None:
@@ -171,8 +219,8 @@ class Transformer(nn.Module):
     if cfg.remat:
       block = nn.remat(block, prevent_cse=False, policy=jax.checkpoint_policies.nothing_saveable)
     stack = nn.scan(
-      block,
-      variable_axes={"params": 0},
+      functools.partial(block, decode=decode),
+      variable_axes={"params": 0, "cache": 0},
       split_rngs={"params": True},
       in_axes=(nn.broadcast, nn.broadcast),
       length=cfg.num_layers,
