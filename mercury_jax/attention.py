@@ -111,7 +111,7 @@ def _pallas(q, k, v, segment_ids, mask, diffusion_block):
     (sharding.BATCH, sharding.LENGTH, sharding.ACT_KV_HEADS, sharding.HEAD_DIM), k.shape, mesh, rules
   )
   if q_spec[1] is not None or q_spec[3] is not None:
-    raise ValueError(f"the pallas kernel needs whole sequences and heads; the rules shard q as {q_spec}")
+    raise ValueError(f"the pallas kernel needs whole sequences and head_dims; the rules shard q as {q_spec}")
   kv_spec = P(q_spec[0], None, kv_spec[2], None)  # The batch is split exactly like the queries'.
   seg_spec = P(q_spec[0], None)
   heads, kv_heads = q.shape[2], k.shape[2]

@@ -47,6 +47,7 @@ class Case:
 
 # Lengths that are not multiples of the 32-row tiles, GQA (2 or 4 query heads per kv head), one head_dim of 128, one
 # that is not a power of two, diffusion blocks that do and do not divide the tiles, and three block configurations.
+# CASES[1], [2], [7] are also run in bfloat16.
 CASES = [
   Case(2, 40, 4, 2, 64, "bidirectional"),
   Case(2, 72, 4, 1, 64, "causal", segments=True),
@@ -54,6 +55,8 @@ CASES = [
   Case(1, 100, 4, 4, 64, "block_causal", 7),
   Case(1, 72, 4, 2, 48, "bidirectional", segments=True),
   Case(1, 128, 2, 1, 64, "causal", blocks=fa.BlockSizes(64, 16, 16, 64, 64, 16)),
+  # Rows of a query tile that see nothing of its first masked key tile (diffusion_block == block_k < block_q).
+  Case(1, 128, 2, 1, 64, "block_causal", 16, blocks=fa.BlockSizes(64, 16, 16, 64, 64, 16)),
   Case(2, 64, 2, 2, 128, "causal", blocks=None),
   Case(1, 100, 2, 2, 64, "block_causal", 32, blocks=None),
 ]
@@ -111,7 +114,7 @@ def test_float32_forward_and_grads_match_reference(case):
   _check_f32(*_kernel_and_reference(case, jnp.float32))
 
 
-@pytest.mark.parametrize("case", [CASES[1], CASES[2], CASES[6]], ids=str)
+@pytest.mark.parametrize("case", [CASES[1], CASES[2], CASES[7]], ids=str)
 def test_bfloat16_forward_and_grads_match_reference(case):
   _check_bf16(*_kernel_and_reference(case, jnp.bfloat16))
 
@@ -208,6 +211,20 @@ def test_argument_errors_name_the_value():
     fa.BlockSizes(32, 24, 32, 32, 32, 32)
   with pytest.raises(ValueError, match="causal=True contradicts"):
     attention.attend(q, q, q, causal=True, mask="bidirectional")
+
+
+def test_auto_implementation_is_pallas_on_gpu_and_xla_elsewhere(monkeypatch):
+  assert attention.resolve_implementation("auto") == "xla"
+  monkeypatch.setattr(attention.jax, "default_backend", lambda: "gpu")
+  assert attention.resolve_implementation("auto") == "pallas"
+  with pytest.raises(ValueError, match="'flash'"):
+    attention.resolve_implementation("flash")
+
+
+def test_cudnn_refuses_float32_with_a_clear_error():
+  q = jnp.zeros((1, 16, 2, 64), jnp.float32)
+  with pytest.raises(ValueError, match="float16 or bfloat16"):
+    attention.attend(q, q, q, implementation="cudnn")
 
 
 @pytest.mark.parametrize("mask", ["bidirectional", "causal", "block_causal"])

@@ -18,7 +18,7 @@ Because ``limit`` never decreases, the key tiles a query tile needs form a prefi
 ``segment_ids`` ``[batch, length]`` (non-negative int32) further restrict a query to the keys of its own segment;
 segment 0 is padding. A padding query sees no key at all and its output is defined as **zeros** (its log-sum-exp is
 stored as ``+inf``, so it gets and gives no gradient). With segment ids, a pair of tiles whose segment ranges do not
-overlap is skipped.
+overlap is skipped (through loop bounds computed before the kernels).
 
 Lengths that are not a multiple of the tiles are zero-padded to one; the padding keys get no weight (through the
 segment ids when given, else through an explicit key bound) and the padding rows are sliced off. A ``head_dim`` that
@@ -78,19 +78,22 @@ class BlockSizes:
     Checked by compiling the kernels' Triton IR for sm_90 (Triton 3.9, ``cuobjdump -res-usage``), not yet timed on a
     GPU: ``launch/gpu_attention_bench.py --sweep`` times alternatives. The forward pass keeps a 128-row query tile;
     the dk/dv kernel holds a key tile and two f32 accumulators, so its key tile shrinks as head_dim grows and it runs
-    8 warps; 4-byte inputs double the shared memory per stage, so they pipeline 2 deep instead of 3.
+    8 warps; 4-byte inputs double the bytes per tile, so they get smaller tiles and pipeline 2 deep instead of 3.
 
     Args:
       head_dim: the head dimension (padded internally to a power of two >= 16).
       dtype: the input dtype.
     """
     padded = max(16, pl.next_power_of_2(head_dim))
-    stages = (3, 3, 3) if jnp.dtype(dtype).itemsize <= 2 else (2, 2, 2)
+    if padded > 128:
+      return cls(64, 32, 32, 32, 32, 32, num_warps=(8, 8, 4), num_stages=(2, 2, 2))
+    if jnp.dtype(dtype).itemsize > 2:  # Twice the bytes per tile (and no tensor cores): smaller tiles, 2 stages.
+      if padded <= 64:
+        return cls(64, 64, 32, 64, 64, 32, num_warps=(4, 8, 4), num_stages=(2, 2, 2))
+      return cls(64, 64, 32, 32, 64, 32, num_warps=(8, 8, 4), num_stages=(2, 2, 2))
     if padded <= 64:
-      return cls(128, 64, 32, 128, 128, 32, num_warps=(4, 8, 4), num_stages=stages)
-    if padded <= 128:
-      return cls(128, 64, 32, 64, 64, 32, num_warps=(8, 8, 4), num_stages=stages)
-    return cls(64, 32, 32, 32, 32, 32, num_warps=(8, 8, 4), num_stages=(2, 2, 2))
+      return cls(128, 64, 32, 128, 128, 32, num_warps=(4, 8, 4), num_stages=(3, 3, 3))
+    return cls(128, 64, 32, 64, 64, 32, num_warps=(8, 8, 4), num_stages=(3, 3, 3))
 
   @property
   def largest(self) -> int:
@@ -171,33 +174,57 @@ def _query_tiles(t, block_q: int, block_k: int, plan: _Plan):
   )
 
 
-def _ranges_overlap(q_seg, k_seg):
-  """False only if no query segment id equals a key segment id (padding queries carry -1 and never match)."""
-  q_hi = jnp.max(q_seg)
-  q_lo = jnp.min(jnp.where(q_seg < 0, jnp.iinfo(jnp.int32).max, q_seg))
-  return (jnp.min(k_seg) <= q_hi) & (jnp.max(k_seg) >= q_lo)
+def _segment_ranges(q_seg, k_seg, block_q: int, block_k: int, per_query_tile: bool):
+  """Tile ranges that can hold a pair with equal segment ids; int32 ``[batch, tiles, 2]`` of ``[first, end)``.
+
+  Computed in XLA before the kernels from each tile's smallest and largest id, so that the kernels skip tiles through
+  their loop bounds instead of a branch (which would stop Triton from pipelining the loop). Any id layout is correct
+  (tiles inside a range that match nothing are merely masked); for packed sequences, ids non-decreasing along the
+  sequence, the ranges are exact.
+
+  Args:
+    q_seg: query ids ``[batch, length]`` with -1 for padding.
+    k_seg: key ids ``[batch, length]`` with 0 for padding.
+    block_q: query tile size.
+    block_k: key tile size.
+    per_query_tile: True: for each query tile the range of key tiles; False: for each key tile the range of query tiles.
+  """
+  batch, length = q_seg.shape
+  q_tiles = q_seg.reshape(batch, length // block_q, block_q)  # [batch, q tiles, block_q]
+  k_tiles = k_seg.reshape(batch, length // block_k, block_k)  # [batch, k tiles, block_k]
+  q_hi = jnp.max(q_tiles, axis=-1)
+  q_lo = jnp.min(jnp.where(q_tiles < 0, jnp.iinfo(jnp.int32).max, q_tiles), axis=-1)  # Padding queries match nothing.
+  k_lo, k_hi = jnp.min(k_tiles, axis=-1), jnp.max(k_tiles, axis=-1)
+  overlap = (k_lo[:, None, :] <= q_hi[:, :, None]) & (k_hi[:, None, :] >= q_lo[:, :, None])  # [batch, q tiles, k tiles]
+  if not per_query_tile:
+    overlap = jnp.swapaxes(overlap, 1, 2)  # [batch, k tiles, q tiles]
+  n = overlap.shape[-1]
+  first = jnp.min(jnp.where(overlap, jnp.arange(n), n), axis=-1)
+  end = jnp.max(jnp.where(overlap, jnp.arange(n) + 1, 0), axis=-1)
+  return jnp.stack([first, jnp.maximum(first, end)], axis=-1).astype(jnp.int32)
 
 
-def _mask_scores(s, rows_limit, cols, q_seg, k_seg, positional: bool):
-  """Sets invisible scores to -inf; ``rows_limit`` [rows] is ``key_limit`` of the rows, ``cols`` [cols] key indices."""
+def _mask_scores(s, rows_limit, cols, q_seg, k_seg, positional: bool, transposed: bool = False):
+  """Sets invisible scores to -inf.
+
+  Args:
+    s: scores ``[rows, cols]``, or ``[cols, rows]`` if ``transposed``.
+    rows_limit: ``key_limit`` of the query rows ``[rows]``.
+    cols: key indices ``[cols]``.
+    q_seg: segment ids of the rows (padding -1), or None.
+    k_seg: segment ids of the keys, or None.
+    positional: whether to apply ``rows_limit`` (False on tiles every row sees whole).
+    transposed: the layout of ``s``.
+  """
+  rows_axis = (lambda x: x[None, :]) if transposed else (lambda x: x[:, None])
+  cols_axis = (lambda x: x[:, None]) if transposed else (lambda x: x[None, :])
   visible = None
   if positional:
-    visible = cols[None, :] < rows_limit[:, None]
+    visible = cols_axis(cols) < rows_axis(rows_limit)
   if q_seg is not None:
-    same = q_seg[:, None] == k_seg[None, :]
+    same = rows_axis(q_seg) == cols_axis(k_seg)
     visible = same if visible is None else visible & same
   return s if visible is None else jnp.where(visible, s, -jnp.inf)
-
-
-def _mask_scores_t(s_t, rows_limit, cols, q_seg, k_seg, positional: bool):
-  """``_mask_scores`` for transposed scores ``[cols, rows]``."""
-  visible = None
-  if positional:
-    visible = cols[:, None] < rows_limit[None, :]
-  if q_seg is not None:
-    same = k_seg[:, None] == q_seg[None, :]
-    visible = same if visible is None else visible & same
-  return s_t if visible is None else jnp.where(visible, s_t, -jnp.inf)
 
 
 def _dot(a, b, contract: tuple[int, int]):
@@ -205,7 +232,16 @@ def _dot(a, b, contract: tuple[int, int]):
   return lax.dot_general(a, b, (((contract[0],), (contract[1],)), ((), ())), preferred_element_type=jnp.float32)
 
 
-def _forward_kernel(q_ref, k_ref, v_ref, q_seg_ref, k_seg_ref, o_ref, lse_ref, *, plan: _Plan):
+def _tile_loops(ranges, seg_range_ref, step, carry):
+  """Runs ``step(i, carry, positional)`` over each ``((first, end), positional)`` in order, within the segment range."""
+  for (first, end), positional in ranges:
+    if seg_range_ref is not None:
+      first, end = jnp.maximum(first, seg_range_ref[0]), jnp.minimum(end, seg_range_ref[1])
+    carry = lax.fori_loop(first, end, functools.partial(step, positional=positional), carry)
+  return carry
+
+
+def _forward_kernel(q_ref, k_ref, v_ref, q_seg_ref, k_seg_ref, seg_range_ref, o_ref, lse_ref, *, plan: _Plan):
   block_q, block_k = plan.blocks.block_q, plan.blocks.block_k
   i = _query_tile(pl.program_id(0), plan.length // block_q, plan)
   rows_limit = plan.key_limit(i * block_q + lax.iota(jnp.int32, block_q))  # [block_q]
@@ -213,45 +249,37 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_seg_ref, k_seg_ref, o_ref, lse_ref, *
   q = q_ref[...]  # [block_q, head_dim]
   q_seg = None if q_seg_ref is None else q_seg_ref[...]
   scale = plan.sm_scale * _LOG2_E
-  # Without segment ids every row sees key 0 in the first tile it visits, so its running max is finite from then on.
-  may_be_empty = q_seg is not None
 
   def step(t, carry, positional: bool):
     m, ell, acc = carry
     keys = pl.ds(pl.multiple_of(t * block_k, block_k), block_k)
     k_seg = None if k_seg_ref is None else k_seg_ref[keys]
-
-    def update(carry):
-      m, ell, acc = carry
-      s = _dot(q, k_ref[keys, :], (1, 1)) * scale  # [block_q, block_k]
-      s = _mask_scores(s, rows_limit, t * block_k + lax.iota(jnp.int32, block_k), q_seg, k_seg, positional)
-      m_new = jnp.maximum(m, jnp.max(s, axis=1))
-      if may_be_empty:  # A row that has seen only -inf keeps m = -inf; shift by 0 instead of by -inf.
-        m_new_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-      else:
-        m_new_safe = m_new
-      p = jnp.exp2(s - m_new_safe[:, None])  # [block_q, block_k]
-      alpha = jnp.exp2(m - m_new_safe)
-      acc = acc * alpha[:, None] + _dot(p.astype(v_ref.dtype), v_ref[keys, :], (1, 0))
-      return m_new, ell * alpha + jnp.sum(p, axis=1), acc
-
-    if q_seg is None:
-      return update(carry)
-    return lax.cond(_ranges_overlap(q_seg, k_seg), update, lambda c: c, carry)
+    s = _dot(q, k_ref[keys, :], (1, 1)) * scale  # [block_q, block_k]
+    s = _mask_scores(s, rows_limit, t * block_k + lax.iota(jnp.int32, block_k), q_seg, k_seg, positional)
+    m_new = jnp.maximum(m, jnp.max(s, axis=1))
+    # Without segment ids every row has seen a key before a tile it sees nothing of (the whole tiles come first, and
+    # the first tile holds key 0), so m is finite; with them a row may have seen only -inf: shift it by 0, not -inf.
+    m_shift = m_new if q_seg is None else jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    p = jnp.exp2(s - m_shift[:, None])  # [block_q, block_k]
+    alpha = jnp.exp2(m - m_shift)
+    acc = acc * alpha[:, None] + _dot(p.astype(v_ref.dtype), v_ref[keys, :], (1, 0))  # [block_q, head_dim]
+    return m_new, ell * alpha + jnp.sum(p, axis=1), acc
 
   carry = (
     jnp.full((block_q,), -jnp.inf, jnp.float32),
     jnp.zeros((block_q,), jnp.float32),
     jnp.zeros((block_q, plan.head_dim), jnp.float32),
   )
-  carry = lax.fori_loop(0, n_full, functools.partial(step, positional=False), carry)
-  m, ell, acc = lax.fori_loop(n_full, n_visit, functools.partial(step, positional=True), carry)
+  # Whole tiles first: without segment ids they give every row a finite max before any tile it sees nothing of.
+  m, ell, acc = _tile_loops((((0, n_full), False), ((n_full, n_visit), True)), seg_range_ref, step, carry)
   empty = ell == 0.0  # Only padding queries (segment 0) see no key.
   o_ref[...] = (acc * (1.0 / jnp.where(empty, 1.0, ell))[:, None]).astype(o_ref.dtype)
   lse_ref[...] = jnp.where(empty, jnp.inf, m + jnp.log2(jnp.where(empty, 1.0, ell)))
 
 
-def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, k_seg_ref, dk_ref, dv_ref, *, plan: _Plan):
+def _dkv_kernel(
+  q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, k_seg_ref, seg_range_ref, dk_ref, dv_ref, *, plan: _Plan
+):
   block_q, block_k = plan.blocks.block_q_dkv, plan.blocks.block_kv_dkv
   num_q_tiles = -(-plan.q_len // block_q)  # Query tiles of padding only have zero do: they add nothing.
   t = pl.program_id(0)
@@ -264,29 +292,22 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, k_se
 
   def head(g, carry):
     def step(s_idx, carry, positional: bool):
+      # Transposed scores, [block_k, block_q]: p^T and ds^T feed the dv and dk matmuls without a transpose.
+      dk, dv = carry
       rows = pl.ds(pl.multiple_of(s_idx * block_q, block_q), block_q)
       q_seg = None if q_seg_ref is None else q_seg_ref[rows]
+      q = q_ref[rows, g, :]  # [block_q, head_dim]
+      do = do_ref[rows, g, :]
+      s_t = _dot(k, q, (1, 1)) * scale  # [block_k, block_q]
+      rows_limit = plan.key_limit(s_idx * block_q + lax.iota(jnp.int32, block_q))
+      s_t = _mask_scores(s_t, rows_limit, cols, q_seg, k_seg, positional, transposed=True)
+      p_t = jnp.exp2(s_t - lse_ref[g, rows][None, :])
+      dv = dv + _dot(p_t.astype(do.dtype), do, (1, 0))  # [block_k, head_dim]
+      ds_t = p_t * (_dot(v, do, (1, 1)) - delta_ref[g, rows][None, :])  # [block_k, block_q]
+      dk = dk + _dot(ds_t.astype(q.dtype), q, (1, 0))  # [block_k, head_dim]
+      return dk, dv
 
-      def update(carry):
-        # Transposed scores, [block_k, block_q]: p^T and ds^T feed the dv and dk matmuls without a transpose.
-        dk, dv = carry
-        q = q_ref[rows, g, :]  # [block_q, head_dim]
-        do = do_ref[rows, g, :]
-        s_t = _dot(k, q, (1, 1)) * scale  # [block_k, block_q]
-        rows_limit = plan.key_limit(s_idx * block_q + lax.iota(jnp.int32, block_q))
-        s_t = _mask_scores_t(s_t, rows_limit, cols, q_seg, k_seg, positional)
-        p_t = jnp.exp2(s_t - lse_ref[g, rows][None, :])
-        dv = dv + _dot(p_t.astype(do.dtype), do, (1, 0))  # [block_k, head_dim]
-        ds_t = p_t * (_dot(v, do, (1, 1)) - delta_ref[g, rows][None, :])  # [block_k, block_q]
-        dk = dk + _dot(ds_t.astype(q.dtype), q, (1, 0))  # [block_k, head_dim]
-        return dk, dv
-
-      if q_seg is None:
-        return update(carry)
-      return lax.cond(_ranges_overlap(q_seg, k_seg), update, lambda c: c, carry)
-
-    carry = lax.fori_loop(first_tile, full_tile, functools.partial(step, positional=True), carry)
-    return lax.fori_loop(full_tile, num_q_tiles, functools.partial(step, positional=False), carry)
+    return _tile_loops((((first_tile, full_tile), True), ((full_tile, num_q_tiles), False)), seg_range_ref, step, carry)
 
   zeros = jnp.zeros((block_k, plan.head_dim), jnp.float32)
   dk, dv = lax.fori_loop(0, plan.groups, head, (zeros, zeros))
@@ -294,7 +315,9 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, k_se
   dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, k_seg_ref, dq_ref, *, plan: _Plan):
+def _dq_kernel(
+  q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, k_seg_ref, seg_range_ref, dq_ref, *, plan: _Plan
+):
   block_q, block_k = plan.blocks.block_q_dq, plan.blocks.block_kv_dq
   i = _query_tile(pl.program_id(0), plan.length // block_q, plan)
   rows_limit = plan.key_limit(i * block_q + lax.iota(jnp.int32, block_q))  # [block_q]
@@ -309,22 +332,15 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, k_seg
   def step(t, dq, positional: bool):
     keys = pl.ds(pl.multiple_of(t * block_k, block_k), block_k)
     k_seg = None if k_seg_ref is None else k_seg_ref[keys]
-
-    def update(dq):
-      k = k_ref[keys, :]  # [block_k, head_dim]
-      s = _dot(q, k, (1, 1)) * scale  # [block_q, block_k]
-      s = _mask_scores(s, rows_limit, t * block_k + lax.iota(jnp.int32, block_k), q_seg, k_seg, positional)
-      p = jnp.exp2(s - lse[:, None])
-      ds = p * (_dot(do, v_ref[keys, :], (1, 1)) - delta[:, None])  # [block_q, block_k]
-      return dq + _dot(ds.astype(k.dtype), k, (1, 0))  # [block_q, head_dim]
-
-    if q_seg is None:
-      return update(dq)
-    return lax.cond(_ranges_overlap(q_seg, k_seg), update, lambda c: c, dq)
+    k = k_ref[keys, :]  # [block_k, head_dim]
+    s = _dot(q, k, (1, 1)) * scale  # [block_q, block_k]
+    s = _mask_scores(s, rows_limit, t * block_k + lax.iota(jnp.int32, block_k), q_seg, k_seg, positional)
+    p = jnp.exp2(s - lse[:, None])
+    ds = p * (_dot(do, v_ref[keys, :], (1, 1)) - delta[:, None])  # [block_q, block_k]
+    return dq + _dot(ds.astype(k.dtype), k, (1, 0))  # [block_q, head_dim]
 
   dq = jnp.zeros((block_q, plan.head_dim), jnp.float32)
-  dq = lax.fori_loop(0, n_full, functools.partial(step, positional=False), dq)
-  dq = lax.fori_loop(n_full, n_visit, functools.partial(step, positional=True), dq)
+  dq = _tile_loops((((0, n_full), False), ((n_full, n_visit), True)), seg_range_ref, step, dq)
   dq_ref[...] = (dq * plan.sm_scale).astype(dq_ref.dtype)
 
 
@@ -332,34 +348,36 @@ def _forward_call(q, k, v, q_seg, k_seg, plan: _Plan):
   batch, length, heads, head_dim = q.shape
   block_q, groups = plan.blocks.block_q, plan.groups
   n = length // block_q
-  seg_spec = None if q_seg is None else pl.BlockSpec((None, block_q), lambda i, b, h: (b, _query_tile(i, n, plan)))
-  kseg_spec = None if k_seg is None else pl.BlockSpec((None, length), lambda i, b, h: (b, 0))
+  tile = lambda i: _query_tile(i, n, plan)
+  segments = q_seg is not None
+  seg_range = _segment_ranges(q_seg, k_seg, block_q, plan.blocks.block_k, True) if segments else None
   return pl.pallas_call(
     functools.partial(_forward_kernel, plan=plan),
     grid=(n, batch, heads),
     in_specs=[
-      pl.BlockSpec((None, block_q, None, head_dim), lambda i, b, h: (b, _query_tile(i, n, plan), h, 0)),
+      pl.BlockSpec((None, block_q, None, head_dim), lambda i, b, h: (b, tile(i), h, 0)),
       pl.BlockSpec((None, length, None, head_dim), lambda i, b, h: (b, 0, lax.div(h, groups), 0)),
       pl.BlockSpec((None, length, None, head_dim), lambda i, b, h: (b, 0, lax.div(h, groups), 0)),
-      seg_spec,
-      kseg_spec,
+      pl.BlockSpec((None, block_q), lambda i, b, h: (b, tile(i))) if segments else None,
+      pl.BlockSpec((None, length), lambda i, b, h: (b, 0)) if segments else None,
+      pl.BlockSpec((None, None, 2), lambda i, b, h: (b, tile(i), 0)) if segments else None,
     ],
     out_specs=[
-      pl.BlockSpec((None, block_q, None, head_dim), lambda i, b, h: (b, _query_tile(i, n, plan), h, 0)),
-      pl.BlockSpec((None, None, block_q), lambda i, b, h: (b, h, _query_tile(i, n, plan))),
+      pl.BlockSpec((None, block_q, None, head_dim), lambda i, b, h: (b, tile(i), h, 0)),
+      pl.BlockSpec((None, None, block_q), lambda i, b, h: (b, h, tile(i))),
     ],
     out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((batch, heads, length), jnp.float32)],
     compiler_params=plan.compiler_params(0),
     interpret=plan.interpret,
     name="mercury_flash_forward",
-  )(q, k, v, q_seg, k_seg)
+  )(q, k, v, q_seg, k_seg, seg_range)
 
 
 def _backward_calls(q, k, v, q_seg, k_seg, do, lse, delta, plan: _Plan):
   batch, length, heads, head_dim = q.shape
   kv_heads, groups, blocks = k.shape[2], plan.groups, plan.blocks
-  full_seq = lambda t, b, j: (b, 0)
-  bk = blocks.block_kv_dkv
+  segments = q_seg is not None
+  bq, bk = blocks.block_q_dkv, blocks.block_kv_dkv
   dk, dv = pl.pallas_call(
     functools.partial(_dkv_kernel, plan=plan),
     grid=(length // bk, batch, kv_heads),
@@ -370,17 +388,18 @@ def _backward_calls(q, k, v, q_seg, k_seg, do, lse, delta, plan: _Plan):
       pl.BlockSpec((None, length, groups, head_dim), lambda t, b, j: (b, 0, j, 0)),  # do
       pl.BlockSpec((None, groups, length), lambda t, b, j: (b, j, 0)),  # lse
       pl.BlockSpec((None, groups, length), lambda t, b, j: (b, j, 0)),  # delta
-      None if q_seg is None else pl.BlockSpec((None, length), full_seq),
-      None if k_seg is None else pl.BlockSpec((None, bk), lambda t, b, j: (b, t)),
+      pl.BlockSpec((None, length), lambda t, b, j: (b, 0)) if segments else None,
+      pl.BlockSpec((None, bk), lambda t, b, j: (b, t)) if segments else None,
+      pl.BlockSpec((None, None, 2), lambda t, b, j: (b, t, 0)) if segments else None,
     ],
     out_specs=[pl.BlockSpec((None, bk, None, head_dim), lambda t, b, j: (b, t, j, 0))] * 2,
     out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
     compiler_params=plan.compiler_params(1),
     interpret=plan.interpret,
     name="mercury_flash_dkv",
-  )(q, k, v, do, lse, delta, q_seg, k_seg)
+  )(q, k, v, do, lse, delta, q_seg, k_seg, _segment_ranges(q_seg, k_seg, bq, bk, False) if segments else None)
 
-  bq = blocks.block_q_dq
+  bq, bk = blocks.block_q_dq, blocks.block_kv_dq
   n = length // bq
   tile = lambda i: _query_tile(i, n, plan)
   dq = pl.pallas_call(
@@ -393,15 +412,16 @@ def _backward_calls(q, k, v, q_seg, k_seg, do, lse, delta, plan: _Plan):
       pl.BlockSpec((None, bq, None, head_dim), lambda i, b, h: (b, tile(i), h, 0)),  # do
       pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, tile(i))),  # lse
       pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, tile(i))),  # delta
-      None if q_seg is None else pl.BlockSpec((None, bq), lambda i, b, h: (b, tile(i))),
-      None if k_seg is None else pl.BlockSpec((None, length), lambda i, b, h: (b, 0)),
+      pl.BlockSpec((None, bq), lambda i, b, h: (b, tile(i))) if segments else None,
+      pl.BlockSpec((None, length), lambda i, b, h: (b, 0)) if segments else None,
+      pl.BlockSpec((None, None, 2), lambda i, b, h: (b, tile(i), 0)) if segments else None,
     ],
     out_specs=pl.BlockSpec((None, bq, None, head_dim), lambda i, b, h: (b, tile(i), h, 0)),
     out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
     compiler_params=plan.compiler_params(2),
     interpret=plan.interpret,
     name="mercury_flash_dq",
-  )(q, k, v, do, lse, delta, q_seg, k_seg)
+  )(q, k, v, do, lse, delta, q_seg, k_seg, _segment_ranges(q_seg, k_seg, bq, bk, True) if segments else None)
   return dq, dk, dv
 
 
