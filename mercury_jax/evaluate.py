@@ -1,0 +1,136 @@
+"""``python -m mercury_jax.evaluate --checkpoint DIR --data DATA_DIR``: held-out likelihood in comparable units.
+
+For a diffusion model: the negative ELBO (an upper bound on the NLL) in nats per token, estimated with a fixed number
+of independent t draws per sequence (each draw antithetic across the batch) and reported with its Monte Carlo
+standard error. For the autoregressive twin: the exact next-token NLL. Both are also given in bits per character
+of the split's text (so models with different tokenizers compare) and as a perplexity (bound).
+
+Bits per character = nats/token × target tokens ÷ (characters × ln 2). The autoregressive twin cannot score the
+first token of each record (it has no context); its per-token average is applied to all target tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+from flax import linen as nn
+
+from mercury_jax import distributed, sharding as sh
+from mercury_jax.checkpoint import restore_params
+from mercury_jax.config import Config
+from mercury_jax.data import pipeline
+from mercury_jax.trainer import Trainer
+
+
+def evaluate_params(
+  params,
+  cfg: Config,
+  data_dir: str | Path,
+  *,
+  split: str = "validation",
+  t_samples: int = 8,
+  batch_size: int | None = None,
+  seed: int = 0,
+  max_batches: int | None = None,
+) -> dict[str, Any]:
+  """Scores ``params`` on one exact pass over ``split`` (or its first ``max_batches`` batches)."""
+  if t_samples < 1:
+    raise ValueError(f"t_samples={t_samples} must be >= 1")
+  meta = pipeline.read_metadata(data_dir)
+  if meta["splits"].get(split, {}).get("records", 0) == 0:
+    raise ValueError(f"split {split!r} of {str(data_dir)!r} has no records")
+  batch_size = batch_size or cfg.data.batch_size
+  mesh = sh.make_mesh(cfg.mesh)
+  trainer = Trainer(cfg, mesh)
+  params = jax.device_put(params, trainer.state_shardings["params"])
+  local = pipeline.eval_batches(
+    data_dir, split, seq_len=cfg.model.max_length, global_batch_size=batch_size, num_batches=None
+  )
+  batches = [pipeline.to_global(b, mesh, trainer.rules) for b in local[:max_batches]]
+  autoregressive = cfg.diffusion.objective == "autoregressive"
+  draws = 1 if autoregressive else t_samples
+  per_draw = []
+  with jax.set_mesh(mesh), nn.logical_axis_rules(trainer.rules):
+    for draw in range(draws):
+      loss_sum = tokens = 0.0
+      for i, batch in enumerate(batches):
+        key = jax.random.fold_in(jax.random.key(seed), draw * len(batches) + i)
+        out = trainer.eval_step(params, batch, key)
+        loss_sum += float(out["loss_sum"])
+        tokens += float(out["tokens"])
+      per_draw.append(loss_sum / max(tokens, 1.0))
+  nats = float(np.mean(per_draw))
+  stderr = float(np.std(per_draw, ddof=1) / math.sqrt(draws)) if draws > 1 else 0.0
+  stats = meta["splits"][split]
+  covered = stats["records"] if max_batches is None else min(stats["records"], max_batches * batch_size)
+  target_tokens = stats["target_tokens"] * covered / stats["records"]
+  characters = stats["characters"] * covered / stats["records"]
+  bits_per_char = nats * target_tokens / (characters * math.log(2))
+  return {
+    "objective": cfg.diffusion.objective,
+    "bound": not autoregressive,
+    "split": split,
+    "records": covered,
+    "target_tokens": round(target_tokens),
+    "characters": round(characters),
+    "t_samples": draws,
+    "nats_per_token": nats,
+    "nats_per_token_stderr": stderr,
+    "bits_per_char": bits_per_char,
+    "bits_per_char_stderr": stderr * target_tokens / (characters * math.log(2)),
+    "perplexity": math.exp(min(nats, 50.0)),
+  }
+
+
+def main(argv: list[str] | None = None) -> None:
+  parser = argparse.ArgumentParser(prog="python -m mercury_jax.evaluate", description=__doc__.split("\n")[0])
+  parser.add_argument("--checkpoint", required=True, help="a train workdir, checkpoint folder or exported model")
+  parser.add_argument("--data", required=True, help="a directory written by `python -m mercury_jax.prepare`")
+  parser.add_argument("--split", default="validation")
+  parser.add_argument("--t-samples", type=int, default=8, help="independent t draws per sequence (diffusion)")
+  parser.add_argument("--batch-size", type=int, help="global batch (default: the model's training batch)")
+  parser.add_argument("--max-batches", type=int, help="score only the first N batches of the split")
+  parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--json", metavar="FILE", help="also write the result to FILE")
+  distributed.add_arguments(parser)
+  args = parser.parse_args(argv)
+  try:
+    distributed.initialize(args)
+    params, cfg = restore_params(args.checkpoint)
+    meta = pipeline.read_metadata(args.data)
+    if meta["seq_len"] != cfg.model.max_length or meta["vocab_size"] > cfg.model.vocab_size:
+      raise ValueError(
+        f"data at {args.data!r} (seq_len {meta['seq_len']}, vocab {meta['vocab_size']}) does not fit "
+        f"the model (max_length {cfg.model.max_length}, vocab {cfg.model.vocab_size})"
+      )
+    result = evaluate_params(
+      params,
+      cfg,
+      args.data,
+      split=args.split,
+      t_samples=args.t_samples,
+      batch_size=args.batch_size,
+      seed=args.seed,
+      max_batches=args.max_batches,
+    )
+  except (ValueError, FileNotFoundError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    raise SystemExit(2) from None
+  result["checkpoint"] = str(args.checkpoint)
+  text = json.dumps(result, indent=2)
+  if args.json and distributed.is_primary():
+    tmp = Path(args.json).with_suffix(".tmp")
+    tmp.write_text(text + "\n")
+    tmp.replace(args.json)
+  print(text)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,127 @@
+"""Likelihood evaluation of trained tiny models, and the sample-quality metrics on inputs with known answers."""
+
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import linen as nn
+
+from mercury_jax import quality
+from mercury_jax.checkpoint import restore_params
+from mercury_jax.config import load_config
+from mercury_jax.evaluate import evaluate_params
+from mercury_jax.model import Transformer
+from mercury_jax.prepare import main as prepare_main
+from mercury_jax.train import train
+
+FIXTURES = Path(__file__).parent / "fixtures"
+SMALL = {
+  "model.max_length": "64",
+  "model.vocab_size": "400",
+  "train.eval_every": "20",
+  "train.eval_batches": "1",
+  "checkpoint.async_save": "false",
+  "train.log_every": "20",
+}
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory) -> Path:
+  out = tmp_path_factory.mktemp("data") / "fixture"
+  prepare_main(
+    ["--corpus", str(FIXTURES / "corpus" / "**" / "*"), "--out", str(out), "--vocab-size", "400", "--seq-len", "64"]
+  )
+  return out
+
+
+def test_diffusion_bound_is_finite_and_consistent_with_training(tmp_path, data_dir):
+  cfg = load_config("tiny", {**SMALL, "data.path": str(data_dir), "train.steps": "40"})
+  last = train(cfg, tmp_path / "run", log=False)
+  params, stored = restore_params(tmp_path / "run")
+  result = evaluate_params(params, stored, data_dir, t_samples=6, batch_size=8)
+  assert math.isfinite(result["nats_per_token"]) and result["nats_per_token_stderr"] > 0
+  assert abs(result["nats_per_token"] - last["eval_nats_per_token"]) < 0.5  # Same split, other t draws.
+  meta_tokens, meta_chars = result["target_tokens"], result["characters"]
+  assert result["bits_per_char"] == pytest.approx(result["nats_per_token"] * meta_tokens / meta_chars / math.log(2))
+  assert result["perplexity"] == pytest.approx(math.exp(result["nats_per_token"]))
+  again = evaluate_params(params, stored, data_dir, t_samples=6, batch_size=8)
+  assert again["nats_per_token"] == result["nats_per_token"]  # A fixed seed gives a fixed estimate.
+
+
+def test_autoregressive_nll_is_exact_and_draw_free(tmp_path, data_dir):
+  cfg = load_config(
+    "default_ar",
+    {
+      **SMALL,
+      "data.path": str(data_dir),
+      "train.steps": "20",
+      "model.d_model": "64",
+      "model.num_layers": "2",
+      "model.mlp_dim": "128",
+      "model.num_heads": "2",
+      "model.num_kv_heads": "2",
+      "model.head_dim": "32",
+      "data.batch_size": "8",
+    },
+  )
+  train(cfg, tmp_path / "ar", log=False)
+  params, stored = restore_params(tmp_path / "ar")
+  a = evaluate_params(params, stored, data_dir, t_samples=5, seed=0, batch_size=8)
+  b = evaluate_params(params, stored, data_dir, t_samples=5, seed=9, batch_size=8)
+  assert a["t_samples"] == 1 and a["nats_per_token_stderr"] == 0.0 and not a["bound"]
+  assert a["nats_per_token"] == b["nats_per_token"]
+  assert 0 < a["nats_per_token"] < math.log(400) + 1
+
+
+def test_evaluate_cli_rejects_a_missing_checkpoint(tmp_path, data_dir):
+  proc = subprocess.run(
+    [sys.executable, "-m", "mercury_jax.evaluate", "--checkpoint", str(tmp_path / "none"), "--data", str(data_dir)],
+    capture_output=True,
+    text=True,
+    timeout=120,
+  )
+  assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_diversity_metrics_on_known_inputs():
+  assert quality.unigram_entropy([[1, 1, 2, 2], [5, 5, 5, 5]]) == pytest.approx(math.log(2) / 2)
+  assert quality.distinct_n([[1, 2, 1, 2]], 2) == pytest.approx(2 / 3)
+  assert quality.distinct_n([[1, 2, 3, 4]], 1) == 1.0
+  assert quality.distinct_n([[7] * 10], 3) == pytest.approx(1 / 8)
+
+
+def test_parse_rate_trims_to_the_last_complete_statement():
+  prompt = "def area(r):\n"
+  assert quality.parses(prompt, "    return 3.14 * r * r\n")
+  assert quality.parses(prompt, "    x = r * r\n    return (x +")  # Cut off mid-statement: trimmed.
+  assert not quality.parses(prompt, "")  # Nothing generated.
+  assert not quality.parses(prompt, "return )(\n")  # Never parses.
+  assert quality.parse_rate([prompt, prompt], ["    return r\n", "  ]]\n"]) == 0.5
+
+
+def test_generative_perplexity_of_a_uniform_model_is_the_vocabulary_size():
+  cfg = load_config(
+    "default_ar",
+    {
+      "model.vocab_size": "50",
+      "model.max_length": "16",
+      "model.d_model": "32",
+      "model.num_layers": "1",
+      "model.mlp_dim": "64",
+      "model.num_heads": "2",
+      "model.num_kv_heads": "2",
+      "model.head_dim": "16",
+    },
+  )
+  model = Transformer(cfg.model)
+  params = nn.meta.unbox(model.init(jax.random.key(0), jnp.zeros((1, 16), jnp.int32))["params"])
+  params = dict(params, head=jnp.zeros_like(params["head"]))  # Zero logits: every token has probability 1/50.
+  rng = np.random.default_rng(0)
+  prompts = [list(rng.integers(5, 50, n)) for n in (3, 7, 1)]
+  completions = [list(rng.integers(5, 50, n)) for n in (5, 9, 20)]
+  assert quality.generative_perplexity(params, cfg, prompts, completions, batch_size=2) == pytest.approx(50, rel=1e-5)
