@@ -1,9 +1,10 @@
 """``python -m mercury_jax.train --config NAME --workdir DIR [--set key=value ...]``: the one training loop.
 
 Rerunning the same command resumes from the latest checkpoint in ``DIR/checkpoints``. SIGTERM saves a checkpoint
-and exits cleanly. A non-finite loss stops the run with an error; the step that produced it is discarded inside
-the compiled step, so the last good checkpoint is never overwritten by a bad state. Metrics are appended to
-``DIR/metrics.jsonl``.
+and exits cleanly; with several processes, SIGTERM to any one of them makes every process save the same step and
+exit cleanly (``distributed.Preemption``). A non-finite loss stops the run with an error; the step that produced it
+is discarded inside the compiled step, so the last good checkpoint is never overwritten by a bad state. Metrics are
+appended to ``DIR/metrics.jsonl``.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import json
 import math
 import os
 import shutil
-import signal
 import sys
 import time
 from pathlib import Path
@@ -109,6 +109,7 @@ def train(cfg: Config, workdir: str | Path, *, log: bool = True) -> dict[str, An
   primary = distributed.is_primary()
   if primary:
     workdir.mkdir(parents=True, exist_ok=True)
+  distributed.check_shared_directory(workdir, "--workdir")
   meta = pipeline.read_metadata(cfg.data.path)
   _check_data(cfg, meta)
   mesh = sh.make_mesh(cfg.mesh)
@@ -157,12 +158,10 @@ def train(cfg: Config, workdir: str | Path, *, log: bool = True) -> dict[str, An
     final=True,
   )
 
-  stop = {"signal": None}
-  previous_handler = signal.signal(signal.SIGTERM, lambda signum, _: stop.update(signal=signum))
   last: dict[str, Any] = {"step": start_step}
   window_start, window_tokens = time.perf_counter(), 0.0
   try:
-    with jax.set_mesh(mesh), nn.logical_axis_rules(trainer.rules):
+    with jax.set_mesh(mesh), nn.logical_axis_rules(trainer.rules), distributed.Preemption() as preemption:
       pending = None
       tokens_per_step = cfg.data.batch_size * cfg.model.max_length
       for step in range(start_step, cfg.train.steps):
@@ -172,8 +171,9 @@ def train(cfg: Config, workdir: str | Path, *, log: bool = True) -> dict[str, An
           last = _finish_step(*pending, cfg=cfg)
         pending, done = (step + 1, metrics), step + 1
         window_tokens += tokens_per_step
+        preempted = preemption.reached(done)  # The same `done` on every process.
         log_now = done % max(cfg.train.log_every, 1) == 0 or done == cfg.train.steps
-        save_now = done % cfg.checkpoint.every == 0 or done == cfg.train.steps or stop["signal"]
+        save_now = done % cfg.checkpoint.every == 0 or done == cfg.train.steps or preempted
         if log_now or save_now or step == start_step:
           last, pending = _finish_step(*pending, cfg=cfg), None
         if log_now:
@@ -187,12 +187,11 @@ def train(cfg: Config, workdir: str | Path, *, log: bool = True) -> dict[str, An
           checkpointer.save(state, data_iter, cfg)
         if log_now or step == start_step:  # Compilation, evaluation and saving stay out of the throughput window.
           window_start, window_tokens = time.perf_counter(), 0.0
-        if stop["signal"]:
-          progress.show(f"received signal {stop['signal']}: saved step {done} to {checkpointer.directory}", final=True)
+        if preempted:
+          progress.show(f"{preemption.describe()}: saved step {done} to {checkpointer.directory}", final=True)
           break
   finally:
     checkpointer.close()
-    signal.signal(signal.SIGTERM, previous_handler)
   return last
 
 
@@ -223,6 +222,11 @@ def main(argv: list[str] | None = None) -> None:
   args = parser.parse_args(argv)
   try:
     cfg = load_config(args.config, parse_set_args(args.set))
+    if "://" in args.workdir:
+      raise ConfigError(
+        f"--workdir {args.workdir!r} must be a filesystem path; mount the bucket on every host (e.g. with gcsfuse) "
+        "or use a shared filesystem such as NFS"
+      )
     if not cfg.data.path:
       raise ConfigError(
         "data.path is empty; prepare data with `python -m mercury_jax.prepare --corpus python-stdlib "
