@@ -65,10 +65,13 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--block-length", type=int, default=0, help="semi-autoregressive blocks (0: one block)")
   p.add_argument("--revision", type=float, default=0.0, help="ReMDM-style re-masking strength in [0, 1)")
   p.add_argument("--min-length", type=int, default=0, help="no end-of-sequence among the first N generated tokens")
+  p.add_argument("--bos", action="store_true", help="start prompts with BOS, as SFT data does")
   p.add_argument("--num-samples", type=int, default=1, help="samples per prompt")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--mesh", help="DATA,FSDP,TENSOR sizes (default: every device on the data axis)")
-  p.add_argument("--json", action="store_true", help="one JSON object per sample on stdout")
+  p.add_argument(
+    "--json", action="store_true", help="one JSON object per sample: text, tokens, NFE, wall time, batch tokens/s"
+  )
   p.add_argument("--show-steps", action="store_true", help="show the canvas being refined, step by step")
   distributed.add_arguments(p)
   return p
@@ -169,7 +172,10 @@ def main(argv: list[str] | None = None) -> int:
     for number, prompt in enumerate(prompts, 1):
       if not prompt:
         _fail(f"prompt {number} of --prompts-file {args.prompts_file!r} is empty")
-  distributed.initialize(args)
+  try:
+    distributed.initialize(args)
+  except SystemExit as e:  # Inconsistent --coordinator/--num-processes/--process-id.
+    _fail(str(e.code))
 
   from mercury_jax.config import ConfigError
   from mercury_jax.sampling.sampler import Sampler, default_checkpoint
@@ -182,7 +188,11 @@ def main(argv: list[str] | None = None) -> int:
   elif not Path(path).exists():
     _fail(f"--checkpoint {path!r} does not exist")
   try:
-    sampler = Sampler.from_checkpoint(path, mesh=_make_mesh(args.mesh))
+    mesh = _make_mesh(args.mesh)
+  except ConfigError as e:
+    _fail(f"--mesh: {e}")
+  try:
+    sampler = Sampler.from_checkpoint(path, mesh=mesh)
   except (FileNotFoundError, ConfigError, ValueError) as e:
     _fail(f"--checkpoint {str(path)!r}: {e}")
   try:
@@ -194,6 +204,7 @@ def main(argv: list[str] | None = None) -> int:
       seed=args.seed,
       num_samples=args.num_samples,
       show_steps=args.show_steps,
+      bos=args.bos,
       **knobs,
     )
   except ValueError as e:

@@ -33,7 +33,7 @@ from mercury_jax import sharding as sh
 from mercury_jax.config import ModelConfig
 from mercury_jax.model import Transformer
 from mercury_jax.sampling.canvas import GENERATE, PAD, Canvas
-from mercury_jax.sampling.proposal import propose
+from mercury_jax.sampling.proposal import noise_width, propose, uniform_noise
 from mercury_jax.sampling.rules import StepInputs, make_rule
 from mercury_jax.sampling.settings import SamplerSettings
 
@@ -149,10 +149,11 @@ def sample(
     committed = in_window & ~masked
 
     logits = denoise_fn(params, z, t.astype(jnp.float32), segment_ids)  # [b, l, vocab]
+    # One draw per step and example: the rule's uniform, then the proposal's Gumbel noise (threefry is costly on CPU).
+    width = 0 if settings.temperature == 0.0 else noise_width(logits.shape[-1])
     step_keys = jax.vmap(lambda k: jax.random.fold_in(k, i))(example_keys)
-    gumbel_keys = jax.vmap(lambda k: jax.random.fold_in(k, 0))(step_keys)
-    u = jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, 1), (length,)))(step_keys)  # [b, l]
-    x0, confidence = propose(logits, gumbel_keys, eos_banned, settings)
+    noise = uniform_noise(step_keys, (length, 1 + width))  # [b, l, 1 + width]
+    x0, confidence = propose(logits, noise[..., 1:] if width else None, eos_banned, settings)
 
     inputs = StepInputs(
       x0=x0,
@@ -165,7 +166,7 @@ def sample(
       window_steps=window_steps,
       t=t.astype(jnp.float32),
       s=s.astype(jnp.float32),
-      u=u,
+      u=noise[..., 0],
     )
     out = rule(inputs)
     is_last = (i >= last)[:, None]

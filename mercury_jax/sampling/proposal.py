@@ -1,12 +1,21 @@
 """What the denoiser proposes at every position: a candidate token and the confidence a step rule ranks it by.
 
 The model's logits become the clean-token distribution of the SUBS parameterisation (MDLM, Sahoo et al. 2024):
-the mask class gets logit -inf. Candidates are drawn with the Gumbel-max trick in float32 (LLaDA samples its
-Gumbel noise in float64 because low-precision noise hurts generation quality; float32 is the widest type JAX uses
-by default). Confidence is measured on the untempered, unfiltered model distribution, as LLaDA and Dream do.
+the mask class gets logit -inf. Confidence is measured on this untempered, unfiltered distribution, as LLaDA and
+Dream do; candidates are drawn from its tempered, top-k/top-p filtered version.
+
+Sampling is an exact, two-level Gumbel-max in float32 (LLaDA draws Gumbel noise in float64 because low-precision
+noise hurts generation; float32 is JAX's widest default type). The vocabulary is cut into ``C`` chunks of ``C``
+tokens (``C = ceil(sqrt(vocab))``). The maximum of Gumbel-perturbed logits over a set is itself Gumbel distributed
+around the set's log-sum-exp (Maddison et al. 2014, "A* Sampling"), so drawing a chunk by Gumbel-max over the chunk
+log-sum-exps and then a token by Gumbel-max inside that chunk gives every token exactly its softmax probability,
+with ``2 C`` instead of ``vocab`` Gumbel draws per position: on a CPU, one full-vocabulary Gumbel draw per position
+costs several forward passes of a small model. Greedy decoding uses the same two-level layout for its argmax.
 """
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -16,14 +25,15 @@ from mercury_jax.sampling.settings import SamplerSettings
 
 def clean_logits(logits: jax.Array, eos_banned: jax.Array, settings: SamplerSettings) -> jax.Array:
   """Float32 logits of the clean token: the mask class removed, EOS removed where ``eos_banned`` [b, l]."""
-  logits = logits.astype(jnp.float32).at[..., settings.mask_id].set(-jnp.inf)
-  eos = jnp.where(eos_banned, -jnp.inf, logits[..., settings.eos_id])
-  return logits.at[..., settings.eos_id].set(eos)
+  vocab = jnp.arange(logits.shape[-1])
+  removed = (vocab == settings.mask_id) | ((vocab == settings.eos_id) & eos_banned[..., None])
+  return jnp.where(removed, -jnp.inf, logits.astype(jnp.float32))
 
 
 def filter_logits(logits: jax.Array, settings: SamplerSettings) -> jax.Array:
   """Temperature, then top-k, then top-p (nucleus, Holtzman et al. 2020); removed tokens get -inf."""
-  logits = logits / settings.temperature
+  if settings.temperature != 1.0:
+    logits = logits / settings.temperature
   if settings.top_k:
     top = jax.lax.top_k(logits, min(settings.top_k, logits.shape[-1]))[0]  # [b, l, k], descending
     logits = jnp.where(logits >= top[..., -1:], logits, -jnp.inf)
@@ -36,14 +46,89 @@ def filter_logits(logits: jax.Array, settings: SamplerSettings) -> jax.Array:
   return logits
 
 
+def _chunk_size(vocab: int) -> int:
+  return math.isqrt(vocab - 1) + 1 if vocab > 1 else 1
+
+
+def noise_width(vocab: int) -> int:
+  """Uniform draws per position that :func:`sample_tokens` needs: one Gumbel per chunk, one per chunk member."""
+  return 2 * _chunk_size(vocab)
+
+
+def uniform_noise(keys: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+  """Float32 uniforms in (0, 1) of ``shape`` for each example's key: [batch, *shape].
+
+  Each example draws for its own shape, and threefry's counters make a shorter draw a prefix of a longer one along
+  the first axis, so an example's noise does not depend on its batch or on the canvas padding.
+  """
+  tiny = jnp.finfo(jnp.float32).tiny
+  return jax.vmap(lambda key: jax.random.uniform(key, shape, jnp.float32, minval=tiny, maxval=1.0))(keys)
+
+
+def _chunked(logits: jax.Array) -> jax.Array:
+  """[b, l, vocab] -> [b, l, C, C] (-inf padded); token ``r * C + c`` sits at ``[r, c]`` and chunk ``c`` is column c.
+
+  Columns as chunks keep every reduction over the vocabulary on the second-to-last axis, which vectorises well.
+  """
+  vocab = logits.shape[-1]
+  size = _chunk_size(vocab)
+  padded = jnp.pad(logits, ((0, 0), (0, 0), (0, size * size - vocab)), constant_values=-jnp.inf)
+  return padded.reshape(*logits.shape[:-1], size, size)
+
+
+def _chunk_stats(chunks: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """``(chunk_max, chunk_lse, log_z)``: each chunk's max and log-sum-exp ([b, l, C]) and the normaliser ([b, l]).
+
+  One max and one exp-sum pass over the vocabulary, both relative to the position's maximum (float32 softmax
+  accuracy: a chunk more than ~87 nats below the maximum counts as probability 0).
+  """
+  chunk_max = jnp.max(chunks, axis=-2)  # [b, l, C]
+  top = jnp.max(chunk_max, axis=-1)  # [b, l], finite: the mask is the only class ever removed from every chunk
+  sums = jnp.sum(jnp.exp(chunks - top[..., None, None]), axis=-2)  # [b, l, C]
+  return chunk_max, top[..., None] + jnp.log(sums), top + jnp.log(jnp.sum(sums, axis=-1))
+
+
+def _two_level_argmax(chunks: jax.Array, chunk_scores: jax.Array, inner_noise: jax.Array | None) -> jax.Array:
+  """Token index from a chunk choice (argmax of ``chunk_scores``) and an argmax inside the chosen chunk."""
+  size = chunks.shape[-1]
+  chunk = jnp.argmax(chunk_scores, axis=-1)  # [b, l]
+  inner = jnp.take_along_axis(chunks, chunk[..., None, None], axis=-1)[..., 0]  # [b, l, C]: column ``chunk``
+  if inner_noise is not None:
+    inner = inner + inner_noise
+  return (jnp.argmax(inner, axis=-1) * size + chunk).astype(jnp.int32)
+
+
+def sample_tokens(logits: jax.Array, uniforms: jax.Array | None) -> jax.Array:
+  """One token per position from ``softmax(logits)`` (two-level Gumbel-max), or the argmax when ``uniforms`` is None.
+
+  Args:
+    logits: [batch, length, vocab] float32; -inf for excluded tokens (at least one finite per position).
+    uniforms: [batch, length, noise_width(vocab)] float32 uniforms in (0, 1) (see :func:`uniform_noise`).
+
+  Returns:
+    int32 [batch, length]. Exact ties between logits may resolve to another maximiser than ``jnp.argmax``'s.
+  """
+  chunks = _chunked(logits)  # [b, l, C, C]
+  chunk_max, chunk_lse, _ = _chunk_stats(chunks)
+  return _gumbel_max(chunks, chunk_max, chunk_lse, uniforms)
+
+
+def _gumbel_max(chunks, chunk_max, chunk_lse, uniforms):
+  if uniforms is None:
+    return _two_level_argmax(chunks, chunk_max, None)
+  gumbel = -jnp.log(-jnp.log(uniforms))  # [b, l, 2C] float32
+  size = chunks.shape[-1]
+  return _two_level_argmax(chunks, chunk_lse + gumbel[..., :size], gumbel[..., size:])
+
+
 def propose(
-  logits: jax.Array, keys: jax.Array, eos_banned: jax.Array, settings: SamplerSettings
+  logits: jax.Array, uniforms: jax.Array | None, eos_banned: jax.Array, settings: SamplerSettings
 ) -> tuple[jax.Array, jax.Array]:
   """Draws a candidate token per position and its confidence.
 
   Args:
     logits: The denoiser's output, [batch, length, vocab].
-    keys: One PRNG key per example, [batch]; only used when ``settings.temperature > 0``.
+    uniforms: [batch, length, noise_width(vocab)] uniforms in (0, 1); unused (may be None) at temperature 0.
     eos_banned: [batch, length] bool, positions where EOS may not be proposed.
     settings: Temperature, top-k, top-p and the confidence measure.
 
@@ -51,21 +136,20 @@ def propose(
     ``(x0, confidence)``: int32 [batch, length] candidates and float32 [batch, length] confidences.
   """
   logits = clean_logits(logits, eos_banned, settings)
-  if settings.temperature == 0.0:
-    x0 = jnp.argmax(logits, axis=-1)
+  chunks = _chunked(logits)  # [b, l, C, C]
+  chunk_max, chunk_lse, log_z = _chunk_stats(chunks)
+  greedy = settings.temperature == 0.0
+  if greedy or (settings.temperature == 1.0 and not settings.top_k and settings.top_p == 1.0):
+    x0 = _gumbel_max(chunks, chunk_max, chunk_lse, None if greedy else uniforms)  # Reuses the normaliser's work.
   else:
-    # One stream per example, drawn for that example's own shape: a row's noise does not depend on the batch.
-    shape = logits.shape[1:]
-    gumbel = jax.vmap(lambda key: jax.random.gumbel(key, shape, jnp.float32))(keys)  # [b, l, vocab]
-    x0 = jnp.argmax(filter_logits(logits, settings) + gumbel, axis=-1)
-  x0 = x0.astype(jnp.int32)
-  # Confidences from logits and their log-normaliser, without materialising another [b, l, vocab] array.
-  log_z = jax.nn.logsumexp(logits, axis=-1)  # [b, l]
+    x0 = sample_tokens(filter_logits(logits, settings), uniforms)
   if settings.confidence == "prob":
     confidence = jnp.exp(jnp.take_along_axis(logits, x0[..., None], axis=-1)[..., 0] - log_z)
   elif settings.confidence == "margin":
-    top2 = jnp.exp(jax.lax.top_k(logits, 2)[0] - log_z[..., None])  # [b, l, 2]
-    confidence = top2[..., 0] - top2[..., 1]
+    top1 = x0 if greedy else _two_level_argmax(chunks, chunk_max, None)
+    first = jnp.take_along_axis(logits, top1[..., None], axis=-1)[..., 0]
+    second = jnp.max(jnp.where(jnp.arange(logits.shape[-1]) == top1[..., None], -jnp.inf, logits), axis=-1)
+    confidence = jnp.exp(first - log_z) - jnp.exp(second - log_z)
   else:  # Negative entropy: sum_v p_v log p_v, with 0 log 0 = 0.
     p = jnp.exp(logits - log_z[..., None])
     confidence = jnp.sum(jnp.where(p > 0, p * logits, 0.0), axis=-1) - log_z

@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -170,8 +169,9 @@ class Sampler:
       cv.Canvas(
         self._place(canvas.tokens, rows), self._place(canvas.kinds, rows), self._place(canvas.streams, vectors)
       ),
-      jax.device_put(jax.random.key(seed), replicated),
-      jax.device_put(jnp.int32(steps), replicated),
+      # Host values placed by callback, so every process of a multi-host mesh builds the same global arrays.
+      self._place(np.asarray(jax.random.key_data(jax.random.key(seed))), replicated),
+      self._place(np.asarray(steps, np.int32), replicated),
     )
     cache_key = (settings, np.shape(canvas.tokens))
     compile_time = 0.0
@@ -204,6 +204,7 @@ class Sampler:
     num_samples: int = 1,
     streams: Sequence[int] | None = None,
     show_steps: bool = False,
+    bos: bool = False,
     **knobs,
   ) -> list[Sample]:
     """Generates text for each prompt (``num_samples`` each), in one batch.
@@ -218,6 +219,8 @@ class Sampler:
       streams: Each row's random stream (default: its row index); give a row the stream it had in another call to
         reproduce it there.
       show_steps: Record the canvas text after every step in ``Sample.steps``.
+      bos: Start every prompt with the BOS token, as SFT records do (``[BOS] + prompt``); LM pretraining data has
+        none.
       **knobs: ``SamplerSettings`` fields: rule, confidence, temperature, top_k, top_p, threshold, block_length,
         revision, min_length, eos_to_pad.
 
@@ -238,7 +241,7 @@ class Sampler:
     for i, prompt in enumerate(prompts):
       if not prompt and template is None:
         raise ValueError(f"prompt {i} is empty; give text to continue, or a template with <mask:N> holes")
-      ids = self.tokenizer.encode(prompt)
+      ids = ([self.tokenizer.bos_id] if bos else []) + self.tokenizer.encode(prompt)
       pieces = [ids, *tail] if tail is not None else cv.prefix(ids, length)
       size = sum(p.length if isinstance(p, cv.Hole) else len(p) for p in pieces)
       if size > self.max_length:

@@ -1,0 +1,155 @@
+"""``python -m mercury_jax.sample`` and the ``Sampler`` on a tiny exported checkpoint (random params)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import linen as nn
+
+from mercury_jax.checkpoint import export_params
+from mercury_jax.config import Config, ModelConfig
+from mercury_jax.data.tokenizer import train_tokenizer
+from mercury_jax.model import Transformer
+from mercury_jax.sample import main
+from mercury_jax.sampling.sampler import Sampler, default_checkpoint
+
+FIXTURES = Path(__file__).parent / "fixtures"
+MAX_LENGTH = 64
+
+
+def _export(root: Path, tokenizer_file: Path, vocab_size: int) -> Path:
+  model_cfg = ModelConfig(
+    vocab_size=vocab_size,
+    d_model=32,
+    num_layers=1,
+    num_heads=2,
+    num_kv_heads=2,
+    head_dim=16,
+    mlp_dim=64,
+    max_length=MAX_LENGTH,
+  )
+  cfg = Config(model=model_cfg, name="sampler-test")
+  params = Transformer(model_cfg).init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]
+  export_params(root, nn.meta.unbox(params), cfg, tokenizer_file)
+  return root
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, Path]:
+  root = tmp_path_factory.mktemp("sampler")
+  texts = [p.read_text() for p in sorted((FIXTURES / "corpus").rglob("*")) if p.is_file()]
+  tokenizer = train_tokenizer(texts, 400)
+  tokenizer.save(root / "tokenizer.model")
+  empty = root / "empty"
+  empty.mkdir()
+  return {
+    "good": _export(root / "good", root / "tokenizer.model", 512),
+    "small_vocab": _export(root / "small_vocab", root / "tokenizer.model", 300),
+    "empty": empty,
+  }
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> dict[str, Path]:
+  root = tmp_path_factory.mktemp("prompts")
+  (root / "prompts.jsonl").write_text('{"prompt": "def add(x):"}\n"import os"\n')
+  (root / "bad.jsonl").write_text('{"prompt": "ok"}\n{not json\n')
+  (root / "empty_prompt.jsonl").write_text('{"prompt": ""}\n')
+  return root
+
+
+BAD_INPUTS = {
+  "empty prompt": ["--prompt", ""],
+  "nothing to condition on": [],
+  "too long": ["--prompt", "x", "--length", str(MAX_LENGTH)],
+  "steps < 1": ["--prompt", "x", "--steps", "0"],
+  "unknown sampler": ["--prompt", "x", "--sampler", "magic"],
+  "negative temperature": ["--prompt", "x", "--temperature", "-0.5"],
+  "top-p zero": ["--prompt", "x", "--top-p", "0"],
+  "top-p above one": ["--prompt", "x", "--top-p", "1.01"],
+  "template without holes": ["--template", '{"name": ""}'],
+  "length with template": ["--template", "<mask:4>", "--length", "4"],
+  "missing checkpoint": ["--prompt", "x", "--checkpoint", "/no/such/checkpoint"],
+  "not a checkpoint": ["--prompt", "x", "--checkpoint", "{empty}"],
+  "tokenizer does not fit model": ["--prompt", "x", "--checkpoint", "{small_vocab}"],
+  "unreadable prompts file": ["--prompts-file", "/no/such/prompts.jsonl"],
+  "prompts file not json": ["--prompts-file", "{bad.jsonl}"],
+  "empty prompt in file": ["--prompts-file", "{empty_prompt.jsonl}"],
+  "unknown flag": ["--prompt", "x", "--frobnicate"],
+  "half the distributed flags": ["--prompt", "x", "--coordinator", "localhost:1234"],
+}
+
+
+def _argv(args, checkpoints, files):
+  argv = [] if "--checkpoint" in args else ["--checkpoint", str(checkpoints["good"])]
+  for a in args:
+    if a.startswith("{") and a.endswith("}") and a[1:-1] in checkpoints:
+      a = str(checkpoints[a[1:-1]])
+    elif a.startswith("{") and a.endswith("}"):
+      a = str(files / a[1:-1])
+    argv.append(a)
+  return argv
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_bad_input_is_one_line_and_exit_code_2(case, checkpoints, files, capsys):
+  with pytest.raises(SystemExit) as exit_info:
+    main(_argv(BAD_INPUTS[case], checkpoints, files))
+  assert exit_info.value.code == 2
+  err = capsys.readouterr().err
+  lines = [line for line in err.splitlines() if line.strip()]
+  assert len(lines) == 1 and lines[0].startswith("mercury_jax.sample: error: "), err
+
+
+def test_no_default_model_says_how_to_train_one(capsys):
+  if default_checkpoint() is not None:
+    pytest.skip("a default model is bundled")
+  with pytest.raises(SystemExit) as exit_info:
+    main(["--prompt", "x"])
+  assert exit_info.value.code == 2
+  err = capsys.readouterr().err.strip()
+  assert "\n" not in err and "mercury_jax.train" in err and "--checkpoint" in err
+
+
+def test_json_gives_text_tokens_nfe_time_and_speed_per_sample(checkpoints, files, capsys):
+  argv = ["--checkpoint", str(checkpoints["good"]), "--prompts-file", str(files / "prompts.jsonl"), "--length", "8"]
+  assert main([*argv, "--steps", "4", "--num-samples", "2", "--json", "--sampler", "threshold"]) == 0
+  records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+  assert [r["prompt"] for r in records] == ["def add(x):"] * 2 + ["import os"] * 2
+  for r in records:
+    assert set(r) >= {"text", "tokens", "nfe", "wall_time_s", "tokens_per_s"}
+    assert 1 <= r["nfe"] <= 4 and 1 <= len(r["tokens"]) <= 8 and r["tokens_per_s"] > 0
+  assert records[0]["tokens"] != records[1]["tokens"]  # Each sample has its own random stream.
+
+
+def test_show_steps_prints_the_canvas_at_every_step(checkpoints, capsys):
+  argv = ["--checkpoint", str(checkpoints["good"]), "--template", "x = <mask:6>", "--steps", "3", "--show-steps"]
+  assert main([*argv, "--temperature", "0"]) == 0
+  out = capsys.readouterr().out
+  assert "step 1/3" in out and "step 3/3" in out and "░" in out.split("step 2/3")[0]
+
+
+def test_sampler_api_fills_templates_and_mixes_prompt_lengths(checkpoints):
+  sampler = Sampler.from_checkpoint(checkpoints["good"])
+  template = '{"name": "<mask:4>", "age": <mask:2>}'
+  (filled,) = sampler.generate(template=template, steps=4, eos_to_pad=False, min_length=6)
+  assert filled.text.startswith('{"name": "') and '", "age": ' in filled.text and filled.text.endswith("}")
+  batch = sampler.generate(["a", "def f(x, y, z):\n  return"], length=6, steps=6, show_steps=True)
+  alone = sampler.generate(["def f(x, y, z):\n  return"], length=6, steps=6, streams=[1])
+  assert batch[1].tokens == alone[0].tokens  # The same stream gives the same sample, alone or in a batch.
+  assert len(batch[1].steps) == batch[1].nfe and "░" in batch[1].steps[0]
+  with pytest.raises(ValueError, match="context"):
+    sampler.generate("x", length=MAX_LENGTH)
+
+
+def test_command_line_entry_point(checkpoints):
+  cmd = [sys.executable, "-m", "mercury_jax.sample", "--checkpoint", str(checkpoints["good"]), "--prompt", "def"]
+  done = subprocess.run([*cmd, "--length", "6", "--steps", "3", "--json"], capture_output=True, text=True)
+  assert done.returncode == 0, done.stderr
+  assert json.loads(done.stdout.splitlines()[0])["nfe"] <= 3
+  bad = subprocess.run([*cmd, "--steps", "0"], capture_output=True, text=True)
+  assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "Traceback" not in bad.stderr
