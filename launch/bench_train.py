@@ -37,8 +37,13 @@ def main() -> None:
   b, length = cfg.data.batch_size, cfg.model.max_length
   rng = np.random.default_rng(0)
   batches = [
-    jax.device_put({"tokens": jnp.asarray(rng.integers(5, cfg.model.vocab_size, (b, length)), jnp.int32),
-                    "kinds": jnp.full((b, length), 2, jnp.int32)}, trainer.batch_sharding)
+    jax.device_put(
+      {
+        "tokens": jnp.asarray(rng.integers(5, cfg.model.vocab_size, (b, length)), jnp.int32),
+        "kinds": jnp.full((b, length), 2, jnp.int32),
+      },
+      trainer.batch_sharding,
+    )
     for _ in range(4)
   ]
   step_flops = flops_per_token(cfg.model, count_params(state["params"])) * b * length
@@ -65,12 +70,16 @@ def main() -> None:
     ratios.append(step_flops / step_time / peak)
 
   median_step = statistics.median(step_times)
-  print(f"config {cfg.name}: {count_params(state['params']) / 1e6:.2f} M parameters, batch {b} x {length}, "
-        f"{jax.device_count()} {jax.default_backend()} device(s), {step_flops / 1e9:.1f} GFLOP/step")
-  print(f"median step {median_step * 1e3:.1f} ms | {b * length / median_step:,.0f} tokens/s | "
-        f"{step_flops / median_step / 1e9:.1f} GFLOP/s | matmul peak median {statistics.median(peaks) / 1e9:.1f} "
-        f"GFLOP/s | MFU median {100 * statistics.median(ratios):.1f}% (min {100 * min(ratios):.1f}%, "
-        f"max {100 * max(ratios):.1f}%) over {args.steps} steps")
+  print(
+    f"config {cfg.name}: {count_params(state['params']) / 1e6:.2f} M parameters, batch {b} x {length}, "
+    f"{jax.device_count()} {jax.default_backend()} device(s), {step_flops / 1e9:.1f} GFLOP/step"
+  )
+  print(
+    f"median step {median_step * 1e3:.1f} ms | {b * length / median_step:,.0f} tokens/s | "
+    f"{step_flops / median_step / 1e9:.1f} GFLOP/s | matmul peak median {statistics.median(peaks) / 1e9:.1f} "
+    f"GFLOP/s | MFU median {100 * statistics.median(ratios):.1f}% (min {100 * min(ratios):.1f}%, "
+    f"max {100 * max(ratios):.1f}%) over {args.steps} steps"
+  )
 
 
 if __name__ == "__main__":

@@ -73,8 +73,9 @@ def main(argv: list[str] | None = None) -> None:
   except ConfigError as e:
     print(f"error: {e}", file=sys.stderr)
     raise SystemExit(2) from None
-  print(f"{cfg.name}: compiled the train step on {report['devices']} devices; "
-        f"{report['params'] / 1e6:.1f} M parameters")
+  print(
+    f"{cfg.name}: compiled the train step on {report['devices']} devices; {report['params'] / 1e6:.1f} M parameters"
+  )
   for key, value in report.items():
     if key not in ("params", "devices"):
       print(f"  {key}: {value / 2**30:.3f} GiB" if key.endswith("bytes_per_device") else f"  {key}: {value:.3e}")
