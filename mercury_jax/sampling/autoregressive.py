@@ -1,0 +1,111 @@
+"""Key-value-cache decoding for the autoregressive twin: one jitted ``lax.while_loop``, one token per forward pass.
+
+It fills the same :class:`~mercury_jax.sampling.canvas.Canvas` as the diffusion sampler, left to right: a prefill
+pass writes the whole canvas into the cache (generated positions hold padding there, and causal attention never
+lets an earlier position see them), then each iteration feeds the token just decided at position ``i`` and reads
+the distribution of position ``i + 1``. Fixed tokens after a generated one (a template) are forced rather than
+sampled, so templates work too, but every position to the left of a generated one must be known when it is reached.
+
+Candidates come from the diffusion sampler's proposal code (temperature, top-k, top-p, float32 two-level
+Gumbel-max, EOS banned before ``min_length``); example ``i`` draws from ``fold_in(key, streams[i])`` and position
+``j`` from ``fold_in(that, j)``, so an example's tokens do not depend on its batch. Positions are absolute canvas
+slots, so a prompt means the same wherever it sits in a batch. The loop stops once every example has produced its
+end-of-sequence token or reached its last position; ``nfe`` counts the prefill and every decoding pass.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from mercury_jax.config import ModelConfig
+from mercury_jax.model import Transformer
+from mercury_jax.sampling.canvas import GENERATE, PAD, Canvas
+from mercury_jax.sampling.loop import SampleOutput
+from mercury_jax.sampling.proposal import noise_width, propose, uniform_noise
+from mercury_jax.sampling.settings import SamplerSettings
+
+
+def decode(
+  params: Any, canvas: Canvas, key: jax.Array, *, model_cfg: ModelConfig, settings: SamplerSettings
+) -> SampleOutput:
+  """Fills every ``GENERATE`` position of ``canvas`` with a causal model and a key-value cache.
+
+  Args:
+    params: The autoregressive model's parameters.
+    canvas: Rows whose first position is fixed (a prompt, or at least a BOS token).
+    key: A PRNG key.
+    model_cfg: The model's config (``causal=True``).
+    settings: Temperature, top-k, top-p, ``min_length``, EOS handling (the step rule itself is unused).
+
+  Returns:
+    A :class:`SampleOutput`; ``nfe`` and ``steps`` count forward passes (prefill included).
+  """
+  model = Transformer(model_cfg)
+  tokens, kinds = jnp.asarray(canvas.tokens, jnp.int32), jnp.asarray(canvas.kinds, jnp.int32)
+  batch, length = tokens.shape
+  generate = kinds == GENERATE
+  segments = (kinds != PAD).astype(jnp.int32)
+  rank = jnp.cumsum(generate, axis=-1, dtype=jnp.int32) - 1  # index among the row's generated positions
+  last_generate = jnp.max(jnp.where(generate, jnp.arange(length), -1), axis=-1)  # [b], -1: nothing to generate
+  first = jnp.min(jnp.where(generate, jnp.arange(length), length), axis=-1)  # [b]
+  start = jnp.maximum(jnp.min(first), 1)  # the first position any row samples (position 0 is always known)
+  example_keys = jax.vmap(lambda stream: jax.random.fold_in(key, stream))(jnp.asarray(canvas.streams, jnp.int32))
+  width = 0 if settings.temperature == 0.0 else noise_width(model_cfg.vocab_size)
+  z = jnp.where(generate, settings.pad_id, tokens)
+
+  cache = model.init(jax.random.key(0), z, decode=True)["cache"]
+  positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
+  logits, variables = model.apply(
+    {"params": params, "cache": cache}, z, segment_ids=segments, positions=positions, decode=True, mutable=["cache"]
+  )
+
+  def finished(z, i):
+    eos_seen = jnp.any(generate & (z == settings.eos_id) & (jnp.arange(length) < i), axis=-1)
+    return eos_seen | (last_generate < i)
+
+  def decide(z, i, logits):
+    """Samples position ``i`` of the rows that generate there (and are not finished) from ``logits`` [b, vocab]."""
+    step_keys = jax.vmap(lambda k: jax.random.fold_in(k, i))(example_keys)
+    noise = uniform_noise(step_keys, (1, width)) if width else None  # [b, 1, width]
+    banned = jax.lax.dynamic_index_in_dim(rank, i, axis=1, keepdims=True) < settings.min_length
+    candidate, _ = propose(logits[:, None, :], noise, banned, settings)  # [b, 1]
+    sample_here = jax.lax.dynamic_index_in_dim(generate, i, axis=1, keepdims=True) & ~finished(z, i)[:, None]
+    current = jax.lax.dynamic_index_in_dim(z, i, axis=1, keepdims=True)
+    return jax.lax.dynamic_update_index_in_dim(z, jnp.where(sample_here, candidate, current), i, axis=1)
+
+  def cond(carry):
+    i, z, _, _ = carry
+    return (i < length) & ~jnp.all(finished(z, i))
+
+  def body(carry):
+    i, z, cache, nfe = carry  # Feed the token at i - 1, read the distribution of position i.
+    token = jax.lax.dynamic_index_in_dim(z, i - 1, axis=1, keepdims=True)
+    segment = jax.lax.dynamic_index_in_dim(segments, i - 1, axis=1, keepdims=True)
+    logits, variables = model.apply(
+      {"params": params, "cache": cache},
+      token,
+      segment_ids=segment,
+      positions=jnp.full((batch, 1), i - 1, jnp.int32),
+      decode=True,
+      mutable=["cache"],
+    )
+    return i + 1, decide(z, i, logits[:, 0]), variables["cache"], nfe + 1
+
+  z = decide(z, start, jax.lax.dynamic_index_in_dim(logits, start - 1, axis=1, keepdims=False))
+  init = (start + 1, z, variables["cache"], jnp.ones((), jnp.int32))
+  _, z, _, nfe = jax.lax.while_loop(cond, body, init)
+  if settings.eos_to_pad:
+    first_eos = jnp.min(jnp.where(generate & (z == settings.eos_id), rank, length), axis=-1)
+    z = jnp.where(generate & (rank > first_eos[:, None]), settings.pad_id, z)
+  return SampleOutput(z, jnp.broadcast_to(nfe, (batch,)), nfe)
+
+
+def jit_decode(model_cfg: ModelConfig, settings: SamplerSettings):
+  """``jax.jit`` of :func:`decode` for fixed settings: ``(params, canvas, key) -> SampleOutput``."""
+  if not model_cfg.causal:
+    raise ValueError("key-value-cache decoding needs a causal model (the autoregressive twin)")
+  return jax.jit(functools.partial(decode, model_cfg=model_cfg, settings=settings.validate()))
