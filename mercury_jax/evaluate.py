@@ -56,16 +56,10 @@ def evaluate_params(
   batches = [pipeline.to_global(b, mesh, trainer.rules) for b in local[:max_batches]]
   autoregressive = cfg.diffusion.objective == "autoregressive"
   draws = 1 if autoregressive else t_samples
-  per_draw = []
   with jax.set_mesh(mesh), nn.logical_axis_rules(trainer.rules):
-    for draw in range(draws):
-      loss_sum = tokens = 0.0
-      for i, batch in enumerate(batches):
-        key = jax.random.fold_in(jax.random.key(seed), draw * len(batches) + i)
-        out = trainer.eval_step(params, batch, key)
-        loss_sum += float(out["loss_sum"])
-        tokens += float(out["tokens"])
-      per_draw.append(loss_sum / max(tokens, 1.0))
+    per_draw = [
+      trainer.nats_per_token(params, batches, jax.random.fold_in(jax.random.key(seed), d)) for d in range(draws)
+    ]
   nats = float(np.mean(per_draw))
   stderr = float(np.std(per_draw, ddof=1) / math.sqrt(draws)) if draws > 1 else 0.0
   stats = meta["splits"][split]

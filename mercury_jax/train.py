@@ -93,13 +93,8 @@ def _same_model(stored: Config, cfg: Config) -> None:
 
 
 def evaluate(trainer: Trainer, params, batches: list[dict[str, jax.Array]], seed: int) -> dict[str, float]:
-  """Held-out negative ELBO (or NLL) in nats per target token, with a fixed key per batch."""
-  loss_sum = tokens = 0.0
-  for i, batch in enumerate(batches):
-    out = trainer.eval_step(params, batch, jax.random.key(seed + i))
-    loss_sum += float(out["loss_sum"])
-    tokens += float(out["tokens"])
-  nats = loss_sum / max(tokens, 1.0)
+  """Held-out negative ELBO (or NLL) in nats per target token, with fixed keys so evaluations compare."""
+  nats = trainer.nats_per_token(params, batches, jax.random.key(seed))
   return {"eval_nats_per_token": nats, "eval_perplexity_bound": math.exp(min(nats, 50.0))}
 
 

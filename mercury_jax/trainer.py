@@ -170,6 +170,18 @@ class Trainer:
     batch_sh = {"tokens": self.batch_sharding, "kinds": self.batch_sharding}
     return jax.jit(self._eval_step, in_shardings=(self.state_shardings["params"], batch_sh, None))
 
+  def nats_per_token(self, params, batches: list[Batch], key: jax.Array) -> float:
+    """The objective over ``batches`` (batch i drawn with ``fold_in(key, i)``), in nats per target token.
+
+    For diffusion this is one Monte Carlo draw of the negative ELBO per sequence; for the AR twin the exact NLL.
+    """
+    loss_sum = tokens = 0.0
+    for i, batch in enumerate(batches):
+      out = self.eval_step(params, batch, jax.random.fold_in(key, i))
+      loss_sum += float(out["loss_sum"])
+      tokens += float(out["tokens"])
+    return loss_sum / max(tokens, 1.0)
+
   def lower_train_step(self):
     """Lowers the train step from abstract values only (ahead-of-time compile checks of big presets)."""
     b, length = self.cfg.data.batch_size, self.cfg.model.max_length

@@ -43,13 +43,16 @@ def test_diffusion_bound_is_finite_and_consistent_with_training(tmp_path, data_d
   cfg = load_config("tiny", {**SMALL, "data.path": str(data_dir), "train.steps": "40"})
   last = train(cfg, tmp_path / "run", log=False)
   params, stored = restore_params(tmp_path / "run")
-  result = evaluate_params(params, stored, data_dir, t_samples=6, batch_size=8)
+  result = evaluate_params(params, stored, data_dir, t_samples=8, batch_size=8)
   assert math.isfinite(result["nats_per_token"]) and result["nats_per_token_stderr"] > 0
-  assert abs(result["nats_per_token"] - last["eval_nats_per_token"]) < 0.5  # Same split, other t draws.
+  # The training loop's evaluation is one draw of the same estimator on (almost) the same records: it must lie within
+  # a few per-draw standard deviations of the 8-draw mean.
+  per_draw_std = result["nats_per_token_stderr"] * math.sqrt(result["t_samples"])
+  assert abs(result["nats_per_token"] - last["eval_nats_per_token"]) < 4 * per_draw_std + 0.05
   meta_tokens, meta_chars = result["target_tokens"], result["characters"]
   assert result["bits_per_char"] == pytest.approx(result["nats_per_token"] * meta_tokens / meta_chars / math.log(2))
   assert result["perplexity"] == pytest.approx(math.exp(result["nats_per_token"]))
-  again = evaluate_params(params, stored, data_dir, t_samples=6, batch_size=8)
+  again = evaluate_params(params, stored, data_dir, t_samples=8, batch_size=8)
   assert again["nats_per_token"] == result["nats_per_token"]  # A fixed seed gives a fixed estimate.
 
 
