@@ -10,6 +10,18 @@ Examples::
 ``--prompts-file`` is JSON lines, each ``{"prompt": "..."}`` or a JSON string. Without ``--checkpoint`` the model
 bundled in ``mercury_jax/assets/default/`` is used once there is one. Bad input gets one line on stderr and exit
 code 2.
+
+A checkpoint of the autoregressive twin (``diffusion.objective = "autoregressive"``) is decoded token by token with
+a key-value cache, with the same prompts, templates, ``--length``, ``--temperature``/``--top-k``/``--top-p``,
+``--min-length``, ``--num-samples``, ``--seed``, ``--json`` and ``--show-steps`` (one frame per token). The
+refinement flags (``--steps``, ``--sampler``, ``--confidence``, ``--threshold``, ``--block-length``, ``--revision``)
+are an error for it.
+
+Several processes (``--coordinator ...`` or a launcher) sample one batch together. By default every process reads the
+same prompts and process 0 prints every sample. When the ``--prompts-file`` path contains ``{process}``, each
+process reads its own file (``{process}`` replaced by its index), e.g. ``--prompts-file 'prompts-{process}.jsonl'``,
+and prints only its own samples (with ``--json``, each line has a ``"process"`` field); the tokens are those one
+process would give for all the files' prompts in process order.
 """
 
 from __future__ import annotations
@@ -20,11 +32,35 @@ import sys
 import time
 from pathlib import Path
 
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
 from mercury_jax import distributed
 from mercury_jax.sampling import canvas as cv
 from mercury_jax.sampling.settings import CONFIDENCES, SAMPLERS, SamplerSettings
 
 FRAME_SECONDS = 0.08  # Pause between frames of --show-steps on a terminal.
+PROCESS_PLACEHOLDER = "{process}"  # In a --prompts-file path: each process reads its own file.
+# Refinement flags (and their argparse names): a diffusion model's, an error for an autoregressive one.
+DIFFUSION_FLAGS = {
+  "--steps": "steps",
+  "--sampler": "sampler",
+  "--confidence": "confidence",
+  "--threshold": "threshold",
+  "--block-length": "block_length",
+  "--revision": "revision",
+}
+
+EPILOG = """\
+autoregressive checkpoints (diffusion.objective = "autoregressive") are decoded token by token with a key-value
+cache; --steps, --sampler, --confidence, --threshold, --block-length and --revision apply to diffusion models only
+and are an error for them. A canvas that starts with a hole gets BOS in front. --show-steps shows one frame per token.
+
+several processes: by default every process reads the same prompts and process 0 prints every sample. With
+--prompts-file 'prompts-{process}.jsonl' each process reads its own file ({process} becomes its process index, a
+file may be empty) and prints only its own samples (--json lines carry "process"); the tokens equal those of one
+process given all the files' prompts in process order."""
 
 NO_DEFAULT_MODEL = (
   "no --checkpoint given and no default model is bundled yet (mercury_jax/assets/default/); train one with "
@@ -48,22 +84,31 @@ def _fail(message: str):
 
 
 def build_parser() -> argparse.ArgumentParser:
-  p = _Parser(prog="python -m mercury_jax.sample", description=__doc__.splitlines()[0])
+  p = _Parser(
+    prog="python -m mercury_jax.sample",
+    description=__doc__.splitlines()[0],
+    epilog=EPILOG,
+    formatter_class=argparse.RawDescriptionHelpFormatter,
+  )
   p.add_argument("--checkpoint", help="train workdir, checkpoints folder, step folder or exported checkpoint")
   source = p.add_mutually_exclusive_group()
   source.add_argument("--prompt", help="text to continue (or to put before --template)")
-  source.add_argument("--prompts-file", help='JSON lines: {"prompt": ...} or a JSON string per line')
+  source.add_argument(
+    "--prompts-file",
+    help='JSON lines: {"prompt": ...} or a JSON string per line; a path with {process} (e.g. prompts-{process}.jsonl) '
+    "makes each process read its own file and print only its own samples",
+  )
   p.add_argument("--template", help="text with <mask:N> holes to fill; its other text is kept as is")
   p.add_argument("--length", type=int, help="tokens to generate after each prompt (default 64; not with --template)")
-  p.add_argument("--steps", type=int, default=32, help="refinement steps (a budget: finished canvases stop early)")
-  p.add_argument("--sampler", default="confidence", help=f"step rule: {', '.join(SAMPLERS)}")
-  p.add_argument("--confidence", default="prob", help=f"what ranks positions: {', '.join(CONFIDENCES)}")
+  p.add_argument("--steps", type=int, help="refinement steps, a budget: finished canvases stop early (default 32)")
+  p.add_argument("--sampler", help=f"step rule: {', '.join(SAMPLERS)} (default confidence)")
+  p.add_argument("--confidence", help=f"what ranks positions: {', '.join(CONFIDENCES)} (default prob)")
   p.add_argument("--temperature", type=float, default=1.0, help="0 is greedy")
   p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: all)")
   p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1]")
-  p.add_argument("--threshold", type=float, default=0.9, help="confidence bar of --sampler threshold")
-  p.add_argument("--block-length", type=int, default=0, help="semi-autoregressive blocks (0: one block)")
-  p.add_argument("--revision", type=float, default=0.0, help="ReMDM-style re-masking strength in [0, 1)")
+  p.add_argument("--threshold", type=float, help="confidence bar of --sampler threshold (default 0.9)")
+  p.add_argument("--block-length", type=int, help="semi-autoregressive blocks (default 0: one block)")
+  p.add_argument("--revision", type=float, help="ReMDM-style re-masking strength in [0, 1) (default 0)")
   p.add_argument("--min-length", type=int, default=0, help="no end-of-sequence among the first N generated tokens")
   p.add_argument("--bos", action="store_true", help="start prompts with BOS, as SFT data does")
   p.add_argument("--num-samples", type=int, default=1, help="samples per prompt")
@@ -72,16 +117,19 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument(
     "--json", action="store_true", help="one JSON object per sample: text, tokens, NFE, wall time, batch tokens/s"
   )
-  p.add_argument("--show-steps", action="store_true", help="show the canvas being refined, step by step")
+  p.add_argument(
+    "--show-steps", action="store_true", help="show the canvas being refined step by step (autoregressive: by token)"
+  )
   distributed.add_arguments(p)
   return p
 
 
-def _read_prompts(path: str) -> list[str]:
+def _read_prompts(path: str, *, allow_empty: bool = False) -> list[str]:
+  """The prompts of a JSON-lines file; ``ValueError`` with a one-line message when it cannot be used."""
   try:
     lines = Path(path).read_text(encoding="utf-8").splitlines()
   except (OSError, UnicodeDecodeError) as e:
-    _fail(f"cannot read --prompts-file {path!r}: {getattr(e, 'strerror', None) or e}")
+    raise ValueError(f"cannot read --prompts-file {path!r}: {getattr(e, 'strerror', None) or e}") from None
   prompts = []
   for number, line in enumerate(lines, 1):
     if not line.strip():
@@ -89,20 +137,50 @@ def _read_prompts(path: str) -> list[str]:
     try:
       item = json.loads(line)
     except json.JSONDecodeError as e:
-      _fail(f"--prompts-file {path!r} line {number} is not JSON: {e}")
+      raise ValueError(f"--prompts-file {path!r} line {number} is not JSON: {e}") from None
     if isinstance(item, dict) and isinstance(item.get("prompt"), str):
       item = item["prompt"]
     if not isinstance(item, str):
-      _fail(f'--prompts-file {path!r} line {number} must be a JSON string or an object with a "prompt" string')
+      raise ValueError(
+        f'--prompts-file {path!r} line {number} must be a JSON string or an object with a "prompt" string'
+      )
     prompts.append(item)
-  if not prompts:
-    _fail(f"--prompts-file {path!r} holds no prompt")
+  if not prompts and not allow_empty:
+    raise ValueError(f"--prompts-file {path!r} holds no prompt")
+  return prompts
+
+
+def _prompts(args: argparse.Namespace, path: str, *, allow_empty: bool = False) -> list[str]:
+  """``--prompts-file`` read and checked (no empty prompt without a template); ``ValueError`` otherwise."""
+  prompts = _read_prompts(path, allow_empty=allow_empty)
+  if args.template is None:
+    for number, prompt in enumerate(prompts, 1):
+      if not prompt:
+        raise ValueError(f"prompt {number} of --prompts-file {path!r} is empty")
+  return prompts
+
+
+def _own_prompts(args: argparse.Namespace) -> list[str]:
+  """This process's prompts in per-process mode (its file may be empty); if any process cannot read its file, every
+  process stops with one line."""
+  error = None
+  try:
+    prompts = _prompts(args, args.prompts_file.replace(PROCESS_PLACEHOLDER, str(jax.process_index())), allow_empty=True)
+  except ValueError as e:
+    error = str(e)
+  failed = [0 if error is None else 1]
+  if jax.process_count() > 1:
+    failed = np.asarray(multihost_utils.process_allgather(np.int32(failed[0]))).reshape(-1).tolist()
+  if error is not None:
+    _fail(error)
+  if any(failed):
+    _fail(f"process(es) {[i for i, f in enumerate(failed) if f]} could not read their --prompts-file (see their error)")
   return prompts
 
 
 def _check_args(args: argparse.Namespace) -> dict:
-  """Every check that needs no model, before a checkpoint is read; returns the sampler knobs."""
-  if args.steps < 1:
+  """Every check that needs no model, before a checkpoint is read; returns the sampler knobs given."""
+  if args.steps is not None and args.steps < 1:
     _fail(f"--steps={args.steps} must be >= 1")
   if args.length is not None and args.length < 1:
     _fail(f"--length={args.length} must be >= 1")
@@ -127,6 +205,7 @@ def _check_args(args: argparse.Namespace) -> dict:
     "revision": args.revision,
     "min_length": args.min_length,
   }
+  knobs = {name: value for name, value in knobs.items() if value is not None}  # Defaults: SamplerSettings'.
   try:
     SamplerSettings(**knobs).validate()
   except ValueError as e:  # Name the flag, not the library's field: "top_p=0" -> "--top-p=0".
@@ -150,12 +229,12 @@ def _make_mesh(spec: str | None):
   return sh.make_mesh(MeshConfig(data=data, fsdp=fsdp, tensor=tensor))
 
 
-def _show(frames: list[str], header: str) -> None:
+def _show(frames: list[str], header: str, unit: str) -> None:
   tty = sys.stdout.isatty()
   for j, frame in enumerate(frames):
     if tty:
       sys.stdout.write("\033[H\033[J")
-    sys.stdout.write(f"{header} step {j + 1}/{len(frames)}\n{frame}\n\n")
+    sys.stdout.write(f"{header} {unit} {j + 1}/{len(frames)}\n{frame}\n\n")
     sys.stdout.flush()
     if tty:
       time.sleep(FRAME_SECONDS)
@@ -167,15 +246,19 @@ def main(argv: list[str] | None = None) -> int:
     knobs = _check_args(args)
   except ValueError as e:  # A template without holes.
     _fail(f"--template: {e}")
-  prompts = _read_prompts(args.prompts_file) if args.prompts_file else None
-  if prompts is not None and args.template is None:
-    for number, prompt in enumerate(prompts, 1):
-      if not prompt:
-        _fail(f"prompt {number} of --prompts-file {args.prompts_file!r} is empty")
+  per_process = args.prompts_file is not None and PROCESS_PLACEHOLDER in args.prompts_file
+  prompts = None
+  if args.prompts_file and not per_process:
+    try:
+      prompts = _prompts(args, args.prompts_file)
+    except ValueError as e:
+      _fail(str(e))
   try:
     distributed.initialize(args)
   except SystemExit as e:  # Inconsistent --coordinator/--num-processes/--process-id.
     _fail(str(e.code))
+  if per_process:
+    prompts = _own_prompts(args)
 
   from mercury_jax.config import ConfigError
   from mercury_jax.sampling.sampler import Sampler, default_checkpoint
@@ -195,6 +278,13 @@ def main(argv: list[str] | None = None) -> int:
     sampler = Sampler.from_checkpoint(path, mesh=mesh)
   except (FileNotFoundError, ConfigError, ValueError) as e:
     _fail(f"--checkpoint {str(path)!r}: {e}")
+  if sampler.autoregressive:
+    for flag, name in DIFFUSION_FLAGS.items():
+      if getattr(args, name) is not None:
+        _fail(
+          f"{flag} applies to diffusion models only; --checkpoint {str(path)!r} is an autoregressive model "
+          "(decoded one token per forward pass)"
+        )
   try:
     samples = sampler.generate(
       prompts if prompts is not None else args.prompt,
@@ -205,13 +295,16 @@ def main(argv: list[str] | None = None) -> int:
       num_samples=args.num_samples,
       show_steps=args.show_steps,
       bos=args.bos,
+      per_process=per_process,
       **knobs,
     )
   except ValueError as e:
     _fail(str(e))
 
-  if not distributed.is_primary():
+  if not per_process and not distributed.is_primary():
     return 0
+  process = jax.process_index() if per_process else None
+  unit = "token" if sampler.autoregressive else "step"
   for i, s in enumerate(samples):
     if args.json:
       record = {
@@ -223,19 +316,22 @@ def main(argv: list[str] | None = None) -> int:
         "tokens_per_s": round(s.tokens_per_s, 2),
         "compile_time_s": round(s.compile_time, 3),
       }
+      if process is not None:
+        record["process"] = process
       if s.steps is not None:
         record["steps"] = s.steps
       print(json.dumps(record, ensure_ascii=False))
       continue
     if s.steps is not None:
-      _show(s.steps, f"[sample {i + 1}/{len(samples)}]")
+      _show(s.steps, f"[sample {i + 1}/{len(samples)}]", unit)
     print(s.prompt + s.text)
     if i + 1 < len(samples):
       print("-" * 40)
   if not args.json and samples:
     s = samples[0]
+    where = f"process {process}: " if process is not None else ""
     sys.stderr.write(
-      f"{len(samples)} sample(s): NFE {max(x.nfe for x in samples)}, {s.wall_time:.3f} s, "
+      f"{where}{len(samples)} sample(s): NFE {max(x.nfe for x in samples)}, {s.wall_time:.3f} s, "
       f"{s.tokens_per_s:,.0f} tokens/s (compile {s.compile_time:.1f} s)\n"
     )
   return 0

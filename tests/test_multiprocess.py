@@ -3,8 +3,7 @@
 Every run is the user's command (``python -m mercury_jax.train ...``, ``python -m mercury_jax.sample ...``) with
 ``--coordinator localhost:PORT --num-processes 2 --process-id I`` on a fresh port, or with the variables of a SLURM
 step instead. Every process has a timeout and is killed when its test ends. A persistent compilation cache shared
-by the module's runs keeps each process's start-up to a few seconds. Run as a script, this file is the worker of
-``test_each_process_samples_its_own_prompts``."""
+by the module's runs keeps each process's start-up to a few seconds."""
 
 import contextlib
 import json
@@ -261,10 +260,14 @@ def test_sample_command_on_two_processes_matches_one(tmp_path, trained, compile_
 
 
 def test_each_process_samples_its_own_prompts(tmp_path, trained, compile_cache):
-  out = tmp_path / "own"
-  argv = [sys.executable, __file__, "--sample-own-prompts", str(trained[1]), str(out)]
-  _run(compile_cache, (argv, 2, tmp_path / "logs"))
-  got = [json.loads((out / f"{i}.json").read_text()) for i in range(2)]
+  # Process 0 has 5 prompts and process 1 has 3: the shorter batch is padded, and streams continue across processes.
+  mine = {0: PROMPTS[:5], 1: PROMPTS[5:]}
+  for i, prompts in mine.items():
+    (tmp_path / f"prompts-{i}.jsonl").write_text("".join(json.dumps(p) + "\n" for p in prompts))
+  argv = [sys.executable, "-m", "mercury_jax.sample", "--checkpoint", str(trained[1]), "--prompts-file"]
+  argv += [str(tmp_path / "prompts-{process}.jsonl"), "--json", *SAMPLE_FLAGS]
+  (run,) = _run(compile_cache, (argv, 2, tmp_path / "logs"))
+  got = {i: _json_lines(run.stdout(i)) for i in range(2)}
 
   from mercury_jax import sharding as sh
   from mercury_jax.config import MeshConfig
@@ -272,57 +275,9 @@ def test_each_process_samples_its_own_prompts(tmp_path, trained, compile_cache):
 
   sampler = Sampler.from_checkpoint(trained[1], mesh=sh.make_mesh(MeshConfig(data=-1)))
   expected = [s.tokens for s in sampler.generate(PROMPTS, length=16, steps=4, seed=3)]
-  assert got[0] + got[1] == expected
-  assert got[0] == expected[: len(PROMPTS) // 2], "process 0 receives the outputs of its own prompts"
-
-
-def _sample_own_prompts(checkpoint: str, out: str, distributed_flags: list[str]) -> None:
-  """One process of ``test_each_process_samples_its_own_prompts``: prompts ``[p * k, (p + 1) * k)`` of ``PROMPTS``.
-
-  Each process builds its own canvas rows; ``make_array_from_process_local_data`` joins them into one global batch
-  and each process reads back only its rows. Row ``i`` of the whole batch draws from stream ``i``, as in a single
-  process, so the tokens match a one-process ``Sampler.generate`` of all prompts.
-  """
-  import argparse
-
-  from jax.experimental import multihost_utils
-  from jax.sharding import NamedSharding, PartitionSpec as P
-
-  from mercury_jax import sharding as sh
-  from mercury_jax.config import MeshConfig
-  from mercury_jax.sampling import Sampler, canvas as cv, jit_sample, mesh_context
-
-  parser = argparse.ArgumentParser()
-  distributed.add_arguments(parser)
-  distributed.initialize(parser.parse_args(distributed_flags))
-  mesh = sh.make_mesh(MeshConfig(data=-1))
-  sampler = Sampler.from_checkpoint(checkpoint, mesh=mesh)
-  settings = sampler.settings()
-  local = len(PROMPTS) // jax.process_count()
-  first = jax.process_index() * local
-  mine = [cv.prefix(sampler.tokenizer.encode(p), 16) for p in PROMPTS[first : first + local]]
-  canvas = cv.make_canvas(mine, length=sampler.max_length, streams=range(first, first + local), pad_id=settings.pad_id)
-  rows, vectors = sh.batch_sharding(mesh, sampler.rules, 2), sh.batch_sharding(mesh, sampler.rules, 1)
-  replicated = NamedSharding(mesh, P())
-  key = np.asarray(jax.random.key_data(jax.random.key(3)))
-  args = (
-    sampler.params,
-    cv.Canvas(
-      *(jax.make_array_from_process_local_data(s, a) for s, a in zip((rows, rows, vectors), canvas, strict=True))
-    ),
-    jax.make_array_from_callback(key.shape, replicated, lambda index: key[index]),
-    jax.make_array_from_callback((), replicated, lambda index: np.int32(4)),
-  )
-  fn = jit_sample(sampler.denoise_fn, settings, mesh=mesh, rules=sampler.rules, param_shardings=sampler.param_shardings)
-  with mesh_context(mesh, sampler.rules):
-    tokens = fn(*args).tokens
-  tokens = np.asarray(multihost_utils.global_array_to_host_local_array(tokens, mesh, sh.batch_spec(sampler.rules, 2)))
-  kinds = np.asarray(canvas.kinds)  # [local, length]: this process's rows, in its order.
-  generated = [
-    row[(k == cv.GENERATE) & (row != settings.pad_id)].tolist() for row, k in zip(tokens, kinds, strict=True)
-  ]
-  Path(out).mkdir(parents=True, exist_ok=True)
-  (Path(out) / f"{jax.process_index()}.json").write_text(json.dumps(generated))
+  for i, records in got.items():  # Each process prints the samples of its own prompts, and only those.
+    assert [(r["process"], r["prompt"]) for r in records] == [(i, p) for p in mine[i]]
+  assert [r["tokens"] for r in got[0] + got[1]] == expected
 
 
 # ------------------------------------------------------------------------------- launcher detection (no processes)
@@ -407,8 +362,3 @@ def test_bad_distributed_flags_are_one_line_errors(tmp_path, data_dir, flags, me
   )
   assert proc.returncode != 0
   assert len(proc.stderr.strip().splitlines()) == 1 and message in proc.stderr, proc.stderr
-
-
-if __name__ == "__main__":  # A worker process of test_each_process_samples_its_own_prompts.
-  assert sys.argv[1] == "--sample-own-prompts", sys.argv
-  _sample_own_prompts(sys.argv[2], sys.argv[3], sys.argv[4:])

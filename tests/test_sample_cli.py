@@ -7,14 +7,17 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from flax import linen as nn
 
+from mercury_jax import sharding as sh
 from mercury_jax.checkpoint import export_params
-from mercury_jax.config import Config, ModelConfig
+from mercury_jax.config import Config, MeshConfig, ModelConfig
 from mercury_jax.data.tokenizer import train_tokenizer
 from mercury_jax.model import Transformer
 from mercury_jax.sample import main
+from mercury_jax.sampling import canvas as cv
 from mercury_jax.sampling.sampler import Sampler, default_checkpoint
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -153,3 +156,32 @@ def test_command_line_entry_point(checkpoints):
   assert json.loads(done.stdout.splitlines()[0])["nfe"] <= 3
   bad = subprocess.run([*cmd, "--steps", "0"], capture_output=True, text=True)
   assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "Traceback" not in bad.stderr
+
+
+def test_prompts_file_with_process_placeholder_on_one_process_matches_the_shared_file(
+  checkpoints, files, tmp_path, capsys
+):
+  (tmp_path / "own-0.jsonl").write_text((files / "prompts.jsonl").read_text())
+  argv = ["--checkpoint", str(checkpoints["good"]), "--length", "8", "--steps", "4", "--json", "--prompts-file"]
+  records = []
+  for path in (files / "prompts.jsonl", tmp_path / "own-{process}.jsonl"):
+    assert main([*argv, str(path)]) == 0
+    records.append([json.loads(line) for line in capsys.readouterr().out.splitlines()])
+  shared, own = records
+  assert [r.pop("process") for r in own] == [0, 0] and all("process" not in r for r in shared)
+  assert [(r["prompt"], r["tokens"]) for r in own] == [(r["prompt"], r["tokens"]) for r in shared]
+
+
+def test_per_process_batch_layouts_give_the_tokens_of_the_plain_batch(checkpoints):
+  sampler = Sampler.from_checkpoint(checkpoints["good"], mesh=sh.make_mesh(MeshConfig(data=-1)))
+  assert sampler.generate([], per_process=True) == []  # A process may have no prompts of its own.
+  settings = sampler.settings()
+  encode = sampler.tokenizer.encode
+  canvas = cv.make_canvas([cv.prefix(encode(p), 6) for p in ("a", "def f(x):", "import")], streams=[4, 5, 6])
+  plain = sampler.run(canvas, 4, 0, settings)[0]
+  own = sampler.agree_on_batch(3, canvas.tokens.shape[1])  # One process: its devices hold all 8 data shards.
+  assert own.own_devices and own.local_rows == 8 and own.rows.tolist() == [3]
+  for layout in (own, own._replace(own_devices=False, local_rows=3)):  # Rows placed by this process, or gathered.
+    out = sampler.run(canvas, 4, 0, settings, layout=layout)[0]
+    np.testing.assert_array_equal(out.tokens, plain.tokens)
+    np.testing.assert_array_equal(out.nfe, plain.nfe)

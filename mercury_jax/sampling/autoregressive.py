@@ -16,15 +16,17 @@ end-of-sequence token or reached its last position; ``nfe`` counts the prefill a
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
 
 from mercury_jax.config import ModelConfig
 from mercury_jax.model import Transformer
 from mercury_jax.sampling.canvas import GENERATE, PAD, Canvas
-from mercury_jax.sampling.loop import SampleOutput
+from mercury_jax.sampling.loop import SampleOutput, jit_on_mesh
 from mercury_jax.sampling.proposal import noise_width, propose, uniform_noise
 from mercury_jax.sampling.settings import SamplerSettings
 
@@ -104,8 +106,27 @@ def decode(
   return SampleOutput(z, jnp.broadcast_to(nfe, (batch,)), nfe)
 
 
-def jit_decode(model_cfg: ModelConfig, settings: SamplerSettings):
-  """``jax.jit`` of :func:`decode` for fixed settings: ``(params, canvas, key) -> SampleOutput``."""
+def jit_decode(
+  model_cfg: ModelConfig,
+  settings: SamplerSettings,
+  *,
+  mesh: Mesh | None = None,
+  rules=None,
+  param_shardings: Any = None,
+) -> Callable[[Any, Canvas, jax.Array], SampleOutput]:
+  """``jax.jit`` of :func:`decode` for fixed settings: ``(params, canvas, key) -> SampleOutput``.
+
+  On a mesh the shardings are those of :func:`~mercury_jax.sampling.loop.jit_sample` (canvases over the batch axes);
+  call the result inside :func:`~mercury_jax.sampling.loop.mesh_context`.
+
+  Args:
+    model_cfg: The causal model's config.
+    settings: Static sampler settings (temperature, top-k, top-p, ``min_length``, EOS handling).
+    mesh: The device mesh; None for plain ``jax.jit``.
+    rules: Logical axis rules (default ``mercury_jax.sharding.RULES``).
+    param_shardings: The parameters' shardings on ``mesh`` (needed with a mesh).
+  """
   if not model_cfg.causal:
     raise ValueError("key-value-cache decoding needs a causal model (the autoregressive twin)")
-  return jax.jit(functools.partial(decode, model_cfg=model_cfg, settings=settings.validate()))
+  fn = functools.partial(decode, model_cfg=model_cfg, settings=settings.validate())
+  return jit_on_mesh(fn, mesh, rules, param_shardings, name="jit_decode")

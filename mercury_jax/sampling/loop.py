@@ -234,24 +234,49 @@ def jit_sample(
       ``mercury_jax.trainer.param_shardings``).
   """
   fn = functools.partial(sample, denoise_fn=denoise_fn, settings=settings.validate())
+  return jit_on_mesh(fn, mesh, rules, param_shardings, scalars=1, trace=settings.trace, name="jit_sample")
+
+
+def jit_on_mesh(
+  fn: Callable[..., SampleOutput],
+  mesh: Mesh | None,
+  rules=None,
+  param_shardings: Any = None,
+  *,
+  scalars: int = 0,
+  trace: int = 0,
+  name: str = "the sampler",
+) -> Callable[..., SampleOutput]:
+  """``jax.jit`` of a sampler ``fn(params, canvas, key, *scalars) -> SampleOutput`` with its shardings on ``mesh``.
+
+  Shared by the diffusion loop and the autoregressive decoder: the parameters keep ``param_shardings``, canvases and
+  every per-example output are split over the batch axes of ``rules``, and the key, the ``scalars`` trailing scalar
+  arguments and ``SampleOutput.steps`` are replicated.
+
+  Args:
+    fn: The sampler, its static settings already bound.
+    mesh: The device mesh; None for plain ``jax.jit`` (one device or committed inputs).
+    rules: Logical axis rules (default ``mercury_jax.sharding.RULES``).
+    param_shardings: The parameters' shardings on ``mesh`` (needed with a mesh).
+    scalars: How many scalar arguments follow the key (the diffusion loop's step budget).
+    trace: ``settings.trace``: when > 0, the ``[trace, batch, ...]`` outputs are split on their batch axis too.
+    name: The caller, for the error message.
+  """
   if mesh is None:
     return jax.jit(fn)
   if param_shardings is None:
-    raise ValueError("jit_sample on a mesh needs param_shardings (e.g. mercury_jax.trainer.param_shardings)")
+    raise ValueError(f"{name} on a mesh needs param_shardings (e.g. mercury_jax.trainer.param_shardings)")
   rules = sh.RULES if rules is None else rules
   rows, vectors = sh.batch_sharding(mesh, rules, 2), sh.batch_sharding(mesh, rules, 1)
   replicated = NamedSharding(mesh, P())
-  traced = None
-  if settings.trace:
-    traced = NamedSharding(mesh, P(None, *sh.batch_spec(rules, 2)))
+  traced_rows = traced_vectors = None
+  if trace:
+    traced_rows = NamedSharding(mesh, P(None, *sh.batch_spec(rules, 2)))
     traced_vectors = NamedSharding(mesh, P(None, *sh.batch_spec(rules, 1)))
-  out_shardings = SampleOutput(
-    rows, vectors, replicated, traced, traced_vectors if traced else None, traced_vectors if traced else None
-  )
   return jax.jit(
     fn,
-    in_shardings=(param_shardings, Canvas(rows, rows, vectors), replicated, replicated),
-    out_shardings=out_shardings,
+    in_shardings=(param_shardings, Canvas(rows, rows, vectors), replicated, *[replicated] * scalars),
+    out_shardings=SampleOutput(rows, vectors, replicated, traced_rows, traced_vectors, traced_vectors),
   )
 
 
