@@ -1,0 +1,409 @@
+"""``python -m mercury_jax.bench --diffusion DIR --autoregressive DIR --data DATA_DIR``: speed vs quality, both models.
+
+Examples::
+
+  python -m mercury_jax.bench --diffusion runs/default --autoregressive runs/default_ar --data data/stdlib
+  python -m mercury_jax.bench --diffusion runs/tiny --autoregressive runs/tiny_ar --data data/stdlib --smoke
+
+On one machine, in one run: the diffusion model with the confidence rule at each step budget and with the
+threshold rule at each tau (step budget = the generation length), and its autoregressive twin with key-value-cache
+decoding (temperature 1, and greedy), all on the same prompts (documented functions from the validation split, see
+``mercury_jax.bench_prompts``), at batch 1 and batch 16. Every example draws from its own stream (its prompt index)
+with one seed, so both batch sizes see the same samples.
+
+Each prompt generates ``min(length, context - prompt)`` tokens: the canvas never exceeds the shorter of the two
+models' contexts, and prompts that would leave fewer than ``min(length, context / 2)`` positions are skipped rather
+than cut (a cut prompt loses its ``def`` line).
+
+Timing: a shared host's capacity can change 2x for minutes at a time, so absolute numbers from different runs do
+not compare. Each executable is compiled (timed separately) and run once untimed; then every round runs each setting
+once on the same prompt batch, in an order rotated from round to round, and times one matmul as a load probe.
+Speed-ups are medians of per-round ratios, so a change in capacity between rounds cancels.
+
+OUT_DIR receives ``results.json`` (every row, the machine, the load probe), ``results.md`` and two PNG plots
+(matplotlib, from the ``bench`` extra; skipped with a note without it). Bad input gets one line on stderr and exit
+code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mercury_jax import bench_prompts, bench_report, quality
+from mercury_jax.checkpoint import find_tokenizer, restore_params
+from mercury_jax.config import Config
+from mercury_jax.data import pipeline
+from mercury_jax.data.tokenizer import Tokenizer
+from mercury_jax.sampling import canvas as cv
+from mercury_jax.sampling.autoregressive import jit_decode
+from mercury_jax.sampling.loop import jit_sample, model_denoise_fn
+from mercury_jax.sampling.settings import SamplerSettings
+from mercury_jax.throughput import time_call
+
+STEPS = (4, 8, 16, 32, 64, 128, 256)
+TAUS = (0.5, 0.7, 0.9, 0.95)
+AR_TEMPERATURES = (1.0, 0.0)
+PROBE_SIZE = 1024  # The load probe: one f32 matmul of this size per round.
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+  """One way of generating: a diffusion step rule with its budget, or the twin's KV-cache decoding."""
+
+  model: str  # "diffusion" or "autoregressive"
+  rule: str  # "confidence", "threshold" or "kv-cache"
+  steps: int  # Step budget; 0 for the autoregressive twin (one token per forward pass).
+  tau: float | None = None
+  temperature: float = 1.0
+
+  @property
+  def name(self) -> str:
+    if self.model == "autoregressive":
+      return f"AR {'greedy' if self.temperature == 0 else f'T={self.temperature:g}'}"
+    return f"{self.rule} steps={self.steps}" if self.tau is None else f"threshold tau={self.tau:g}"
+
+
+def grid(length: int, steps, taus, temperature: float, ar_temperatures) -> list[Setting]:
+  """The settings measured: confidence at each step budget, threshold at each tau (budget ``length``), the twin."""
+  settings = [Setting("diffusion", "confidence", s, None, temperature) for s in steps]
+  settings += [Setting("diffusion", "threshold", length, t, temperature) for t in taus]
+  return settings + [Setting("autoregressive", "kv-cache", 0, None, t) for t in ar_temperatures]
+
+
+def load_models(diffusion_dir: str, ar_dir: str, data_dir: str) -> tuple[Tokenizer, tuple, tuple]:
+  """The data's tokenizer and ``(params, cfg)`` of both models, checked to belong together.
+
+  Raises:
+    ValueError: A path is missing, a checkpoint is of the wrong kind, or the tokenizers differ.
+  """
+  tokenizer = pipeline.load_tokenizer(data_dir)
+  models = []
+  for flag, path, objective in (
+    ("--diffusion", diffusion_dir, "diffusion"),
+    ("--autoregressive", ar_dir, "autoregressive"),
+  ):
+    if not Path(path).exists():
+      raise ValueError(f"{flag} {path!r} does not exist; give a train workdir or exported checkpoint")
+    try:
+      params, cfg = restore_params(path)
+    except FileNotFoundError as e:
+      raise ValueError(f"{flag}: {e}") from None
+    if cfg.diffusion.objective != objective:
+      other = "--autoregressive" if flag == "--diffusion" else "--diffusion"
+      raise ValueError(f"{flag} {path!r} is a {cfg.diffusion.objective} checkpoint; pass it as {other}")
+    try:
+      own = find_tokenizer(path).read_bytes()
+    except FileNotFoundError:
+      own = None
+    if own is not None and own != tokenizer.to_bytes():
+      raise ValueError(f"{flag} {path!r} was trained with another tokenizer than the one in --data {data_dir!r}")
+    if tokenizer.vocab_size > cfg.model.vocab_size:
+      raise ValueError(
+        f"{flag} {path!r} has vocab_size {cfg.model.vocab_size} < the tokenizer's {tokenizer.vocab_size}"
+      )
+    models.append((params, cfg))
+  return tokenizer, models[0], models[1]
+
+
+def sampler_settings(setting: Setting, cfg: Config, tokenizer: Tokenizer) -> SamplerSettings:
+  knobs = {"rule": setting.rule, "threshold": setting.tau} if setting.model == "diffusion" else {}
+  knobs = {k: v for k, v in knobs.items() if v is not None}
+  return SamplerSettings(
+    diffusion=cfg.diffusion, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id, temperature=setting.temperature, **knobs
+  ).validate()
+
+
+def make_batches(prompt_ids: list[list[int]], length: int, context: int, batch: int, pad_id: int) -> list[cv.Canvas]:
+  """All prompts as canvases of ``batch`` rows (streams = prompt index; the last batch padded with empty rows)."""
+  canvas_length = min(context, max(len(p) for p in prompt_ids) + length)
+  full = cv.make_canvas([cv.prefix(p, min(length, context - len(p))) for p in prompt_ids], length=canvas_length)
+  chunks = []
+  for start in range(0, len(prompt_ids), batch):
+    part = cv.Canvas(*(np.asarray(a)[start : start + batch] for a in full))
+    chunks.append(jax.device_put(cv.pad_batch(part, batch, pad_id)))
+  return chunks
+
+
+class Runner:
+  """Compiles (once per settings and shape) and calls both models; ``call`` returns the output and wall seconds."""
+
+  def __init__(self, diffusion, ar, tokenizer: Tokenizer, seed: int):
+    (self.d_params, self.d_cfg), (self.a_params, self.a_cfg) = diffusion, ar
+    self.tokenizer, self.key = tokenizer, jax.random.key(seed)
+    self.denoise_fn = model_denoise_fn(self.d_cfg.model)
+    self.compiled: dict[tuple, Any] = {}
+    self.compile_s: dict[tuple, float] = {}
+
+  def _args(self, setting: Setting, canvas: cv.Canvas) -> tuple:
+    if setting.model == "diffusion":
+      return self.d_params, canvas, self.key, jnp.int32(setting.steps)
+    return self.a_params, canvas, self.key
+
+  def executable(self, setting: Setting, canvas: cv.Canvas) -> tuple:
+    cfg = self.d_cfg if setting.model == "diffusion" else self.a_cfg
+    settings = sampler_settings(setting, cfg, self.tokenizer)
+    key = (setting.model, settings, canvas.tokens.shape)
+    if key not in self.compiled:
+      start = time.perf_counter()
+      fn = jit_sample(self.denoise_fn, settings) if setting.model == "diffusion" else jit_decode(cfg.model, settings)
+      self.compiled[key] = fn.lower(*self._args(setting, canvas)).compile()
+      self.compile_s[key] = time.perf_counter() - start
+      jax.block_until_ready(self.compiled[key](*self._args(setting, canvas)))  # Untimed warm-up call.
+    return key
+
+  def call(self, setting: Setting, canvas: cv.Canvas) -> tuple[Any, float]:
+    fn = self.compiled[self.executable(setting, canvas)]
+    args = self._args(setting, canvas)
+    start = time.perf_counter()
+    out = jax.block_until_ready(fn(*args))
+    return jax.tree.map(np.asarray, out), time.perf_counter() - start
+
+
+def measure(runner: Runner, settings: list[Setting], batches: dict[int, list[cv.Canvas]], rows: int, repeats: int):
+  """Interleaved timing: ``calls[(setting index, batch)]`` and the load probe's GFLOP/s after each round."""
+  probe_input = jnp.ones((PROBE_SIZE, PROBE_SIZE), jnp.float32)
+  probe = jax.jit(lambda x: x @ x)
+  time_call(probe, probe_input)
+  calls: dict[tuple[int, int], list[dict[str, Any]]] = {}
+  gflops, round_index = [], 0
+  for batch, chunks in batches.items():
+    for i, setting in enumerate(settings):
+      runner.executable(setting, chunks[0])
+      calls[(i, batch)] = []
+    for _ in range(repeats):
+      for chunk_index, canvas in enumerate(chunks):
+        real = min(batch, rows - chunk_index * batch)
+        order = [(round_index + k) % len(settings) for k in range(len(settings))]
+        for i in order:
+          out, wall = runner.call(settings[i], canvas)
+          generated = (np.asarray(canvas.kinds)[:real] == cv.GENERATE) & (out.tokens[:real] != runner.tokenizer.pad_id)
+          calls[(i, batch)].append(
+            {
+              "round": round_index,
+              "wall": wall,
+              "tokens": out.tokens[:real],
+              "nfe": out.nfe[:real],
+              "generated": generated.sum(axis=-1),
+            }
+          )
+        gflops.append(2 * PROBE_SIZE**3 / time_call(probe, probe_input) / 1e9)
+        round_index += 1
+  return calls, gflops
+
+
+def completions(calls: list[dict[str, Any]], kinds: np.ndarray, eos_id: int, pad_id: int) -> list[list[int]]:
+  """Each prompt's generated tokens up to its first EOS (padding dropped), from one pass over the prompts."""
+  tokens = np.concatenate([c["tokens"] for c in calls])[: len(kinds)]  # Calls hold real rows only, pass by pass.
+  result = []
+  for row, row_kinds in zip(tokens, kinds, strict=True):
+    ids = [int(t) for t in row[row_kinds == cv.GENERATE] if t != pad_id]
+    result.append(ids[: ids.index(eos_id)] if eos_id in ids else ids)
+  return result
+
+
+def summarise(setting: Setting, batch: int, calls: list, reference: list, compile_s: float) -> dict[str, Any]:
+  """A row's speed figures from its timed calls; ``reference`` holds the AR twin's calls of the same rounds."""
+  walls = np.array([c["wall"] for c in calls])
+  tokens = np.array([c["generated"].sum() for c in calls], np.float64)
+  nfe = np.concatenate([c["nfe"] for c in calls]).astype(np.float64)
+  ref = {c["round"]: c["generated"].sum() / c["wall"] for c in reference}
+  ratios = [tokens[j] / walls[j] / ref[c["round"]] for j, c in enumerate(calls) if ref[c["round"]] > 0]
+  return {
+    "name": setting.name,
+    **dataclasses.asdict(setting),
+    "batch": batch,
+    "calls": len(calls),
+    "tokens_per_s": float(tokens.sum() / walls.sum()),
+    "speedup_vs_ar": float(np.median(ratios)) if ratios else float("nan"),
+    "nfe": float(nfe.mean()),
+    "tokens_per_forward": float(tokens.sum() / nfe.sum()),
+    "latency_p50_s": float(np.percentile(walls, 50)),
+    "latency_p95_s": float(np.percentile(walls, 95)),
+    "compile_s": compile_s,
+  }
+
+
+def sample_quality(prompt_ids, prompt_texts, completion_ids, tokenizer, ar) -> dict[str, Any]:
+  """Quality of one setting's completions; generative perplexity is NaN when every completion is empty."""
+  texts = [tokenizer.decode(c) for c in completion_ids]
+  scored = any(completion_ids)
+  return {
+    "gen_ppl": quality.generative_perplexity(ar[0], ar[1], prompt_ids, completion_ids) if scored else float("nan"),
+    "unigram_entropy": quality.unigram_entropy(completion_ids),
+    "distinct_2": quality.distinct_n(completion_ids, 2),
+    "distinct_3": quality.distinct_n(completion_ids, 3),
+    "parse_rate": quality.parse_rate(prompt_texts, texts),
+    "mean_tokens": float(np.mean([len(c) for c in completion_ids])),
+    "example": texts[0][:400],
+  }
+
+
+def machine_info() -> dict[str, Any]:
+  return {
+    "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    "jax": jax.__version__,
+    "backend": jax.default_backend(),
+    "device": jax.devices()[0].device_kind,
+    "devices": jax.device_count(),
+    "cpu_count": os.cpu_count(),
+    "cpu_affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+    "load_average": list(os.getloadavg()),
+    "platform": platform.platform(),
+    "python": platform.python_version(),
+  }
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+  """Runs the benchmark described by parsed CLI arguments and writes OUT_DIR; returns the results."""
+  machine = machine_info()
+  tokenizer, diffusion, ar = load_models(args.diffusion, args.autoregressive, args.data)
+  context = min(diffusion[1].model.max_length, ar[1].model.max_length)
+  room = min(args.length, context // 2)
+  prompts, spec = bench_prompts.select_prompts(
+    args.data, args.prompts, lambda text: len(tokenizer.encode(text)) <= context - room, args.corpus
+  )
+  prompt_ids = [tokenizer.encode(p.text) for p in prompts]
+  settings = grid(args.length, args.steps, args.taus, args.temperature, args.ar_temperatures)
+  batches = {b: make_batches(prompt_ids, args.length, context, b, tokenizer.pad_id) for b in args.batch_sizes}
+  runner = Runner(diffusion, ar, tokenizer, args.seed)
+  calls, gflops = measure(runner, settings, batches, len(prompts), args.repeats)
+  kinds = np.concatenate([np.asarray(c.kinds) for c in batches[args.batch_sizes[0]]])[: len(prompts)]
+  reference = settings.index(next(s for s in settings if s.model == "autoregressive" and s.temperature == 1.0))
+  rows, quality_cache, first_samples = [], {}, {}
+  for batch in args.batch_sizes:
+    for i, setting in enumerate(settings):
+      done = completions(calls[(i, batch)], kinds, tokenizer.eos_id, tokenizer.pad_id)
+      cache_key = json.dumps(done)
+      if cache_key not in quality_cache:
+        quality_cache[cache_key] = sample_quality(prompt_ids, [p.text for p in prompts], done, tokenizer, ar)
+      executable = runner.executable(setting, batches[batch][0])
+      row = summarise(setting, batch, calls[(i, batch)], calls[(reference, batch)], runner.compile_s[executable])
+      first_samples.setdefault(i, done)
+      rows.append({**row, **quality_cache[cache_key], "same_samples_as_first_batch": done == first_samples[i]})
+  tol = bench_report.Tolerances(args.ppl_tolerance, args.entropy_tolerance, args.parse_tolerance)
+  result = {
+    "machine": machine,
+    "args": {k: v for k, v in vars(args).items() if k != "func"},
+    "canvas": {
+      "prompts": len(prompts),
+      "prompt_source": f"documented functions of the validation split of {spec!r}",
+      "length": args.length,
+      "canvas_length": int(batches[args.batch_sizes[0]][0].tokens.shape[1]),
+      "rule": f"each prompt generates min({args.length}, {context} - prompt) tokens; prompts over "
+      f"{context - room} tokens skipped",
+      "seed": args.seed,
+      "repeats": args.repeats,
+    },
+    "prompts": [{"key": p.key, "line": p.line, "tokens": len(ids)} for p, ids in zip(prompts, prompt_ids, strict=True)],
+    "load": {
+      "matmul_gflops_median": float(np.median(gflops)),
+      "matmul_gflops_min": float(np.min(gflops)),
+      "matmul_gflops_max": float(np.max(gflops)),
+      "per_round": gflops,
+    },
+    "matched_quality": tol.describe(),
+    "rows": rows,
+  }
+  result["headline"] = bench_report.headlines(rows, tol)
+  out = Path(args.out)
+  out.mkdir(parents=True, exist_ok=True)
+  (out / "results.json").write_text(json.dumps(_finite(result), indent=2) + "\n")
+  (out / "results.md").write_text(bench_report.markdown(result))
+  result["plots"] = bench_report.plots(rows, out)
+  return result
+
+
+def _finite(value: Any) -> Any:
+  """``value`` with NaN and infinities replaced by None, so the JSON is strict."""
+  if isinstance(value, dict):
+    return {k: _finite(v) for k, v in value.items()}
+  if isinstance(value, list | tuple):
+    return [_finite(v) for v in value]
+  return None if isinstance(value, float) and not np.isfinite(value) else value
+
+
+class _Parser(argparse.ArgumentParser):
+  def error(self, message: str):
+    _fail(message)
+
+
+def _fail(message: str):
+  lines = str(message).strip().splitlines()
+  sys.stderr.write(f"mercury_jax.bench: error: {lines[0] if lines else 'invalid input'}\n")
+  raise SystemExit(2)
+
+
+def _floats(text: str) -> tuple[float, ...]:
+  return tuple(float(v) for v in text.split(",") if v)
+
+
+def _ints(text: str) -> tuple[int, ...]:
+  return tuple(int(v) for v in text.split(",") if v)
+
+
+def build_parser() -> argparse.ArgumentParser:
+  p = _Parser(prog="python -m mercury_jax.bench", description=__doc__.splitlines()[0])
+  p.add_argument("--diffusion", required=True, help="the diffusion model: train workdir or exported checkpoint")
+  p.add_argument("--autoregressive", required=True, help="its autoregressive twin (same tokenizer and data)")
+  p.add_argument("--data", required=True, help="the prepared data directory both were trained on")
+  p.add_argument("--out", default="runs/bench", help="where results.json, results.md and the plots go")
+  p.add_argument("--corpus", help="read the prompts' corpus from here instead of the one named in DATA/metadata.json")
+  p.add_argument("--smoke", action="store_true", help="a tiny grid for tests and CI (overrides the grid flags)")
+  p.add_argument("--prompts", type=int, default=64, help="how many prompts")
+  p.add_argument("--length", type=int, default=256, help="tokens to generate per prompt (cut to the context)")
+  p.add_argument("--steps", type=_ints, default=STEPS, help="confidence-rule step budgets, comma-separated")
+  p.add_argument("--taus", type=_floats, default=TAUS, help="threshold-rule taus, comma-separated")
+  p.add_argument("--temperature", type=float, default=1.0, help="the diffusion sampler's temperature")
+  p.add_argument("--ar-temperatures", type=_floats, default=AR_TEMPERATURES, help="the twin's (1 = reference)")
+  p.add_argument("--batch-sizes", type=_ints, default=(1, 16), help="comma-separated")
+  p.add_argument("--repeats", type=int, default=1, help="timed passes over the prompts per batch size")
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--ppl-tolerance", type=float, default=0.10, help="matched: gen ppl <= (1 + this) x AR's")
+  p.add_argument("--entropy-tolerance", type=float, default=0.10, help="matched: entropy >= AR's - this (nats)")
+  p.add_argument("--parse-tolerance", type=float, default=0.05, help="matched: parse rate >= AR's - this")
+  return p
+
+
+def main(argv: list[str] | None = None) -> None:
+  args = build_parser().parse_args(argv)
+  if args.smoke:
+    args.prompts, args.length, args.steps, args.taus, args.batch_sizes, args.repeats = 2, 16, (4,), (0.9,), (1, 2), 1
+    args.ar_temperatures = (1.0,)
+  if 1.0 not in args.ar_temperatures:
+    _fail("--ar-temperatures must include 1 (the reference for matched quality)")
+  for flag, values in (
+    ("--prompts", [args.prompts]),
+    ("--length", [args.length]),
+    ("--repeats", [args.repeats]),
+    ("--steps", args.steps),
+    ("--batch-sizes", args.batch_sizes),
+  ):
+    if not values or min(values) < 1:
+      _fail(f"{flag} must be positive (got {values})")
+  try:
+    result = run(args)
+  except ValueError as e:
+    _fail(str(e))
+  print(bench_report.markdown(result), end="")
+  plots = result["plots"]
+  print(
+    f"wrote {args.out}/results.json, results.md"
+    + (f", {', '.join(plots)}" if isinstance(plots, list) else f"; {plots}")
+  )
+
+
+if __name__ == "__main__":
+  main()
