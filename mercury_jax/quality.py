@@ -7,6 +7,7 @@ with unigram entropy and distinct-n; for code, the parse rate adds an outside ju
 from __future__ import annotations
 
 import ast
+import functools
 import math
 from collections import Counter
 from collections.abc import Sequence
@@ -16,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mercury_jax import diffusion
-from mercury_jax.config import Config
+from mercury_jax.config import Config, ModelConfig
 from mercury_jax.model import Transformer
 
 
@@ -62,6 +63,21 @@ def parse_rate(prompts: Sequence[str], completions: Sequence[str]) -> float:
   return float(np.mean([parses(p, c) for p, c in zip(prompts, completions, strict=True)])) if prompts else 0.0
 
 
+@functools.cache
+def _completion_nll(model_cfg: ModelConfig):
+  """The jitted ``(params, tokens, kinds) -> (nll sum, scored tokens)`` of one AR model shape (compiled once)."""
+  model = Transformer(model_cfg)
+
+  @jax.jit
+  def nll(params, tokens, kinds):
+    segments = (kinds != diffusion.PAD).astype(jnp.int32)
+    logits_fn = lambda x: model.apply({"params": params}, x, segment_ids=segments)  # noqa: E731
+    out = diffusion.autoregressive_loss(logits_fn, tokens, kinds)
+    return out["loss_sum"], out["tokens"]
+
+  return nll
+
+
 def generative_perplexity(
   params, cfg: Config, prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], batch_size: int = 16
 ) -> float:
@@ -73,7 +89,7 @@ def generative_perplexity(
   if cfg.diffusion.objective != "autoregressive":
     raise ValueError("generative perplexity needs the autoregressive twin's checkpoint")
   length = cfg.model.max_length
-  model = Transformer(cfg.model)
+  nll = _completion_nll(cfg.model)
   tokens = np.full((len(prompts), length), 0, np.int32)
   kinds = np.zeros((len(prompts), length), np.int32)
   for row, (prompt, completion) in enumerate(zip(prompts, completions, strict=True)):
@@ -83,18 +99,10 @@ def generative_perplexity(
     kinds[row, : len(sequence)] = diffusion.TARGET
     kinds[row, :n_prompt] = diffusion.PROMPT
 
-  @jax.jit
-  def nll(tokens, kinds):
-    segments = (kinds != diffusion.PAD).astype(jnp.int32)
-    out = diffusion.autoregressive_loss(
-      lambda x: model.apply({"params": params}, x, segment_ids=segments), tokens, kinds
-    )
-    return out["loss_sum"], out["tokens"]
-
   total = count = 0.0
   for start in range(0, len(prompts), batch_size):
     chunk = slice(start, start + batch_size)
     pad = batch_size - tokens[chunk].shape[0]  # One compiled shape: pad the last batch with empty rows.
-    loss, n = nll(np.pad(tokens[chunk], ((0, pad), (0, 0))), np.pad(kinds[chunk], ((0, pad), (0, 0))))
+    loss, n = nll(params, np.pad(tokens[chunk], ((0, pad), (0, 0))), np.pad(kinds[chunk], ((0, pad), (0, 0))))
     total, count = total + float(loss), count + float(n)
   return math.exp(total / max(count, 1.0))
