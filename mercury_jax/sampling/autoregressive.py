@@ -26,7 +26,7 @@ from jax.sharding import Mesh
 from mercury_jax.config import ModelConfig
 from mercury_jax.model import Transformer
 from mercury_jax.sampling.canvas import GENERATE, PAD, Canvas
-from mercury_jax.sampling.loop import SampleOutput, jit_on_mesh
+from mercury_jax.sampling.loop import SampleOutput, jit_on_mesh, pad_after_eos
 from mercury_jax.sampling.proposal import noise_width, propose, uniform_noise
 from mercury_jax.sampling.settings import SamplerSettings
 
@@ -100,10 +100,7 @@ def decode(
   z = decide(z, start, jax.lax.dynamic_index_in_dim(logits, start - 1, axis=1, keepdims=False))
   init = (start + 1, z, variables["cache"], jnp.ones((), jnp.int32))
   _, z, _, nfe = jax.lax.while_loop(cond, body, init)
-  if settings.eos_to_pad:
-    first_eos = jnp.min(jnp.where(generate & (z == settings.eos_id), rank, length), axis=-1)
-    z = jnp.where(generate & (rank > first_eos[:, None]), settings.pad_id, z)
-  return SampleOutput(z, jnp.broadcast_to(nfe, (batch,)), nfe)
+  return SampleOutput(pad_after_eos(z, generate, rank, settings), jnp.broadcast_to(nfe, (batch,)), nfe)
 
 
 def jit_decode(

@@ -206,10 +206,18 @@ def sample(
   )
   final = jax.lax.while_loop(cond, body, init)
   z = final.z
-  if settings.eos_to_pad:
-    first_eos = jnp.min(jnp.where(generate & (z == settings.eos_id), rank, length), axis=-1)  # [b]
-    z = jnp.where(generate & (rank > first_eos[:, None]), settings.pad_id, z)
-  return SampleOutput(z, final.nfe, final.step, *final.trace)
+  return SampleOutput(pad_after_eos(z, generate, rank, settings), final.nfe, final.step, *final.trace)
+
+
+def pad_after_eos(z: jax.Array, generate: jax.Array, rank: jax.Array, settings: SamplerSettings) -> jax.Array:
+  """Generated positions after each row's first generated EOS become padding (when ``settings.eos_to_pad``).
+
+  ``rank`` [b, l] is each position's index among its row's generated positions.
+  """
+  if not settings.eos_to_pad:
+    return z
+  first_eos = jnp.min(jnp.where(generate & (z == settings.eos_id), rank, z.shape[-1]), axis=-1)  # [b]
+  return jnp.where(generate & (rank > first_eos[:, None]), settings.pad_id, z)
 
 
 def jit_sample(
