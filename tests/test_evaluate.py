@@ -3,7 +3,6 @@
 import math
 import subprocess
 import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -16,10 +15,8 @@ from mercury_jax.checkpoint import restore_params
 from mercury_jax.config import load_config
 from mercury_jax.evaluate import evaluate_params
 from mercury_jax.model import Transformer
-from mercury_jax.prepare import main as prepare_main
 from mercury_jax.train import train
 
-FIXTURES = Path(__file__).parent / "fixtures"
 SMALL = {
   "model.max_length": "64",
   "model.vocab_size": "400",
@@ -28,15 +25,6 @@ SMALL = {
   "checkpoint.async_save": "false",
   "train.log_every": "20",
 }
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory) -> Path:
-  out = tmp_path_factory.mktemp("data") / "fixture"
-  prepare_main(
-    ["--corpus", str(FIXTURES / "corpus" / "**" / "*"), "--out", str(out), "--vocab-size", "400", "--seq-len", "64"]
-  )
-  return out
 
 
 def test_diffusion_bound_is_finite_and_consistent_with_training(tmp_path, data_dir):

@@ -23,9 +23,7 @@ import pytest
 
 from mercury_jax import distributed
 from mercury_jax.checkpoint import restore_params
-from mercury_jax.prepare import main as prepare_main
 
-FIXTURES = Path(__file__).parent / "fixtures"
 DEVICES = 8  # In total: 1 process x 8 devices or 2 processes x 4.
 SETS = [
   "model.max_length=64",
@@ -36,16 +34,6 @@ SETS = [
 ]
 STEPS = 8
 TIMEOUT = 240  # Seconds for one multi-process command.
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory) -> Path:
-  out = tmp_path_factory.mktemp("data") / "fixture"
-  code = prepare_main(
-    ["--corpus", str(FIXTURES / "corpus" / "**" / "*"), "--out", str(out), "--vocab-size", "400", "--seq-len", "64"]
-  )
-  assert code in (0, None)
-  return out
 
 
 @pytest.fixture(scope="module")

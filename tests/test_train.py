@@ -16,10 +16,8 @@ from mercury_jax import sharding as sh
 from mercury_jax.checkpoint import Checkpointer, restore_params
 from mercury_jax.config import MeshConfig, load_config
 from mercury_jax.data import pipeline
-from mercury_jax.prepare import main as prepare_main
 from mercury_jax.trainer import Trainer
 
-FIXTURES = Path(__file__).parent / "fixtures"
 SETS = [
   "model.max_length=64",
   "model.vocab_size=400",
@@ -28,16 +26,6 @@ SETS = [
   "train.log_every=4",
   "checkpoint.async_save=false",
 ]
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory) -> Path:
-  out = tmp_path_factory.mktemp("data") / "fixture"
-  code = prepare_main(
-    ["--corpus", str(FIXTURES / "corpus" / "**" / "*"), "--out", str(out), "--vocab-size", "400", "--seq-len", "64"]
-  )
-  assert code in (0, None)
-  return out
 
 
 def _train_cmd(workdir: Path, data_dir: Path, steps: int, *extra: str) -> list[str]:
