@@ -63,10 +63,10 @@ file may be empty) and prints only its own samples (--json lines carry "process"
 process given all the files' prompts in process order."""
 
 NO_DEFAULT_MODEL = (
-  "no --checkpoint given and no default model is bundled yet (mercury_jax/assets/default/); train one with "
-  "`python -m mercury_jax.prepare --corpus python-stdlib --out data/stdlib` and "
+  "no --checkpoint given and the bundled default model is missing from mercury_jax/assets/default/ (reinstall the "
+  "package, or train a model with `python -m mercury_jax.prepare --corpus python-stdlib --out data/stdlib` and "
   "`python -m mercury_jax.train --config tiny --workdir runs/tiny --set data.path=data/stdlib`, "
-  "then pass --checkpoint runs/tiny"
+  "then pass --checkpoint runs/tiny)"
 )
 
 

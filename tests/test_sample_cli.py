@@ -108,9 +108,9 @@ def test_bad_input_is_one_line_and_exit_code_2(case, checkpoints, files, capsys)
   assert len(lines) == 1 and lines[0].startswith("mercury_jax.sample: error: "), err
 
 
-def test_no_default_model_says_how_to_train_one(capsys):
-  if default_checkpoint() is not None:
-    pytest.skip("a default model is bundled")
+def test_missing_default_model_says_how_to_train_one(tmp_path, monkeypatch, capsys):
+  monkeypatch.setattr("mercury_jax.sampling.sampler.DEFAULT_CHECKPOINT", tmp_path)
+  assert default_checkpoint() is None
   with pytest.raises(SystemExit) as exit_info:
     main(["--prompt", "x"])
   assert exit_info.value.code == 2
