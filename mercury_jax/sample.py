@@ -8,8 +8,9 @@ Examples::
   python -m mercury_jax.sample --checkpoint runs/tiny --prompt "import os" --show-steps
 
 ``--prompts-file`` is JSON lines, each ``{"prompt": "..."}`` or a JSON string. Without ``--checkpoint`` the model
-bundled in ``mercury_jax/assets/default/`` is used once there is one. Bad input gets one line on stderr and exit
-code 2.
+bundled in ``mercury_jax/assets/default/`` is used (see its ``MODEL_CARD.md``). Compiled programs are kept in
+``~/.cache/mercury_jax/xla`` (``$XDG_CACHE_HOME``; ``--no-compile-cache`` to skip), so a repeated command starts
+faster. Bad input gets one line on stderr and exit code 2.
 
 A checkpoint of the autoregressive twin (``diffusion.objective = "autoregressive"``) is decoded token by token with
 a key-value cache, with the same prompts, templates, ``--length``, ``--temperature``/``--top-k``/``--top-p``,
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -119,6 +121,11 @@ def build_parser() -> argparse.ArgumentParser:
   )
   p.add_argument(
     "--show-steps", action="store_true", help="show the canvas being refined step by step (autoregressive: by token)"
+  )
+  p.add_argument(
+    "--no-compile-cache",
+    action="store_true",
+    help="do not keep compiled programs in $XDG_CACHE_HOME/mercury_jax/xla (default ~/.cache/...) for the next run",
   )
   distributed.add_arguments(p)
   return p
@@ -240,8 +247,20 @@ def _show(frames: list[str], header: str, unit: str) -> None:
       time.sleep(FRAME_SECONDS)
 
 
-def main(argv: list[str] | None = None) -> int:
+def compile_cache_dir() -> Path:
+  """Where the command line keeps XLA's persistent compilation cache: ``$XDG_CACHE_HOME/mercury_jax/xla``."""
+  return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mercury_jax" / "xla"
+
+
+def main(argv: list[str] | None = None, *, compile_cache: bool = False) -> int:
+  """The command line; ``compile_cache`` (on for ``python -m``) reuses compiled programs across runs.
+
+  With the cache a repeated command skips most of its compilation (the bundled model's first output comes about
+  2 s sooner on 2 CPU cores). ``JAX_COMPILATION_CACHE_DIR``, when set, takes precedence.
+  """
   args = build_parser().parse_args(argv)
+  if compile_cache and not args.no_compile_cache and not jax.config.jax_compilation_cache_dir:
+    jax.config.update("jax_compilation_cache_dir", str(compile_cache_dir()))
   try:
     knobs = _check_args(args)
   except ValueError as e:  # A template without holes.
@@ -338,4 +357,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  sys.exit(main(compile_cache=True))
