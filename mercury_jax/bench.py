@@ -5,8 +5,9 @@ Examples::
   python -m mercury_jax.bench --diffusion runs/default --autoregressive runs/default_ar --data data/stdlib
   python -m mercury_jax.bench --diffusion runs/tiny --autoregressive runs/tiny_ar --data data/stdlib --smoke
 
-On one machine, in one run: the diffusion model with the confidence rule at each step budget and with the
-threshold rule at each tau (step budget = the generation length), and its autoregressive twin with key-value-cache
+On one machine, in one run: the diffusion model, at each of its temperatures (``--temperatures``, default 1), with
+the confidence rule at each step budget and with the threshold rule at each tau (step budget = the generation
+length), and its autoregressive twin with key-value-cache
 decoding (temperature 1, and greedy), all on the same prompts (documented functions from the validation split, see
 ``mercury_jax.bench_prompts``), at batch 1 and batch 16. Every example draws from its own stream (its prompt index)
 with one seed, so both batch sizes see the same samples.
@@ -73,13 +74,17 @@ class Setting:
   def name(self) -> str:
     if self.model == "autoregressive":
       return f"AR {'greedy' if self.temperature == 0 else f'T={self.temperature:g}'}"
-    return f"{self.rule} steps={self.steps}" if self.tau is None else f"threshold tau={self.tau:g}"
+    name = f"{self.rule} steps={self.steps}" if self.tau is None else f"threshold tau={self.tau:g}"
+    return name if self.temperature == 1.0 else f"{name} T={self.temperature:g}"
 
 
-def grid(length: int, steps, taus, temperature: float, ar_temperatures) -> list[Setting]:
-  """The settings measured: confidence at each step budget, threshold at each tau (budget ``length``), the twin."""
-  settings = [Setting("diffusion", "confidence", s, None, temperature) for s in steps]
-  settings += [Setting("diffusion", "threshold", length, t, temperature) for t in taus]
+def grid(length: int, steps, taus, temperatures, ar_temperatures) -> list[Setting]:
+  """The settings measured: at each diffusion temperature, confidence at each step budget and threshold at each tau
+  (budget ``length``); then the twin at each of its temperatures."""
+  settings = []
+  for temperature in temperatures:
+    settings += [Setting("diffusion", "confidence", s, None, temperature) for s in steps]
+    settings += [Setting("diffusion", "threshold", length, t, temperature) for t in taus]
   return settings + [Setting("autoregressive", "kv-cache", 0, None, t) for t in ar_temperatures]
 
 
@@ -276,7 +281,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     args.data, args.prompts, lambda text: len(tokenizer.encode(text)) <= context - room, args.corpus
   )
   prompt_ids = [tokenizer.encode(p.text) for p in prompts]
-  settings = grid(args.length, args.steps, args.taus, args.temperature, args.ar_temperatures)
+  settings = grid(args.length, args.steps, args.taus, args.temperatures, args.ar_temperatures)
   batches = {b: make_batches(prompt_ids, args.length, context, b, tokenizer.pad_id) for b in args.batch_sizes}
   runner = Runner(diffusion, ar, tokenizer, args.seed)
   calls, gflops = measure(runner, settings, batches, len(prompts), args.repeats)
@@ -366,7 +371,9 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--length", type=int, default=256, help="tokens to generate per prompt (cut to the context)")
   p.add_argument("--steps", type=_ints, default=STEPS, help="confidence-rule step budgets, comma-separated")
   p.add_argument("--taus", type=_floats, default=TAUS, help="threshold-rule taus, comma-separated")
-  p.add_argument("--temperature", type=float, default=1.0, help="the diffusion sampler's temperature")
+  p.add_argument(
+    "--temperatures", type=_floats, default=(1.0,), help="the diffusion sampler's temperatures, comma-separated"
+  )
   p.add_argument("--ar-temperatures", type=_floats, default=AR_TEMPERATURES, help="the twin's (1 = reference)")
   p.add_argument("--batch-sizes", type=_ints, default=(1, 16), help="comma-separated")
   p.add_argument("--repeats", type=int, default=1, help="timed passes over the prompts per batch size")
@@ -384,6 +391,8 @@ def main(argv: list[str] | None = None) -> None:
     args.ar_temperatures = (1.0,)
   if 1.0 not in args.ar_temperatures:
     _fail("--ar-temperatures must include 1 (the reference for matched quality)")
+  if not args.temperatures or min(args.temperatures + args.ar_temperatures) < 0:
+    _fail(f"--temperatures {args.temperatures} and --ar-temperatures {args.ar_temperatures} must be >= 0 (0: greedy)")
   for flag, values in (
     ("--prompts", [args.prompts]),
     ("--length", [args.length]),

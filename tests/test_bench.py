@@ -82,6 +82,21 @@ def test_function_prompts_run_from_def_line_through_docstring_in_source_order():
   assert bench_prompts.function_prompts("def broken(:\n") == []
 
 
+def test_grid_names_every_diffusion_temperature_and_keeps_the_reference():
+  settings = bench.grid(16, (4, 8), (0.9,), (1.0, 0.7), (1.0, 0.0))
+  assert [s.name for s in settings] == [
+    "confidence steps=4",
+    "confidence steps=8",
+    "threshold tau=0.9",
+    "confidence steps=4 T=0.7",
+    "confidence steps=8 T=0.7",
+    "threshold tau=0.9 T=0.7",
+    "AR T=1",
+    "AR greedy",
+  ]
+  assert len({s.name for s in settings}) == len(settings)  # Rows and plots are keyed by name.
+
+
 def test_spread_picks_evenly_spaced_items_in_order():
   assert bench_prompts.spread(list(range(10)), 4) == [0, 2, 5, 7]
   assert bench_prompts.spread([1, 2], 5) == [1, 2]
@@ -138,11 +153,16 @@ def test_smoke_bench_writes_every_row_with_sane_numbers(models, capsys):
   assert (out / "quality_vs_speed.png").stat().st_size > 0 and (out / "quality_vs_nfe.png").stat().st_size > 0
 
 
-@pytest.mark.parametrize("swap", ["missing", "swapped"])
+@pytest.mark.parametrize("swap", ["missing", "swapped", "temperature"])
 def test_bad_input_is_one_line_and_exit_2(models, capsys, swap):
-  diffusion, ar = (models / "nowhere", models / "ar") if swap == "missing" else (models / "ar", models / "diffusion")
+  diffusion, ar = (models / "ar", models / "diffusion") if swap == "swapped" else (models / "diffusion", models / "ar")
+  diffusion = models / "nowhere" if swap == "missing" else diffusion
+  extra = ["--temperatures", "1,-0.5"] if swap == "temperature" else []
   with pytest.raises(SystemExit) as exit_info:
-    bench.main(["--diffusion", str(diffusion), "--autoregressive", str(ar), "--data", str(models / "data"), "--smoke"])
+    bench.main(
+      ["--diffusion", str(diffusion), "--autoregressive", str(ar), "--data", str(models / "data"), "--smoke", *extra]
+    )
   err = capsys.readouterr().err
   assert exit_info.value.code == 2 and len(err.strip().splitlines()) == 1
-  assert ("does not exist" if swap == "missing" else "pass it as --autoregressive") in err
+  expected = {"missing": "does not exist", "swapped": "pass it as --autoregressive", "temperature": "must be >= 0"}
+  assert expected[swap] in err
