@@ -2,9 +2,9 @@
 
 The folder written holds the parameters only (no optimiser state), optionally stored in bfloat16 to halve its size,
 the run's config and tokenizer, and, with ``--data``, the corpus manifest that says exactly which files the model was
-trained on (its corpus root cut to the folder's name, so no machine's absolute path is shipped). It is what
-``Sampler.from_checkpoint``, ``sample --checkpoint`` and ``evaluate --checkpoint`` read; the model bundled in the
-package (``mercury_jax/assets/default``) is one:
+trained on. No path of the exporting machine is kept: the corpus root and ``data.path`` are cut to folder names.
+It is what ``Sampler.from_checkpoint``, ``sample --checkpoint`` and ``evaluate --checkpoint`` read; the model
+bundled in the package (``mercury_jax/assets/default``) is one:
 
   python -m mercury_jax.export --checkpoint runs/default --data data/stdlib --out mercury_jax/assets/default --force
 
@@ -16,6 +16,7 @@ folder or damages an existing one.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -26,6 +27,7 @@ from pathlib import Path
 DTYPES = ("float32", "bfloat16")
 CARD_FILE = "MODEL_CARD.md"
 MANIFEST_FILE = "manifest.json"
+ORBAX_COMMIT_MARKER = "commit_success.txt"
 
 
 def export(
@@ -78,12 +80,16 @@ def export(
   tokenizer = find_tokenizer(checkpoint)
   params, cfg = restore_params(checkpoint, step=step)
   params = jax.tree.map(lambda x: x.astype(jnp.dtype(dtype)), params)
+  if cfg.data.path:  # The training machine's data folder means nothing elsewhere: keep its name only.
+    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, path=Path(cfg.data.path).name))
 
   out.parent.mkdir(parents=True, exist_ok=True)
   staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
   try:
     staging.chmod(0o755)  # mkdtemp's 0700 would make an installed package's model unreadable to other users.
     export_params(staging, params, cfg, tokenizer, step=0)
+    for marker in staging.rglob(ORBAX_COMMIT_MARKER):  # It names the staging folder's absolute path; a local
+      marker.unlink()  # restore does not read it (Orbax's rename is the commit there).
     if manifest is not None:
       (staging / MANIFEST_FILE).write_text(json.dumps(portable_manifest(manifest), indent=2) + "\n")
     if card is not None:

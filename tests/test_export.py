@@ -10,7 +10,7 @@ import pytest
 from flax import linen as nn
 
 from mercury_jax.checkpoint import export_params, restore_params
-from mercury_jax.config import Config, ModelConfig
+from mercury_jax.config import Config, DataConfig, ModelConfig
 from mercury_jax.data.tokenizer import train_tokenizer
 from mercury_jax.export import export, folder_bytes, main
 from mercury_jax.model import Transformer
@@ -29,7 +29,8 @@ def run(tmp_path_factory) -> dict:
     vocab_size=400, d_model=64, num_layers=2, num_heads=2, num_kv_heads=2, head_dim=32, mlp_dim=128, max_length=32
   )
   params = nn.meta.unbox(Transformer(model_cfg).init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"])
-  export_params(root / "run", params, Config(model=model_cfg, name="export-test"), root / "tokenizer.model", step=7)
+  cfg = Config(model=model_cfg, data=DataConfig(path=str(root / "data")), name="export-test")
+  export_params(root / "run", params, cfg, root / "tokenizer.model", step=7)
   data = root / "data"
   data.mkdir()
   (data / "manifest.json").write_text(json.dumps({"kind": "fixture", "root": "/home/someone/corpus", "files": []}))
@@ -42,7 +43,9 @@ def test_bfloat16_export_halves_the_size_and_restores_as_float32(run, tmp_path):
   bf16 = export(run["checkpoint"], tmp_path / "bf16", dtype="bfloat16", data=run["data"], card=run["card"])
   assert folder_bytes(bf16) < 0.65 * folder_bytes(f32)
   restored, cfg = restore_params(bf16)
-  assert cfg.name == "export-test"
+  assert cfg.name == "export-test" and cfg.data.path == "data"
+  for path in (p for p in bf16.rglob("*") if p.is_file()):  # No absolute path of this machine is shipped.
+    assert str(run["root"]).encode() not in path.read_bytes() and str(tmp_path).encode() not in path.read_bytes()
   for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(run["params"]), strict=True):
     assert got.dtype == jnp.float32  # Cast back to the model's param_dtype.
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want.astype(jnp.bfloat16).astype(jnp.float32)))
