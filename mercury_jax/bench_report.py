@@ -158,6 +158,8 @@ def plots(rows: list[dict[str, Any]], out_dir: Path) -> list[str] | str:
   except ImportError:
     return "matplotlib is not installed (pip install -e '.[bench]'); plots skipped"
   names = []
+  batches = sorted({r["batch"] for r in rows})
+  temperatures = sorted({r["temperature"] for r in rows if r["model"] == "diffusion"}, reverse=True)
   panels = (("gen_ppl", "generative perplexity (AR twin)", True), ("unigram_entropy", "unigram entropy", False))
   panels += (("parse_rate", "parse rate", False),)
   for x_key, x_label, file in (
@@ -166,15 +168,21 @@ def plots(rows: list[dict[str, Any]], out_dir: Path) -> list[str] | str:
   ):
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), constrained_layout=True)
     for ax, (y_key, y_label, log_y) in zip(axes, panels, strict=True):
-      for color, batch in enumerate(sorted({r["batch"] for r in rows})):
-        for rule, style in (("confidence", "o-"), ("threshold", "s--")):
-          group = sorted((r for r in rows if (r["batch"], r["rule"]) == (batch, rule)), key=lambda r: r[x_key])
-          if group:
-            xy = ([r[x_key] for r in group], [r[y_key] for r in group])
-            ax.plot(*xy, style, color=f"C{color}", label=f"{rule}, batch {batch}")
+      for b, batch in enumerate(batches):
+        for t, temperature in enumerate(temperatures):  # One line per rule, temperature and batch.
+          color = f"C{b * len(temperatures) + t}"
+          at = "" if len(temperatures) == 1 else f" T={temperature:g}"
+          for rule, style in (("confidence", "o-"), ("threshold", "s--")):
+            key = ("diffusion", batch, rule, temperature)
+            group = [r for r in rows if (r["model"], r["batch"], r["rule"], r["temperature"]) == key]
+            if group:
+              group.sort(key=lambda r: r[x_key])
+              xy = ([r[x_key] for r in group], [r[y_key] for r in group])
+              ax.plot(*xy, style, color=color, label=f"{rule}{at}, batch {batch}")
         for r in (r for r in rows if r["batch"] == batch and r["model"] == "autoregressive"):
           marker = "X" if r["temperature"] == 0 else "*"
-          ax.plot([r[x_key]], [r[y_key]], marker, color=f"C{color}", markersize=12, label=f"{r['name']}, batch {batch}")
+          color = f"C{b * len(temperatures)}"
+          ax.plot([r[x_key]], [r[y_key]], marker, color=color, markersize=12, label=f"{r['name']}, batch {batch}")
       ax.set_xscale("log")
       ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
       ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
