@@ -356,5 +356,10 @@ def main(argv: list[str] | None = None, *, compile_cache: bool = False) -> int:
   return 0
 
 
+def cli() -> int:
+  """The ``mercury-sample`` console script and ``python -m``: :func:`main` with the compilation cache."""
+  return main(compile_cache=True)
+
+
 if __name__ == "__main__":
-  sys.exit(main(compile_cache=True))
+  sys.exit(cli())
