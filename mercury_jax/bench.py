@@ -7,10 +7,10 @@ Examples::
 
 On one machine, in one run: the diffusion model, at each of its temperatures (``--temperatures``, default 1), with
 the confidence rule at each step budget and with the threshold rule at each tau (step budget = the generation
-length), and its autoregressive twin with key-value-cache
-decoding (temperature 1, and greedy), all on the same prompts (documented functions from the validation split, see
-``mercury_jax.bench_prompts``), at batch 1 and batch 16. Every example draws from its own stream (its prompt index)
-with one seed, so both batch sizes see the same samples.
+length), and its autoregressive twin with key-value-cache decoding (temperature 1, and greedy), all on the same
+prompts (documented functions from the validation split, see ``mercury_jax.bench_prompts``), at batch 1 and 16
+(``--batch-sizes``). Every example draws from its own stream (its prompt index) with one seed, so every batch size
+sees the same samples.
 
 Each prompt generates ``min(length, context - prompt)`` tokens: the canvas never exceeds the shorter of the two
 models' contexts, and prompts that would leave fewer than ``min(length, context / 2)`` positions are skipped rather
