@@ -74,6 +74,7 @@ def test_sample_without_checkpoint_uses_the_bundle_and_matches_one_device(tmp_pa
   (sharded,) = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
   env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_COMPILATION_CACHE_DIR")}
   env["XDG_CACHE_HOME"] = str(tmp_path)
+  env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"  # JAX skips programs compiled in under 1 s by default.
   done = subprocess.run(
     [sys.executable, "-m", "mercury_jax.sample", *argv], capture_output=True, text=True, env=env, timeout=300
   )
