@@ -1,7 +1,7 @@
 """``python -m mercury_jax.export``: bfloat16 storage, bundled manifest and card, never a half-written folder."""
 
 import json
-from pathlib import Path
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -11,20 +11,16 @@ from flax import linen as nn
 
 from mercury_jax.checkpoint import export_params, restore_params
 from mercury_jax.config import Config, DataConfig, ModelConfig
-from mercury_jax.data.tokenizer import train_tokenizer
 from mercury_jax.export import export, folder_bytes, main
 from mercury_jax.model import Transformer
 from mercury_jax.sampling.sampler import Sampler
 
-FIXTURES = Path(__file__).parent / "fixtures"
-
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory) -> dict:
+def run(tmp_path_factory, data_dir) -> dict:
   """A float32 checkpoint of a small model (random params), a prepared-data folder and a model card."""
   root = tmp_path_factory.mktemp("export")
-  texts = [p.read_text() for p in sorted((FIXTURES / "corpus").rglob("*")) if p.is_file()]
-  train_tokenizer(texts, 400).save(root / "tokenizer.model")
+  shutil.copyfile(data_dir / "tokenizer.model", root / "tokenizer.model")  # 400 pieces.
   model_cfg = ModelConfig(
     vocab_size=400, d_model=64, num_layers=2, num_heads=2, num_kv_heads=2, head_dim=32, mlp_dim=128, max_length=32
   )

@@ -1,6 +1,7 @@
 """``python -m mercury_jax.sample`` and the ``Sampler`` on a tiny exported checkpoint (random params)."""
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -14,13 +15,11 @@ from flax import linen as nn
 from mercury_jax import sharding as sh
 from mercury_jax.checkpoint import export_params
 from mercury_jax.config import Config, MeshConfig, ModelConfig
-from mercury_jax.data.tokenizer import train_tokenizer
 from mercury_jax.model import Transformer
 from mercury_jax.sample import main
 from mercury_jax.sampling import canvas as cv
 from mercury_jax.sampling.sampler import Sampler, default_checkpoint
 
-FIXTURES = Path(__file__).parent / "fixtures"
 MAX_LENGTH = 64
 
 
@@ -42,11 +41,9 @@ def _export(root: Path, tokenizer_file: Path, vocab_size: int) -> Path:
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory) -> dict[str, Path]:
+def checkpoints(tmp_path_factory, data_dir) -> dict[str, Path]:
   root = tmp_path_factory.mktemp("sampler")
-  texts = [p.read_text() for p in sorted((FIXTURES / "corpus").rglob("*")) if p.is_file()]
-  tokenizer = train_tokenizer(texts, 400)
-  tokenizer.save(root / "tokenizer.model")
+  shutil.copyfile(data_dir / "tokenizer.model", root / "tokenizer.model")  # 400 pieces.
   empty = root / "empty"
   empty.mkdir()
   return {

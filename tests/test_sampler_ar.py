@@ -12,24 +12,20 @@ from flax import linen as nn
 from mercury_jax import sharding as sh
 from mercury_jax.checkpoint import export_params
 from mercury_jax.config import Config, DiffusionConfig, MeshConfig, ModelConfig
-from mercury_jax.data.tokenizer import train_tokenizer
 from mercury_jax.model import Transformer
 from mercury_jax.sample import main
 from mercury_jax.sampling import canvas as cv
 from mercury_jax.sampling.autoregressive import jit_decode
 from mercury_jax.sampling.sampler import MASK_TEXT, Sampler
 
-FIXTURES = Path(__file__).parent / "fixtures"
 MAX_LENGTH = 64
 PROMPTS = ["def add(x, y):", "import os", "class Point:\n  def", "x ="]
 KNOBS = dict(top_k=50, min_length=6)  # One compilation per batch shape for the whole module.
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> Path:
+def checkpoint(tmp_path_factory, data_dir) -> Path:
   root = tmp_path_factory.mktemp("ar")
-  texts = [p.read_text() for p in sorted((FIXTURES / "corpus").rglob("*")) if p.is_file()]
-  train_tokenizer(texts, 400).save(root / "tokenizer.model")
   model_cfg = ModelConfig(
     vocab_size=512,
     d_model=32,
@@ -45,7 +41,7 @@ def checkpoint(tmp_path_factory) -> Path:
   cfg = Config(model=model_cfg, diffusion=DiffusionConfig(objective="autoregressive"), name="ar-test")
   params = nn.meta.unbox(Transformer(model_cfg).init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32)))["params"]
   params = jax.tree.map(lambda p: p * 10.0, params)  # Sharper distributions than the 0.02 init.
-  return export_params(root / "export", params, cfg, root / "tokenizer.model").parent
+  return export_params(root / "export", params, cfg, data_dir / "tokenizer.model").parent
 
 
 @pytest.fixture(scope="module")
