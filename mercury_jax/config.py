@@ -17,7 +17,7 @@ from typing import Any, Literal
 import tomllib
 
 ATTENTION_IMPLS = ("auto", "xla", "pallas", "cudnn")
-OBJECTIVES = ("diffusion", "autoregressive")
+OBJECTIVES = ("masked_diffusion", "autoregressive")
 SCHEDULES = ("linear", "cosine", "polynomial")
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -70,21 +70,31 @@ class ModelConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class DiffusionConfig:
-  """The training objective: masked (absorbing-state) diffusion, or next-token prediction for the AR twin."""
+class ObjectiveConfig:
+  """The training objective (``mercury_jax.objectives``): masked diffusion, or next-token prediction for the AR twin.
 
-  objective: Literal["diffusion", "autoregressive"] = "diffusion"
+  The schedule fields apply to ``masked_diffusion`` (training and the ancestral sampler); ``autoregressive`` ignores
+  them.
+  """
+
+  name: Literal["masked_diffusion", "autoregressive"] = "masked_diffusion"
   schedule: Literal["linear", "cosine", "polynomial"] = "linear"
   exponent: float = 1.0  # Polynomial schedule: alpha_t = 1 - t**exponent.
   antithetic: bool = True  # Low-discrepancy t across the global batch (Kingma et al. 2021, VDM).
-  t_min: float = 1e-4  # t is drawn from [t_min, 1] so the ELBO weight stays finite.
+  t_min: float = 1e-4  # t is drawn from [t_min, 1] so the ELBO weight -alpha'_t / (1 - alpha_t) stays finite.
   mask_id: int = 4  # The [MASK] token; mercury_jax tokenizers put it at 4 (pad 0, unk 1, bos 2, eos 3).
+
+  @property
+  def autoregressive(self) -> bool:
+    return self.name == "autoregressive"
 
   def validate(self) -> None:
     if self.exponent <= 0:
-      raise ConfigError(f"diffusion.exponent={self.exponent} must be > 0")
-    if not 0.0 <= self.t_min < 1.0:
-      raise ConfigError(f"diffusion.t_min={self.t_min} must lie in [0, 1)")
+      raise ConfigError(f"objective.exponent={self.exponent} must be > 0")
+    if not 0.0 < self.t_min < 1.0:
+      raise ConfigError(
+        f"objective.t_min={self.t_min} must lie in (0, 1): at t = 0 the ELBO weight is infinite (e.g. 1e-4)"
+      )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,7 +178,7 @@ class CheckpointConfig:
 @dataclasses.dataclass(frozen=True)
 class Config:
   model: ModelConfig = ModelConfig()
-  diffusion: DiffusionConfig = DiffusionConfig()
+  objective: ObjectiveConfig = ObjectiveConfig()
   data: DataConfig = DataConfig()
   optim: OptimConfig = OptimConfig()
   mesh: MeshConfig = MeshConfig()
@@ -181,12 +191,12 @@ class Config:
       value = getattr(self, section.name)
       if hasattr(value, "validate"):
         value.validate()
-    if self.diffusion.objective == "autoregressive" and not self.model.causal:
-      raise ConfigError("diffusion.objective='autoregressive' needs model.causal=true")
-    if self.diffusion.objective == "autoregressive" and self.model.time_conditioning:
-      raise ConfigError("model.time_conditioning=true needs diffusion.objective='diffusion' (an AR model has no t)")
-    if self.diffusion.objective == "diffusion" and self.model.causal:
-      raise ConfigError("model.causal=true is only meaningful with diffusion.objective='autoregressive'")
+    if self.objective.autoregressive and not self.model.causal:
+      raise ConfigError("objective.name='autoregressive' needs model.causal=true")
+    if self.objective.autoregressive and self.model.time_conditioning:
+      raise ConfigError("model.time_conditioning=true needs objective.name='masked_diffusion' (an AR model has no t)")
+    if not self.objective.autoregressive and self.model.causal:
+      raise ConfigError("model.causal=true is only meaningful with objective.name='autoregressive'")
     return self
 
   def to_dict(self) -> dict[str, Any]:
@@ -334,7 +344,16 @@ def load_config(name_or_path: str = "default", overrides: dict[str, Any] | None 
 
 
 def config_from_dict(tree: dict[str, Any]) -> Config:
-  """Rebuilds a Config from ``Config.to_dict()`` output (as stored in checkpoints)."""
+  """Rebuilds a Config from ``Config.to_dict()`` output (as stored in checkpoints).
+
+  Checkpoints written before the ``objective`` section existed store the same fields under ``diffusion`` (with
+  ``objective = "diffusion" | "autoregressive"``); they are read into ``objective``.
+  """
+  tree = dict(tree)
+  if "diffusion" in tree and "objective" not in tree:
+    legacy = dict(tree.pop("diffusion"))
+    name = legacy.pop("objective", "diffusion")
+    tree["objective"] = {**legacy, "name": "masked_diffusion" if name == "diffusion" else name}
   return apply_overrides(Config(), _flatten(tree), source="stored config").validate()
 
 
@@ -348,7 +367,7 @@ __all__ = [
   "Config",
   "ConfigError",
   "ModelConfig",
-  "DiffusionConfig",
+  "ObjectiveConfig",
   "DataConfig",
   "OptimConfig",
   "MeshConfig",

@@ -54,7 +54,7 @@ def evaluate_params(
     data_dir, split, seq_len=cfg.model.max_length, global_batch_size=batch_size, num_batches=None
   )
   batches = [pipeline.to_global(b, mesh, trainer.rules) for b in local[:max_batches]]
-  autoregressive = cfg.diffusion.objective == "autoregressive"
+  autoregressive = cfg.objective.autoregressive
   draws = 1 if autoregressive else t_samples
   with jax.set_mesh(mesh), nn.logical_axis_rules(trainer.rules):
     per_draw = [
@@ -68,7 +68,7 @@ def evaluate_params(
   characters = stats["characters"] * covered / stats["records"]
   bits_per_char = nats * target_tokens / (characters * math.log(2))
   return {
-    "objective": cfg.diffusion.objective,
+    "objective": cfg.objective.name,
     "bound": not autoregressive,
     "split": split,
     "records": covered,

@@ -31,6 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from mercury_jax import kinds
 from mercury_jax.data import corpus as corpus_lib, pipeline, records
 from mercury_jax.data.tokenizer import MIN_VOCAB_SIZE, Tokenizer, train_tokenizer
 
@@ -178,7 +179,7 @@ def prepare(
       "eos_id": tokenizer.eos_id,
       "mask_id": tokenizer.mask_id,
       "record": {"dtype": "int32", "shape": [2, seq_len], "rows": ["tokens", "kinds"]},
-      "kinds": {"padding": records.PADDING, "prompt": records.PROMPT, "target": records.TARGET},
+      "kinds": {"padding": kinds.PAD, "prompt": kinds.FIXED, "target": kinds.TARGET},
       "corpus": source.source,
       "python_version": manifest.get("python_version"),
       "tokenizer": {

@@ -12,7 +12,7 @@ bundled in ``mercury_jax/assets/default/`` is used (see its ``MODEL_CARD.md``). 
 ``~/.cache/mercury_jax/xla`` (``$XDG_CACHE_HOME``; ``--no-compile-cache`` to skip), so a repeated command starts
 faster. Bad input gets one line on stderr and exit code 2.
 
-A checkpoint of the autoregressive twin (``diffusion.objective = "autoregressive"``) is decoded token by token with
+A checkpoint of the autoregressive twin (``objective.name = "autoregressive"``) is decoded token by token with
 a key-value cache, with the same prompts, templates, ``--length``, ``--temperature``/``--top-k``/``--top-p``,
 ``--min-length``, ``--num-samples``, ``--seed``, ``--json`` and ``--show-steps`` (one frame per token). The
 refinement flags (``--steps``, ``--sampler``, ``--confidence``, ``--threshold``, ``--block-length``, ``--revision``)
@@ -55,7 +55,7 @@ DIFFUSION_FLAGS = {
 }
 
 EPILOG = """\
-autoregressive checkpoints (diffusion.objective = "autoregressive") are decoded token by token with a key-value
+autoregressive checkpoints (objective.name = "autoregressive") are decoded token by token with a key-value
 cache; --steps, --sampler, --confidence, --threshold, --block-length and --revision apply to diffusion models only
 and are an error for them. A canvas that starts with a hole gets BOS in front. --show-steps shows one frame per token.
 

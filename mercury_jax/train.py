@@ -23,11 +23,11 @@ import jax
 from flax import linen as nn
 
 from mercury_jax import distributed, sharding as sh
+from mercury_jax.bench.throughput import matmul_peak
 from mercury_jax.checkpoint import TOKENIZER_FILE, Checkpointer
 from mercury_jax.config import Config, ConfigError, load_config, parse_set_args
 from mercury_jax.data import pipeline
 from mercury_jax.model import count_params, flops_per_token
-from mercury_jax.throughput import matmul_peak
 from mercury_jax.trainer import Trainer
 
 
@@ -80,14 +80,14 @@ def _check_data(cfg: Config, meta: dict[str, Any]) -> None:
       f"the tokenizer has {meta['vocab_size']} pieces but model.vocab_size={cfg.model.vocab_size}; "
       f"set model.vocab_size >= {meta['vocab_size']}"
     )
-  if meta["mask_id"] != cfg.diffusion.mask_id:
-    raise ConfigError(f"the tokenizer's mask id is {meta['mask_id']} but diffusion.mask_id={cfg.diffusion.mask_id}")
+  if meta["mask_id"] != cfg.objective.mask_id:
+    raise ConfigError(f"the tokenizer's mask id is {meta['mask_id']} but objective.mask_id={cfg.objective.mask_id}")
 
 
 def _same_model(stored: Config, cfg: Config) -> None:
-  if stored.model != cfg.model or stored.diffusion != cfg.diffusion:
+  if stored.model != cfg.model or stored.objective != cfg.objective:
     raise ConfigError(
-      "the checkpoint in the workdir was trained with a different model or diffusion config; "
+      "the checkpoint in the workdir was trained with a different model or objective config; "
       "use a new --workdir or the original --config/--set"
     )
 
@@ -177,7 +177,7 @@ def train(cfg: Config, workdir: str | Path, *, log: bool = True) -> dict[str, An
           if cfg.train.eval_every and eval_batches and (done % cfg.train.eval_every == 0 or done == cfg.train.steps):
             last.update(evaluate(trainer, state["params"], eval_batches, cfg.train.seed))
           metrics_log.write(last)
-          bound = cfg.diffusion.objective != "autoregressive"
+          bound = not cfg.objective.autoregressive
           progress.show(_status(last, cfg.train.steps, bound), final=done == cfg.train.steps)
         if save_now:
           checkpointer.save(state, data_iter, cfg)

@@ -16,7 +16,7 @@ import optax
 from flax import linen as nn
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from mercury_jax import diffusion, sharding as sh
+from mercury_jax import kinds as K, objectives, sharding as sh
 from mercury_jax.config import Config, OptimConfig
 from mercury_jax.model import Transformer
 
@@ -41,25 +41,15 @@ def make_optimizer(cfg: OptimConfig, total_steps: int) -> optax.GradientTransfor
   )
 
 
-def segment_ids_of(kinds: jax.Array) -> jax.Array:
-  """Padding (kind 0) is segment 0, everything else segment 1: padding is never attended to."""
-  return (kinds != diffusion.PAD).astype(jnp.int32)
-
-
 def loss_terms(params, batch: Batch, key: jax.Array, model: Transformer, cfg: Config) -> dict[str, jax.Array]:
-  """The objective's sums for one batch: diffusion ELBO or autoregressive NLL, chosen by the config."""
-  segment_ids = segment_ids_of(batch["kinds"])
-  if cfg.diffusion.objective == "autoregressive":
-    logits_fn = lambda x: model.apply({"params": params}, x, segment_ids=segment_ids)  # noqa: E731
-    return diffusion.autoregressive_loss(logits_fn, batch["tokens"], batch["kinds"])
+  """The configured objective's sums for one batch (``mercury_jax.objectives``)."""
+  segment_ids = K.segment_ids(batch["kinds"])
   use_t = cfg.model.time_conditioning
 
-  def denoise_fn(z_t, t):
-    return model.apply({"params": params}, z_t, t if use_t else None, segment_ids=segment_ids)
+  def logits_fn(tokens, t):
+    return model.apply({"params": params}, tokens, t if use_t else None, segment_ids=segment_ids)
 
-  return diffusion.diffusion_loss(
-    denoise_fn, batch["tokens"], batch["kinds"], key, cfg.diffusion.mask_id, cfg.diffusion
-  )
+  return objectives.loss_terms(logits_fn, batch["tokens"], batch["kinds"], key, cfg.objective)
 
 
 def _init_params(model: Transformer, key: jax.Array):

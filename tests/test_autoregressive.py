@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 
 from mercury_jax.config import load_config
+from mercury_jax.kinds import TARGET as GENERATE
 from mercury_jax.model import Transformer
 from mercury_jax.sampling.autoregressive import jit_decode
-from mercury_jax.sampling.canvas import GENERATE, Hole, make_canvas, prefix
+from mercury_jax.sampling.canvas import Hole, make_canvas, prefix
 from mercury_jax.sampling.settings import SamplerSettings
 
 CFG = load_config(

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from mercury_jax import bench, bench_prompts
+from mercury_jax.bench import cli as bench, prompts as bench_prompts
 from mercury_jax.config import load_config
 from mercury_jax.data.corpus import VALIDATION, split_of
 from mercury_jax.prepare import main as prepare_main

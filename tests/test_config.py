@@ -39,7 +39,7 @@ def test_overrides_are_typed():
         "model.d_model=96",
         "optim.learning_rate=2e-3",
         "model.causal=true",
-        "diffusion.objective=autoregressive",
+        "objective.name=autoregressive",
         "mesh.rules=vocab=,mlp=fsdp",
       ]
     ),
@@ -58,7 +58,7 @@ def test_overrides_are_typed():
     ("modle.d_model=3", "modle.d_model"),
     ("model.d_model=abc", "model.d_model='abc' is not an integer"),
     ("model.dtype=float64", "model.dtype='float64' is not one of"),
-    ("diffusion.schedule=sqrt", "diffusion.schedule"),
+    ("objective.schedule=sqrt", "objective.schedule"),
     ("model.causal=maybe", "model.causal"),
     ("model.num_kv_heads=3", "model.num_heads=4 must be a multiple of model.num_kv_heads=3"),
     ("train.steps=0", "train.steps=0"),

@@ -9,14 +9,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mercury_jax import diffusion
-from mercury_jax.config import DiffusionConfig
+from mercury_jax import kinds as K
+from mercury_jax.config import ObjectiveConfig
+from mercury_jax.objectives import autoregressive, masked_diffusion as diffusion
 
 SCHEDULES = [
-  DiffusionConfig(schedule="linear"),
-  DiffusionConfig(schedule="cosine"),
-  DiffusionConfig(schedule="polynomial", exponent=2.0),
-  DiffusionConfig(schedule="polynomial", exponent=0.5),
+  ObjectiveConfig(schedule="linear"),
+  ObjectiveConfig(schedule="cosine"),
+  ObjectiveConfig(schedule="polynomial", exponent=2.0),
+  ObjectiveConfig(schedule="polynomial", exponent=0.5),
 ]
 
 
@@ -33,21 +34,21 @@ def test_schedule_endpoints_derivative_and_weight(cfg):
 
 
 def test_antithetic_t_puts_one_sample_in_each_stratum():
-  cfg = DiffusionConfig(t_min=0.0)
+  cfg = ObjectiveConfig(t_min=0.0)
   for seed in range(5):
     t = np.sort(np.asarray(diffusion.sample_t(jax.random.key(seed), 16, cfg)))
     np.testing.assert_array_equal(np.floor(t * 16), np.arange(16))
     np.testing.assert_allclose(np.diff(t), 1 / 16, atol=1e-6)
   plain = np.asarray(diffusion.sample_t(jax.random.key(0), 4096, dataclasses.replace(cfg, antithetic=False)))
   assert plain.min() >= 0.0 and plain.max() <= 1.0 and abs(plain.mean() - 0.5) < 0.02
-  t = diffusion.sample_t(jax.random.key(1), 8, DiffusionConfig(t_min=0.25))
+  t = diffusion.sample_t(jax.random.key(1), 8, ObjectiveConfig(t_min=0.25))
   assert float(t.min()) >= 0.25
 
 
 def test_masking_rate_and_kinds():
-  cfg = DiffusionConfig()
+  cfg = ObjectiveConfig()
   x = jnp.full((4, 5000), 7)
-  kinds = jnp.full((4, 5000), diffusion.TARGET).at[:, :100].set(diffusion.PROMPT).at[:, -100:].set(diffusion.PAD)
+  kinds = jnp.full((4, 5000), K.TARGET).at[:, :100].set(K.FIXED).at[:, -100:].set(K.PAD)
   t = jnp.array([0.1, 0.4, 0.7, 0.95])
   z, masked = diffusion.mask_tokens(jax.random.key(0), x, kinds, t, 4, cfg)
   assert not bool(masked[:, :100].any()) and not bool(masked[:, -100:].any())
@@ -68,7 +69,7 @@ def _known_denoiser(z, t):
   return own + context
 
 
-def _brute_force_elbo(x: np.ndarray, cfg: DiffusionConfig, grid: int = 20001) -> float:
+def _brute_force_elbo(x: np.ndarray, cfg: ObjectiveConfig, grid: int = 20001) -> float:
   """(1 / (1 - t_min)) ∫ w(t) Σ_masks P(mask | t) Σ_{n in mask} -log p(x_n | z) dt, by enumeration and quadrature."""
   per_mask = {}
   for mask in itertools.product([False, True], repeat=LENGTH):
@@ -88,7 +89,7 @@ def _brute_force_elbo(x: np.ndarray, cfg: DiffusionConfig, grid: int = 20001) ->
 
 @pytest.mark.parametrize(
   "cfg",
-  [DiffusionConfig(schedule="linear", t_min=1e-3), DiffusionConfig(schedule="cosine", t_min=1e-3)],
+  [ObjectiveConfig(schedule="linear", t_min=1e-3), ObjectiveConfig(schedule="cosine", t_min=1e-3)],
   ids=["linear", "cosine"],
 )
 def test_loss_matches_brute_force_elbo(cfg):
@@ -96,7 +97,7 @@ def test_loss_matches_brute_force_elbo(cfg):
   expected = _brute_force_elbo(x, cfg)
 
   def one(key):
-    out = diffusion.diffusion_loss(_known_denoiser, jnp.asarray(x)[None], jnp.full((1, LENGTH), 2), key, MASK, cfg)
+    out = diffusion.loss(_known_denoiser, jnp.asarray(x)[None], jnp.full((1, LENGTH), 2), key, MASK, cfg)
     return out["loss_sum"]
 
   samples = np.asarray(jax.jit(jax.vmap(one))(jax.random.split(jax.random.key(0), 40000)))
@@ -105,12 +106,12 @@ def test_loss_matches_brute_force_elbo(cfg):
 
 
 def test_prompt_and_padding_never_contribute():
-  cfg = DiffusionConfig()
+  cfg = ObjectiveConfig()
   rng = np.random.default_rng(1)
   x = jnp.asarray(rng.integers(0, VOCAB, (2, LENGTH)), jnp.int32)
   kinds = jnp.array([[1, 2, 0], [1, 2, 2]])
-  base = diffusion.diffusion_loss(_denoise_ignoring_pad, x, kinds, jax.random.key(3), MASK, cfg)
-  changed = diffusion.diffusion_loss(
+  base = diffusion.loss(_denoise_ignoring_pad, x, kinds, jax.random.key(3), MASK, cfg)
+  changed = diffusion.loss(
     _denoise_ignoring_pad, x.at[0, 2].set((x[0, 2] + 1) % VOCAB), kinds, jax.random.key(3), MASK, cfg
   )
   assert float(base["tokens"]) == 3.0
@@ -126,7 +127,7 @@ def test_autoregressive_loss_is_next_token_nll():
   logits = jnp.asarray(np.random.default_rng(2).normal(size=(1, 4, 5)), jnp.float32)
   x = jnp.array([[1, 3, 0, 4]])
   kinds = jnp.array([[1, 1, 2, 2]])
-  out = diffusion.autoregressive_loss(lambda _: logits, x, kinds)
+  out = autoregressive.loss(lambda _: logits, x, kinds)
   logp = jax.nn.log_softmax(logits[0], axis=-1)
   expected = -(logp[1, 0] + logp[2, 4])  # Predictions of the two targets (positions 2 and 3).
   np.testing.assert_allclose(out["loss_sum"], expected, rtol=1e-6)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from flax import linen as nn
 
-from mercury_jax import quality
+from mercury_jax.bench import quality
 from mercury_jax.checkpoint import restore_params
 from mercury_jax.config import load_config
 from mercury_jax.evaluate import evaluate_params

@@ -7,9 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mercury_jax import diffusion
+from mercury_jax import kinds as K
 from mercury_jax.config import load_config
 from mercury_jax.model import Transformer
+from mercury_jax.objectives import autoregressive, masked_diffusion
 
 CFG = load_config(
   "tiny",
@@ -69,17 +70,17 @@ def test_time_conditioning_is_optional_and_effective():
 @pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
 def test_pallas_model_equals_xla_model_for_loss_and_gradients(causal):
   """attention=pallas (interpret mode on CPU) against attention=xla, with padding and grouped-query heads."""
-  kinds = jnp.full((2, 40), diffusion.TARGET).at[0, 33:].set(diffusion.PAD).at[1, :5].set(diffusion.PROMPT)
-  segments = (kinds != diffusion.PAD).astype(jnp.int32)
-  cfg = load_config("tiny").diffusion
+  kinds = jnp.full((2, 40), K.TARGET).at[0, 33:].set(K.PAD).at[1, :5].set(K.FIXED)
+  segments = K.segment_ids(kinds)
+  cfg = load_config("tiny").objective
 
   def loss(params, impl):
     model = Transformer(dataclasses.replace(CFG, attention=impl, causal=causal))
     apply = lambda z, t: model.apply({"params": params}, z, segment_ids=segments)  # noqa: E731
     if causal:
-      out = diffusion.autoregressive_loss(lambda x: apply(x, None), TOKENS, kinds)
+      out = autoregressive.loss(lambda x: apply(x, None), TOKENS, kinds)
     else:
-      out = diffusion.diffusion_loss(apply, TOKENS, kinds, jax.random.key(1), 4, cfg)
+      out = masked_diffusion.loss(apply, TOKENS, kinds, jax.random.key(1), 4, cfg)
     return out["loss_sum"] / out["tokens"]
 
   _, params = _model(causal=causal)

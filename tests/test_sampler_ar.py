@@ -11,7 +11,7 @@ from flax import linen as nn
 
 from mercury_jax import sharding as sh
 from mercury_jax.checkpoint import export_params
-from mercury_jax.config import Config, DiffusionConfig, MeshConfig, ModelConfig
+from mercury_jax.config import Config, MeshConfig, ModelConfig, ObjectiveConfig
 from mercury_jax.model import Transformer
 from mercury_jax.sample import main
 from mercury_jax.sampling import canvas as cv
@@ -38,7 +38,7 @@ def checkpoint(tmp_path_factory, data_dir) -> Path:
     causal=True,
     unroll_layers=True,
   )
-  cfg = Config(model=model_cfg, diffusion=DiffusionConfig(objective="autoregressive"), name="ar-test")
+  cfg = Config(model=model_cfg, objective=ObjectiveConfig(name="autoregressive"), name="ar-test")
   params = nn.meta.unbox(Transformer(model_cfg).init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32)))["params"]
   params = jax.tree.map(lambda p: p * 10.0, params)  # Sharper distributions than the 0.02 init.
   return export_params(root / "export", params, cfg, data_dir / "tokenizer.model").parent

@@ -9,11 +9,12 @@ import numpy as np
 import pytest
 from flax import linen as nn
 
-from mercury_jax import sharding as sh
-from mercury_jax.config import DiffusionConfig, MeshConfig, ModelConfig
+from mercury_jax import kinds as K, sharding as sh
+from mercury_jax.config import MeshConfig, ModelConfig, ObjectiveConfig
 from mercury_jax.model import Transformer
 from mercury_jax.sampling import canvas as cv
-from mercury_jax.sampling.loop import jit_sample, mesh_context, model_denoise_fn, sample
+from mercury_jax.sampling.loop import jit_sample, model_denoise_fn, sample
+from mercury_jax.sampling.mesh import mesh_context
 from mercury_jax.sampling.proposal import filter_logits, noise_width, sample_tokens, uniform_noise
 from mercury_jax.sampling.settings import SamplerSettings
 from mercury_jax.trainer import param_shardings
@@ -118,10 +119,10 @@ RULE_CASES = [
 def test_every_mask_resolved_and_fixed_tokens_never_change(knobs):
   canvas = mixed_canvas()
   out = _run(canvas, 6, _settings(trace=6, **knobs))
-  fixed = canvas.kinds == cv.FIXED
+  fixed = canvas.kinds == K.FIXED
   assert not (out.tokens == MASK).any()
   np.testing.assert_array_equal(out.tokens[fixed], canvas.tokens[fixed])
-  np.testing.assert_array_equal(out.tokens[canvas.kinds == cv.PAD], PAD_ID)
+  np.testing.assert_array_equal(out.tokens[canvas.kinds == K.PAD], PAD_ID)
   for step in out.canvases[: int(out.steps)]:  # Fixed tokens hold at every step, revision included.
     np.testing.assert_array_equal(step[fixed], canvas.tokens[fixed])
   assert (out.nfe <= 6).all() and int(out.steps) == out.nfe.max()
@@ -167,13 +168,13 @@ def _posterior_by_enumeration(alpha_t, alpha_s, q):
 
 
 def test_ancestral_step_matches_brute_force_posterior():
-  schedule = DiffusionConfig(schedule="cosine")
+  schedule = ObjectiveConfig(schedule="cosine")
   logits = np.array([0.5, -1.0, 1.0, 0.2, 9.0, 2.0, -0.5, 0.0] * 2, np.float32)  # The mask logit is ignored.
   q = np.exp(np.where(np.arange(16) == MASK, -np.inf, logits))
   q /= q.sum()
   rows, length, steps = 2048, 8, 4
   canvas = cv.make_canvas([[cv.Hole(length)]] * rows)
-  settings = _settings(rule="ancestral", diffusion=schedule, eos_to_pad=False, trace=2)
+  settings = _settings(rule="ancestral", objective=schedule, eos_to_pad=False, trace=2)
   out = _run(canvas, steps, settings, tabled_denoise(np.tile(logits, (length, 1))))
   alpha = lambda t: 1.0 - np.cos(0.5 * np.pi * (1.0 - t))
   before = np.full((rows, length), MASK)

@@ -43,14 +43,14 @@ def _run(cfg, devices, steps=2):
   return trainer, state, losses
 
 
-@pytest.mark.parametrize("objective", ["diffusion", "autoregressive"])
+@pytest.mark.parametrize("objective", ["masked_diffusion", "autoregressive"])
 def test_sharded_train_steps_equal_single_device(objective):
   cfg = CFG
   if objective == "autoregressive":
     cfg = dataclasses.replace(
       cfg,
       model=dataclasses.replace(cfg.model, causal=True, time_conditioning=False),
-      diffusion=dataclasses.replace(cfg.diffusion, objective="autoregressive"),
+      objective=dataclasses.replace(cfg.objective, name="autoregressive"),
     )
   single_cfg = dataclasses.replace(cfg, mesh=MeshConfig(data=1))
   _, single, single_losses = _run(single_cfg, jax.devices()[:1])

@@ -1,17 +1,14 @@
 """Packing token ids into fixed-length records, and ArrayRecord shard I/O.
 
 The record format (the trainer and evaluation depend on it): each record is the bytes of an
-``np.ndarray(int32, shape [2, seq_len])``. Row 0 holds token ids, row 1 token kinds:
-
-* ``PADDING`` (0): fills the record; never attended to, never masked, no loss.
-* ``PROMPT`` (1): conditioning (SFT prompts); never masked, no loss.
-* ``TARGET`` (2): noised by diffusion and predicted; in the loss.
+``np.ndarray(int32, shape [2, seq_len])``. Row 0 holds token ids, row 1 token kinds (``mercury_jax.kinds``):
+``PAD`` fills the record, ``FIXED`` is an SFT prompt (clean context, no loss), ``TARGET`` is noised and scored.
 
 Language modelling (``pack_lm``): documents, each followed by EOS, are concatenated and cut into ``seq_len`` chunks
 of kind ``TARGET``; a chunk may start mid-document. The final partial chunk is kept and padded, so no text is lost
 and even a one-file validation split has a record.
 
-SFT (``pack_sft``): one example per record: ``[BOS] + prompt`` (kind ``PROMPT``), then ``response + [EOS]`` (kind
+SFT (``pack_sft``): one example per record: ``[BOS] + prompt`` (kind ``FIXED``), then ``response + [EOS]`` (kind
 ``TARGET``), then padding. Examples longer than ``seq_len`` are skipped, never truncated, so the characters counted
 for an evaluation are exactly those of the responses in the records.
 """
@@ -25,9 +22,8 @@ from pathlib import Path
 import numpy as np
 from array_record.python.array_record_module import ArrayRecordReader, ArrayRecordWriter
 
-PADDING = 0
-PROMPT = 1
-TARGET = 2
+from mercury_jax.kinds import FIXED, PAD, TARGET
+
 RECORD_DTYPE = np.int32
 SHARD_SUFFIX = ".array_record"
 
@@ -60,7 +56,7 @@ def pack_lm(documents: Iterable[Sequence[int]], seq_len: int, *, eos_id: int, pa
   """Concatenates ``doc + [eos]`` for every document and cuts the stream into records.
 
   Returns:
-    ``int32[num_records, 2, seq_len]``; the last record is padded (ids ``pad_id``, kind ``PADDING``).
+    ``int32[num_records, 2, seq_len]``; the last record is padded (ids ``pad_id``, kind ``PAD``).
   """
   pieces = []
   for doc in documents:
@@ -69,7 +65,7 @@ def pack_lm(documents: Iterable[Sequence[int]], seq_len: int, *, eos_id: int, pa
   stream = np.concatenate(pieces) if pieces else np.zeros([0], RECORD_DTYPE)
   num_records = -(-stream.size // seq_len)
   tokens = np.full([num_records * seq_len], pad_id, dtype=RECORD_DTYPE)
-  kinds = np.full([num_records * seq_len], PADDING, dtype=RECORD_DTYPE)
+  kinds = np.full([num_records * seq_len], PAD, dtype=RECORD_DTYPE)
   tokens[: stream.size] = stream
   kinds[: stream.size] = TARGET
   records = np.stack([tokens.reshape(num_records, seq_len), kinds.reshape(num_records, seq_len)], axis=1)
@@ -94,9 +90,9 @@ def pack_sft(
       skipped.append(index)
       continue
     record = np.full([2, seq_len], pad_id, dtype=RECORD_DTYPE)
-    record[1] = PADDING
+    record[1] = PAD
     record[0, :used] = prompt_ids + target_ids
-    record[1, : len(prompt_ids)] = PROMPT
+    record[1, : len(prompt_ids)] = FIXED
     record[1, len(prompt_ids) : used] = TARGET
     rows.append(record)
   records = np.stack(rows) if rows else np.zeros([0, 2, seq_len], RECORD_DTYPE)
@@ -108,9 +104,9 @@ def record_stats(records: np.ndarray) -> dict[str, int]:
   kinds = records[:, 1]
   return {
     "records": int(records.shape[0]),
-    "tokens": int(np.count_nonzero(kinds != PADDING)),
+    "tokens": int(np.count_nonzero(kinds != PAD)),
     "target_tokens": int(np.count_nonzero(kinds == TARGET)),
-    "prompt_tokens": int(np.count_nonzero(kinds == PROMPT)),
+    "prompt_tokens": int(np.count_nonzero(kinds == FIXED)),
   }
 
 

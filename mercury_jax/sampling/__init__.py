@@ -10,8 +10,9 @@
 """
 
 from mercury_jax.sampling.autoregressive import decode, jit_decode
-from mercury_jax.sampling.canvas import Canvas, Hole, from_fixed, make_canvas, parse_template, prefix
-from mercury_jax.sampling.loop import SampleOutput, jit_on_mesh, jit_sample, mesh_context, model_denoise_fn, sample
+from mercury_jax.sampling.canvas import Canvas, Hole, SampleOutput, from_fixed, make_canvas, parse_template, prefix
+from mercury_jax.sampling.loop import jit_sample, model_denoise_fn, sample
+from mercury_jax.sampling.mesh import jit_on_mesh, mesh_context
 from mercury_jax.sampling.sampler import BatchLayout, Sample, Sampler
 from mercury_jax.sampling.settings import SamplerSettings
 

@@ -23,10 +23,12 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
+from mercury_jax import kinds as K
 from mercury_jax.config import ModelConfig
 from mercury_jax.model import Transformer
-from mercury_jax.sampling.canvas import GENERATE, PAD, Canvas
-from mercury_jax.sampling.loop import SampleOutput, jit_on_mesh, pad_after_eos
+from mercury_jax.sampling.canvas import Canvas, SampleOutput
+from mercury_jax.sampling.loop import pad_after_eos
+from mercury_jax.sampling.mesh import jit_on_mesh
 from mercury_jax.sampling.proposal import noise_width, propose, uniform_noise
 from mercury_jax.sampling.settings import SamplerSettings
 
@@ -34,7 +36,7 @@ from mercury_jax.sampling.settings import SamplerSettings
 def decode(
   params: Any, canvas: Canvas, key: jax.Array, *, model_cfg: ModelConfig, settings: SamplerSettings
 ) -> SampleOutput:
-  """Fills every ``GENERATE`` position of ``canvas`` with a causal model and a key-value cache.
+  """Fills every ``TARGET`` position of ``canvas`` with a causal model and a key-value cache.
 
   Args:
     params: The autoregressive model's parameters.
@@ -49,8 +51,8 @@ def decode(
   model = Transformer(model_cfg)
   tokens, kinds = jnp.asarray(canvas.tokens, jnp.int32), jnp.asarray(canvas.kinds, jnp.int32)
   batch, length = tokens.shape
-  generate = kinds == GENERATE
-  segments = (kinds != PAD).astype(jnp.int32)
+  generate = kinds == K.TARGET
+  segments = K.segment_ids(kinds)
   rank = jnp.cumsum(generate, axis=-1, dtype=jnp.int32) - 1  # index among the row's generated positions
   last_generate = jnp.max(jnp.where(generate, jnp.arange(length), -1), axis=-1)  # [b], -1: nothing to generate
   first = jnp.min(jnp.where(generate, jnp.arange(length), length), axis=-1)  # [b]

@@ -1,9 +1,9 @@
 """Canvases: what the sampler fills in. Prompts, infilling and templates all become ``(tokens, kinds)`` rows.
 
-A canvas row has one kind per position: ``FIXED`` tokens (prompt, fill-in-the-middle context, a template's text)
-are conditioning and never change; ``GENERATE`` positions start masked and are filled by the sampler; ``PAD``
-right-pads rows of a batch to one length and is never attended to. The kinds are the training record kinds
-(``mercury_jax.diffusion``: padding, prompt, target), so a sampler canvas looks like an SFT record.
+A canvas row has one kind per position (``mercury_jax.kinds``, the training records' kinds, so a sampler canvas looks
+like an SFT record): ``FIXED`` tokens (prompt, fill-in-the-middle context, a template's text) are conditioning and
+never change; ``TARGET`` positions start masked and are filled by the sampler; ``PAD`` right-pads rows of a batch to
+one length and is never attended to.
 
 Templates are strings whose holes are written ``<mask:N>`` (N tokens to generate), for example
 ``'{"name": "<mask:8>", "age": <mask:2>}'``: the text between holes is fixed, which gives schema-aligned output.
@@ -19,9 +19,8 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
-from mercury_jax import diffusion
+from mercury_jax.kinds import FIXED, PAD, TARGET
 
-PAD, FIXED, GENERATE = diffusion.PAD, diffusion.PROMPT, diffusion.TARGET
 HOLE_PATTERN = re.compile(r"<mask:(\d+)>")
 
 
@@ -29,8 +28,8 @@ class Canvas(NamedTuple):
   """A batch of canvases (a pytree of arrays, so it passes through ``jax.jit``).
 
   Attributes:
-    tokens: int32 [batch, length]: the fixed tokens; the value at ``GENERATE`` and ``PAD`` positions is ignored.
-    kinds: int32 [batch, length]: ``PAD`` (0), ``FIXED`` (1) or ``GENERATE`` (2) per position.
+    tokens: int32 [batch, length]: the fixed tokens; the value at ``TARGET`` and ``PAD`` positions is ignored.
+    kinds: int32 [batch, length]: ``PAD`` (0), ``FIXED`` (1) or ``TARGET`` (2) per position.
     streams: int32 [batch]: each example's random stream; the example's draws come from
       ``fold_in(key, streams[i])``, so an example gives the same output alone or at any row of any batch when
       its stream is the same.
@@ -85,7 +84,7 @@ def example(pieces: Sequence[Piece]) -> tuple[np.ndarray, np.ndarray]:
   for piece in pieces:
     if isinstance(piece, Hole):
       tokens.extend([0] * piece.length)
-      kinds.extend([GENERATE] * piece.length)
+      kinds.extend([TARGET] * piece.length)
     else:
       tokens.extend(int(t) for t in piece)
       kinds.extend([FIXED] * len(piece))
@@ -112,7 +111,7 @@ def make_canvas(
   """
   rows = [example(pieces) for pieces in examples]
   for i, (_, kinds) in enumerate(rows):
-    if not (kinds == GENERATE).any():
+    if not (kinds == TARGET).any():
       raise ValueError(f"example {i} has no position to generate; add a Hole (or <mask:N> in a template)")
   longest = max((len(t) for t, _ in rows), default=0)
   length = longest if length is None else length
@@ -136,7 +135,7 @@ def from_fixed(tokens, fixed, valid=None, streams=None) -> Canvas:
   tokens = np.asarray(tokens, np.int32)
   fixed = np.asarray(fixed, bool)
   valid = np.ones_like(fixed) if valid is None else np.asarray(valid, bool)
-  kinds = np.where(valid, np.where(fixed, FIXED, GENERATE), PAD).astype(np.int32)
+  kinds = np.where(valid, np.where(fixed, FIXED, TARGET), PAD).astype(np.int32)
   streams = np.arange(tokens.shape[0], dtype=np.int32) if streams is None else np.asarray(streams, np.int32)
   return Canvas(tokens, kinds, streams)
 
@@ -152,3 +151,23 @@ def pad_batch(canvas: Canvas, multiple: int, pad_id: int = 0) -> Canvas:
     np.concatenate([np.asarray(canvas.kinds), np.full((extra, length), PAD, np.int32)]),
     np.concatenate([np.asarray(canvas.streams), np.zeros((extra,), np.int32)]),
   )
+
+
+class SampleOutput(NamedTuple):
+  """The sampler's result.
+
+  Attributes:
+    tokens: int32 [batch, length]: the finished canvases (no mask left; after a generated EOS, padding).
+    nfe: int32 [batch]: forward passes each example needed (steps in which it still had masked positions).
+    steps: int32 []: forward passes the batch used (the loop's iterations, ``max(nfe)``).
+    canvases: int32 [trace, batch, length]: the canvas after each step, when ``settings.trace`` > 0.
+    commits: int32 [trace, batch]: tokens committed at each step, when traced.
+    remasks: int32 [trace, batch]: tokens re-masked at each step (revision), when traced.
+  """
+
+  tokens: jax.Array
+  nfe: jax.Array
+  steps: jax.Array
+  canvases: jax.Array | None = None
+  commits: jax.Array | None = None
+  remasks: jax.Array | None = None

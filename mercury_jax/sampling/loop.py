@@ -19,46 +19,25 @@ output does not depend on its batch, its row, its padding or the mesh.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-from flax import linen as nn
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh
 
-from mercury_jax import sharding as sh
+from mercury_jax import kinds as K
 from mercury_jax.config import ModelConfig
 from mercury_jax.model import Transformer
-from mercury_jax.sampling.canvas import GENERATE, PAD, Canvas
+from mercury_jax.sampling.canvas import Canvas, SampleOutput
+from mercury_jax.sampling.mesh import jit_on_mesh
 from mercury_jax.sampling.proposal import noise_width, propose, uniform_noise
 from mercury_jax.sampling.rules import StepInputs, make_rule
 from mercury_jax.sampling.settings import SamplerSettings
 
 # (params, z_t [batch, length], t [batch], segment_ids [batch, length]) -> logits [batch, length, vocab].
 DenoiseFn = Callable[[Any, jax.Array, jax.Array, jax.Array], jax.Array]
-
-
-class SampleOutput(NamedTuple):
-  """The sampler's result.
-
-  Attributes:
-    tokens: int32 [batch, length]: the finished canvases (no mask left; after a generated EOS, padding).
-    nfe: int32 [batch]: forward passes each example needed (steps in which it still had masked positions).
-    steps: int32 []: forward passes the batch used (the loop's iterations, ``max(nfe)``).
-    canvases: int32 [trace, batch, length]: the canvas after each step, when ``settings.trace`` > 0.
-    commits: int32 [trace, batch]: tokens committed at each step, when traced.
-    remasks: int32 [trace, batch]: tokens re-masked at each step (revision), when traced.
-  """
-
-  tokens: jax.Array
-  nfe: jax.Array
-  steps: jax.Array
-  canvases: jax.Array | None = None
-  commits: jax.Array | None = None
-  remasks: jax.Array | None = None
 
 
 class _Carry(NamedTuple):
@@ -94,7 +73,7 @@ def sample(
   denoise_fn: DenoiseFn,
   settings: SamplerSettings,
 ) -> SampleOutput:
-  """Fills every ``GENERATE`` position of ``canvas`` in at most ``num_steps`` refinement steps.
+  """Fills every ``TARGET`` position of ``canvas`` in at most ``num_steps`` refinement steps.
 
   Args:
     params: The denoiser's parameters (any sharding).
@@ -111,8 +90,8 @@ def sample(
   mask_id = settings.mask_id
   tokens, kinds = jnp.asarray(canvas.tokens, jnp.int32), jnp.asarray(canvas.kinds, jnp.int32)
   batch, length = tokens.shape
-  generate = kinds == GENERATE
-  segment_ids = (kinds != PAD).astype(jnp.int32)
+  generate = kinds == K.TARGET
+  segment_ids = K.segment_ids(kinds)
   num_steps = jnp.maximum(jnp.asarray(num_steps, jnp.int32), 1)
 
   rank = jnp.cumsum(generate, axis=-1, dtype=jnp.int32) - 1  # [b, l] index among the example's generated positions
@@ -243,54 +222,3 @@ def jit_sample(
   """
   fn = functools.partial(sample, denoise_fn=denoise_fn, settings=settings.validate())
   return jit_on_mesh(fn, mesh, rules, param_shardings, scalars=1, trace=settings.trace, name="jit_sample")
-
-
-def jit_on_mesh(
-  fn: Callable[..., SampleOutput],
-  mesh: Mesh | None,
-  rules=None,
-  param_shardings: Any = None,
-  *,
-  scalars: int = 0,
-  trace: int = 0,
-  name: str = "the sampler",
-) -> Callable[..., SampleOutput]:
-  """``jax.jit`` of a sampler ``fn(params, canvas, key, *scalars) -> SampleOutput`` with its shardings on ``mesh``.
-
-  Shared by the diffusion loop and the autoregressive decoder: the parameters keep ``param_shardings``, canvases and
-  every per-example output are split over the batch axes of ``rules``, and the key, the ``scalars`` trailing scalar
-  arguments and ``SampleOutput.steps`` are replicated.
-
-  Args:
-    fn: The sampler, its static settings already bound.
-    mesh: The device mesh; None for plain ``jax.jit`` (one device or committed inputs).
-    rules: Logical axis rules (default ``mercury_jax.sharding.RULES``).
-    param_shardings: The parameters' shardings on ``mesh`` (needed with a mesh).
-    scalars: How many scalar arguments follow the key (the diffusion loop's step budget).
-    trace: ``settings.trace``: when > 0, the ``[trace, batch, ...]`` outputs are split on their batch axis too.
-    name: The caller, for the error message.
-  """
-  if mesh is None:
-    return jax.jit(fn)
-  if param_shardings is None:
-    raise ValueError(f"{name} on a mesh needs param_shardings (e.g. mercury_jax.trainer.param_shardings)")
-  rules = sh.RULES if rules is None else rules
-  rows, vectors = sh.batch_sharding(mesh, rules, 2), sh.batch_sharding(mesh, rules, 1)
-  replicated = NamedSharding(mesh, P())
-  traced_rows = traced_vectors = None
-  if trace:
-    traced_rows = NamedSharding(mesh, P(None, *sh.batch_spec(rules, 2)))
-    traced_vectors = NamedSharding(mesh, P(None, *sh.batch_spec(rules, 1)))
-  return jax.jit(
-    fn,
-    in_shardings=(param_shardings, Canvas(rows, rows, vectors), replicated, *[replicated] * scalars),
-    out_shardings=SampleOutput(rows, vectors, replicated, traced_rows, traced_vectors, traced_vectors),
-  )
-
-
-def mesh_context(mesh: Mesh, rules=None) -> contextlib.ExitStack:
-  """``jax.set_mesh(mesh)`` together with the model's logical axis rules, for tracing the sampler on a mesh."""
-  stack = contextlib.ExitStack()
-  stack.enter_context(jax.set_mesh(mesh))
-  stack.enter_context(nn.logical_axis_rules(sh.RULES if rules is None else rules))
-  return stack

@@ -15,7 +15,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from mercury_jax import diffusion
+from mercury_jax.config import ObjectiveConfig
+from mercury_jax.objectives import masked_diffusion
 from mercury_jax.sampling.settings import SamplerSettings
 
 
@@ -70,7 +71,7 @@ def _no_remask(inputs: StepInputs) -> jax.Array:
   return jnp.zeros_like(inputs.open)
 
 
-def ancestral(schedule: diffusion.DiffusionConfig) -> Rule:
+def ancestral(schedule: ObjectiveConfig) -> Rule:
   """The exact reverse step of absorbing-state diffusion from time t to s < t (MDLM, Sahoo et al. 2024; MD4).
 
   Under the SUBS parameterisation a masked position is unmasked with probability
@@ -79,8 +80,8 @@ def ancestral(schedule: diffusion.DiffusionConfig) -> Rule:
   """
 
   def rule(inputs: StepInputs) -> StepOutput:
-    alpha_t = diffusion.alpha(inputs.t, schedule)
-    alpha_s = diffusion.alpha(inputs.s, schedule)
+    alpha_t = masked_diffusion.alpha(inputs.t, schedule)
+    alpha_s = masked_diffusion.alpha(inputs.s, schedule)
     p_unmask = (alpha_s - alpha_t) / (1.0 - alpha_t)  # [batch]
     return StepOutput(inputs.open & (inputs.u < p_unmask[:, None]), _no_remask(inputs))
 
@@ -133,7 +134,7 @@ def with_revision(rule: Rule, eta: float) -> Rule:
 def make_rule(settings: SamplerSettings) -> Rule:
   """The step rule named by ``settings.rule``, with revision when ``settings.revision > 0``."""
   if settings.rule == "ancestral":
-    rule = ancestral(settings.diffusion)
+    rule = ancestral(settings.objective)
   elif settings.rule == "confidence":
     rule = most_confident
   elif settings.rule == "threshold":

@@ -6,7 +6,7 @@ data-parallel size and canvases to a multiple of ``LENGTH_BUCKET`` tokens (paddi
 output), so varying prompt lengths share compilations.
 
 Diffusion checkpoints run the refinement loop (:func:`~mercury_jax.sampling.loop.jit_sample`); checkpoints of the
-autoregressive twin (``diffusion.objective = "autoregressive"``) run the key-value-cache decoder
+autoregressive twin (``objective.name = "autoregressive"``) run the key-value-cache decoder
 (:func:`~mercury_jax.sampling.autoregressive.jit_decode`) on the same canvases, through the same ``generate``.
 
 Several processes (a multi-host mesh) either all pass the same prompts and all get every sample, or, with
@@ -31,14 +31,16 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from mercury_jax import sharding as sh
+from mercury_jax import kinds as K, sharding as sh
 from mercury_jax.checkpoint import find_tokenizer, restore_params
 from mercury_jax.config import Config, MeshConfig
 from mercury_jax.data.tokenizer import Tokenizer
 from mercury_jax.model import Transformer
 from mercury_jax.sampling import canvas as cv
 from mercury_jax.sampling.autoregressive import jit_decode
-from mercury_jax.sampling.loop import SampleOutput, jit_sample, mesh_context, model_denoise_fn
+from mercury_jax.sampling.canvas import SampleOutput
+from mercury_jax.sampling.loop import jit_sample, model_denoise_fn
+from mercury_jax.sampling.mesh import mesh_context
 from mercury_jax.sampling.settings import SamplerSettings
 from mercury_jax.trainer import param_shardings
 
@@ -59,14 +61,14 @@ def default_checkpoint() -> Path | None:
 
 def is_autoregressive(cfg: Config) -> bool:
   """True for the autoregressive twin (decoded token by token), False for a diffusion denoiser."""
-  return cfg.diffusion.objective == "autoregressive"
+  return cfg.objective.autoregressive
 
 
 def check_compatible(cfg: Config, tokenizer: Tokenizer) -> None:
   """Raises ``ValueError`` when the model cannot be sampled with this tokenizer."""
   if is_autoregressive(cfg) != cfg.model.causal:
     raise ValueError(
-      f"diffusion.objective={cfg.diffusion.objective!r} with model.causal={cfg.model.causal}: an autoregressive "
+      f"objective.name={cfg.objective.name!r} with model.causal={cfg.model.causal}: an autoregressive "
       "model must be causal and a diffusion model bidirectional"
     )
   if tokenizer.vocab_size > cfg.model.vocab_size:
@@ -74,8 +76,8 @@ def check_compatible(cfg: Config, tokenizer: Tokenizer) -> None:
       f"the tokenizer has {tokenizer.vocab_size} pieces but the model's vocab_size is {cfg.model.vocab_size}: "
       "the checkpoint and its tokenizer.model do not belong together"
     )
-  if tokenizer.mask_id != cfg.diffusion.mask_id:
-    raise ValueError(f"the tokenizer's mask id {tokenizer.mask_id} differs from the model's {cfg.diffusion.mask_id}")
+  if tokenizer.mask_id != cfg.objective.mask_id:
+    raise ValueError(f"the tokenizer's mask id {tokenizer.mask_id} differs from the model's {cfg.objective.mask_id}")
 
 
 class BatchLayout(NamedTuple):
@@ -165,7 +167,7 @@ class Sampler:
   def settings(self, **knobs) -> SamplerSettings:
     """Sampler settings with this model's schedule, mask, EOS and padding ids; ``knobs`` as in SamplerSettings."""
     tok = self.tokenizer
-    return SamplerSettings(diffusion=self.cfg.diffusion, eos_id=tok.eos_id, pad_id=tok.pad_id, **knobs).validate()
+    return SamplerSettings(objective=self.cfg.objective, eos_id=tok.eos_id, pad_id=tok.pad_id, **knobs).validate()
 
   # ------------------------------------------------------------------------------------------- arrays
 
@@ -297,7 +299,7 @@ class Sampler:
       return canvas
     return cv.Canvas(
       np.pad(np.asarray(canvas.tokens), ((0, 0), (0, extra)), constant_values=pad_id),
-      np.pad(np.asarray(canvas.kinds), ((0, 0), (0, extra)), constant_values=cv.PAD),
+      np.pad(np.asarray(canvas.kinds), ((0, 0), (0, extra)), constant_values=K.PAD),
       canvas.streams,
     )
 
@@ -372,10 +374,10 @@ class Sampler:
       canvas, steps if steps is not None else DEFAULT_STEPS, seed, settings, layout=layout
     )
     kinds = np.asarray(canvas.kinds)
-    generated = int(((kinds == cv.GENERATE) & (out.tokens[:, : kinds.shape[1]] != settings.pad_id)).sum())
+    generated = int(((kinds == K.TARGET) & (out.tokens[:, : kinds.shape[1]] != settings.pad_id)).sum())
     samples = []
     for row, prompt in enumerate(prompts):
-      end = int((kinds[row] != cv.PAD).sum())
+      end = int((kinds[row] != K.PAD).sum())
       region = out.tokens[row, prompt_lengths[row] : end]
       trace = None
       if show_steps:
@@ -447,7 +449,7 @@ class Sampler:
       return [decode(out.canvases[j, row, :end]) for j in range(min(int(out.nfe[row]), settings.trace))]
     # The decoder commits one position per forward pass, left to right: frame k shows the first k generated tokens.
     final = out.tokens[row, :end]
-    positions = np.flatnonzero(kinds[row, :end] == cv.GENERATE)
+    positions = np.flatnonzero(kinds[row, :end] == K.TARGET)
     eos = np.flatnonzero(final[positions] == settings.eos_id)
     count = int(eos[0]) + 1 if eos.size else len(positions)  # Tokens generated until the row finished.
     frames = []
@@ -464,7 +466,7 @@ def _pad_rows(canvas: cv.Canvas, rows: int, pad_id: int) -> cv.Canvas:
   length = np.shape(canvas.tokens)[1]
   return cv.Canvas(
     np.concatenate([np.asarray(canvas.tokens, np.int32), np.full((extra, length), pad_id, np.int32)]),
-    np.concatenate([np.asarray(canvas.kinds, np.int32), np.full((extra, length), cv.PAD, np.int32)]),
+    np.concatenate([np.asarray(canvas.kinds, np.int32), np.full((extra, length), K.PAD, np.int32)]),
     np.concatenate([np.asarray(canvas.streams, np.int32), np.zeros((extra,), np.int32)]),
   )
 

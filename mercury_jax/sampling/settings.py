@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-from mercury_jax.config import DiffusionConfig
+from mercury_jax.config import ObjectiveConfig
 
 SAMPLERS = ("ancestral", "confidence", "threshold")
 CONFIDENCES = ("prob", "margin", "entropy")
@@ -20,7 +20,7 @@ class SamplerSettings:
   """How each refinement step decides which masked positions to commit.
 
   Attributes:
-    rule: ``ancestral`` (the exact MDLM/MD4 reverse step of ``diffusion``'s schedule), ``confidence`` (LLaDA
+    rule: ``ancestral`` (the exact MDLM/MD4 reverse step of ``objective``'s schedule), ``confidence`` (LLaDA
       low-confidence remasking: the k most confident positions per step) or ``threshold`` (Fast-dLLM parallel
       decoding: every position with confidence >= ``threshold``, never fewer than the confidence schedule's k).
     confidence: What ranks positions: ``prob`` (probability of the proposed token), ``margin`` (top-1 minus top-2
@@ -37,7 +37,7 @@ class SamplerSettings:
     eos_to_pad: Generated positions after the first generated end-of-sequence token become padding.
     trace: Record the canvas after each of the first ``trace`` steps (0: no trace). A static size, so each value
       compiles once.
-    diffusion: The model's diffusion config: the schedule ``alpha(t)`` and the mask id.
+    objective: The model's objective config: the schedule ``alpha(t)`` and the mask id.
     eos_id: The end-of-sequence token.
     pad_id: The padding token.
   """
@@ -53,13 +53,13 @@ class SamplerSettings:
   min_length: int = 0
   eos_to_pad: bool = True
   trace: int = 0
-  diffusion: DiffusionConfig = DiffusionConfig()
+  objective: ObjectiveConfig = ObjectiveConfig()
   eos_id: int = 3
   pad_id: int = 0
 
   @property
   def mask_id(self) -> int:
-    return self.diffusion.mask_id
+    return self.objective.mask_id
 
   def validate(self) -> SamplerSettings:
     """Returns ``self`` or raises ``ValueError`` naming the bad setting."""

@@ -13,12 +13,12 @@ from collections import Counter
 from collections.abc import Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from mercury_jax import diffusion
+from mercury_jax import kinds as K
 from mercury_jax.config import Config, ModelConfig
 from mercury_jax.model import Transformer
+from mercury_jax.objectives import autoregressive
 
 
 def unigram_entropy(samples: Sequence[Sequence[int]]) -> float:
@@ -70,9 +70,9 @@ def _completion_nll(model_cfg: ModelConfig):
 
   @jax.jit
   def nll(params, tokens, kinds):
-    segments = (kinds != diffusion.PAD).astype(jnp.int32)
+    segments = K.segment_ids(kinds)
     logits_fn = lambda x: model.apply({"params": params}, x, segment_ids=segments)  # noqa: E731
-    out = diffusion.autoregressive_loss(logits_fn, tokens, kinds)
+    out = autoregressive.loss(logits_fn, tokens, kinds)
     return out["loss_sum"], out["tokens"]
 
   return nll
@@ -86,7 +86,7 @@ def generative_perplexity(
   Prompt + completion are truncated to the model's context from the left (the completion is always kept whole when
   it fits) and right-padded; padding is never attended to or scored.
   """
-  if cfg.diffusion.objective != "autoregressive":
+  if not cfg.objective.autoregressive:
     raise ValueError("generative perplexity needs the autoregressive twin's checkpoint")
   length = cfg.model.max_length
   nll = _completion_nll(cfg.model)
@@ -96,8 +96,8 @@ def generative_perplexity(
     sequence = (list(prompt) + list(completion))[-length:]
     n_prompt = max(len(sequence) - len(completion), 0)
     tokens[row, : len(sequence)] = sequence
-    kinds[row, : len(sequence)] = diffusion.TARGET
-    kinds[row, :n_prompt] = diffusion.PROMPT
+    kinds[row, : len(sequence)] = K.TARGET
+    kinds[row, :n_prompt] = K.FIXED
 
   total = count = 0.0
   for start in range(0, len(prompts), batch_size):

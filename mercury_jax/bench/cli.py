@@ -8,7 +8,7 @@ Examples::
 On one machine, in one run: the diffusion model, at each of its temperatures (``--temperatures``, default 1), with
 the confidence rule at each step budget and with the threshold rule at each tau (step budget = the generation
 length), and its autoregressive twin with key-value-cache decoding (temperature 1, and greedy), all on the same
-prompts (documented functions from the validation split, see ``mercury_jax.bench_prompts``), at batch 1 and 16
+prompts (documented functions from the validation split, see ``mercury_jax.bench.prompts``), at batch 1 and 16
 (``--batch-sizes``). Every example draws from its own stream (its prompt index) with one seed, so every batch size
 sees the same samples.
 
@@ -43,7 +43,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mercury_jax import bench_prompts, bench_report, quality
+from mercury_jax import kinds as K
+from mercury_jax.bench import prompts as bench_prompts, quality, report as bench_report
+from mercury_jax.bench.throughput import time_call
 from mercury_jax.checkpoint import find_tokenizer, restore_params
 from mercury_jax.config import Config
 from mercury_jax.data import pipeline
@@ -52,7 +54,6 @@ from mercury_jax.sampling import canvas as cv
 from mercury_jax.sampling.autoregressive import jit_decode
 from mercury_jax.sampling.loop import jit_sample, model_denoise_fn
 from mercury_jax.sampling.settings import SamplerSettings
-from mercury_jax.throughput import time_call
 
 STEPS = (4, 8, 16, 32, 64, 128, 256)
 TAUS = (0.5, 0.7, 0.9, 0.95)
@@ -97,7 +98,7 @@ def load_models(diffusion_dir: str, ar_dir: str, data_dir: str) -> tuple[Tokeniz
   tokenizer = pipeline.load_tokenizer(data_dir)
   models = []
   for flag, path, objective in (
-    ("--diffusion", diffusion_dir, "diffusion"),
+    ("--diffusion", diffusion_dir, "masked_diffusion"),
     ("--autoregressive", ar_dir, "autoregressive"),
   ):
     if not Path(path).exists():
@@ -106,9 +107,9 @@ def load_models(diffusion_dir: str, ar_dir: str, data_dir: str) -> tuple[Tokeniz
       params, cfg = restore_params(path)
     except FileNotFoundError as e:
       raise ValueError(f"{flag}: {e}") from None
-    if cfg.diffusion.objective != objective:
+    if cfg.objective.name != objective:
       other = "--autoregressive" if flag == "--diffusion" else "--diffusion"
-      raise ValueError(f"{flag} {path!r} is a {cfg.diffusion.objective} checkpoint; pass it as {other}")
+      raise ValueError(f"{flag} {path!r} is a {cfg.objective.name} checkpoint; pass it as {other}")
     try:
       own = find_tokenizer(path).read_bytes()
     except FileNotFoundError:
@@ -127,7 +128,7 @@ def sampler_settings(setting: Setting, cfg: Config, tokenizer: Tokenizer) -> Sam
   knobs = {"rule": setting.rule, "threshold": setting.tau} if setting.model == "diffusion" else {}
   knobs = {k: v for k, v in knobs.items() if v is not None}
   return SamplerSettings(
-    diffusion=cfg.diffusion, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id, temperature=setting.temperature, **knobs
+    objective=cfg.objective, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id, temperature=setting.temperature, **knobs
   ).validate()
 
 
@@ -194,7 +195,7 @@ def measure(runner: Runner, settings: list[Setting], batches: dict[int, list[cv.
         order = [(round_index + k) % len(settings) for k in range(len(settings))]
         for i in order:
           out, wall = runner.call(settings[i], canvas)
-          generated = (np.asarray(canvas.kinds)[:real] == cv.GENERATE) & (out.tokens[:real] != runner.tokenizer.pad_id)
+          generated = (np.asarray(canvas.kinds)[:real] == K.TARGET) & (out.tokens[:real] != runner.tokenizer.pad_id)
           calls[(i, batch)].append(
             {
               "round": round_index,
@@ -214,7 +215,7 @@ def completions(calls: list[dict[str, Any]], kinds: np.ndarray, eos_id: int, pad
   tokens = np.concatenate([c["tokens"] for c in calls])[: len(kinds)]  # Calls hold real rows only, pass by pass.
   result = []
   for row, row_kinds in zip(tokens, kinds, strict=True):
-    ids = [int(t) for t in row[row_kinds == cv.GENERATE] if t != pad_id]
+    ids = [int(t) for t in row[row_kinds == K.TARGET] if t != pad_id]
     result.append(ids[: ids.index(eos_id)] if eos_id in ids else ids)
   return result
 
