@@ -167,7 +167,15 @@ class Sampler:
   def settings(self, **knobs) -> SamplerSettings:
     """Sampler settings with this model's schedule, mask, EOS and padding ids; ``knobs`` as in SamplerSettings."""
     tok = self.tokenizer
-    return SamplerSettings(objective=self.cfg.objective, eos_id=tok.eos_id, pad_id=tok.pad_id, **knobs).validate()
+    return SamplerSettings(
+      objective=self.cfg.objective,
+      eos_id=tok.eos_id,
+      pad_id=tok.pad_id,
+      bos_id=tok.bos_id,
+      unk_id=tok.unk_id,
+      num_tokens=tok.vocab_size,
+      **knobs,
+    ).validate()
 
   # ------------------------------------------------------------------------------------------- arrays
 
