@@ -6,7 +6,9 @@
 Loop overhead = sampler wall time / (NFE x one jitted forward pass of the same shape): 1.0 means the loop costs
 nothing beyond the denoiser. Following BUILD_NOTES' advice for these hosts (their CPU capacity changes by 2x for
 minutes at a time), each sampler run is followed by forward passes timed right after it, and the table reports
-medians over runs of the per-run ratio. The canvas is unconditional: ``length`` positions, all generated.
+medians over runs of the per-run ratio. The canvas is unconditional: ``length`` positions, all generated. The
+sampler runs through ``Sampler.run``, the engine the command line uses (compiled once per settings and shape; a
+length that is not a multiple of its ``LENGTH_BUCKET`` is padded, and the forward pass is timed at that length).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from mercury_jax import sharding as sh
 from mercury_jax.config import MeshConfig, load_config
 from mercury_jax.model import Transformer
 from mercury_jax.sampling import canvas as cv
-from mercury_jax.sampling.loop import jit_sample, mesh_context
+from mercury_jax.sampling.mesh import mesh_context
 from mercury_jax.sampling.sampler import Sampler
 from mercury_jax.sampling.settings import SAMPLERS
 
@@ -51,20 +53,17 @@ def _time(fn, *args) -> float:
 
 def bench(sampler: Sampler, length: int, steps: int, batch: int, repeats: int, knobs: dict) -> dict:
   settings = sampler.settings(**knobs)
-  canvas = jax.device_put(cv.make_canvas([[cv.Hole(length)]] * batch))  # On device, like the forward's inputs.
-  fn = jit_sample(
-    sampler.denoise_fn, settings, mesh=sampler.mesh, rules=sampler.rules, param_shardings=sampler.param_shardings
-  )
+  canvas = cv.make_canvas([[cv.Hole(length)]] * batch)
+  out = sampler.run(canvas, steps, 0, settings)[0]  # Compiles once per (settings, shape), then runs once untimed.
   forward = jax.jit(sampler.denoise_fn)
-  z = jnp.full((batch, length), settings.mask_id, jnp.int32)
-  t, segment_ids = jnp.ones((batch,), jnp.float32), jnp.ones((batch, length), jnp.int32)
-  key, n = jax.random.key(0), jnp.int32(steps)
+  shape = out.tokens.shape  # [batch, length padded to the sampler's bucket]
+  z = jnp.full(shape, settings.mask_id, jnp.int32)
+  t, segment_ids = jnp.ones((batch,), jnp.float32), jnp.ones(shape, jnp.int32)
   with mesh_context(sampler.mesh, sampler.rules):
-    out = jax.block_until_ready(fn(sampler.params, canvas, key, n))  # Compiles once per (settings, shape).
     forward(sampler.params, z, t, segment_ids).block_until_ready()
     walls, ratios, forwards = [], [], []
     for _ in range(repeats):
-      wall = _time(fn, sampler.params, canvas, key, n)
+      wall = sampler.run(canvas, steps, 0, settings)[1]
       fwd = statistics.median(_time(forward, sampler.params, z, t, segment_ids) for _ in range(3))
       walls.append(wall)
       forwards.append(fwd)

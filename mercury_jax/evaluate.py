@@ -5,8 +5,10 @@ of independent t draws per sequence (each draw antithetic across the batch) and 
 standard error. For the autoregressive twin: the exact next-token NLL. Both are also given in bits per character
 of the split's text (so models with different tokenizers compare) and as a perplexity (bound).
 
-Bits per character = nats/token × target tokens ÷ (characters × ln 2). The autoregressive twin cannot score the
-first token of each record (it has no context); its per-token average is applied to all target tokens.
+Bits per character = summed nats ÷ (characters × ln 2), over exactly the tokens the objective scores, and the
+characters of exactly those tokens (``Tokenizer.characters_per_token``). Diffusion scores every target token; the
+autoregressive twin cannot score the first token of a record (it has no context), so neither that token's loss nor
+its characters count, and the two models' figures are fair to each other.
 """
 
 from __future__ import annotations
@@ -20,12 +22,13 @@ from typing import Any
 
 import jax
 import numpy as np
-from flax import linen as nn
+from jax.experimental import multihost_utils
 
-from mercury_jax import distributed, sharding as sh
+from mercury_jax import distributed, kinds as K, sharding as sh
 from mercury_jax.checkpoint import restore_params
 from mercury_jax.config import Config
 from mercury_jax.data import pipeline
+from mercury_jax.objectives import autoregressive as ar_objective
 from mercury_jax.trainer import Trainer
 
 
@@ -56,31 +59,45 @@ def evaluate_params(
   batches = [pipeline.to_global(b, mesh, trainer.rules) for b in local[:max_batches]]
   autoregressive = cfg.objective.autoregressive
   draws = 1 if autoregressive else t_samples
-  with jax.set_mesh(mesh), nn.logical_axis_rules(trainer.rules):
-    per_draw = [
-      trainer.nats_per_token(params, batches, jax.random.fold_in(jax.random.key(seed), d)) for d in range(draws)
-    ]
+  per_draw = [
+    trainer.nats_per_token(params, batches, jax.random.fold_in(jax.random.key(seed), d)) for d in range(draws)
+  ]
   nats = float(np.mean(per_draw))
   stderr = float(np.std(per_draw, ddof=1) / math.sqrt(draws)) if draws > 1 else 0.0
-  stats = meta["splits"][split]
-  covered = stats["records"] if max_batches is None else min(stats["records"], max_batches * batch_size)
-  target_tokens = stats["target_tokens"] * covered / stats["records"]
-  characters = stats["characters"] * covered / stats["records"]
-  bits_per_char = nats * target_tokens / (characters * math.log(2))
+  tokens, characters = _scored_counts(local[:max_batches], pipeline.load_tokenizer(data_dir), autoregressive)
+  covered = min(meta["splits"][split]["records"], len(batches) * batch_size)
+  bits_per_char = nats * tokens / (characters * math.log(2))
   return {
     "objective": cfg.objective.name,
     "bound": not autoregressive,
     "split": split,
     "records": covered,
-    "target_tokens": round(target_tokens),
-    "characters": round(characters),
+    "scored_tokens": tokens,
+    "characters": characters,
     "t_samples": draws,
     "nats_per_token": nats,
     "nats_per_token_stderr": stderr,
     "bits_per_char": bits_per_char,
-    "bits_per_char_stderr": stderr * target_tokens / (characters * math.log(2)),
+    "bits_per_char_stderr": stderr * tokens / (characters * math.log(2)),
     "perplexity": math.exp(min(nats, 50.0)),
   }
+
+
+def _scored_counts(local_batches, tokenizer, autoregressive: bool) -> tuple[int, int]:
+  """Tokens the objective scores and their characters, over every process's batches."""
+  chars = tokenizer.characters_per_token()
+  tokens = characters = 0
+  for batch in local_batches:
+    if autoregressive:
+      scored = np.asarray(ar_objective.scored(batch["kinds"]))
+    else:
+      scored = batch["kinds"] == K.TARGET
+    ids = np.clip(batch["tokens"][scored], 0, len(chars) - 1)
+    tokens, characters = tokens + int(scored.sum()), characters + int(chars[ids].sum())
+  counts = np.asarray([tokens, characters], np.int64)
+  if jax.process_count() > 1:
+    counts = np.asarray(multihost_utils.process_allgather(counts)).reshape(-1, 2).sum(axis=0)
+  return int(counts[0]), int(counts[1])
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -69,15 +69,13 @@ def _encode_split(
       tokenizer.encode_batch([d.text for d in docs]),
       strict=True,
     )
-    packed, skipped = records.pack_sft(
-      examples, seq_len, bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id
-    )
+    packed, skipped = records.pack_sft(examples, seq_len, bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id)
     skipped_set = set(skipped)
     kept = [d for i, d in enumerate(docs) if i not in skipped_set]
   stats = {
     "documents": len(kept),
     "skipped_documents": len(docs) - len(kept),
-    **records.record_stats(packed),
+    **records.record_stats(packed, eos_id=tokenizer.eos_id if mode == "sft" else None),
     "characters": sum(len(d.text) for d in kept),
     "prompt_characters": sum(len(d.prompt or "") for d in kept),
   }
@@ -207,11 +205,14 @@ def _summarise(out: Path, metadata: dict[str, Any], seconds: float, log: Callabl
     f"vocab {metadata['vocab_size']}, seq_len {metadata['seq_len']}"
   )
   for name, s in metadata["splits"].items():
-    ratio = s["characters"] / s["target_tokens"] if s["target_tokens"] else 0.0
+    eos_padding = s.get("eos_padding_tokens", 0)
+    text_tokens = s["target_tokens"] - eos_padding
+    ratio = s["characters"] / text_tokens if text_tokens else 0.0
     skipped = f", {s['skipped_documents']} skipped (too long)" if s["skipped_documents"] else ""
+    padding = f", {eos_padding:,} of them EOS padding" if eos_padding else ""
     log(
-      f"  {name}: {s['documents']:,} docs{skipped}, {s['characters']:,} chars, {s['target_tokens']:,} target tokens "
-      f"({ratio:.2f} chars/token), {s['records']:,} records in {len(s['shards'])} shards"
+      f"  {name}: {s['documents']:,} docs{skipped}, {s['characters']:,} chars, {s['target_tokens']:,} target tokens"
+      f"{padding} ({ratio:.2f} chars/token of text), {s['records']:,} records in {len(s['shards'])} shards"
     )
 
 

@@ -40,19 +40,12 @@ from jax.experimental import multihost_utils
 
 from mercury_jax import distributed
 from mercury_jax.sampling import canvas as cv
-from mercury_jax.sampling.settings import CONFIDENCES, SAMPLERS, SamplerSettings
+from mercury_jax.sampling.settings import CONFIDENCES, SAMPLERS, SamplerSettings, SettingError
 
 FRAME_SECONDS = 0.08  # Pause between frames of --show-steps on a terminal.
 PROCESS_PLACEHOLDER = "{process}"  # In a --prompts-file path: each process reads its own file.
-# Refinement flags (and their argparse names): a diffusion model's, an error for an autoregressive one.
-DIFFUSION_FLAGS = {
-  "--steps": "steps",
-  "--sampler": "sampler",
-  "--confidence": "confidence",
-  "--threshold": "threshold",
-  "--block-length": "block_length",
-  "--revision": "revision",
-}
+# The flags that are ``SamplerSettings`` fields (their argparse destinations are the field names).
+KNOBS = ("rule", "confidence", "temperature", "top_k", "top_p", "threshold", "block_length", "revision", "min_length")
 
 EPILOG = """\
 autoregressive checkpoints (objective.name = "autoregressive") are decoded token by token with a key-value
@@ -85,6 +78,16 @@ def _fail(message: str):
   raise SystemExit(2)
 
 
+def flag_names(parser: argparse.ArgumentParser) -> dict[str, str]:
+  """Each argparse destination's flag: ``top_p`` -> ``--top-p``, ``rule`` -> ``--sampler``, ``steps`` -> ``--steps``."""
+  return {a.dest: max(a.option_strings, key=len) for a in parser._actions if a.option_strings}
+
+
+def _fail_setting(error: SettingError, flags: dict[str, str]):
+  """A sampler setting's error, the setting called by its flag (``--top-p=0.0 must lie in (0, 1]``)."""
+  _fail(error.named(flags.get(error.field, error.field)))
+
+
 def build_parser() -> argparse.ArgumentParser:
   p = _Parser(
     prog="python -m mercury_jax.sample",
@@ -103,14 +106,21 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--template", help="text with <mask:N> holes to fill; its other text is kept as is")
   p.add_argument("--length", type=int, help="tokens to generate after each prompt (default 64; not with --template)")
   p.add_argument("--steps", type=int, help="refinement steps, a budget: finished canvases stop early (default 32)")
-  p.add_argument("--sampler", help=f"step rule: {', '.join(SAMPLERS)} (default confidence)")
+  p.add_argument(
+    "--sampler", dest="rule", metavar="SAMPLER", help=f"step rule: {', '.join(SAMPLERS)} (default confidence)"
+  )
   p.add_argument("--confidence", help=f"what ranks positions: {', '.join(CONFIDENCES)} (default prob)")
   p.add_argument("--temperature", type=float, default=1.0, help="0 is greedy")
   p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: all)")
   p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1]")
   p.add_argument("--threshold", type=float, help="confidence bar of --sampler threshold (default 0.9)")
   p.add_argument("--block-length", type=int, help="semi-autoregressive blocks (default 0: one block)")
-  p.add_argument("--revision", type=float, help="ReMDM-style re-masking strength in [0, 1) (default 0)")
+  p.add_argument(
+    "--revision",
+    type=float,
+    help="re-masking strength eta in [0, 1) (default 0): ReMDM-rescale with --sampler ancestral, deterministic "
+    "low-confidence re-masking with the others; never in a finished block",
+  )
   p.add_argument("--min-length", type=int, default=0, help="no end-of-sequence among the first N generated tokens")
   p.add_argument("--bos", action="store_true", help="start prompts with BOS, as SFT data does")
   p.add_argument("--num-samples", type=int, default=1, help="samples per prompt")
@@ -185,7 +195,7 @@ def _own_prompts(args: argparse.Namespace) -> list[str]:
   return prompts
 
 
-def _check_args(args: argparse.Namespace) -> dict:
+def _check_args(args: argparse.Namespace, flags: dict[str, str]) -> dict:
   """Every check that needs no model, before a checkpoint is read; returns the sampler knobs given."""
   if args.steps is not None and args.steps < 1:
     _fail(f"--steps={args.steps} must be >= 1")
@@ -201,25 +211,11 @@ def _check_args(args: argparse.Namespace) -> dict:
     _fail("give --prompt TEXT, --prompts-file FILE.jsonl or --template TEXT (e.g. --template '<mask:64>')")
   if args.prompt is not None and not args.prompt and args.template is None:
     _fail("--prompt is empty; give text to continue, or a --template with <mask:N> holes")
-  knobs = {
-    "rule": args.sampler,
-    "confidence": args.confidence,
-    "temperature": args.temperature,
-    "top_k": args.top_k,
-    "top_p": args.top_p,
-    "threshold": args.threshold,
-    "block_length": args.block_length,
-    "revision": args.revision,
-    "min_length": args.min_length,
-  }
-  knobs = {name: value for name, value in knobs.items() if value is not None}  # Defaults: SamplerSettings'.
+  knobs = {name: getattr(args, name) for name in KNOBS if getattr(args, name) is not None}  # Else SamplerSettings'.
   try:
     SamplerSettings(**knobs).validate()
-  except ValueError as e:  # Name the flag, not the library's field: "top_p=0" -> "--top-p=0".
-    message = str(e)
-    for name in knobs:
-      message = message.replace(f"{name}=", f"--{name.replace('_', '-')}=")
-    _fail(message.replace("sampler ", "--sampler "))
+  except SettingError as e:
+    _fail_setting(e, flags)
   return knobs
 
 
@@ -258,11 +254,12 @@ def main(argv: list[str] | None = None, *, compile_cache: bool = False) -> int:
   With the cache a repeated command skips most of its compilation (the bundled model's sampler: 1.4 s to compile,
   0.3 s to load, on 2 idle CPU cores). ``JAX_COMPILATION_CACHE_DIR``, when set, takes precedence.
   """
-  args = build_parser().parse_args(argv)
+  parser = build_parser()
+  args, flags = parser.parse_args(argv), flag_names(parser)
   if compile_cache and not args.no_compile_cache and not jax.config.jax_compilation_cache_dir:
     jax.config.update("jax_compilation_cache_dir", str(compile_cache_dir()))
   try:
-    knobs = _check_args(args)
+    knobs = _check_args(args, flags)
   except ValueError as e:  # A template without holes.
     _fail(f"--template: {e}")
   per_process = args.prompts_file is not None and PROCESS_PLACEHOLDER in args.prompts_file
@@ -297,14 +294,7 @@ def main(argv: list[str] | None = None, *, compile_cache: bool = False) -> int:
     sampler = Sampler.from_checkpoint(path, mesh=mesh)
   except (FileNotFoundError, ConfigError, ValueError) as e:
     _fail(f"--checkpoint {str(path)!r}: {e}")
-  if sampler.autoregressive:
-    for flag, name in DIFFUSION_FLAGS.items():
-      if getattr(args, name) is not None:
-        _fail(
-          f"{flag} applies to diffusion models only; --checkpoint {str(path)!r} is an autoregressive model "
-          "(decoded one token per forward pass)"
-        )
-  try:
+  try:  # Refinement flags for an autoregressive checkpoint are a SettingError too.
     samples = sampler.generate(
       prompts if prompts is not None else args.prompt,
       template=args.template,
@@ -317,6 +307,8 @@ def main(argv: list[str] | None = None, *, compile_cache: bool = False) -> int:
       per_process=per_process,
       **knobs,
     )
+  except SettingError as e:
+    _fail_setting(e, flags)
   except ValueError as e:
     _fail(str(e))
 

@@ -7,8 +7,10 @@ below; ``RULES`` maps them onto the mesh axes ``data``, ``fsdp`` and ``tensor``.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -119,3 +121,36 @@ def data_parallel_size(mesh: Mesh, rules) -> int:
   (spec,) = nn.logical_to_mesh_axes((BATCH,), rules)
   axes = (spec,) if isinstance(spec, str) else (spec or ())
   return math.prod(mesh.shape[a] for a in axes)
+
+
+def context(mesh: Mesh, rules) -> contextlib.ExitStack:
+  """``jax.set_mesh(mesh)`` together with the logical axis ``rules``: what tracing a sharded program needs.
+
+  Without both, Flax's ``nn.with_logical_constraint`` is a no-op, and GSPMD is left to guess the activations'
+  shardings (and can disagree with the parameters', replicating tensors to convert between them).
+  """
+  stack = contextlib.ExitStack()
+  stack.enter_context(jax.set_mesh(mesh))
+  stack.enter_context(nn.logical_axis_rules(rules))
+  return stack
+
+
+class MeshJit:
+  """``jax.jit(fn, **kwargs)`` that is always traced, lowered and called inside :func:`context`.
+
+  The logical axis rules are thread-local state that ``jax.jit``'s cache does not key on, so a jitted step traced
+  once outside the context would keep running unconstrained. Wrapping the jitted function makes the constraints
+  part of the step itself, whoever calls it.
+  """
+
+  def __init__(self, fn: Callable[..., Any], mesh: Mesh, rules, **jit_kwargs):
+    self.mesh, self.rules = mesh, rules
+    self.jitted = jax.jit(fn, **jit_kwargs)
+
+  def __call__(self, *args):
+    with context(self.mesh, self.rules):
+      return self.jitted(*args)
+
+  def lower(self, *args):
+    with context(self.mesh, self.rules):
+      return self.jitted.lower(*args)

@@ -4,7 +4,8 @@ Rerunning the same command resumes from the latest checkpoint in ``DIR/checkpoin
 and exits cleanly; with several processes, SIGTERM to any one of them makes every process save the same step and
 exit cleanly (``distributed.Preemption``). A non-finite loss stops the run with an error; the step that produced it
 is discarded inside the compiled step, so the last good checkpoint is never overwritten by a bad state. Metrics are
-appended to ``DIR/metrics.jsonl``.
+appended to ``DIR/metrics.jsonl`` and written as TensorBoard summaries beside it (``tensorboard --logdir DIR``): loss,
+held-out objective, learning rate, gradient norm, tokens/s and MFU.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import json
 import math
 import os
 import shutil
+import socket
 import sys
 import time
 from pathlib import Path
@@ -21,14 +23,17 @@ from typing import Any
 
 import jax
 from flax import linen as nn
+from tensorboardX.proto.event_pb2 import Event, SessionLog
+from tensorboardX.record_writer import RecordWriter
+from tensorboardX.summary import scalar
 
 from mercury_jax import distributed, sharding as sh
-from mercury_jax.bench.throughput import matmul_peak
+from mercury_jax.bench.throughput import peak_flops
 from mercury_jax.checkpoint import TOKENIZER_FILE, Checkpointer
 from mercury_jax.config import Config, ConfigError, load_config, parse_set_args
 from mercury_jax.data import pipeline
 from mercury_jax.model import count_params, flops_per_token
-from mercury_jax.trainer import Trainer
+from mercury_jax.trainer import Trainer, learning_rate_schedule
 
 
 class NonFiniteLoss(RuntimeError):
@@ -51,21 +56,61 @@ class _Progress:
     sys.stderr.flush()
 
 
-class _MetricsLog:
-  """Appends JSON lines to ``metrics.jsonl``; on resume, drops lines from steps after the restored one."""
+class _Summaries:
+  """Metrics of the primary process: JSON lines in ``metrics.jsonl`` and a TensorBoard event file in the workdir.
 
-  def __init__(self, path: Path, resume_step: int, enabled: bool):
-    self.path, self.enabled = path, enabled
-    if enabled and path.exists():
-      kept = [line for line in path.read_text().splitlines() if line and json.loads(line).get("step", 0) <= resume_step]
-      tmp = path.with_suffix(".tmp")
+  Events are written synchronously with tensorboardX's record writer and protos (its ``SummaryWriter`` queues events
+  for a background thread, so a killed run would lose those not yet written) and flushed with every record, like the
+  JSON lines. On resume, JSON lines from steps after the restored one are dropped, and the new event file starts with
+  TensorBoard's purge marker (a ``SessionLog.START`` at the next step), which hides the old events of those steps:
+  a resumed run reads as one run in both.
+  """
+
+  SCALARS = {  # metrics key -> TensorBoard tag
+    "loss": "train/loss",
+    "grad_norm": "train/grad_norm",
+    "learning_rate": "train/learning_rate",
+    "tokens_per_s": "perf/tokens_per_s",
+    "mfu": "perf/mfu",
+    "eval_nats_per_token": "eval/nats_per_token",
+    "eval_perplexity_bound": "eval/perplexity",
+  }
+
+  def __init__(self, workdir: Path, resume_step: int, enabled: bool):
+    self.path, self.enabled, self.events = workdir / "metrics.jsonl", enabled, None
+    if not enabled:
+      return
+    if self.path.exists():
+      lines = self.path.read_text().splitlines()
+      kept = [line for line in lines if line and json.loads(line).get("step", 0) <= resume_step]
+      tmp = self.path.with_suffix(".tmp")
       tmp.write_text("".join(line + "\n" for line in kept))
-      os.replace(tmp, path)
+      os.replace(tmp, self.path)
+    name = f"events.out.tfevents.{time.time():.0f}.{socket.gethostname()}.{os.getpid()}"
+    self.events = RecordWriter(str(workdir / name))
+    self._event(Event(wall_time=time.time(), file_version="brain.Event:2"))
+    if resume_step:
+      start = SessionLog(status=SessionLog.START)
+      self._event(Event(wall_time=time.time(), step=resume_step + 1, session_log=start))
+    self.events.flush()
+
+  def _event(self, event: Event) -> None:
+    self.events.write(event.SerializeToString())
 
   def write(self, record: dict[str, Any]) -> None:
-    if self.enabled:
-      with self.path.open("a") as f:
-        f.write(json.dumps(record) + "\n")
+    if not self.enabled:
+      return
+    with self.path.open("a") as f:
+      f.write(json.dumps(record) + "\n")
+    now = time.time()
+    for key, tag in self.SCALARS.items():
+      if record.get(key) is not None:
+        self._event(Event(wall_time=now, step=record["step"], summary=scalar(tag, record[key])))
+    self.events.flush()
+
+  def close(self) -> None:
+    if self.events is not None:
+      self.events.close()
 
 
 def _check_data(cfg: Config, meta: dict[str, Any]) -> None:
@@ -128,7 +173,7 @@ def train(cfg: Config, workdir: str | Path, *, log: bool = True) -> dict[str, An
   if primary:
     (workdir / "config.json").write_text(cfg.to_json())
     shutil.copyfile(Path(cfg.data.path) / TOKENIZER_FILE, workdir / TOKENIZER_FILE)
-  metrics_log = _MetricsLog(workdir / "metrics.jsonl", start_step, primary)
+  summaries = _Summaries(workdir, start_step, primary)
   progress = _Progress(cfg.train.steps, log and primary)
 
   eval_batches = []
@@ -145,13 +190,19 @@ def train(cfg: Config, workdir: str | Path, *, log: bool = True) -> dict[str, An
     ]
   num_params = count_params(state["params"])
   step_flops = flops_per_token(cfg.model, num_params) * cfg.data.batch_size * cfg.model.max_length
-  peak = matmul_peak() * (1 if jax.default_backend() == "cpu" else jax.device_count())
+  # On an accelerator MFU divides by every chip's datasheet peak; simulated CPU devices share one host's cores.
+  peak, peak_source = peak_flops(jax.devices()[0], cfg.model.dtype)
+  if peak is not None and jax.default_backend() != "cpu":
+    peak *= jax.device_count()
+  schedule = learning_rate_schedule(cfg.optim, cfg.train.steps)
   progress.show(
     f"{cfg.name}: {num_params / 1e6:.2f} M parameters, mesh {dict(mesh.shape)}, resuming at step {start_step}"
     if start_step
     else f"{cfg.name}: {num_params / 1e6:.2f} M parameters, mesh {dict(mesh.shape)}",
     final=True,
   )
+  if peak is None:
+    progress.show(f"MFU is not reported: {peak_source}", final=True)
 
   last: dict[str, Any] = {"step": start_step}
   window_start, window_tokens = time.perf_counter(), 0.0
@@ -173,10 +224,11 @@ def train(cfg: Config, workdir: str | Path, *, log: bool = True) -> dict[str, An
           last, pending = _finish_step(*pending, cfg=cfg), None
         if log_now:
           rate = window_tokens / (time.perf_counter() - window_start)
-          last.update(tokens_per_s=rate, mfu=rate * step_flops / tokens_per_step / peak)
+          mfu = rate * step_flops / tokens_per_step / peak if peak else None
+          last.update(tokens_per_s=rate, mfu=mfu, learning_rate=float(schedule(done - 1)))
           if cfg.train.eval_every and eval_batches and (done % cfg.train.eval_every == 0 or done == cfg.train.steps):
             last.update(evaluate(trainer, state["params"], eval_batches, cfg.train.seed))
-          metrics_log.write(last)
+          summaries.write(last)
           bound = not cfg.objective.autoregressive
           progress.show(_status(last, cfg.train.steps, bound), final=done == cfg.train.steps)
         if save_now:
@@ -188,6 +240,7 @@ def train(cfg: Config, workdir: str | Path, *, log: bool = True) -> dict[str, An
           break
   finally:
     checkpointer.close()
+    summaries.close()
   return last
 
 
@@ -203,7 +256,8 @@ def _finish_step(step: int, metrics, *, cfg: Config) -> dict[str, Any]:
 
 
 def _status(m: dict[str, Any], total: int, bound: bool) -> str:
-  text = f"step {m['step']}/{total} | loss {m['loss']:.4f} | {m['tokens_per_s']:,.0f} tok/s | MFU {100 * m['mfu']:.1f}%"
+  mfu = "n/a" if m["mfu"] is None else f"{100 * m['mfu']:.1f}%"
+  text = f"step {m['step']}/{total} | loss {m['loss']:.4f} | {m['tokens_per_s']:,.0f} tok/s | MFU {mfu}"
   if "eval_nats_per_token" in m:
     ppl = f"ppl {'<= ' if bound else ''}{m['eval_perplexity_bound']:.2f}"  # An ELBO bounds it; the AR NLL is exact.
     text += f" | eval {m['eval_nats_per_token']:.4f} nats/tok ({ppl})"

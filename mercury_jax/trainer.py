@@ -24,17 +24,22 @@ State = dict[str, Any]
 Batch = dict[str, jax.Array]
 
 
-def make_optimizer(cfg: OptimConfig, total_steps: int) -> optax.GradientTransformation:
-  """AdamW with linear warmup then cosine decay to ``final_lr_fraction``, after global-norm clipping."""
+def learning_rate_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
+  """Linear warmup from 0 to ``learning_rate``, then cosine decay to ``learning_rate * final_lr_fraction``."""
   warmup = min(cfg.warmup_steps, max(total_steps - 1, 0))
-  schedule = optax.warmup_cosine_decay_schedule(
+  return optax.warmup_cosine_decay_schedule(
     init_value=0.0,
     peak_value=cfg.learning_rate,
     warmup_steps=warmup,
     decay_steps=max(total_steps, warmup + 1),
     end_value=cfg.learning_rate * cfg.final_lr_fraction,
   )
-  decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)  # No decay on norm scales.  # noqa: E731
+
+
+def make_optimizer(cfg: OptimConfig, total_steps: int) -> optax.GradientTransformation:
+  """AdamW on :func:`learning_rate_schedule`, after global-norm clipping; no weight decay on norm scales."""
+  schedule = learning_rate_schedule(cfg, total_steps)
+  decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)  # noqa: E731
   return optax.chain(
     optax.clip_by_global_norm(cfg.clip_norm),
     optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay, mask=decay_mask),
@@ -117,8 +122,7 @@ class Trainer:
     return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, self.state_shardings)
 
   def init_state(self, seed: int) -> State:
-    with jax.set_mesh(self.mesh), nn.logical_axis_rules(self.rules):
-      return jax.jit(self._init_state, out_shardings=self.state_shardings)(jax.random.key(seed))
+    return sh.MeshJit(self._init_state, self.mesh, self.rules, out_shardings=self.state_shardings)(jax.random.key(seed))
 
   # -------------------------------------------------------------------------------------------- steps
   def _train_step(self, state: State, batch: Batch) -> tuple[State, dict[str, jax.Array]]:
@@ -147,8 +151,10 @@ class Trainer:
   def train_step(self):
     """``(state, batch) -> (state, metrics)``; the incoming state is donated."""
     batch_sh = {"tokens": self.batch_sharding, "kinds": self.batch_sharding}
-    return jax.jit(
+    return sh.MeshJit(
       self._train_step,
+      self.mesh,
+      self.rules,
       in_shardings=(self.state_shardings, batch_sh),
       out_shardings=(self.state_shardings, None),
       donate_argnums=(0,),
@@ -158,7 +164,9 @@ class Trainer:
   def eval_step(self):
     """``(params, batch, key) -> {"loss_sum", "tokens"}`` with a fixed key, so evaluations are comparable."""
     batch_sh = {"tokens": self.batch_sharding, "kinds": self.batch_sharding}
-    return jax.jit(self._eval_step, in_shardings=(self.state_shardings["params"], batch_sh, None))
+    return sh.MeshJit(
+      self._eval_step, self.mesh, self.rules, in_shardings=(self.state_shardings["params"], batch_sh, None)
+    )
 
   def nats_per_token(self, params, batches: list[Batch], key: jax.Array) -> float:
     """The objective over ``batches`` (batch i drawn with ``fold_in(key, i)``), in nats per target token.
@@ -176,5 +184,4 @@ class Trainer:
     """Lowers the train step from abstract values only (ahead-of-time compile checks of big presets)."""
     b, length = self.cfg.data.batch_size, self.cfg.model.max_length
     batch = {k: jax.ShapeDtypeStruct((b, length), jnp.int32, sharding=self.batch_sharding) for k in ("tokens", "kinds")}
-    with jax.set_mesh(self.mesh), nn.logical_axis_rules(self.rules):
-      return self.train_step.lower(self.abstract_state(), batch)
+    return self.train_step.lower(self.abstract_state(), batch)

@@ -51,6 +51,16 @@ def test_overrides_are_typed():
   assert config_from_dict(cfg.to_dict()) == cfg
 
 
+def test_checkpoints_from_before_the_objective_section_still_load():
+  stored = load_config("default_ar").to_dict()
+  objective = stored.pop("objective")
+  stored["diffusion"] = {**{k: v for k, v in objective.items() if k != "name"}, "objective": "autoregressive"}
+  assert config_from_dict(stored) == load_config("default_ar")
+  stored["diffusion"]["objective"] = "diffusion"
+  stored["model"]["causal"] = False
+  assert config_from_dict(stored).objective.name == "masked_diffusion"
+
+
 @pytest.mark.parametrize(
   "item, fragment",
   [
@@ -62,6 +72,9 @@ def test_overrides_are_typed():
     ("model.causal=maybe", "model.causal"),
     ("model.num_kv_heads=3", "model.num_heads=4 must be a multiple of model.num_kv_heads=3"),
     ("train.steps=0", "train.steps=0"),
+    # t = 0 gives the ELBO weight -alpha'/(1 - alpha) = inf, and inf * 0 = NaN for unmasked positions.
+    ("objective.t_min=0", "objective.t_min=0.0 must lie in (0, 1)"),
+    ("objective.t_min=1", "objective.t_min=1.0 must lie in (0, 1)"),
   ],
 )
 def test_bad_overrides_name_the_key(item, fragment):
@@ -113,22 +126,36 @@ def test_cli_reports_config_errors_with_exit_code_2(tmp_path):
   assert "model.d_modle" in proc.stderr
 
 
-@pytest.mark.parametrize("name", ["tiny", "default", "default_ar"])
-def test_small_presets_compile_on_eight_devices(name):
+SMALL_PRESETS = ("tiny", "default", "default_ar")  # data = -1: compiled on the test's 8 devices as (2, 2, 2).
+ACCELERATOR_PRESETS = {"gpu8_125m": (8, 135e6), "pod64_1b": (64, 0.98e9)}  # Compiled on their own mesh size.
+# What GSPMD logs when it must replicate a tensor because two sharding annotations disagree.
+REMATERIALIZATION = "Involuntary full rematerialization"
+
+
+def test_every_shipped_preset_is_compile_checked():
+  assert set(preset_names()) == {*SMALL_PRESETS, *ACCELERATOR_PRESETS}
+
+
+@pytest.mark.parametrize("name", SMALL_PRESETS)
+def test_small_presets_compile_on_eight_devices(name, capfd):
   from mercury_jax.aot import compile_report
 
   cfg = load_config(name, {"mesh.data": "2", "mesh.fsdp": "2", "mesh.tensor": "2", "data.batch_size": "8"})
+  capfd.readouterr()
   report = compile_report(cfg)
   assert report["devices"] == 8
+  assert REMATERIALIZATION not in capfd.readouterr().err
 
 
-@pytest.mark.parametrize("name, devices, params", [("gpu8_125m", 8, 135e6), ("pod64_1b", 64, 0.98e9)])
-def test_accelerator_presets_compile_ahead_of_time_on_their_mesh(name, devices, params):
+@pytest.mark.parametrize("name", ACCELERATOR_PRESETS)
+def test_accelerator_presets_compile_ahead_of_time_on_their_mesh(name):
+  devices, params = ACCELERATOR_PRESETS[name]
   proc = subprocess.run(
     [sys.executable, "-m", "mercury_jax.aot", "--config", name], capture_output=True, text=True, timeout=600
   )
   assert proc.returncode == 0, proc.stderr[-2000:]
   assert f"compiled the train step on {devices} devices" in proc.stdout
+  assert REMATERIALIZATION not in proc.stderr, proc.stderr[-2000:]
   cfg = load_config(name)
   mesh = sh.make_mesh(MeshConfig(data=1), jax.devices()[:1])
   n = sum(math.prod(p.shape) for p in jax.tree.leaves(abstract_params(Transformer(cfg.model), mesh, sh.RULES)))

@@ -248,12 +248,19 @@ def test_pack_lm_separates_documents_with_eos_and_pads_the_tail():
   assert records.pack_lm([], 4, eos_id=3, pad_id=0).shape == (0, 2, 4)
 
 
-def test_pack_sft_layout_and_skipping():
-  packed, skipped = records.pack_sft([([7, 8], [9]), ([7] * 5, [9] * 5), ([], [9, 9])], 6, bos_id=2, eos_id=3, pad_id=0)
-  assert skipped == [1]
-  np.testing.assert_array_equal(packed[0], [[2, 7, 8, 9, 3, 0], [1, 1, 1, 2, 2, 0]])
-  np.testing.assert_array_equal(packed[1], [[2, 9, 9, 3, 0, 0], [1, 2, 2, 2, 0, 0]])
-  assert records.record_stats(packed) == {"records": 2, "tokens": 9, "target_tokens": 5, "prompt_tokens": 4}
+def test_pack_sft_pads_the_response_with_eos_targets_to_the_end_of_the_record():
+  examples = [([7, 8], [9]), ([7] * 5, [9] * 5), ([], [9, 9]), ([7, 7], [9, 9]), ([7, 7, 7], [9, 9])]
+  packed, skipped = records.pack_sft(examples, 6, bos_id=2, eos_id=3)
+  assert skipped == [1, 4]  # 1 + prompt + response + EOS > seq_len: skipped, never truncated.
+  assert packed.shape == (3, 2, 6) and packed.dtype == np.int32
+  # [BOS] + prompt is FIXED; response, its EOS and EOS to the end of the record are TARGET; no PAD anywhere.
+  np.testing.assert_array_equal(packed[0], [[2, 7, 8, 9, 3, 3], [1, 1, 1, 2, 2, 2]])
+  np.testing.assert_array_equal(packed[1], [[2, 9, 9, 3, 3, 3], [1, 2, 2, 2, 2, 2]])
+  np.testing.assert_array_equal(packed[2], [[2, 7, 7, 9, 9, 3], [1, 1, 1, 2, 2, 2]])  # An exact fit: EOS only.
+  assert not (packed[:, 1] == records.PAD).any()
+  assert records.record_stats(packed) == {"records": 3, "tokens": 18, "target_tokens": 11, "prompt_tokens": 7}
+  assert records.record_stats(packed, eos_id=3)["eos_padding_tokens"] == 3
+  assert records.pack_sft([([7] * 9, [])], 6, bos_id=2, eos_id=3)[0].shape == (0, 2, 6)
 
 
 def test_record_bytes_round_trip_and_length_check():
@@ -304,14 +311,20 @@ def test_prepare_sft_end_to_end(sft_dir, tokenizer):
   assert train["skipped_documents"] == 1 and train["documents"] == 58 and train["records"] == 58
   packed = records.read_shards([sft_dir / name for name in train["shards"]])
   docs = [d for d in corpus.load_corpus(SFT_JSONL).split("train") if d.key != "sft.jsonl:11"]
+  eos_padding = 0
   for (ids, kinds), doc in zip(packed, docs, strict=True):
-    assert ids[0] == 2 and kinds[0] == 1
-    prompt, target = ids[kinds == 1], ids[kinds == 2]
-    assert target[-1] == 3 and (ids[kinds == 0] == 0).all()
-    assert (np.diff(kinds[kinds > 0]) >= 0).all()  # prompt, then target, then padding
-    assert tokenizer.decode(prompt) == doc.prompt and tokenizer.decode(target) == doc.text
-  assert train["characters"] == sum(len(d.text) for d in docs)
+    prompt, response = [tokenizer.bos_id, *tokenizer.encode(doc.prompt)], tokenizer.encode(doc.text)
+    end = len(prompt) + len(response)
+    # [BOS] + prompt (FIXED), then the response and EOS to the end of the record (TARGET); no PAD.
+    assert (kinds[: len(prompt)] == 1).all() and (kinds[len(prompt) :] == 2).all()
+    np.testing.assert_array_equal(ids[:end], prompt + response)
+    assert end < SFT_SEQ_LEN and (ids[end:] == tokenizer.eos_id).all()
+    assert tokenizer.decode(ids[kinds == 2]) == doc.text
+    eos_padding += SFT_SEQ_LEN - end - 1
+  assert train["characters"] == sum(len(d.text) for d in docs)  # EOS padding has no characters.
   assert train["prompt_tokens"] == int((packed[:, 1] == 1).sum())
+  assert train["target_tokens"] == int((packed[:, 1] == 2).sum()) == train["tokens"] - train["prompt_tokens"]
+  assert train["eos_padding_tokens"] == eos_padding > 0
 
 
 def _run_main(capsys, *argv):

@@ -109,7 +109,13 @@ def _check_bf16(got, want):
     np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=bound, rtol=0, err_msg=name)
 
 
-@pytest.mark.parametrize("case", CASES, ids=str)
+# The default run checks one case per mask kind (with segments, GQA and the partial-tile case); `-m slow` adds the
+# rest of the grid (other lengths, head_dims and block configurations).
+DEFAULT_CASES = (0, 1, 2, 6)
+GRID = [pytest.param(c, id=str(c), marks=() if i in DEFAULT_CASES else pytest.mark.slow) for i, c in enumerate(CASES)]
+
+
+@pytest.mark.parametrize("case", GRID)
 def test_float32_forward_and_grads_match_reference(case):
   _check_f32(*_kernel_and_reference(case, jnp.float32))
 

@@ -105,6 +105,24 @@ def test_bad_input_is_one_line_and_exit_code_2(case, checkpoints, files, capsys)
   assert len(lines) == 1 and lines[0].startswith("mercury_jax.sample: error: "), err
 
 
+@pytest.mark.parametrize(
+  "flags, message",
+  [
+    (["--sampler", "magic"], "--sampler='magic' is unknown; choose one of ancestral, confidence, threshold"),
+    (["--top-p", "0"], "--top-p=0.0 must lie in (0, 1]"),
+    (["--top-k", "-1"], "--top-k=-1 must be >= 0"),
+    (["--block-length", "-2"], "--block-length=-2 must be >= 0"),
+    (["--revision", "1"], "--revision=1.0 must lie in [0, 1)"),
+    (["--confidence", "vibes"], "--confidence='vibes' is unknown"),
+  ],
+)
+def test_a_bad_sampler_setting_is_named_by_its_flag_before_the_checkpoint_is_read(flags, message, capsys):
+  with pytest.raises(SystemExit) as exit_info:
+    main(["--checkpoint", "/no/such/checkpoint", "--prompt", "x", *flags])  # Never read: the setting fails first.
+  assert exit_info.value.code == 2
+  assert capsys.readouterr().err.startswith(f"mercury_jax.sample: error: {message}")
+
+
 def test_missing_default_model_says_how_to_train_one(tmp_path, monkeypatch, capsys):
   monkeypatch.setattr("mercury_jax.sampling.sampler.DEFAULT_CHECKPOINT", tmp_path)
   assert default_checkpoint() is None

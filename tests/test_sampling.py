@@ -15,11 +15,11 @@ from mercury_jax.model import Transformer
 from mercury_jax.sampling import canvas as cv
 from mercury_jax.sampling.loop import jit_sample, model_denoise_fn, sample
 from mercury_jax.sampling.mesh import mesh_context
-from mercury_jax.sampling.proposal import filter_logits, noise_width, sample_tokens, uniform_noise
+from mercury_jax.sampling.proposal import filter_logits, noise_width, propose, sample_tokens, uniform_noise
 from mercury_jax.sampling.settings import SamplerSettings
 from mercury_jax.trainer import param_shardings
 
-VOCAB, MASK, EOS, PAD_ID = 16, 4, 3, 0
+VOCAB, MASK, EOS, PAD_ID, UNK, BOS = 16, 4, 3, 0, 1, 2
 _TABLE = np.asarray(jax.random.normal(jax.random.key(0), (64, VOCAB)), np.float32)
 _MIX = np.asarray(jax.random.normal(jax.random.key(1), (VOCAB, VOCAB)), np.float32)
 
@@ -109,23 +109,24 @@ RULE_CASES = [
   dict(rule="ancestral"),
   dict(rule="ancestral", block_length=4, top_p=0.8),
   dict(rule="confidence", temperature=0.0),
-  dict(rule="confidence", confidence="margin", block_length=3, revision=0.5, top_k=5),
+  dict(rule="confidence", confidence="margin", block_length=6, revision=0.8, top_k=5),
   dict(rule="threshold", threshold=0.5),
-  dict(rule="threshold", confidence="entropy", threshold=-1.0, block_length=4, revision=0.3),
+  dict(rule="threshold", confidence="entropy", threshold=-1.0, block_length=8, revision=0.8),
+  dict(rule="ancestral", block_length=5, revision=0.5),
 ]
 
 
 @pytest.mark.parametrize("knobs", RULE_CASES, ids=lambda k: "-".join(f"{a}={b}" for a, b in k.items()))
 def test_every_mask_resolved_and_fixed_tokens_never_change(knobs):
   canvas = mixed_canvas()
-  out = _run(canvas, 6, _settings(trace=6, **knobs))
+  out = _run(canvas, 12, _settings(trace=12, **knobs))
   fixed = canvas.kinds == K.FIXED
   assert not (out.tokens == MASK).any()
   np.testing.assert_array_equal(out.tokens[fixed], canvas.tokens[fixed])
   np.testing.assert_array_equal(out.tokens[canvas.kinds == K.PAD], PAD_ID)
   for step in out.canvases[: int(out.steps)]:  # Fixed tokens hold at every step, revision included.
     np.testing.assert_array_equal(step[fixed], canvas.tokens[fixed])
-  assert (out.nfe <= 6).all() and int(out.steps) == out.nfe.max()
+  assert (out.nfe <= 12).all() and int(out.steps) == out.nfe.max()
   if knobs.get("revision"):  # Revision re-masks tokens, and its budget is 0 by the step that finishes.
     assert out.remasks.sum() > 0 and (out.remasks[int(out.steps) - 1] == 0).all()
 
@@ -169,8 +170,8 @@ def _posterior_by_enumeration(alpha_t, alpha_s, q):
 
 def test_ancestral_step_matches_brute_force_posterior():
   schedule = ObjectiveConfig(schedule="cosine")
-  logits = np.array([0.5, -1.0, 1.0, 0.2, 9.0, 2.0, -0.5, 0.0] * 2, np.float32)  # The mask logit is ignored.
-  q = np.exp(np.where(np.arange(16) == MASK, -np.inf, logits))
+  logits = np.array([0.5, -1.0, 1.0, 0.2, 9.0, 2.0, -0.5, 0.0] * 2, np.float32)  # Special ids' logits are ignored.
+  q = np.exp(np.where(np.isin(np.arange(16), [PAD_ID, UNK, BOS, MASK]), -np.inf, logits))
   q /= q.sum()
   rows, length, steps = 2048, 8, 4
   canvas = cv.make_canvas([[cv.Hole(length)]] * rows)
@@ -202,13 +203,75 @@ def test_eos_becomes_padding_and_min_length_forbids_early_eos():
   assert EOS not in late.tokens[0, :7].tolist() and (late.tokens[0, 1:11] != PAD_ID).all()
 
 
+def test_eos_ends_only_its_own_hole_and_min_length_counts_over_holes():
+  table = np.zeros((16, VOCAB), np.float32)
+  table[:, 7] = 1.0
+  table[[2, 8, 9], EOS] = 20.0  # The model wants to end the first hole at its second position, the second at 8, 9.
+  canvas = cv.make_canvas([[[5], cv.Hole(4), [9, 10], cv.Hole(4)]])  # Generated ranks 0-3 at 1-4, 4-7 at 7-10.
+  greedy = _settings(rule="confidence", temperature=0.0)
+  out = _run(canvas, 8, greedy, tabled_denoise(table))
+  # The EOS pads the rest of the first hole only; the fixed text and the second hole keep their tokens.
+  assert out.tokens[0].tolist() == [5, 7, EOS, PAD_ID, PAD_ID, 9, 10, 7, EOS, PAD_ID, PAD_ID]
+  # min_length=6 bans EOS from the first 6 generated positions: the whole first hole and 2 of the second.
+  late = _run(canvas, 8, dataclasses.replace(greedy, min_length=6), tabled_denoise(table))
+  assert late.tokens[0].tolist() == [5, 7, 7, 7, 7, 9, 10, 7, 7, EOS, PAD_ID]
+
+
+SPECIAL_IDS = [PAD_ID, UNK, BOS, MASK, 14, 15]  # 14 and 15 lie past a 14-token tokenizer in the 16-id vocabulary.
+
+
+@pytest.mark.parametrize(
+  "knobs",
+  [
+    dict(rule="confidence", temperature=0.0),
+    dict(rule="confidence", temperature=1.0, block_length=4, revision=0.3),
+    dict(rule="ancestral", temperature=1.0, revision=0.5),
+    dict(rule="threshold", temperature=0.8, top_p=0.9, top_k=6),
+  ],
+  ids=lambda k: "-".join(f"{a}={b}" for a, b in k.items()),
+)
+def test_special_ids_are_never_proposed(knobs):
+  table = np.zeros((16, VOCAB), np.float32)
+  table[:, SPECIAL_IDS] = 30.0  # Almost all of the model's mass, yet none of them may be generated.
+  table[:, EOS] = -5.0  # EOS stays allowed; kept unlikely so the rows stay long.
+  canvas = cv.make_canvas([[cv.Hole(12)]] * 32)
+  out = _run(canvas, 6, _settings(num_tokens=14, eos_to_pad=False, **knobs), tabled_denoise(table))
+  generated = out.tokens[canvas.kinds == K.TARGET]  # Every proposal committed (no padding after an EOS).
+  assert not np.isin(generated, SPECIAL_IDS).any(), generated
+  if knobs["temperature"]:
+    assert len(set(generated.tolist()) - {EOS}) > 5  # Drawn from every token that is left.
+
+
+def test_confidence_is_measured_on_the_cleaned_distribution():
+  table = np.zeros((16, VOCAB), np.float32)
+  table[:, [PAD_ID, UNK, BOS, 14, 15]] = 40.0
+  table[:, 7] = 10.0  # p(7) is 0.9995 once the special ids are gone, e^-30 before.
+  canvas = cv.make_canvas([cv.prefix([6], 8)])
+  settings = _settings(rule="threshold", threshold=0.9, temperature=0.0, num_tokens=14)
+  out = _run(canvas, 8, settings, tabled_denoise(table))
+  assert int(out.steps) == 1 and out.tokens[0, 1:].tolist() == [7] * 8  # Every position is sure at once.
+
+  logits = jnp.asarray(np.random.default_rng(0).normal(size=(2, 3, VOCAB)) + 30.0 * np.isin(np.arange(16), [0, 15]))
+  p = np.exp(np.where(np.isin(np.arange(16), SPECIAL_IDS), -np.inf, np.asarray(logits, np.float64)))
+  p /= p.sum(axis=-1, keepdims=True)
+  top2 = np.sort(p, axis=-1)[..., -2:]
+  entropy = -np.sum(p * np.log(np.where(p > 0, p, 1.0)), axis=-1)
+  expected = dict(prob=p.max(-1), margin=top2[..., 1] - top2[..., 0], entropy=-entropy)
+  banned = jnp.zeros((2, 3), bool)
+  for measure, want in expected.items():
+    x0, confidence = propose(logits, None, banned, _settings(temperature=0.0, confidence=measure, num_tokens=14))
+    np.testing.assert_array_equal(np.asarray(x0), p.argmax(-1))
+    np.testing.assert_allclose(np.asarray(confidence), want, rtol=1e-4, atol=1e-6)
+
+
 def test_fixed_key_reproduces_and_streams_make_examples_batch_invariant():
-  settings = _settings(trace=6, **RULE_CASES[3])  # Blocks, revision and top-k: every random draw in play.
+  settings = _settings(trace=12, **RULE_CASES[3])  # Blocks, revision and top-k: every random draw in play.
   canvas = mixed_canvas(streams=[10, 11, 12, 13])
-  first, again = _run(canvas, 6, settings), _run(canvas, 6, settings)
+  first, again = _run(canvas, 12, settings), _run(canvas, 12, settings)
+  assert first.remasks.sum() > 0
   np.testing.assert_array_equal(first.tokens, again.tokens)
-  assert not np.array_equal(first.tokens, _run(canvas, 6, settings, seed=1).tokens)
-  alone = _run(cv.make_canvas([cv.prefix([8], 14)], streams=[11]), 6, settings)  # Shorter canvas, one row.
+  assert not np.array_equal(first.tokens, _run(canvas, 12, settings, seed=1).tokens)
+  alone = _run(cv.make_canvas([cv.prefix([8], 14)], streams=[11]), 12, settings)  # Shorter canvas, one row.
   np.testing.assert_array_equal(alone.tokens[0], first.tokens[1, :15])
 
 

@@ -1,6 +1,7 @@
 """End to end: prepare -> train -> kill -> resume, SIGTERM, non-finite loss, restore onto other meshes."""
 
 import dataclasses
+import json
 import os
 import signal
 import subprocess
@@ -86,6 +87,39 @@ def test_kill_and_resume_gives_bitwise_identical_parameters(tmp_path, data_dir):
     int(line.split('"step": ')[1].split(",")[0]) for line in (workdir / "metrics.jsonl").read_text().split("\n") if line
   ]
   assert logged == sorted(set(logged)), "metrics.jsonl must not repeat steps after a resume"
+  # TensorBoard hides the events of the steps the killed run logged after its last checkpoint.
+  assert [step for step, _ in _events(workdir)["train/loss"]] == logged
+
+
+def _events(workdir: Path) -> dict[str, list[tuple[int, float]]]:
+  """The run's TensorBoard scalars, read back by TensorBoard's own reader: ``{tag: [(step, value), ...]}``."""
+  from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+  events = EventAccumulator(str(workdir), purge_orphaned_data=True)
+  events.Reload()
+  return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
+def test_training_writes_tensorboard_summaries_that_read_back(tmp_path, data_dir):
+  from mercury_jax.train import train
+
+  sets = dict(s.split("=", 1) for s in SETS)
+  cfg = load_config(
+    "tiny",
+    {**sets, "data.path": str(data_dir), "train.steps": "8", "train.eval_every": "8", "optim.warmup_steps": "4"},
+  )
+  train(cfg, tmp_path, log=False)
+  records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+  scalars = _events(tmp_path)
+  assert {"train/loss", "train/grad_norm", "train/learning_rate", "perf/tokens_per_s", "perf/mfu"} <= set(scalars)
+  assert [step for step, _ in scalars["train/loss"]] == [r["step"] for r in records] == [4, 8]
+  for tag, key in (("train/loss", "loss"), ("train/grad_norm", "grad_norm"), ("perf/mfu", "mfu")):
+    np.testing.assert_allclose([v for _, v in scalars[tag]], [r[key] for r in records], rtol=1e-6)
+  # Warmup reaches the peak at step 4 (the 4th update used lr * 3/4), then cosine decay begins.
+  lr = cfg.optim.learning_rate
+  np.testing.assert_allclose([v for _, v in scalars["train/learning_rate"]][0], 0.75 * lr, rtol=1e-6)
+  assert [step for step, _ in scalars["eval/nats_per_token"]] == [8]
+  np.testing.assert_allclose(scalars["eval/nats_per_token"][0][1], records[-1]["eval_nats_per_token"], rtol=1e-6)
 
 
 def test_sigterm_saves_and_exits_cleanly_then_resumes(tmp_path, data_dir):

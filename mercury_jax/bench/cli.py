@@ -14,7 +14,11 @@ sees the same samples.
 
 Each prompt generates ``min(length, context - prompt)`` tokens: the canvas never exceeds the shorter of the two
 models' contexts, and prompts that would leave fewer than ``min(length, context / 2)`` positions are skipped rather
-than cut (a cut prompt loses its ``def`` line).
+than cut (a cut prompt loses its ``def`` line). Canvases are padded to a multiple of ``LENGTH_BUCKET`` positions
+(within the context), as the sampling command line runs them.
+
+Both models run through the engine the command line and the Python API use: one
+:class:`~mercury_jax.sampling.sampler.Sampler` per model, whose ``run`` compiles once per (settings, shape).
 
 Timing: a shared host's capacity can change 2x for minutes at a time, so absolute numbers from different runs do
 not compare. Each executable is compiled (timed separately) and run once untimed; then every round runs each setting
@@ -35,7 +39,6 @@ import json
 import os
 import platform
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -47,12 +50,11 @@ from mercury_jax import kinds as K
 from mercury_jax.bench import prompts as bench_prompts, quality, report as bench_report
 from mercury_jax.bench.throughput import time_call
 from mercury_jax.checkpoint import find_tokenizer, restore_params
-from mercury_jax.config import Config
 from mercury_jax.data import pipeline
 from mercury_jax.data.tokenizer import Tokenizer
 from mercury_jax.sampling import canvas as cv
-from mercury_jax.sampling.autoregressive import jit_decode
-from mercury_jax.sampling.loop import jit_sample, model_denoise_fn
+from mercury_jax.sampling.canvas import SampleOutput
+from mercury_jax.sampling.sampler import LENGTH_BUCKET, Sampler, check_compatible, is_autoregressive
 from mercury_jax.sampling.settings import SamplerSettings
 
 STEPS = (4, 8, 16, 32, 64, 128, 256)
@@ -89,17 +91,18 @@ def grid(length: int, steps, taus, temperatures, ar_temperatures) -> list[Settin
   return settings + [Setting("autoregressive", "kv-cache", 0, None, t) for t in ar_temperatures]
 
 
-def load_models(diffusion_dir: str, ar_dir: str, data_dir: str) -> tuple[Tokenizer, tuple, tuple]:
-  """The data's tokenizer and ``(params, cfg)`` of both models, checked to belong together.
+def load_models(diffusion_dir: str, ar_dir: str, data_dir: str) -> tuple[Tokenizer, dict[str, Sampler]]:
+  """The data's tokenizer and a :class:`Sampler` of each model (``"diffusion"``, ``"autoregressive"``).
 
   Raises:
-    ValueError: A path is missing, a checkpoint is of the wrong kind, or the tokenizers differ.
+    ValueError: A path is missing, a checkpoint is of the wrong kind, the tokenizers differ, or a model does not fit
+      the tokenizer (:func:`~mercury_jax.sampling.sampler.check_compatible`).
   """
   tokenizer = pipeline.load_tokenizer(data_dir)
-  models = []
-  for flag, path, objective in (
-    ("--diffusion", diffusion_dir, "masked_diffusion"),
-    ("--autoregressive", ar_dir, "autoregressive"),
+  samplers = {}
+  for model, flag, path in (
+    ("diffusion", "--diffusion", diffusion_dir),
+    ("autoregressive", "--autoregressive", ar_dir),
   ):
     if not Path(path).exists():
       raise ValueError(f"{flag} {path!r} does not exist; give a train workdir or exported checkpoint")
@@ -107,7 +110,7 @@ def load_models(diffusion_dir: str, ar_dir: str, data_dir: str) -> tuple[Tokeniz
       params, cfg = restore_params(path)
     except FileNotFoundError as e:
       raise ValueError(f"{flag}: {e}") from None
-    if cfg.objective.name != objective:
+    if is_autoregressive(cfg) != (model == "autoregressive"):
       other = "--autoregressive" if flag == "--diffusion" else "--diffusion"
       raise ValueError(f"{flag} {path!r} is a {cfg.objective.name} checkpoint; pass it as {other}")
     try:
@@ -116,66 +119,56 @@ def load_models(diffusion_dir: str, ar_dir: str, data_dir: str) -> tuple[Tokeniz
       own = None
     if own is not None and own != tokenizer.to_bytes():
       raise ValueError(f"{flag} {path!r} was trained with another tokenizer than the one in --data {data_dir!r}")
-    if tokenizer.vocab_size > cfg.model.vocab_size:
-      raise ValueError(
-        f"{flag} {path!r} has vocab_size {cfg.model.vocab_size} < the tokenizer's {tokenizer.vocab_size}"
-      )
-    models.append((params, cfg))
-  return tokenizer, models[0], models[1]
-
-
-def sampler_settings(setting: Setting, cfg: Config, tokenizer: Tokenizer) -> SamplerSettings:
-  knobs = {"rule": setting.rule, "threshold": setting.tau} if setting.model == "diffusion" else {}
-  knobs = {k: v for k, v in knobs.items() if v is not None}
-  return SamplerSettings(
-    objective=cfg.objective, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id, temperature=setting.temperature, **knobs
-  ).validate()
+    try:
+      check_compatible(cfg, tokenizer)
+    except ValueError as e:
+      raise ValueError(f"{flag} {path!r}: {e}") from None
+    samplers[model] = Sampler(params, cfg, tokenizer)
+  return tokenizer, samplers
 
 
 def make_batches(prompt_ids: list[list[int]], length: int, context: int, batch: int, pad_id: int) -> list[cv.Canvas]:
-  """All prompts as canvases of ``batch`` rows (streams = prompt index; the last batch padded with empty rows)."""
-  canvas_length = min(context, max(len(p) for p in prompt_ids) + length)
+  """All prompts as canvases of ``batch`` rows (streams = prompt index; the last batch padded with empty rows).
+
+  The canvas is padded to a multiple of ``LENGTH_BUCKET`` positions (at most ``context``), the length the
+  ``Sampler`` runs; the padding is never generated.
+  """
+  canvas_length = min(context, -(-(max(len(p) for p in prompt_ids) + length) // LENGTH_BUCKET) * LENGTH_BUCKET)
   full = cv.make_canvas([cv.prefix(p, min(length, context - len(p))) for p in prompt_ids], length=canvas_length)
   chunks = []
   for start in range(0, len(prompt_ids), batch):
     part = cv.Canvas(*(np.asarray(a)[start : start + batch] for a in full))
-    chunks.append(jax.device_put(cv.pad_batch(part, batch, pad_id)))
+    chunks.append(cv.pad_batch(part, batch, pad_id))
   return chunks
 
 
 class Runner:
-  """Compiles (once per settings and shape) and calls both models; ``call`` returns the output and wall seconds."""
+  """Both models' samplers and the seed: ``executable`` compiles a setting for a canvas shape (once, timed) and runs
+  it once untimed; ``call`` returns the output and wall seconds."""
 
-  def __init__(self, diffusion, ar, tokenizer: Tokenizer, seed: int):
-    (self.d_params, self.d_cfg), (self.a_params, self.a_cfg) = diffusion, ar
-    self.tokenizer, self.key = tokenizer, jax.random.key(seed)
-    self.denoise_fn = model_denoise_fn(self.d_cfg.model)
-    self.compiled: dict[tuple, Any] = {}
+  def __init__(self, samplers: dict[str, Sampler], seed: int):
+    self.samplers, self.seed = samplers, seed
     self.compile_s: dict[tuple, float] = {}
 
-  def _args(self, setting: Setting, canvas: cv.Canvas) -> tuple:
-    if setting.model == "diffusion":
-      return self.d_params, canvas, self.key, jnp.int32(setting.steps)
-    return self.a_params, canvas, self.key
+  def settings(self, setting: Setting) -> SamplerSettings:
+    """The ``SamplerSettings`` of a setting, with its model's ids and schedule."""
+    knobs = {"rule": setting.rule, "threshold": setting.tau} if setting.model == "diffusion" else {}
+    knobs = {k: v for k, v in knobs.items() if v is not None}
+    return self.samplers[setting.model].settings(temperature=setting.temperature, **knobs)
 
   def executable(self, setting: Setting, canvas: cv.Canvas) -> tuple:
-    cfg = self.d_cfg if setting.model == "diffusion" else self.a_cfg
-    settings = sampler_settings(setting, cfg, self.tokenizer)
-    key = (setting.model, settings, canvas.tokens.shape)
-    if key not in self.compiled:
-      start = time.perf_counter()
-      fn = jit_sample(self.denoise_fn, settings) if setting.model == "diffusion" else jit_decode(cfg.model, settings)
-      self.compiled[key] = fn.lower(*self._args(setting, canvas)).compile()
-      self.compile_s[key] = time.perf_counter() - start
-      jax.block_until_ready(self.compiled[key](*self._args(setting, canvas)))  # Untimed warm-up call.
+    """The key of ``setting``'s executable for ``canvas``'s shape in ``compile_s``; compiles it the first time."""
+    settings = self.settings(setting)
+    key = (setting.model, settings, np.shape(canvas.tokens))
+    if key not in self.compile_s:  # The call compiles (timed apart from the run), then runs once untimed.
+      self.compile_s[key] = self.samplers[setting.model].run(canvas, setting.steps, self.seed, settings)[2]
     return key
 
-  def call(self, setting: Setting, canvas: cv.Canvas) -> tuple[Any, float]:
-    fn = self.compiled[self.executable(setting, canvas)]
-    args = self._args(setting, canvas)
-    start = time.perf_counter()
-    out = jax.block_until_ready(fn(*args))
-    return jax.tree.map(np.asarray, out), time.perf_counter() - start
+  def call(self, setting: Setting, canvas: cv.Canvas) -> tuple[SampleOutput, float]:
+    """Runs ``setting`` on ``canvas`` (compiled by :meth:`executable`): the output (numpy) and wall seconds."""
+    self.executable(setting, canvas)
+    out, wall, _ = self.samplers[setting.model].run(canvas, setting.steps, self.seed, self.settings(setting))
+    return out._replace(tokens=out.tokens[:, : np.shape(canvas.tokens)[1]]), wall  # Drop the Sampler's bucket.
 
 
 def measure(runner: Runner, settings: list[Setting], batches: dict[int, list[cv.Canvas]], rows: int, repeats: int):
@@ -184,7 +177,7 @@ def measure(runner: Runner, settings: list[Setting], batches: dict[int, list[cv.
   probe = jax.jit(lambda x: x @ x)
   time_call(probe, probe_input)
   calls: dict[tuple[int, int], list[dict[str, Any]]] = {}
-  gflops, round_index = [], 0
+  gflops, round_index, pad_id = [], 0, runner.samplers["diffusion"].tokenizer.pad_id
   for batch, chunks in batches.items():
     for i, setting in enumerate(settings):
       runner.executable(setting, chunks[0])
@@ -195,7 +188,7 @@ def measure(runner: Runner, settings: list[Setting], batches: dict[int, list[cv.
         order = [(round_index + k) % len(settings) for k in range(len(settings))]
         for i in order:
           out, wall = runner.call(settings[i], canvas)
-          generated = (np.asarray(canvas.kinds)[:real] == K.TARGET) & (out.tokens[:real] != runner.tokenizer.pad_id)
+          generated = (np.asarray(canvas.kinds)[:real] == K.TARGET) & (out.tokens[:real] != pad_id)
           calls[(i, batch)].append(
             {
               "round": round_index,
@@ -242,12 +235,13 @@ def summarise(setting: Setting, batch: int, calls: list, reference: list, compil
   }
 
 
-def sample_quality(prompt_ids, prompt_texts, completion_ids, tokenizer, ar) -> dict[str, Any]:
-  """Quality of one setting's completions; generative perplexity is NaN when every completion is empty."""
-  texts = [tokenizer.decode(c) for c in completion_ids]
+def sample_quality(prompt_ids, prompt_texts, completion_ids, ar: Sampler) -> dict[str, Any]:
+  """Quality of one setting's completions, judged by the twin; generative perplexity is NaN when every completion is
+  empty."""
+  texts = [ar.tokenizer.decode(c) for c in completion_ids]
   scored = any(completion_ids)
   return {
-    "gen_ppl": quality.generative_perplexity(ar[0], ar[1], prompt_ids, completion_ids) if scored else float("nan"),
+    "gen_ppl": quality.generative_perplexity(ar.params, ar.cfg, prompt_ids, completion_ids) if scored else float("nan"),
     "unigram_entropy": quality.unigram_entropy(completion_ids),
     "distinct_2": quality.distinct_n(completion_ids, 2),
     "distinct_3": quality.distinct_n(completion_ids, 3),
@@ -275,8 +269,9 @@ def machine_info() -> dict[str, Any]:
 def run(args: argparse.Namespace) -> dict[str, Any]:
   """Runs the benchmark described by parsed CLI arguments and writes OUT_DIR; returns the results."""
   machine = machine_info()
-  tokenizer, diffusion, ar = load_models(args.diffusion, args.autoregressive, args.data)
-  context = min(diffusion[1].model.max_length, ar[1].model.max_length)
+  tokenizer, samplers = load_models(args.diffusion, args.autoregressive, args.data)
+  ar = samplers["autoregressive"]
+  context = min(samplers["diffusion"].max_length, ar.max_length)
   room = min(args.length, context // 2)
   prompts, spec = bench_prompts.select_prompts(
     args.data, args.prompts, lambda text: len(tokenizer.encode(text)) <= context - room, args.corpus
@@ -284,7 +279,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
   prompt_ids = [tokenizer.encode(p.text) for p in prompts]
   settings = grid(args.length, args.steps, args.taus, args.temperatures, args.ar_temperatures)
   batches = {b: make_batches(prompt_ids, args.length, context, b, tokenizer.pad_id) for b in args.batch_sizes}
-  runner = Runner(diffusion, ar, tokenizer, args.seed)
+  runner = Runner(samplers, args.seed)
   calls, gflops = measure(runner, settings, batches, len(prompts), args.repeats)
   kinds = np.concatenate([np.asarray(c.kinds) for c in batches[args.batch_sizes[0]]])[: len(prompts)]
   reference = settings.index(next(s for s in settings if s.model == "autoregressive" and s.temperature == 1.0))
@@ -294,7 +289,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
       done = completions(calls[(i, batch)], kinds, tokenizer.eos_id, tokenizer.pad_id)
       cache_key = json.dumps(done)
       if cache_key not in quality_cache:
-        quality_cache[cache_key] = sample_quality(prompt_ids, [p.text for p in prompts], done, tokenizer, ar)
+        quality_cache[cache_key] = sample_quality(prompt_ids, [p.text for p in prompts], done, ar)
       executable = runner.executable(setting, batches[batch][0])
       row = summarise(setting, batch, calls[(i, batch)], calls[(reference, batch)], runner.compile_s[executable])
       first_samples.setdefault(i, done)

@@ -2,15 +2,21 @@
 
 The record format (the trainer and evaluation depend on it): each record is the bytes of an
 ``np.ndarray(int32, shape [2, seq_len])``. Row 0 holds token ids, row 1 token kinds (``mercury_jax.kinds``):
-``PAD`` fills the record, ``FIXED`` is an SFT prompt (clean context, no loss), ``TARGET`` is noised and scored.
+``PAD`` fills the tail of the last language-modelling record, ``FIXED`` is an SFT prompt (clean context, no loss),
+``TARGET`` is noised and scored.
 
 Language modelling (``pack_lm``): documents, each followed by EOS, are concatenated and cut into ``seq_len`` chunks
 of kind ``TARGET``; a chunk may start mid-document. The final partial chunk is kept and padded, so no text is lost
 and even a one-file validation split has a record.
 
-SFT (``pack_sft``): one example per record: ``[BOS] + prompt`` (kind ``FIXED``), then ``response + [EOS]`` (kind
-``TARGET``), then padding. Examples longer than ``seq_len`` are skipped, never truncated, so the characters counted
-for an evaluation are exactly those of the responses in the records.
+SFT (``pack_sft``): one example per record: ``[BOS] + prompt`` (kind ``FIXED``), then ``response + [EOS]``, then
+EOS up to ``seq_len`` (all kind ``TARGET``); an SFT record has no ``PAD``. The EOS padding is masked and scored like
+the response, as in LLaDA's SFT recipe (Nie et al. 2025, "Large Language Diffusion Models", section 2.3). Were it
+``PAD``, the denoiser would always see exactly ``len(response) + 1`` masks, learn where the answer ends from their
+number, and at inference let the canvas length dictate the answer's length; on a canvas that always runs to
+``seq_len`` it learns to end the answer by predicting EOS. Examples longer than ``seq_len`` are skipped, never
+truncated, so the characters counted for an evaluation are exactly those of the responses in the records (EOS
+padding has no characters, but its tokens are among the scored ``target_tokens``).
 """
 
 from __future__ import annotations
@@ -73,9 +79,15 @@ def pack_lm(documents: Iterable[Sequence[int]], seq_len: int, *, eos_id: int, pa
 
 
 def pack_sft(
-  examples: Iterable[tuple[Sequence[int], Sequence[int]]], seq_len: int, *, bos_id: int, eos_id: int, pad_id: int
+  examples: Iterable[tuple[Sequence[int], Sequence[int]]], seq_len: int, *, bos_id: int, eos_id: int
 ) -> tuple[np.ndarray, list[int]]:
-  """One record per ``(prompt_ids, response_ids)`` example.
+  """One record per ``(prompt_ids, response_ids)`` example, its response padded with EOS targets to ``seq_len``.
+
+  Each kept record is ``[BOS] + prompt`` (``FIXED``), then ``response + [EOS]`` and EOS up to ``seq_len``
+  (``TARGET``). The EOS padding is a target, not ``PAD``, following LLaDA's SFT recipe (Nie et al. 2025, "Large
+  Language Diffusion Models", section 2.3): every record's canvas then runs to ``seq_len``, so the number of masks
+  does not leak the response's length and the model learns where the answer ends by predicting EOS, as it must on a
+  sampling canvas longer than the answer.
 
   Returns:
     ``(records, skipped)``: ``int32[num_kept, 2, seq_len]`` and the indices of examples that did not fit
@@ -84,30 +96,41 @@ def pack_sft(
   rows, skipped = [], []
   for index, (prompt, response) in enumerate(examples):
     prompt_ids = [bos_id, *prompt]
-    target_ids = [*response, eos_id]
-    used = len(prompt_ids) + len(target_ids)
-    if used > seq_len:
+    response_end = len(prompt_ids) + len(response)
+    if response_end + 1 > seq_len:
       skipped.append(index)
       continue
-    record = np.full([2, seq_len], pad_id, dtype=RECORD_DTYPE)
-    record[1] = PAD
-    record[0, :used] = prompt_ids + target_ids
+    record = np.full([2, seq_len], eos_id, dtype=RECORD_DTYPE)
+    record[0, : len(prompt_ids)] = prompt_ids
+    record[0, len(prompt_ids) : response_end] = response
     record[1, : len(prompt_ids)] = FIXED
-    record[1, len(prompt_ids) : used] = TARGET
+    record[1, len(prompt_ids) :] = TARGET
     rows.append(record)
   records = np.stack(rows) if rows else np.zeros([0, 2, seq_len], RECORD_DTYPE)
   return records, skipped
 
 
-def record_stats(records: np.ndarray) -> dict[str, int]:
-  """Counts of records and of non-padding, target and prompt tokens in ``int32[n, 2, seq_len]``."""
+def record_stats(records: np.ndarray, *, eos_id: int | None = None) -> dict[str, int]:
+  """Counts of records and of non-padding, target and prompt tokens in ``int32[n, 2, seq_len]``.
+
+  Args:
+    records: Packed records.
+    eos_id: For SFT records (``pack_sft``): also count ``eos_padding_tokens``, the target tokens after each
+      record's first EOS (the response's own EOS ends it; the rest pad it to ``seq_len``). They are part of
+      ``target_tokens``, since the objective scores them, but have no characters.
+  """
   kinds = records[:, 1]
-  return {
+  stats = {
     "records": int(records.shape[0]),
     "tokens": int(np.count_nonzero(kinds != PAD)),
     "target_tokens": int(np.count_nonzero(kinds == TARGET)),
     "prompt_tokens": int(np.count_nonzero(kinds == FIXED)),
   }
+  if eos_id is not None:
+    is_eos = (records[:, 0] == eos_id) & (kinds == TARGET)
+    after_first_eos = np.cumsum(is_eos, axis=1) - is_eos > 0  # [n, seq_len]
+    stats["eos_padding_tokens"] = int(np.count_nonzero(after_first_eos & (kinds == TARGET)))
+  return stats
 
 
 def shard_names(split: str, num_shards: int) -> list[str]:

@@ -131,6 +131,24 @@ class Tokenizer:
     """The piece string of one id, e.g. ``"▁self"`` or ``"<0x0A>"`` (for debugging)."""
     return self._sp.id_to_piece(int(token_id))
 
+  def characters_per_token(self) -> np.ndarray:
+    """``int64[vocab_size]``: how many characters of decoded text each id stands for.
+
+    A piece's characters with ``▁`` as a space; a byte piece counts 1 when it starts a UTF-8 character and 0 for a
+    continuation byte; control and unknown ids count 0. With no dummy prefix and no normalisation, the counts of a
+    text's ids sum to ``len(text)``, so evaluation can count the characters of exactly the tokens it scores.
+    """
+    counts = np.zeros(self.vocab_size, np.int64)
+    for token_id in range(self.vocab_size):
+      if self._sp.is_control(token_id) or self._sp.is_unknown(token_id):
+        continue
+      piece = self._sp.id_to_piece(token_id)
+      if self._sp.is_byte(token_id):
+        counts[token_id] = int((int(piece[3:5], 16) & 0xC0) != 0x80)
+      else:
+        counts[token_id] = len(piece.replace("\u2581", " "))
+    return counts
+
   # --------------------------------------------------------------------------------------------- text
 
   def encode(self, text: str) -> list[int]:

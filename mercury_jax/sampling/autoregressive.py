@@ -1,16 +1,22 @@
 """Key-value-cache decoding for the autoregressive twin: one jitted ``lax.while_loop``, one token per forward pass.
 
 It fills the same :class:`~mercury_jax.sampling.canvas.Canvas` as the diffusion sampler, left to right: a prefill
-pass writes the whole canvas into the cache (generated positions hold padding there, and causal attention never
-lets an earlier position see them), then each iteration feeds the token just decided at position ``i`` and reads
-the distribution of position ``i + 1``. Fixed tokens after a generated one (a template) are forced rather than
-sampled, so templates work too, but every position to the left of a generated one must be known when it is reached.
+pass writes the whole canvas into the cache (generated positions hold padding there, in segment 0, so nothing
+attends to them), then each iteration feeds the token decided at position ``i - 1`` and reads the distribution of
+position ``i``. Fixed tokens after a generated one (a template) are forced rather than sampled, so templates work
+too, but every position to the left of a generated one must be known when it is reached.
 
-Candidates come from the diffusion sampler's proposal code (temperature, top-k, top-p, float32 two-level
-Gumbel-max, EOS banned before ``min_length``); example ``i`` draws from ``fold_in(key, streams[i])`` and position
-``j`` from ``fold_in(that, j)``, so an example's tokens do not depend on its batch. Positions are absolute canvas
-slots, so a prompt means the same wherever it sits in a batch. The loop stops once every example has produced its
-end-of-sequence token or reached its last position; ``nfe`` counts the prefill and every decoding pass.
+End of sequence, per hole. A hole is a maximal run of consecutive generated positions. An EOS ends its own hole: the
+rest of that hole is skipped (padding, left in segment 0 so later positions never attend to it) and decoding goes
+on at the next fixed token or hole. A row is finished once its last hole is done (filled, or ended by an EOS). The
+loop feeds only the positions some unfinished row still needs, so a hole cut short by EOS in every row costs no
+forward pass.
+
+Candidates come from the diffusion sampler's proposal code (special ids excluded, temperature, top-k, top-p, float32
+two-level Gumbel-max, EOS banned among a row's first ``min_length`` generated positions); example ``i`` draws from
+``fold_in(key, streams[i])`` and position ``j`` from ``fold_in(that, j)``, so an example's tokens do not depend on
+its batch. Positions are absolute canvas slots, so a prompt means the same wherever it sits in a batch. ``nfe``
+counts the prefill and every decoding pass.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from jax.sharding import Mesh
 from mercury_jax import kinds as K
 from mercury_jax.config import ModelConfig
 from mercury_jax.model import Transformer
-from mercury_jax.sampling.canvas import Canvas, SampleOutput
+from mercury_jax.sampling.canvas import Canvas, SampleOutput, after_eos
 from mercury_jax.sampling.loop import pad_after_eos
 from mercury_jax.sampling.mesh import jit_on_mesh
 from mercury_jax.sampling.proposal import noise_width, propose, uniform_noise
@@ -52,43 +58,64 @@ def decode(
   tokens, kinds = jnp.asarray(canvas.tokens, jnp.int32), jnp.asarray(canvas.kinds, jnp.int32)
   batch, length = tokens.shape
   generate = kinds == K.TARGET
-  segments = K.segment_ids(kinds)
+  slots = jnp.arange(length)
   rank = jnp.cumsum(generate, axis=-1, dtype=jnp.int32) - 1  # index among the row's generated positions
-  last_generate = jnp.max(jnp.where(generate, jnp.arange(length), -1), axis=-1)  # [b], -1: nothing to generate
-  first = jnp.min(jnp.where(generate, jnp.arange(length), length), axis=-1)  # [b]
+  first = jnp.min(jnp.where(generate, slots, length), axis=-1)  # [b]
   start = jnp.maximum(jnp.min(first), 1)  # the first position any row samples (position 0 is always known)
   example_keys = jax.vmap(lambda stream: jax.random.fold_in(key, stream))(jnp.asarray(canvas.streams, jnp.int32))
   width = 0 if settings.temperature == 0.0 else noise_width(model_cfg.vocab_size)
   z = jnp.where(generate, settings.pad_id, tokens)
 
+  def live(z, i):
+    """``(live, to_generate)`` [b, l] knowing the tokens before ``i``: positions that count, and generated ones.
+
+    A position after an EOS of its own hole is dead: never sampled, never attended to (segment 0).
+    """
+    skipped = after_eos(z, generate, settings.eos_id, known=slots < i)
+    return (kinds != K.PAD) & ~skipped, generate & ~skipped
+
+  def next_position(z, i):
+    """The first position after ``i`` that an unfinished row needs decoded or fed (``length``: none is left).
+
+    Decoding ``q`` feeds ``q - 1``: a row needs that when it generates ``q``, or when ``q - 1`` is live and the row
+    generates something after it (context).
+    """
+    alive, to_generate = live(z, i + 1)
+    pending = jnp.flip(jnp.cumsum(jnp.flip(to_generate, axis=-1), axis=-1), axis=-1) > 0  # generates at >= q
+    previous_alive = jnp.pad(alive, ((0, 0), (1, 0)))[:, :-1]  # [b, l]: position q - 1 is live
+    needed = jnp.any(to_generate | (previous_alive & pending), axis=0) & (slots > i)  # [l]
+    return jnp.min(jnp.where(needed, slots, length)).astype(jnp.int32)
+
+  # Generated positions wait in segment 0 until they are decided and fed.
   cache = model.init(jax.random.key(0), z, decode=True)["cache"]
   positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
+  prefill_segments = ((kinds != K.PAD) & ~generate).astype(jnp.int32)
   logits, variables = model.apply(
-    {"params": params, "cache": cache}, z, segment_ids=segments, positions=positions, decode=True, mutable=["cache"]
+    {"params": params, "cache": cache},
+    z,
+    segment_ids=prefill_segments,
+    positions=positions,
+    decode=True,
+    mutable=["cache"],
   )
 
-  def finished(z, i):
-    eos_seen = jnp.any(generate & (z == settings.eos_id) & (jnp.arange(length) < i), axis=-1)
-    return eos_seen | (last_generate < i)
-
   def decide(z, i, logits):
-    """Samples position ``i`` of the rows that generate there (and are not finished) from ``logits`` [b, vocab]."""
+    """Samples position ``i`` of the rows that generate there from ``logits`` [b, vocab]."""
     step_keys = jax.vmap(lambda k: jax.random.fold_in(k, i))(example_keys)
     noise = uniform_noise(step_keys, (1, width)) if width else None  # [b, 1, width]
     banned = jax.lax.dynamic_index_in_dim(rank, i, axis=1, keepdims=True) < settings.min_length
     candidate, _ = propose(logits[:, None, :], noise, banned, settings)  # [b, 1]
-    sample_here = jax.lax.dynamic_index_in_dim(generate, i, axis=1, keepdims=True) & ~finished(z, i)[:, None]
+    sample_here = jax.lax.dynamic_index_in_dim(live(z, i)[1], i, axis=1, keepdims=True)
     current = jax.lax.dynamic_index_in_dim(z, i, axis=1, keepdims=True)
     return jax.lax.dynamic_update_index_in_dim(z, jnp.where(sample_here, candidate, current), i, axis=1)
 
   def cond(carry):
-    i, z, _, _ = carry
-    return (i < length) & ~jnp.all(finished(z, i))
+    return carry[0] < length
 
   def body(carry):
     i, z, cache, nfe = carry  # Feed the token at i - 1, read the distribution of position i.
     token = jax.lax.dynamic_index_in_dim(z, i - 1, axis=1, keepdims=True)
-    segment = jax.lax.dynamic_index_in_dim(segments, i - 1, axis=1, keepdims=True)
+    segment = jax.lax.dynamic_index_in_dim(live(z, i)[0], i - 1, axis=1, keepdims=True).astype(jnp.int32)
     logits, variables = model.apply(
       {"params": params, "cache": cache},
       token,
@@ -97,12 +124,13 @@ def decode(
       decode=True,
       mutable=["cache"],
     )
-    return i + 1, decide(z, i, logits[:, 0]), variables["cache"], nfe + 1
+    z = decide(z, i, logits[:, 0])
+    return next_position(z, i), z, variables["cache"], nfe + 1
 
   z = decide(z, start, jax.lax.dynamic_index_in_dim(logits, start - 1, axis=1, keepdims=False))
-  init = (start + 1, z, variables["cache"], jnp.ones((), jnp.int32))
+  init = (next_position(z, start), z, variables["cache"], jnp.ones((), jnp.int32))
   _, z, _, nfe = jax.lax.while_loop(cond, body, init)
-  return SampleOutput(pad_after_eos(z, generate, rank, settings), jnp.broadcast_to(nfe, (batch,)), nfe)
+  return SampleOutput(pad_after_eos(z, generate, settings), jnp.broadcast_to(nfe, (batch,)), nfe)
 
 
 def jit_decode(

@@ -7,6 +7,10 @@ one length and is never attended to.
 
 Templates are strings whose holes are written ``<mask:N>`` (N tokens to generate), for example
 ``'{"name": "<mask:8>", "age": <mask:2>}'``: the text between holes is fixed, which gives schema-aligned output.
+
+A hole is a maximal run of consecutive ``TARGET`` positions. An end-of-sequence token ends its own hole only
+(:func:`after_eos`): the rest of that hole becomes padding, while later fixed text and later holes are kept and
+still generated.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from mercury_jax.kinds import FIXED, PAD, TARGET
@@ -153,11 +158,34 @@ def pad_batch(canvas: Canvas, multiple: int, pad_id: int = 0) -> Canvas:
   )
 
 
+def after_eos(tokens: jax.Array, generate: jax.Array, eos_id: int, known: jax.Array | None = None) -> jax.Array:
+  """Generated positions that follow an EOS of their own hole, bool [batch, length].
+
+  A hole is a maximal run of consecutive generated positions; an EOS masks the rest of its hole and nothing else.
+
+  Args:
+    tokens: int32 [batch, length].
+    generate: bool [batch, length], the ``TARGET`` positions.
+    eos_id: The end-of-sequence token.
+    known: Optional bool [batch, length]: only an EOS at a known position counts (a decoder's decided positions).
+  """
+  eos = generate & (tokens == eos_id)
+  if known is not None:
+    eos &= known
+  eos = eos.astype(jnp.int32)
+  before = jnp.cumsum(eos, axis=-1) - eos  # [b, l] EOS strictly before each position
+  starts = generate & ~jnp.pad(generate, ((0, 0), (1, 0)))[:, :-1]  # the first position of each hole
+  # ``before`` does not decrease, so the running max of its value at hole starts is its value at this hole's start.
+  at_start = jax.lax.cummax(jnp.where(starts, before, 0), axis=1)
+  return generate & (before > at_start)
+
+
 class SampleOutput(NamedTuple):
   """The sampler's result.
 
   Attributes:
-    tokens: int32 [batch, length]: the finished canvases (no mask left; after a generated EOS, padding).
+    tokens: int32 [batch, length]: the finished canvases (no mask left; after a generated EOS, the rest of its hole
+      is padding).
     nfe: int32 [batch]: forward passes each example needed (steps in which it still had masked positions).
     steps: int32 []: forward passes the batch used (the loop's iterations, ``max(nfe)``).
     canvases: int32 [trace, batch, length]: the canvas after each step, when ``settings.trace`` > 0.

@@ -11,6 +11,13 @@ blocks (one when ``block_length=0``), numbered left to right over its generated 
 ``floor((h + 1) S / B) - 1``; when a block is finished early the window moves on to the next one. Within the window
 the confidence rules commit ``k = ceil(open / steps_left)`` tokens (LLaDA's linear schedule) and the ancestral rule
 steps the window's own time grid from ``t = 1`` down to ``0``; at a window's last step everything open is committed.
+A block with no masked position left is finished: revision (``settings.revision``) re-masks only tokens of the
+window's unfinished blocks, so a finished block never changes again.
+
+End of sequence. A hole is a maximal run of consecutive generated positions. With ``settings.eos_to_pad``, an EOS
+ends its own hole only: the positions after it in that hole become padding, while later fixed text and later holes
+keep what was generated there (:func:`pad_after_eos`). ``min_length`` bans EOS from a row's first ``min_length``
+generated positions, counted over its holes in canvas order.
 
 Randomness. Example ``i`` draws from ``key_i = fold_in(key, streams[i])`` and step ``j`` from
 ``fold_in(key_i, j)``, each draw shaped for one example; with partitionable threefry (JAX's default) an example's
@@ -30,7 +37,7 @@ from jax.sharding import Mesh
 from mercury_jax import kinds as K
 from mercury_jax.config import ModelConfig
 from mercury_jax.model import Transformer
-from mercury_jax.sampling.canvas import Canvas, SampleOutput
+from mercury_jax.sampling.canvas import Canvas, SampleOutput, after_eos
 from mercury_jax.sampling.mesh import jit_on_mesh
 from mercury_jax.sampling.proposal import noise_width, propose, uniform_noise
 from mercury_jax.sampling.rules import StepInputs, make_rule
@@ -62,6 +69,20 @@ def model_denoise_fn(model_cfg: ModelConfig) -> DenoiseFn:
 
 def _ceil_div(a: jax.Array, b: jax.Array) -> jax.Array:
   return (a + b - 1) // b
+
+
+def _count_in_runs(flags: jax.Array, starts: jax.Array, ends: jax.Array) -> jax.Array:
+  """How many ``flags`` [b, l] lie in each position's run; runs open at ``starts`` and close at ``ends`` (bool).
+
+  Two running sums and two running maxima, so no scatter: ``upto - before`` counts the flags from the run's start to
+  the position, ``after_here - after_end`` those from the position to the run's end.
+  """
+  flags = flags.astype(jnp.int32)
+  upto = jnp.cumsum(flags, axis=-1)
+  before = jax.lax.cummax(jnp.where(starts, upto - flags, 0), axis=1)
+  after_here = jnp.flip(jnp.cumsum(jnp.flip(flags, axis=-1), axis=-1), axis=-1)
+  after_end = jax.lax.cummax(jnp.where(ends, after_here - flags, 0), axis=1, reverse=True)
+  return (upto - before) + (after_here - after_end) - flags
 
 
 def sample(
@@ -99,9 +120,19 @@ def sample(
   if settings.block_length:
     block = rank // settings.block_length
     num_blocks = jnp.maximum(_ceil_div(num_generate, settings.block_length), 1)
+    offset = rank % settings.block_length
+    block_starts = generate & (offset == 0)
+    block_ends = generate & ((offset == settings.block_length - 1) | (rank == num_generate[:, None] - 1))
   else:
     block = jnp.zeros_like(rank)
     num_blocks = jnp.ones_like(num_generate)
+
+  def unfinished(masked):
+    """[b, l] (or [b, 1]): whether the position's block still has a masked position."""
+    if settings.block_length:
+      return _count_in_runs(masked, block_starts, block_ends) > 0
+    return jnp.any(masked, axis=-1, keepdims=True)
+
   eos_banned = generate & (rank < settings.min_length)
   example_keys = jax.vmap(lambda stream: jax.random.fold_in(key, stream))(jnp.asarray(canvas.streams, jnp.int32))
 
@@ -125,7 +156,7 @@ def sample(
     s = 1.0 - (i - start + 1) / window_steps
     in_window = generate & (block <= window[:, None])
     open_ = masked & in_window
-    committed = in_window & ~masked
+    committed = in_window & ~masked & unfinished(masked)  # What revision may re-mask: never a finished block.
 
     logits = denoise_fn(params, z, t.astype(jnp.float32), segment_ids)  # [b, l, vocab]
     # One draw per step and example: the rule's uniform, then the proposal's Gumbel noise (threefry is costly on CPU).
@@ -185,18 +216,18 @@ def sample(
   )
   final = jax.lax.while_loop(cond, body, init)
   z = final.z
-  return SampleOutput(pad_after_eos(z, generate, rank, settings), final.nfe, final.step, *final.trace)
+  return SampleOutput(pad_after_eos(z, generate, settings), final.nfe, final.step, *final.trace)
 
 
-def pad_after_eos(z: jax.Array, generate: jax.Array, rank: jax.Array, settings: SamplerSettings) -> jax.Array:
-  """Generated positions after each row's first generated EOS become padding (when ``settings.eos_to_pad``).
+def pad_after_eos(z: jax.Array, generate: jax.Array, settings: SamplerSettings) -> jax.Array:
+  """The positions after an EOS in its own hole become padding (when ``settings.eos_to_pad``); nothing else changes.
 
-  ``rank`` [b, l] is each position's index among its row's generated positions.
+  ``generate`` [b, l] marks the generated positions; a hole is a maximal run of them (see
+  :func:`~mercury_jax.sampling.canvas.after_eos`).
   """
   if not settings.eos_to_pad:
     return z
-  first_eos = jnp.min(jnp.where(generate & (z == settings.eos_id), rank, z.shape[-1]), axis=-1)  # [b]
-  return jnp.where(generate & (rank > first_eos[:, None]), settings.pad_id, z)
+  return jnp.where(after_eos(z, generate, settings.eos_id), settings.pad_id, z)
 
 
 def jit_sample(

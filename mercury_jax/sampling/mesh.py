@@ -11,7 +11,6 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-from flax import linen as nn
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from mercury_jax import sharding as sh
@@ -62,8 +61,5 @@ def jit_on_mesh(
 
 
 def mesh_context(mesh: Mesh, rules=None) -> contextlib.ExitStack:
-  """``jax.set_mesh(mesh)`` together with the model's logical axis rules, for tracing the sampler on a mesh."""
-  stack = contextlib.ExitStack()
-  stack.enter_context(jax.set_mesh(mesh))
-  stack.enter_context(nn.logical_axis_rules(sh.RULES if rules is None else rules))
-  return stack
+  """``jax.set_mesh(mesh)`` with the model's logical axis rules (default ``sharding.RULES``), for tracing a sampler."""
+  return sh.context(mesh, sh.RULES if rules is None else rules)

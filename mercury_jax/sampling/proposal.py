@@ -1,8 +1,11 @@
 """What the denoiser proposes at every position: a candidate token and the confidence a step rule ranks it by.
 
-The model's logits become the clean-token distribution of the SUBS parameterisation (MDLM, Sahoo et al. 2024):
-the mask class gets logit -inf. Confidence is measured on this untempered, unfiltered distribution, as LLaDA and
-Dream do; candidates are drawn from its tempered, top-k/top-p filtered version.
+The model's logits become the clean-token distribution (:func:`clean_logits`, the one place where tokens are
+excluded, for the diffusion loop and the autoregressive decoder alike): the mask class gets logit -inf (the SUBS
+parameterisation, MDLM, Sahoo et al. 2024), and so do the padding, BOS and unknown ids and every id at or above the
+tokenizer's size (a model vocabulary padded beyond the tokenizer), which no decoder may ever emit; EOS stays, except
+where ``min_length`` bans it. Confidence is measured on this cleaned, untempered, unfiltered distribution, as LLaDA
+and Dream do; candidates are drawn from its tempered, top-k/top-p filtered version.
 
 Sampling is an exact, two-level Gumbel-max in float32 (LLaDA draws Gumbel noise in float64 because low-precision
 noise hurts generation; float32 is JAX's widest default type). The vocabulary is cut into ``C`` chunks of ``C``
@@ -19,14 +22,26 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from mercury_jax.sampling.settings import SamplerSettings
 
 
+def excluded_ids(vocab: int, settings: SamplerSettings) -> np.ndarray:
+  """Bool [vocab]: the ids never proposed: mask, padding, BOS, unknown (unless one is EOS) and ids >= num_tokens."""
+  ids = np.arange(vocab)
+  specials = {settings.pad_id, settings.bos_id, settings.unk_id} - {settings.eos_id}
+  excluded = np.isin(ids, [settings.mask_id, *specials])
+  if settings.num_tokens:
+    excluded |= ids >= settings.num_tokens
+  return excluded
+
+
 def clean_logits(logits: jax.Array, eos_banned: jax.Array, settings: SamplerSettings) -> jax.Array:
-  """Float32 logits of the clean token: the mask class removed, EOS removed where ``eos_banned`` [b, l]."""
-  vocab = jnp.arange(logits.shape[-1])
-  removed = (vocab == settings.mask_id) | ((vocab == settings.eos_id) & eos_banned[..., None])
+  """Float32 logits of the clean token: :func:`excluded_ids` removed (-inf), EOS too where ``eos_banned`` [b, l]."""
+  vocab = logits.shape[-1]
+  is_eos = jnp.arange(vocab) == settings.eos_id
+  removed = jnp.asarray(excluded_ids(vocab, settings)) | (is_eos & eos_banned[..., None])  # [b, l, vocab]
   return jnp.where(removed, -jnp.inf, logits.astype(jnp.float32))
 
 
@@ -83,7 +98,7 @@ def _chunk_stats(chunks: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
   accuracy: a chunk more than ~87 nats below the maximum counts as probability 0).
   """
   chunk_max = jnp.max(chunks, axis=-2)  # [b, l, C]
-  top = jnp.max(chunk_max, axis=-1)  # [b, l], finite: the mask is the only class ever removed from every chunk
+  top = jnp.max(chunk_max, axis=-1)  # [b, l], finite: some token is always allowed (``SamplerSettings.validate``)
   sums = jnp.sum(jnp.exp(chunks - top[..., None, None]), axis=-2)  # [b, l, C]
   return chunk_max, top[..., None] + jnp.log(sums), top + jnp.log(jnp.sum(sums, axis=-1))
 
@@ -133,7 +148,8 @@ def propose(
     settings: Temperature, top-k, top-p and the confidence measure.
 
   Returns:
-    ``(x0, confidence)``: int32 [batch, length] candidates and float32 [batch, length] confidences.
+    ``(x0, confidence)``: int32 [batch, length] candidates (never an id of :func:`excluded_ids`) and float32
+    [batch, length] confidences, both from the cleaned distribution of :func:`clean_logits`.
   """
   logits = clean_logits(logits, eos_banned, settings)
   chunks = _chunked(logits)  # [b, l, C, C]

@@ -3,8 +3,12 @@
 Every rule has the signature ``rule(StepInputs) -> StepOutput`` and is plugged into the one sampling loop
 (``mercury_jax.sampling.loop``). The loop computes everything a rule may need (proposals, confidences, the
 schedule's commit count and times) and enforces the invariants afterwards: only open positions are committed, only
-previously committed generated positions are re-masked, and at the last step of a block everything open is
-committed. A rule therefore cannot break termination or touch fixed tokens.
+positions committed at earlier steps in blocks that are not finished are re-masked, and at the last step of a
+window everything open is committed and nothing re-masked. A rule therefore cannot break termination, touch fixed
+tokens or reopen a finished block.
+
+Revision (``settings.revision = eta > 0``) is ReMDM's re-masking posterior inside :func:`ancestral`, and a
+deterministic low-confidence re-masking (:func:`low_confidence_remasking`) around the confidence and threshold rules.
 """
 
 from __future__ import annotations
@@ -27,7 +31,8 @@ class StepInputs(NamedTuple):
     x0: Proposed token at every position, int32 [batch, length].
     confidence: Its confidence (probability, margin or negative entropy), float32 [batch, length].
     open: Masked positions inside the current block window: the only ones a rule may commit, bool [batch, length].
-    committed: Generated positions inside the window committed at earlier steps: the only ones a rule may re-mask.
+    committed: Generated positions of the window's unfinished blocks (those with a masked position left) committed
+      at earlier steps: the only ones a rule may re-mask, bool [batch, length].
     score: The confidence each committed position had when it was committed, float32 [batch, length].
     k: The confidence schedule's commit count, ``ceil(open / steps_left)``, int32 [batch].
     steps_left: Steps left for the window, this one included (>= 1), int32 [batch].
@@ -71,19 +76,42 @@ def _no_remask(inputs: StepInputs) -> jax.Array:
   return jnp.zeros_like(inputs.open)
 
 
-def ancestral(schedule: ObjectiveConfig) -> Rule:
-  """The exact reverse step of absorbing-state diffusion from time t to s < t (MDLM, Sahoo et al. 2024; MD4).
+def ancestral(schedule: ObjectiveConfig, eta: float = 0.0) -> Rule:
+  """The reverse step of absorbing-state diffusion from time t to s < t, with ReMDM re-masking when ``eta > 0``.
 
-  Under the SUBS parameterisation a masked position is unmasked with probability
-  ``(alpha_s - alpha_t) / (1 - alpha_t)``, its token drawn from the model's clean-token distribution (the loop's
-  proposal at temperature 1); committed tokens stay. At the window's last step ``s = 0``, so ``alpha_s = 1``.
+  With ``eta = 0`` this is the exact MDLM/MD4 posterior step (Sahoo et al. 2024): under the SUBS parameterisation a
+  masked position is unmasked with probability ``(alpha_s - alpha_t) / (1 - alpha_t)``, its token drawn from the
+  model's clean-token distribution (the loop's proposal at temperature 1), and committed tokens stay.
+
+  With ``eta > 0`` it samples ReMDM's re-masking posterior (Wang et al. 2025, "Remasking Discrete Diffusion Models
+  with Inference-Time Scaling", arXiv 2503.00307, Eq. 6), with ``x`` the proposal and ``m`` the mask::
+
+    q_sigma(z_s | z_t = x, x) = (1 - sigma_t) x + sigma_t m
+    q_sigma(z_s | z_t = m, x) = (alpha_s - (1 - sigma_t) alpha_t) / (1 - alpha_t) x
+                                + (1 - alpha_s - sigma_t alpha_t) / (1 - alpha_t) m
+
+  A committed token is re-masked with probability ``sigma_t``; a masked one is unmasked with probability
+  ``(alpha_s - (1 - sigma_t) alpha_t) / (1 - alpha_t)``, more than MDLM's by ``sigma_t alpha_t / (1 - alpha_t)``:
+  this keeps the expected masked fraction after the step at
+  ``1 - alpha_s`` (the marginals of MDLM, so the trained denoiser applies) and spreads re-masked tokens over the
+  remaining steps instead of leaving them for the last. ``sigma_t`` is bounded by
+  ``sigma_t^max = min(1, (1 - alpha_s) / alpha_t)`` (Eq. 7) and set by ReMDM-rescale (Sec. 4.1):
+  ``sigma_t = eta * sigma_t^max``. At the window's last step ``s = 0``, so ``alpha_s = 1``, ``sigma_t = 0`` and
+  everything still masked is unmasked. The loop restricts ``committed`` to unfinished blocks: a block whose
+  positions are all committed is finished, and its chain stops there.
   """
 
   def rule(inputs: StepInputs) -> StepOutput:
-    alpha_t = masked_diffusion.alpha(inputs.t, schedule)
+    alpha_t = masked_diffusion.alpha(inputs.t, schedule)  # [batch]
     alpha_s = masked_diffusion.alpha(inputs.s, schedule)
-    p_unmask = (alpha_s - alpha_t) / (1.0 - alpha_t)  # [batch]
-    return StepOutput(inputs.open & (inputs.u < p_unmask[:, None]), _no_remask(inputs))
+    # sigma_t^max, with the bound taken as 1 where alpha_t = 0 (nothing is committed at t = 1 anyway).
+    sigma_max = jnp.where(alpha_t > 0, jnp.minimum(1.0, (1.0 - alpha_s) / jnp.maximum(alpha_t, 1e-30)), 1.0)
+    sigma = eta * sigma_max
+    p_unmask = (alpha_s - (1.0 - sigma) * alpha_t) / (1.0 - alpha_t)
+    # One uniform per position: a position is either open (masked) or committed, never both.
+    commit = inputs.open & (inputs.u < p_unmask[:, None])
+    remask = inputs.committed & (inputs.u < sigma[:, None]) if eta else _no_remask(inputs)
+    return StepOutput(commit, remask)
 
   return rule
 
@@ -109,19 +137,21 @@ def above_threshold(tau: float) -> Rule:
   return rule
 
 
-def with_revision(rule: Rule, eta: float) -> Rule:
-  """Adds ReMDM-style revision (Wang et al. 2025, "Remasking Discrete Diffusion Models") to ``rule``.
+def low_confidence_remasking(rule: Rule, eta: float) -> Rule:
+  """Adds a deterministic low-confidence re-masking of strength ``eta`` to a confidence or threshold ``rule``.
 
-  Each step re-masks ``floor(eta * committed * (steps_left - 1) / window_steps)`` committed tokens, those with the
-  lowest commit-time confidence (ReMDM's confidence strategy: a SUBS-trained denoiser is not trained to predict
-  at unmasked positions, so the score recorded when a token was committed is the signal). The count decays to 0 at
-  the window's last step. The schedule's ``k`` grows by the re-masked count, so the window still finishes on time.
+  This is not ReMDM's randomised confidence schedule (ReMDM-conf); it is a deterministic cousin: each step re-masks
+  ``eta * committed * (steps_left - 1) / window_steps`` (rounded to the nearest whole number) of the committed tokens
+  of the unfinished blocks, those with the lowest commit-time confidence (a SUBS-trained denoiser is not trained to
+  predict at unmasked positions, so the score recorded when a token was committed is the signal). The count decays
+  to 0 at the window's last step. The schedule's ``k`` grows by the re-masked count, so the window still finishes on
+  time.
   """
 
   def revised(inputs: StepInputs) -> StepOutput:
     num_committed = inputs.committed.sum(axis=-1)
     fraction = eta * (inputs.steps_left - 1) / inputs.window_steps
-    n = jnp.floor(fraction * num_committed).astype(jnp.int32)  # [batch]
+    n = jnp.floor(fraction * num_committed + 0.5).astype(jnp.int32)  # [batch]
     num_open = inputs.open.sum(axis=-1)
     k = jnp.minimum((num_open + n + inputs.steps_left - 1) // inputs.steps_left, num_open)
     out = rule(inputs._replace(k=k))
@@ -132,13 +162,16 @@ def with_revision(rule: Rule, eta: float) -> Rule:
 
 
 def make_rule(settings: SamplerSettings) -> Rule:
-  """The step rule named by ``settings.rule``, with revision when ``settings.revision > 0``."""
+  """The step rule named by ``settings.rule``, with revision when ``settings.revision > 0``.
+
+  Revision is ReMDM inside the ancestral rule and :func:`low_confidence_remasking` around the others.
+  """
   if settings.rule == "ancestral":
-    rule = ancestral(settings.objective)
-  elif settings.rule == "confidence":
+    return ancestral(settings.objective, settings.revision)
+  if settings.rule == "confidence":
     rule = most_confident
   elif settings.rule == "threshold":
     rule = above_threshold(settings.threshold)
   else:
     raise ValueError(f"sampler {settings.rule!r} is unknown")
-  return with_revision(rule, settings.revision) if settings.revision > 0 else rule
+  return low_confidence_remasking(rule, settings.revision) if settings.revision > 0 else rule

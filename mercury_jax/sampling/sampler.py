@@ -41,7 +41,7 @@ from mercury_jax.sampling.autoregressive import jit_decode
 from mercury_jax.sampling.canvas import SampleOutput
 from mercury_jax.sampling.loop import jit_sample, model_denoise_fn
 from mercury_jax.sampling.mesh import mesh_context
-from mercury_jax.sampling.settings import SamplerSettings
+from mercury_jax.sampling.settings import SamplerSettings, SettingError, check_knobs_for_model
 from mercury_jax.trainer import param_shardings
 
 # A later release drops a params-only checkpoint (``export_params``) plus ``tokenizer.model`` here.
@@ -49,8 +49,6 @@ DEFAULT_CHECKPOINT = Path(__file__).resolve().parent.parent / "assets" / "defaul
 LENGTH_BUCKET = 64
 MASK_TEXT = "░"  # How an undecided position looks in a step-by-step trace.
 DEFAULT_STEPS = 32
-# ``generate`` keywords that only the diffusion loop has; an autoregressive model rejects them.
-DIFFUSION_ONLY = ("steps", "rule", "confidence", "threshold", "block_length", "revision")
 
 
 def default_checkpoint() -> Path | None:
@@ -241,10 +239,11 @@ class Sampler:
 
     Returns:
       ``(output as numpy arrays, wall seconds, compile seconds)``; the batch is padded to the mesh's data size and
-      the canvas to ``LENGTH_BUCKET``, and the output is cut back to the rows given.
+      the canvas to ``LENGTH_BUCKET``, and the output is cut back to the rows given (its canvases keep the padded
+      length: the first ``canvas.tokens.shape[1]`` positions are the given ones).
     """
     if not self.autoregressive and (steps is None or steps < 1):
-      raise ValueError(f"steps={steps} must be >= 1")
+      raise SettingError("steps", steps, "must be >= 1")
     batch, length = np.shape(canvas.tokens)
     length = length if layout is None else layout.length
     canvas = self._pad_length(canvas, length, settings.pad_id)
@@ -354,8 +353,10 @@ class Sampler:
         models rule, confidence, threshold, block_length, revision.
 
     Raises:
-      ValueError: An empty prompt without a template, a template without holes, a canvas beyond the model's
-        context, a diffusion-only setting for an autoregressive model, or a bad setting.
+      SettingError: A bad setting or step count, or a diffusion-only one (``DIFFUSION_ONLY`` of
+        :mod:`~mercury_jax.sampling.settings`) for an autoregressive model; ``.field`` names the argument.
+      ValueError: An empty prompt without a template, a template without holes, or a canvas beyond the model's
+        context.
     """
     spread = per_process and jax.process_count() > 1
     try:
@@ -406,16 +407,9 @@ class Sampler:
 
   def _examples(self, prompts, template, length, steps, num_samples, show_steps, bos, per_process, knobs):
     """Checks ``generate``'s arguments and builds ``(settings, examples, prompt of each row, prompt lengths)``."""
-    if self.autoregressive:
-      given = {"steps": steps, **knobs}
-      for name in DIFFUSION_ONLY:
-        if given.get(name) is not None:
-          raise ValueError(
-            f"{name}={given[name]!r} applies to diffusion models only; this checkpoint is an autoregressive model "
-            "(it decodes one token per forward pass)"
-          )
-    elif steps is not None and steps < 1:
-      raise ValueError(f"steps={steps} must be >= 1")
+    check_knobs_for_model({"steps": steps, **knobs}, self.autoregressive)
+    if not self.autoregressive and steps is not None and steps < 1:
+      raise SettingError("steps", steps, "must be >= 1")
     if isinstance(prompts, str):
       prompts = [prompts]
     elif per_process and prompts is not None:
@@ -455,13 +449,14 @@ class Sampler:
     decode = lambda ids: self.tokenizer.decode(ids, mask_text=MASK_TEXT)
     if not self.autoregressive:
       return [decode(out.canvases[j, row, :end]) for j in range(min(int(out.nfe[row]), settings.trace))]
-    # The decoder commits one position per forward pass, left to right: frame k shows the first k generated tokens.
+    # The decoder commits one position per forward pass, left to right, and skips the rest of a hole after its EOS:
+    # frame k shows the first k decided positions.
     final = out.tokens[row, :end]
-    positions = np.flatnonzero(kinds[row, :end] == K.TARGET)
-    eos = np.flatnonzero(final[positions] == settings.eos_id)
-    count = int(eos[0]) + 1 if eos.size else len(positions)  # Tokens generated until the row finished.
+    generate = kinds[row, :end] == K.TARGET
+    skipped = np.asarray(cv.after_eos(final[None], generate[None], settings.eos_id))[0]
+    positions = np.flatnonzero(generate & ~skipped)
     frames = []
-    for k in range(1, count):
+    for k in range(1, len(positions)):
       canvas = final.copy()
       canvas[positions[k:]] = settings.mask_id
       frames.append(decode(canvas))

@@ -32,18 +32,27 @@ class SamplerSettings:
     top_p: Nucleus sampling: the smallest set of tokens whose probability reaches ``top_p``; 1 keeps all.
     threshold: The ``threshold`` rule's confidence bar tau.
     block_length: Semi-autoregressive blocks of this many generated tokens, finished left to right; 0: one block.
-    revision: ReMDM-style revision strength eta in [0, 1): each step re-masks the fraction
-      ``eta * (steps left in the block - 1) / (steps of the block)`` of the already committed tokens with the lowest
-      commit-time confidence, so later steps can rewrite them. The fraction reaches 0 at a block's last step.
-    min_length: No end-of-sequence token among the first ``min_length`` generated tokens.
-    eos_to_pad: Generated positions after the first generated end-of-sequence token become padding.
+    revision: Re-masking strength eta in [0, 1) (0: off): committed tokens are masked again so later steps can
+      rewrite them. Only tokens of blocks that still have a masked position are ever re-masked: a finished block
+      stays as it is. With ``rule="ancestral"`` this is ReMDM (Wang et al. 2025) with the ReMDM-rescale schedule:
+      each step re-masks every committed token with probability ``sigma_t = eta * min(1, (1 - alpha_s) / alpha_t)``
+      and unmasks masked ones with ReMDM's matching, higher probability (see ``rules.ancestral``). With the
+      ``confidence`` and ``threshold`` rules it is a deterministic low-confidence re-masking, not ReMDM's randomised
+      schedule: each step re-masks the fraction ``eta * (steps left in the window - 1) / (steps of the window)`` of
+      the committed tokens (rounded) with the lowest commit-time confidence (see ``rules.low_confidence_remasking``).
+    min_length: No end-of-sequence token among a row's first ``min_length`` generated positions, counted over its
+      holes in canvas order: with holes of 4 and 4 tokens, ``min_length=6`` keeps EOS out of the whole first hole
+      and out of the first 2 positions of the second.
+    eos_to_pad: An EOS ends its own hole only (a hole is a maximal run of consecutive generated positions): the
+      positions after it in that hole become padding, while later fixed text and later holes stay and are still
+      generated. The autoregressive decoder always skips the rest of a hole after its EOS.
     trace: Record the canvas after each of the first ``trace`` steps (0: no trace). A static size, so each value
       compiles once.
     objective: The model's objective config: the schedule ``alpha(t)`` and the mask id.
-    eos_id: The end-of-sequence token.
-    pad_id: The padding token.
-    bos_id: The beginning-of-sequence token (never proposed).
-    unk_id: The unknown token (never proposed).
+    eos_id: The end-of-sequence token (proposed, except where ``min_length`` bans it).
+    pad_id: The padding token (never proposed, unless it is also ``eos_id``).
+    bos_id: The beginning-of-sequence token (never proposed, unless it is also ``eos_id``).
+    unk_id: The unknown token (never proposed, unless it is also ``eos_id``).
     num_tokens: The tokenizer's size: ids at or above it (a padded vocabulary) are never proposed; 0: no limit.
   """
 
@@ -93,6 +102,13 @@ class SamplerSettings:
       raise SettingError("trace", self.trace, "must be >= 0")
     if self.num_tokens < 0:
       raise SettingError("num_tokens", self.num_tokens, "must be >= 0 (0: the model's whole vocabulary)")
+    specials = {self.mask_id, self.pad_id, self.bos_id, self.unk_id, self.eos_id}
+    if self.num_tokens and self.num_tokens <= sum(0 <= i < self.num_tokens for i in specials):
+      raise SettingError(
+        "num_tokens",
+        self.num_tokens,
+        f"leaves no token to propose besides the special ids {sorted(specials)}; it must be the tokenizer's size",
+      )
     return self
 
 

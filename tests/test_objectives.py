@@ -1,4 +1,4 @@
-"""The diffusion objective against independent computations: schedules, antithetic t, and a brute-force ELBO."""
+"""Training objectives against independent computations: schedules, antithetic t, brute-force ELBO, next-token NLL."""
 
 import dataclasses
 import itertools
@@ -21,16 +21,46 @@ SCHEDULES = [
 ]
 
 
+def _alpha(t, cfg) -> np.ndarray:
+  """The schedules as the papers write them (MDLM / MD4), in float64: the test's own, not the implementation's."""
+  t = np.asarray(t, np.float64)
+  if cfg.schedule == "linear":
+    return 1.0 - t
+  if cfg.schedule == "cosine":
+    return 1.0 - np.cos(np.pi / 2 * (1.0 - t))
+  return 1.0 - t**cfg.exponent
+
+
+def _weight(t, cfg, h: float = 1e-6) -> np.ndarray:
+  """-alpha'(t) / (1 - alpha(t)) with alpha' by a central finite difference of :func:`_alpha`."""
+  derivative = (_alpha(t + h, cfg) - _alpha(t - h, cfg)) / (2 * h)
+  return -derivative / (1.0 - _alpha(t, cfg))
+
+
+def test_schedules_at_hand_computed_points():
+  linear, cosine = ObjectiveConfig(schedule="linear"), ObjectiveConfig(schedule="cosine")
+  square = ObjectiveConfig(schedule="polynomial", exponent=2.0)
+  t = jnp.array([0.0, 0.25, 0.5, 1.0])
+  np.testing.assert_allclose(diffusion.alpha(t, linear), [1.0, 0.75, 0.5, 0.0], atol=1e-7)
+  np.testing.assert_allclose(
+    diffusion.alpha(t, cosine), [1.0, 1 - math.cos(3 * math.pi / 8), 1 - 0.5**0.5, 0.0], atol=1e-7
+  )
+  np.testing.assert_allclose(diffusion.alpha(t, square), [1.0, 0.9375, 0.75, 0.0], atol=1e-7)
+  # The ELBO weight at t = 0.5: linear 1 / t = 2; cosine (pi/2) tan(pi/4) = pi/2; t^2: 2t / t^2 = 4.
+  half = jnp.array([0.5])
+  np.testing.assert_allclose(diffusion.elbo_weight(half, linear), [2.0], rtol=1e-6)
+  np.testing.assert_allclose(diffusion.elbo_weight(half, cosine), [math.pi / 2], rtol=1e-6)
+  np.testing.assert_allclose(diffusion.elbo_weight(half, square), [4.0], rtol=1e-6)
+
+
 @pytest.mark.parametrize("cfg", SCHEDULES, ids=lambda c: f"{c.schedule}{c.exponent}")
-def test_schedule_endpoints_derivative_and_weight(cfg):
-  t = jnp.linspace(0.01, 0.99, 50)
-  np.testing.assert_allclose(diffusion.alpha(jnp.array(0.0), cfg), 1.0, atol=1e-6)
-  np.testing.assert_allclose(diffusion.alpha(jnp.array(1.0), cfg), 0.0, atol=1e-6)
-  a = diffusion.alpha(t, cfg)
-  assert np.all(np.diff(np.asarray(a)) < 0), "alpha_t must decrease"
-  autodiff = jax.vmap(jax.grad(lambda s: diffusion.alpha(s, cfg)))(t)
-  np.testing.assert_allclose(diffusion.dalpha(t, cfg), autodiff, rtol=1e-5)
-  np.testing.assert_allclose(diffusion.elbo_weight(t, cfg), -autodiff / (1.0 - a), rtol=1e-3)  # f32 1 - alpha
+def test_schedule_and_weight_match_the_formulas_and_finite_differences(cfg):
+  t = np.linspace(0.01, 0.99, 50)
+  np.testing.assert_allclose(diffusion.alpha(jnp.asarray(t, jnp.float32), cfg), _alpha(t, cfg), atol=1e-6)
+  h = 1e-6
+  derivative = (_alpha(t + h, cfg) - _alpha(t - h, cfg)) / (2 * h)
+  np.testing.assert_allclose(diffusion.dalpha(jnp.asarray(t, jnp.float32), cfg), derivative, rtol=1e-4, atol=1e-5)
+  np.testing.assert_allclose(diffusion.elbo_weight(jnp.asarray(t, jnp.float32), cfg), _weight(t, cfg), rtol=1e-4)
 
 
 def test_antithetic_t_puts_one_sample_in_each_stratum():
@@ -74,11 +104,11 @@ def _brute_force_elbo(x: np.ndarray, cfg: ObjectiveConfig, grid: int = 20001) ->
   per_mask = {}
   for mask in itertools.product([False, True], repeat=LENGTH):
     z = np.where(mask, MASK, x)[None]
-    logp = np.asarray(diffusion.masked_log_probs(_known_denoiser(jnp.asarray(z), None), MASK))[0]
+    logits = np.asarray(_known_denoiser(jnp.asarray(z), None), np.float64)[0, :, :VOCAB]  # Mask class (= VOCAB) cut.
+    logp = logits - np.log(np.exp(logits).sum(axis=-1, keepdims=True))
     per_mask[mask] = sum(-logp[n, x[n]] for n in range(LENGTH) if mask[n])
-  t = np.linspace(cfg.t_min, 1.0, grid)
-  a = np.asarray(diffusion.alpha(jnp.asarray(t), cfg), np.float64)
-  w = np.asarray(diffusion.elbo_weight(jnp.asarray(t), cfg), np.float64)
+  t = np.linspace(cfg.t_min, 1.0 - 1e-9, grid)
+  a, w = _alpha(t, cfg), _weight(t, cfg)
   integrand = np.zeros_like(t)
   for mask, nll in per_mask.items():
     k = sum(mask)
