@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 import jax
-from flax import linen as nn
 from tensorboardX.proto.event_pb2 import Event, SessionLog
 from tensorboardX.record_writer import RecordWriter
 from tensorboardX.summary import scalar
@@ -207,7 +206,7 @@ def train(cfg: Config, workdir: str | Path, *, log: bool = True) -> dict[str, An
   last: dict[str, Any] = {"step": start_step}
   window_start, window_tokens = time.perf_counter(), 0.0
   try:
-    with jax.set_mesh(mesh), nn.logical_axis_rules(trainer.rules), distributed.Preemption() as preemption:
+    with distributed.Preemption() as preemption:  # The steps bring their mesh and rules (sharding.MeshJit).
       pending = None
       tokens_per_step = cfg.data.batch_size * cfg.model.max_length
       for step in range(start_step, cfg.train.steps):

@@ -54,7 +54,7 @@ from mercury_jax.data import pipeline
 from mercury_jax.data.tokenizer import Tokenizer
 from mercury_jax.sampling import canvas as cv
 from mercury_jax.sampling.canvas import SampleOutput
-from mercury_jax.sampling.sampler import LENGTH_BUCKET, Sampler, check_compatible, is_autoregressive
+from mercury_jax.sampling.sampler import Sampler, bucketed_length, check_compatible, is_autoregressive
 from mercury_jax.sampling.settings import SamplerSettings
 
 STEPS = (4, 8, 16, 32, 64, 128, 256)
@@ -130,11 +130,12 @@ def load_models(diffusion_dir: str, ar_dir: str, data_dir: str) -> tuple[Tokeniz
 def make_batches(prompt_ids: list[list[int]], length: int, context: int, batch: int, pad_id: int) -> list[cv.Canvas]:
   """All prompts as canvases of ``batch`` rows (streams = prompt index; the last batch padded with empty rows).
 
-  The canvas is padded to a multiple of ``LENGTH_BUCKET`` positions (at most ``context``), the length the
-  ``Sampler`` runs; the padding is never generated.
+  The canvas is padded to the length the ``Sampler`` runs it at (:func:`~mercury_jax.sampling.sampler.bucketed_length`);
+  the padding is never generated.
   """
-  canvas_length = min(context, -(-(max(len(p) for p in prompt_ids) + length) // LENGTH_BUCKET) * LENGTH_BUCKET)
-  full = cv.make_canvas([cv.prefix(p, min(length, context - len(p))) for p in prompt_ids], length=canvas_length)
+  examples = [cv.prefix(p, min(length, context - len(p))) for p in prompt_ids]  # Each at most ``context`` long.
+  longest = max(len(p) + min(length, context - len(p)) for p in prompt_ids)
+  full = cv.make_canvas(examples, length=bucketed_length(longest, context))
   chunks = []
   for start in range(0, len(prompt_ids), batch):
     part = cv.Canvas(*(np.asarray(a)[start : start + batch] for a in full))

@@ -143,8 +143,8 @@ def jit_decode(
 ) -> Callable[[Any, Canvas, jax.Array], SampleOutput]:
   """``jax.jit`` of :func:`decode` for fixed settings: ``(params, canvas, key) -> SampleOutput``.
 
-  On a mesh the shardings are those of :func:`~mercury_jax.sampling.loop.jit_sample` (canvases over the batch axes);
-  call the result inside :func:`~mercury_jax.sampling.loop.mesh_context`.
+  On a mesh the shardings are those of :func:`~mercury_jax.sampling.loop.jit_sample` (canvases over the batch axes,
+  see :func:`~mercury_jax.sampling.mesh.jit_on_mesh`).
 
   Args:
     model_cfg: The causal model's config.

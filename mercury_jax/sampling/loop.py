@@ -238,10 +238,8 @@ def jit_sample(
   rules=None,
   param_shardings: Any = None,
 ) -> Callable[[Any, Canvas, jax.Array, jax.Array], SampleOutput]:
-  """``jax.jit`` of :func:`sample` for fixed settings; on a mesh, canvases are split over the batch axes.
-
-  Call the result inside ``with jax.set_mesh(mesh), nn.logical_axis_rules(rules):`` (see :func:`mesh_context`) so
-  the model's logical sharding constraints apply when it is traced.
+  """``jax.jit`` of :func:`sample` for fixed settings; on a mesh, canvases are split over the batch axes and the
+  model's logical sharding constraints apply (see :func:`~mercury_jax.sampling.mesh.jit_on_mesh`).
 
   Args:
     denoise_fn: The denoiser (e.g. :func:`model_denoise_fn`).

@@ -31,7 +31,9 @@ def jit_on_mesh(
 
   Shared by the diffusion loop and the autoregressive decoder: the parameters keep ``param_shardings``, canvases and
   every per-example output are split over the batch axes of ``rules``, and the key, the ``scalars`` trailing scalar
-  arguments and ``SampleOutput.steps`` are replicated.
+  arguments and ``SampleOutput.steps`` are replicated. On a mesh the result is a :class:`~mercury_jax.sharding.MeshJit`:
+  it is traced, lowered and called with the mesh and ``rules`` in context, so the model's logical sharding
+  constraints always apply, whoever calls it.
 
   Args:
     fn: The sampler, its static settings already bound.
@@ -53,13 +55,16 @@ def jit_on_mesh(
   if trace:
     traced_rows = NamedSharding(mesh, P(None, *sh.batch_spec(rules, 2)))
     traced_vectors = NamedSharding(mesh, P(None, *sh.batch_spec(rules, 1)))
-  return jax.jit(
+  return sh.MeshJit(
     fn,
+    mesh,
+    rules,
     in_shardings=(param_shardings, Canvas(rows, rows, vectors), replicated, *[replicated] * scalars),
     out_shardings=SampleOutput(rows, vectors, replicated, traced_rows, traced_vectors, traced_vectors),
   )
 
 
 def mesh_context(mesh: Mesh, rules=None) -> contextlib.ExitStack:
-  """``jax.set_mesh(mesh)`` with the model's logical axis rules (default ``sharding.RULES``), for tracing a sampler."""
+  """``jax.set_mesh(mesh)`` with the model's logical axis rules (default ``sharding.RULES``), for tracing code of one's
+  own around the model (the compiled samplers enter it themselves)."""
   return sh.context(mesh, sh.RULES if rules is None else rules)

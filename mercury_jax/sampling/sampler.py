@@ -40,7 +40,6 @@ from mercury_jax.sampling import canvas as cv
 from mercury_jax.sampling.autoregressive import jit_decode
 from mercury_jax.sampling.canvas import SampleOutput
 from mercury_jax.sampling.loop import jit_sample, model_denoise_fn
-from mercury_jax.sampling.mesh import mesh_context
 from mercury_jax.sampling.settings import SamplerSettings, SettingError, check_knobs_for_model
 from mercury_jax.trainer import param_shardings
 
@@ -49,6 +48,12 @@ DEFAULT_CHECKPOINT = Path(__file__).resolve().parent.parent / "assets" / "defaul
 LENGTH_BUCKET = 64
 MASK_TEXT = "░"  # How an undecided position looks in a step-by-step trace.
 DEFAULT_STEPS = 32
+
+
+def bucketed_length(length: int, context: int) -> int:
+  """The canvas length a sampler runs ``length`` positions at: rounded up to ``LENGTH_BUCKET``, at most ``context``
+  (unless ``length`` itself is longer), so varying prompt lengths share compilations."""
+  return min(-(-length // LENGTH_BUCKET) * LENGTH_BUCKET, max(context, length))
 
 
 def default_checkpoint() -> Path | None:
@@ -281,8 +286,7 @@ class Sampler:
         fn = jit_decode(self.cfg.model, settings, **shardings)
       else:
         fn = jit_sample(self.denoise_fn, settings, **shardings)
-      with mesh_context(self.mesh, self.rules):
-        self._compiled[cache_key] = fn.lower(*args).compile()
+      self._compiled[cache_key] = fn.lower(*args).compile()
       compile_time = time.perf_counter() - start
     start = time.perf_counter()
     out = jax.block_until_ready(self._compiled[cache_key](*args))
@@ -299,9 +303,8 @@ class Sampler:
     return out._replace(tokens=out.tokens[cut], nfe=out.nfe[cut]), wall, compile_time
 
   def _pad_length(self, canvas: cv.Canvas, length: int, pad_id: int) -> cv.Canvas:
-    """Right-pads canvases to ``length`` rounded up to ``LENGTH_BUCKET`` (at most the model's context)."""
-    padded_length = min(-(-length // LENGTH_BUCKET) * LENGTH_BUCKET, max(self.max_length, length))
-    extra = padded_length - np.shape(canvas.tokens)[1]
+    """Right-pads canvases to :func:`bucketed_length` of ``length``."""
+    extra = bucketed_length(length, self.max_length) - np.shape(canvas.tokens)[1]
     if extra <= 0:
       return canvas
     return cv.Canvas(
