@@ -66,10 +66,19 @@ def check_correctness(interpret: bool, quick: bool) -> list[dict]:
     batch, length, heads, kv_heads, dims, blocks = 1, 72, 4, 2, (64,), fa.BlockSizes(32, 32, 16, 32, 32, 16)
   else:
     batch, length, heads, kv_heads, dims, blocks = 2, 1000, 8, 2, (64,) if quick else (64, 128), None
-  masks = [("bidirectional", None), ("causal", None), ("block_causal", 48 if interpret else 96)]
+  masks = [
+    ("bidirectional", None),
+    ("causal", None),
+    ("block_causal", 48 if interpret else 96),
+    ("block_diffusion", 8 if interpret else 64),  # Over x_t ⊕ x_0: halves of length // 2.
+  ]
   ids = np.sort(np.random.default_rng(0).integers(1, 4, (batch, length)), axis=1)
   ids[:, -length // 10 :] = 0  # Right padding.
-  segment_ids = jnp.asarray(ids, jnp.int32)
+  half_ids = np.sort(np.random.default_rng(1).integers(1, 4, (batch, length // 2)), axis=1)
+  half_ids[:, -length // 20 :] = 0
+  # block_diffusion packs each half alike: the ids of x_t, then the same ids for x_0.
+  segments_of = {m: jnp.asarray(ids, jnp.int32) for m, _ in masks}
+  segments_of["block_diffusion"] = jnp.asarray(np.concatenate([half_ids, half_ids], axis=1), jnp.int32)
   results = []
   print(f"\n== correctness: batch={batch} length={length} heads={heads} kv_heads={kv_heads} (error / max |reference|)")
   for dim in dims:
@@ -80,7 +89,7 @@ def check_correctness(interpret: bool, quick: bool) -> list[dict]:
       for (mask, db), segments in [(m, s) for m in masks for s in (False, True)]:
         if quick and segments != (mask != "bidirectional"):
           continue
-        options = {"segment_ids": segment_ids if segments else None, "mask": mask, "diffusion_block": db}
+        options = {"segment_ids": segments_of[mask] if segments else None, "mask": mask, "diffusion_block": db}
         kernel = lambda q, k, v, options=options: fa.flash_attention(
           q, k, v, block_sizes=blocks, interpret=interpret, **options
         )
@@ -95,7 +104,7 @@ def check_correctness(interpret: bool, quick: bool) -> list[dict]:
           note = " ".join(f"{n}={e:.1e}" for n, e in zip(("out", "dq", "dk", "dv"), errors, strict=True))
         except Exception as e:  # noqa: BLE001 - report and go on
           ok, errors, note = False, [], f"ERROR {type(e).__name__}: {str(e)[:200]}"
-        tag = f"D={dim} {dtype:8s} {mask:13s}{'+segments' if segments else '':9s}"
+        tag = f"D={dim} {dtype:8s} {mask:15s}{'+segments' if segments else '':9s}"
         print(f"  {'PASS' if ok else 'FAIL'}  {tag} {note}", flush=True)
         results.append(
           {
@@ -113,8 +122,9 @@ def check_correctness(interpret: bool, quick: bool) -> list[dict]:
     for impl in ("pallas", "cudnn"):
       for mask, db in masks[1:]:
         try:
-          got = attention.attend(q, k, v, segment_ids=segment_ids, implementation=impl, mask=mask, diffusion_block=db)
-          want = fa.reference_attention(q, k, v, segment_ids=segment_ids, mask=mask, diffusion_block=db)
+          options = {"segment_ids": segments_of[mask], "mask": mask, "diffusion_block": db}
+          got = attention.attend(q, k, v, implementation=impl, **options)
+          want = fa.reference_attention(q, k, v, **options)
           error = _max_rel_error(got, want)
           ok, note = error <= TOLERANCE["bfloat16"], f"out={error:.1e}"
         except Exception as e:  # noqa: BLE001

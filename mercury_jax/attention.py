@@ -5,9 +5,10 @@ for keys and values (grouped-query attention when ``kv_heads < heads``). ``segme
 int32, non-negative: a query attends only to keys of its own segment, and segment 0 marks padding. A padding query
 sees nothing and every implementation returns zeros for it.
 
-Masks (``mask=``; ``causal=True`` is shorthand for ``mask="causal"``): ``bidirectional``; ``causal``; and
-``block_causal``, where the query at position ``i`` sees the keys ``j`` with
-``j // diffusion_block <= i // diffusion_block`` (block diffusion).
+Masks (``mask=``; ``causal=True`` is shorthand for ``mask="causal"``), each a function of (query, key) positions
+defined once in :mod:`mercury_jax.kernels.masks`: ``bidirectional``; ``causal``; ``block_causal``, where the query
+at position ``i`` sees the keys ``j`` with ``j // diffusion_block <= i // diffusion_block``; and ``block_diffusion``,
+BD3-LM's training mask over the concatenation ``x_t ⊕ x_0`` (the sequence's two halves, see ``masks``).
 
 Implementations: ``xla`` (``jax.nn.dot_product_attention`` with a boolean mask; the default off GPU), ``pallas``
 (our flash-attention kernel, ``mercury_jax.kernels.flash_attention``; the default on GPU, run in interpret mode
@@ -25,7 +26,7 @@ from flax import linen as nn
 from jax.sharding import AxisType, PartitionSpec as P
 
 from mercury_jax import sharding
-from mercury_jax.kernels import flash_attention as fa
+from mercury_jax.kernels import flash_attention as fa, masks
 
 IMPLEMENTATIONS = ("auto", "xla", "pallas", "cudnn")
 
@@ -44,16 +45,20 @@ def _resolve_mask(causal: bool, mask: str | None, diffusion_block: int | None) -
     mask = "causal" if causal else "bidirectional"
   elif causal and mask != "causal":
     raise ValueError(f"causal=True contradicts {mask=}; pass only one of them")
-  if mask not in fa.MASKS:
-    raise ValueError(f"{mask=} must be one of {fa.MASKS}")
-  if (mask == "block_causal") != (diffusion_block is not None):
-    raise ValueError(f"{diffusion_block=} must be given exactly when mask='block_causal' (got {mask=})")
+  if mask not in masks.MASKS:
+    raise ValueError(f"{mask=} must be one of {masks.MASKS}")
+  if (mask in ("block_causal", "block_diffusion")) != (diffusion_block is not None):
+    raise ValueError(f"{diffusion_block=} must be given exactly for the block masks (got {mask=})")
   return mask
 
 
 def _dense_mask(segment_ids: jax.Array | None, mask: str, diffusion_block: int | None, length: int):
   """``[batch or 1, 1, q, k]`` bool for ``jax.nn.dot_product_attention``, or None when nothing is masked."""
-  visible = None if mask == "bidirectional" else fa.visibility(length, mask, diffusion_block)[None, None]
+  if mask == "block_diffusion" and length % 2:
+    raise ValueError(f"mask='block_diffusion' runs over x_t ⊕ x_0 and needs an even length, got {length=}")
+  visible = None
+  if mask != "bidirectional":
+    visible = masks.dense(length, mask, block=diffusion_block, half=length // 2, xp=jnp)[None, None]
   if segment_ids is not None:
     same = segment_ids[:, None, :, None] == segment_ids[:, None, None, :]  # [batch, 1, q, k]
     visible = same if visible is None else visible & same
@@ -76,9 +81,9 @@ def _xla(q, k, v, segment_ids, mask, diffusion_block):
 def _cudnn(q, k, v, segment_ids, mask, diffusion_block):
   if q.dtype not in (jnp.bfloat16, jnp.float16):
     raise ValueError(f"implementation='cudnn' needs float16 or bfloat16 inputs, got {q.dtype}; use 'pallas' or 'xla'")
-  if segment_ids is None and mask != "block_causal":  # cuDNN's own causal mask skips the masked tiles.
+  if segment_ids is None and mask in ("bidirectional", "causal"):  # cuDNN's own causal mask skips masked tiles.
     return jax.nn.dot_product_attention(q, k, v, is_causal=mask == "causal", implementation="cudnn")
-  # Segments and block-causal masks have no cuDNN mask type: they go in as a dense additive bias, O(batch * length^2).
+  # Segments and the block masks have no cuDNN mask type: they go in as a dense additive bias, O(batch * length^2).
   dense = _dense_mask(segment_ids, mask, diffusion_block, q.shape[1])
   out = jax.nn.dot_product_attention(q, k, v, mask=dense, implementation="cudnn")
   return _zero_padding_rows(out, segment_ids)
@@ -159,8 +164,8 @@ def attend(
     causal: shorthand for ``mask="causal"``.
     segment_ids: optional int32 ``[batch, length]``; 0 marks padding (those queries output zeros).
     implementation: ``auto``, ``xla``, ``pallas`` or ``cudnn`` (see the module docstring).
-    mask: ``bidirectional``, ``causal`` or ``block_causal``; None follows ``causal``.
-    diffusion_block: block size of ``block_causal``.
+    mask: ``bidirectional``, ``causal``, ``block_causal`` or ``block_diffusion``; None follows ``causal``.
+    diffusion_block: block size of ``block_causal`` and ``block_diffusion``.
   """
   mask = _resolve_mask(causal, mask, diffusion_block)
   impl = resolve_implementation(implementation)

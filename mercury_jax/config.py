@@ -74,7 +74,8 @@ class ObjectiveConfig:
   """The training objective (``mercury_jax.objectives``): masked diffusion, or next-token prediction for the AR twin.
 
   The schedule fields apply to ``masked_diffusion`` (training and the ancestral sampler); ``autoregressive`` ignores
-  them.
+  them. ``block_size > 0`` turns masked diffusion into block diffusion (BD3-LM, Arriola et al. 2025): the sequence
+  is cut into blocks of ``block_size`` tokens, each denoised given the clean blocks before it.
   """
 
   name: Literal["masked_diffusion", "autoregressive"] = "masked_diffusion"
@@ -83,6 +84,12 @@ class ObjectiveConfig:
   antithetic: bool = True  # Low-discrepancy t across the global batch (Kingma et al. 2021, VDM).
   t_min: float = 1e-4  # t is drawn from [t_min, 1] so the ELBO weight -alpha'_t / (1 - alpha_t) stays finite.
   mask_id: int = 4  # The [MASK] token; mercury_jax tokenizers put it at 4 (pad 0, unk 1, bos 2, eos 3).
+  # BD3-LM's block length L' (objectives.block_diffusion); 0 is whole-sequence masked diffusion (MDLM / MD4).
+  block_size: int = 0
+  # Clipped schedule (BD3-LM Sec. 5.2), training only: mask rates 1 - alpha_t in [mask_rate_min, mask_rate_max]
+  # (uniform with the linear schedule). Evaluation always integrates all of [t_min, 1], so the ELBO stays a bound.
+  mask_rate_min: float = 0.0
+  mask_rate_max: float = 1.0
 
   @property
   def autoregressive(self) -> bool:
@@ -94,6 +101,18 @@ class ObjectiveConfig:
     if not 0.0 < self.t_min < 1.0:
       raise ConfigError(
         f"objective.t_min={self.t_min} must lie in (0, 1): at t = 0 the ELBO weight is infinite (e.g. 1e-4)"
+      )
+    if self.block_size < 0:
+      raise ConfigError(f"objective.block_size={self.block_size} must be >= 0 (0: whole-sequence masked diffusion)")
+    if self.block_size and self.name != "masked_diffusion":
+      raise ConfigError(
+        f"objective.block_size={self.block_size} needs objective.name='masked_diffusion' (got {self.name!r}); "
+        "use block_size=0"
+      )
+    if not 0.0 <= self.mask_rate_min < self.mask_rate_max <= 1.0:
+      raise ConfigError(
+        f"objective.mask_rate_min={self.mask_rate_min} and objective.mask_rate_max={self.mask_rate_max} must "
+        "satisfy 0 <= mask_rate_min < mask_rate_max <= 1 (e.g. 0.3 and 0.8)"
       )
 
 
@@ -195,6 +214,16 @@ class Config:
       raise ConfigError("objective.name='autoregressive' needs model.causal=true")
     if self.objective.autoregressive and self.model.time_conditioning:
       raise ConfigError("model.time_conditioning=true needs objective.name='masked_diffusion' (an AR model has no t)")
+    block = self.objective.block_size
+    if block and self.model.causal:
+      raise ConfigError(f"objective.block_size={block} needs a bidirectional model (model.causal=false)")
+    if block and self.model.max_length % block:
+      raise ConfigError(f"model.max_length={self.model.max_length} must be a multiple of objective.block_size={block}")
+    if block and self.model.time_conditioning:
+      raise ConfigError(
+        f"objective.block_size={block} draws one t per block, which model.time_conditioning=true (one t per "
+        "sequence) cannot take; set model.time_conditioning=false"
+      )
     if not self.objective.autoregressive and self.model.causal:
       raise ConfigError("model.causal=true is only meaningful with objective.name='autoregressive'")
     return self

@@ -18,6 +18,7 @@ from flax import linen as nn
 from mercury_jax import sharding as sh
 from mercury_jax.attention import attend
 from mercury_jax.config import ModelConfig, dtype_of
+from mercury_jax.kernels import masks
 
 _INIT = nn.initializers.normal(stddev=0.02)
 
@@ -60,13 +61,17 @@ def rotary(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
 
 
 class Attention(nn.Module):
-  """Multi-head / grouped-query self-attention; with ``decode=True``, a key-value cache for causal decoding."""
+  """Multi-head / grouped-query self-attention under ``mask``; with ``decode=True``, over a key-value cache."""
 
   config: ModelConfig
   decode: bool = False
+  mask: str = "bidirectional"
+  diffusion_block: int | None = None
 
   @nn.compact
-  def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None) -> jax.Array:
+  def __call__(
+    self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None, cache_index: jax.Array | None
+  ) -> jax.Array:
     cfg, dtype = self.config, dtype_of(self.config.dtype)
     d, h, kv, hd = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     w_q = _param(self, "query", (d, h, hd), (sh.EMBED, sh.HEADS, sh.HEAD_DIM)).astype(dtype)
@@ -90,36 +95,52 @@ class Attention(nn.Module):
     )
     v = nn.with_logical_constraint(v, (sh.BATCH, sh.LENGTH, sh.ACT_KV_HEADS, sh.HEAD_DIM))
     if self.decode:
-      out = self._cached_attention(q, k, v, positions, segment_ids)
+      out = self._cached_attention(q, k, v, positions, segment_ids, cache_index)
     else:
-      out = attend(q, k, v, causal=cfg.causal, segment_ids=segment_ids, implementation=cfg.attention)
+      out = attend(
+        q,
+        k,
+        v,
+        segment_ids=segment_ids,
+        implementation=cfg.attention,
+        mask=self.mask,
+        diffusion_block=self.diffusion_block,
+      )
     out = nn.with_logical_constraint(out, (sh.BATCH, sh.LENGTH, sh.ACT_HEADS, sh.HEAD_DIM))
     return dense(out, w_o, contract=2)  # [batch, length, embed]
 
-  def _cached_attention(self, q, k, v, positions, segment_ids):
-    """Writes this chunk's keys and values at ``positions`` into the cache and attends over the whole cache.
+  def _cached_attention(self, q, k, v, positions, segment_ids, cache_index):
+    """Writes this chunk's keys and values at cache slots ``cache_index ...`` and attends over the whole cache.
 
-    The chunk may be a prompt (prefill) or one token. Keys are visible when at a position <= the query's and of
-    the query's segment (segment 0 is padding, e.g. the left padding of shorter prompts in a batch).
+    The cache has as many slots as the tokens it was initialised with. The chunk (a prompt, a block, one token) sits
+    at slots ``cache_index ...``: one start for every row, or one per row (``[batch]``); default
+    ``positions[0, 0]``. A query sees the cached keys that
+    ``mask`` allows in slot space (``causal``, ``block_causal`` or ``bidirectional``) and that share its segment;
+    segment 0 is padding (e.g. the left padding of shorter prompts in a batch), which nothing sees.
     """
     cfg = self.config
     batch, chunk = q.shape[:2]
-    shape = (batch, cfg.max_length, cfg.num_kv_heads, cfg.head_dim)
     initialising = not self.has_variable("cache", "key")
+    slots = q.shape[1] if initialising else self.get_variable("cache", "segment").shape[1]
+    shape = (batch, slots, cfg.num_kv_heads, cfg.head_dim)
     cached_k = self.variable("cache", "key", jnp.zeros, shape, k.dtype)
     cached_v = self.variable("cache", "value", jnp.zeros, shape, v.dtype)
-    cached_segments = self.variable("cache", "segment", jnp.zeros, (batch, cfg.max_length), jnp.int32)
+    cached_segments = self.variable("cache", "segment", jnp.zeros, (batch, slots), jnp.int32)
     if initialising:
       return jnp.zeros_like(q)
     segment_ids = jnp.ones((batch, chunk), jnp.int32) if segment_ids is None else segment_ids
-    start = positions[0, 0]  # Every row of a chunk sits at the same cache slots.
-    cached_k.value = jax.lax.dynamic_update_slice(cached_k.value, k, (0, start, 0, 0))
-    cached_v.value = jax.lax.dynamic_update_slice(cached_v.value, v, (0, start, 0, 0))
-    cached_segments.value = jax.lax.dynamic_update_slice(cached_segments.value, segment_ids, (0, start))
-    key_positions = jnp.arange(cfg.max_length)
-    visible = key_positions[None, None, :] <= positions[:, :, None]  # [batch, chunk, max_length]
-    visible &= cached_segments.value[:, None, :] == segment_ids[:, :, None]
-    return jax.nn.dot_product_attention(q, cached_k.value, cached_v.value, mask=visible[:, None])
+    start = positions[0, 0] if cache_index is None else jnp.asarray(cache_index, jnp.int32)
+    start = jnp.broadcast_to(start, (batch,))  # Each row's first slot (one value for every row, or one per row).
+    write = jax.vmap(lambda cache, new, s: jax.lax.dynamic_update_slice_in_dim(cache, new, s, axis=0))
+    cached_k.value = write(cached_k.value, k, start)
+    cached_v.value = write(cached_v.value, v, start)
+    cached_segments.value = write(cached_segments.value, segment_ids, start)
+    query_slots = start[:, None] + jnp.arange(chunk)  # [batch, chunk]
+    visible = masks.visible(query_slots[:, :, None], jnp.arange(slots), self.mask, block=self.diffusion_block)
+    visible &= cached_segments.value[:, None, :] == segment_ids[:, :, None]  # [batch, chunk, slots]
+    visible &= (segment_ids != 0)[:, :, None]
+    out = jax.nn.dot_product_attention(q, cached_k.value, cached_v.value, mask=visible[:, None])
+    return jnp.where((segment_ids != 0)[:, :, None, None], out, jnp.zeros((), out.dtype))
 
 
 class SwiGLU(nn.Module):
@@ -147,13 +168,15 @@ class Block(nn.Module):
 
   config: ModelConfig
   decode: bool = False
+  mask: str = "bidirectional"
+  diffusion_block: int | None = None
 
   @nn.compact
-  def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None):
+  def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None, cache_index: jax.Array | None):
     cfg, dtype = self.config, dtype_of(self.config.dtype)
     x = nn.with_logical_constraint(x, (sh.BATCH, sh.LENGTH, sh.ACT_EMBED))
-    x = x + Attention(cfg, self.decode, name="attention")(
-      RMSNorm(cfg.norm_eps, dtype, name="attention_norm")(x), positions, segment_ids
+    x = x + Attention(cfg, self.decode, self.mask, self.diffusion_block, name="attention")(
+      RMSNorm(cfg.norm_eps, dtype, name="attention_norm")(x), positions, segment_ids, cache_index
     )
     x = x + SwiGLU(cfg, name="mlp")(RMSNorm(cfg.norm_eps, dtype, name="mlp_norm")(x))
     return nn.with_logical_constraint(x, (sh.BATCH, sh.LENGTH, sh.ACT_EMBED)), None
@@ -181,6 +204,10 @@ class Transformer(nn.Module):
     segment_ids: jax.Array | None = None,
     positions: jax.Array | None = None,
     decode: bool = False,
+    mask: str | None = None,
+    diffusion_block: int | None = None,
+    cache_index: jax.Array | None = None,
+    logits_length: int | None = None,
   ) -> jax.Array:
     """Logits for ``tokens``.
 
@@ -189,12 +216,22 @@ class Transformer(nn.Module):
       t: ``[batch]`` diffusion time, used only when ``config.time_conditioning``.
       segment_ids: ``[batch, length]`` int32; attention stays within a segment and segment 0 is padding.
       positions: ``[batch, length]`` rotary positions (default ``0 .. length-1``).
-      decode: causal decoding with a key-value cache in the ``cache`` collection (autoregressive twin only): call
-        ``apply(..., mutable=["cache"])`` chunk by chunk with explicit ``positions``; initialise the cache with
-        ``init(key, tokens_of_full_length, decode=True)["cache"]``.
+      decode: attend over a key-value cache in the ``cache`` collection: call ``apply(..., mutable=["cache"])``
+        chunk by chunk with explicit ``positions``; each chunk's keys and values are written at the cache slots
+        ``cache_index ...`` first. Initialise the cache with ``init(key, tokens_of_the_cache_length,
+        decode=True)["cache"]``: it holds as many slots as those tokens.
+      mask: the attention mask (:mod:`mercury_jax.kernels.masks`); default ``causal`` for a causal model and
+        ``bidirectional`` otherwise. ``block_diffusion`` runs BD3-LM's vectorised training pass over
+        ``x_t ⊕ x_0`` (``tokens`` holds both halves); with ``decode``, the mask applies to cache slots.
+      diffusion_block: block size of the ``block_causal`` and ``block_diffusion`` masks.
+      cache_index: with ``decode``, the first cache slot of this chunk: an int32 scalar for every row, or ``[batch]``
+        (default ``positions[0, 0]``).
+      logits_length: compute logits for the first ``logits_length`` positions only (the noisy half of a
+        ``block_diffusion`` pass: the clean half's logits are never used, and the output head is most of a small
+        model's compute).
 
     Returns:
-      ``[batch, length, vocab]`` float32 logits.
+      ``[batch, length, vocab]`` float32 logits (``[batch, logits_length, vocab]`` with ``logits_length``).
     """
     cfg, dtype = self.config, dtype_of(self.config.dtype)
     batch, length = tokens.shape
@@ -215,19 +252,23 @@ class Transformer(nn.Module):
       x = x + t_emb[:, None, :].astype(dtype)
     x = nn.with_logical_constraint(x, (sh.BATCH, sh.LENGTH, sh.ACT_EMBED))
 
+    if mask is None:
+      mask = "causal" if cfg.causal else "bidirectional"
     block = Block
     if cfg.remat:
       block = nn.remat(block, prevent_cse=False, policy=jax.checkpoint_policies.nothing_saveable)
     stack = nn.scan(
-      functools.partial(block, decode=decode),
+      functools.partial(block, decode=decode, mask=mask, diffusion_block=diffusion_block),
       variable_axes={"params": 0, "cache": 0},
       split_rngs={"params": True},
-      in_axes=(nn.broadcast, nn.broadcast),
+      in_axes=(nn.broadcast, nn.broadcast, nn.broadcast),
       length=cfg.num_layers,
       unroll=cfg.num_layers if cfg.unroll_layers else 1,
       metadata_params={nn.PARTITION_NAME: sh.LAYERS},
     )
-    x, _ = stack(cfg, name="blocks")(x, positions, segment_ids)
+    x, _ = stack(cfg, name="blocks")(x, positions, segment_ids, cache_index)
+    if logits_length is not None:
+      x = x[:, :logits_length]
     x = RMSNorm(cfg.norm_eps, dtype, name="final_norm")(x)
     if cfg.tie_embeddings:
       logits = jnp.einsum("bld,vd->blv", x, embedding.astype(dtype)) / math.sqrt(cfg.d_model)
@@ -241,12 +282,17 @@ def count_params(params) -> int:
   return sum(math.prod(p.shape) for p in jax.tree.leaves(params))
 
 
-def flops_per_token(cfg: ModelConfig, num_params: int, training: bool = True) -> float:
+def flops_per_token(cfg: ModelConfig, num_params: int, training: bool = True, doubled: bool = False) -> float:
   """Matmul FLOPs per token: 6N + 12·layers·length·heads·head_dim for training, a third of it for a forward pass.
 
   N excludes the embedding table (a gather, not a matmul) but includes the output head (Kaplan et al. 2020).
+  ``doubled``: block diffusion's vectorised pass, whose layers run ``x_t ⊕ x_0`` (each data token twice, attending
+  over twice the length, counted dense) while the head runs the noisy half only.
   """
-  n = num_params - cfg.vocab_size * cfg.d_model * (0 if cfg.tie_embeddings else 1)
+  head = cfg.vocab_size * cfg.d_model
+  n = num_params - head * (0 if cfg.tie_embeddings else 1)
   attention = 2 * cfg.num_layers * cfg.max_length * cfg.num_heads * cfg.head_dim * 2  # QK^T and PV, forward.
   forward = 2 * n + attention
+  if doubled:
+    forward = 2 * (2 * (n - head) + 2 * attention) + 2 * head
   return 3 * forward if training else forward

@@ -6,11 +6,18 @@ Examples::
   python -m mercury_jax.sample --checkpoint runs/tiny --template '{"name": "<mask:8>", "age": <mask:2>}'
   python -m mercury_jax.sample --checkpoint runs/tiny --prompts-file prompts.jsonl --json
   python -m mercury_jax.sample --checkpoint runs/tiny --prompt "import os" --show-steps
+  python -m mercury_jax.sample --checkpoint runs/tiny_bd --prompt "import os" --length 256 --steps 64 --stream
 
 ``--prompts-file`` is JSON lines, each ``{"prompt": "..."}`` or a JSON string. Without ``--checkpoint`` the model
 bundled in ``mercury_jax/assets/default/`` is used (see its ``MODEL_CARD.md``). Compiled programs are kept in
 ``~/.cache/mercury_jax/xla`` (``$XDG_CACHE_HOME``; ``--no-compile-cache`` to skip), so a repeated command starts
 faster. Bad input gets one line on stderr and exit code 2.
+
+Block-diffusion checkpoints (``objective.block_size > 0``) decode block by block against an exact key-value cache;
+the autoregressive twin is the same engine with blocks of one token. ``--cache none`` runs the same steps without a
+cache (every pass recomputes the whole context). Whole-sequence checkpoints refine the whole canvas (``--cache
+none``, the default) or use Fast-dLLM's *approximate* ``--cache dual`` / ``--cache prefix`` over blocks of
+``--block-length`` tokens. ``--stream`` prints text as each block is committed.
 
 A checkpoint of the autoregressive twin (``objective.name = "autoregressive"``) is decoded token by token with
 a key-value cache, with the same prompts, templates, ``--length``, ``--temperature``/``--top-k``/``--top-p``,
@@ -105,7 +112,20 @@ def build_parser() -> argparse.ArgumentParser:
   )
   p.add_argument("--template", help="text with <mask:N> holes to fill; its other text is kept as is")
   p.add_argument("--length", type=int, help="tokens to generate after each prompt (default 64; not with --template)")
-  p.add_argument("--steps", type=int, help="refinement steps, a budget: finished canvases stop early (default 32)")
+  p.add_argument(
+    "--steps",
+    type=int,
+    help="refinement steps for the generated length, a budget: finished canvases stop early (default 32; block "
+    "engine: one token per step, each block getting its share)",
+  )
+  p.add_argument(
+    "--cache",
+    default="auto",
+    help="key-value cache: auto (the model's best exact decoder), exact (block-diffusion and autoregressive "
+    "checkpoints), none (recompute everything every step), dual or prefix (APPROXIMATE, Fast-dLLM's caches for "
+    "whole-sequence checkpoints: faster, but a step sees stale keys and values of the other blocks)",
+  )
+  p.add_argument("--stream", action="store_true", help="print text as each block is committed (block engine)")
   p.add_argument(
     "--sampler", dest="rule", metavar="SAMPLER", help=f"step rule: {', '.join(SAMPLERS)} (default confidence)"
   )
@@ -207,6 +227,10 @@ def _check_args(args: argparse.Namespace, flags: dict[str, str]) -> dict:
     _fail(f"--num-samples={args.num_samples} must be >= 1")
   if args.template is not None:
     cv.parse_template(args.template, lambda text: [])  # Raises for a template without holes.
+  if args.stream and args.show_steps:
+    _fail("--stream and --show-steps do not go together; pick one")
+  if args.stream and args.prompts_file is not None and PROCESS_PLACEHOLDER in args.prompts_file:
+    _fail("--stream samples on one process; a per-process --prompts-file needs the batch mode (drop --stream)")
   if args.prompt is None and args.prompts_file is None and args.template is None:
     _fail("give --prompt TEXT, --prompts-file FILE.jsonl or --template TEXT (e.g. --template '<mask:64>')")
   if args.prompt is not None and not args.prompt and args.template is None:
@@ -294,6 +318,8 @@ def main(argv: list[str] | None = None, *, compile_cache: bool = False) -> int:
     sampler = Sampler.from_checkpoint(path, mesh=mesh)
   except (FileNotFoundError, ConfigError, ValueError) as e:
     _fail(f"--checkpoint {str(path)!r}: {e}")
+  if args.stream:
+    return _stream(sampler, prompts, args, knobs, flags)
   try:  # Refinement flags for an autoregressive checkpoint are a SettingError too.
     samples = sampler.generate(
       prompts if prompts is not None else args.prompt,
@@ -305,6 +331,7 @@ def main(argv: list[str] | None = None, *, compile_cache: bool = False) -> int:
       show_steps=args.show_steps,
       bos=args.bos,
       per_process=per_process,
+      cache=args.cache,
       **knobs,
     )
   except SettingError as e:
@@ -323,6 +350,7 @@ def main(argv: list[str] | None = None, *, compile_cache: bool = False) -> int:
         "text": s.text,
         "tokens": s.tokens,
         "nfe": s.nfe,
+        "tokens_per_forward": round(s.tokens_per_forward, 3),
         "wall_time_s": round(s.wall_time, 6),
         "tokens_per_s": round(s.tokens_per_s, 2),
         "compile_time_s": round(s.compile_time, 3),
@@ -345,6 +373,54 @@ def main(argv: list[str] | None = None, *, compile_cache: bool = False) -> int:
       f"{where}{len(samples)} sample(s): NFE {max(x.nfe for x in samples)}, {s.wall_time:.3f} s, "
       f"{s.tokens_per_s:,.0f} tokens/s (compile {s.compile_time:.1f} s)\n"
     )
+  return 0
+
+
+def _stream(sampler, prompts, args: argparse.Namespace, knobs: dict, flags: dict[str, str]) -> int:
+  """``--stream``: sample 0's text as its blocks commit, each later sample once those before it are done (``--json``:
+  one line per event)."""
+  given = prompts if prompts is not None else [args.prompt if args.prompt is not None else ""]
+  heads = [p for p in given for _ in range(args.num_samples)]  # What each sample's text follows.
+  events = sampler.stream(
+    given,
+    template=args.template,
+    length=64 if args.length is None else args.length,
+    steps=args.steps,
+    seed=args.seed,
+    num_samples=args.num_samples,
+    bos=args.bos,
+    cache=args.cache,
+    **knobs,
+  )
+  texts, done, nfe = [[] for _ in heads], [False] * len(heads), [0] * len(heads)
+  shown, on_screen = 0, False  # The sample being printed, and whether its prompt is out.
+  start = time.perf_counter()
+  try:
+    for event in events:
+      nfe[event.index] = event.nfe
+      if args.json:
+        print(json.dumps({"index": event.index, "text": event.text, "done": event.done, "nfe": event.nfe}), flush=True)
+        continue
+      texts[event.index].append(event.text)
+      done[event.index] = event.done
+      while shown < len(heads):
+        if not on_screen:
+          sys.stdout.write(heads[shown])
+          on_screen = True
+        sys.stdout.write("".join(texts[shown]))
+        texts[shown] = []
+        sys.stdout.flush()
+        if not done[shown]:
+          break
+        shown, on_screen = shown + 1, False
+        sys.stdout.write("\n" + ("-" * 40 + "\n" if shown < len(heads) else ""))
+  except SettingError as e:
+    _fail_setting(e, flags)
+  except ValueError as e:
+    _fail(str(e))
+  if not args.json:
+    seconds = time.perf_counter() - start
+    sys.stderr.write(f"{len(heads)} sample(s): NFE {max(nfe, default=0)}, {seconds:.3f} s (compile included)\n")
   return 0
 
 

@@ -188,7 +188,8 @@ def train(cfg: Config, workdir: str | Path, *, log: bool = True) -> dict[str, An
       )
     ]
   num_params = count_params(state["params"])
-  step_flops = flops_per_token(cfg.model, num_params) * cfg.data.batch_size * cfg.model.max_length
+  doubled = cfg.objective.block_size > 0  # Block diffusion runs x_t ⊕ x_0.
+  step_flops = flops_per_token(cfg.model, num_params, doubled=doubled) * cfg.data.batch_size * cfg.model.max_length
   # On an accelerator MFU divides by every chip's datasheet peak; simulated CPU devices share one host's cores.
   peak, peak_source = peak_flops(jax.devices()[0], cfg.model.dtype)
   if peak is not None and jax.default_backend() != "cpu":

@@ -46,15 +46,24 @@ def make_optimizer(cfg: OptimConfig, total_steps: int) -> optax.GradientTransfor
   )
 
 
-def loss_terms(params, batch: Batch, key: jax.Array, model: Transformer, cfg: Config) -> dict[str, jax.Array]:
-  """The configured objective's sums for one batch (``mercury_jax.objectives``)."""
+def loss_terms(
+  params, batch: Batch, key: jax.Array, model: Transformer, cfg: Config, *, training: bool = False
+) -> dict[str, jax.Array]:
+  """The configured objective's sums for one batch (``mercury_jax.objectives``).
+
+  ``training`` is True only in the train step: it applies the clipped schedule (``objective.mask_rate_min/max``);
+  evaluation integrates the whole schedule so its diffusion estimate is a bound.
+  """
   segment_ids = K.segment_ids(batch["kinds"])
   use_t = cfg.model.time_conditioning
 
-  def logits_fn(tokens, t):
-    return model.apply({"params": params}, tokens, t if use_t else None, segment_ids=segment_ids)
+  def logits_fn(tokens, t, **overrides):  # objectives.LogitsFn: overrides replace the batch's defaults.
+    kwargs = {"segment_ids": segment_ids, **overrides}
+    return model.apply({"params": params}, tokens, t if use_t else None, **kwargs)
 
-  return objectives.loss_terms(logits_fn, batch["tokens"], batch["kinds"], key, cfg.objective)
+  return objectives.loss_terms(
+    logits_fn, batch["tokens"], batch["kinds"], key, cfg.objective, segment_ids=segment_ids, training=training
+  )
 
 
 def _init_params(model: Transformer, key: jax.Array):
@@ -129,7 +138,7 @@ class Trainer:
     key = jax.random.fold_in(state["key"], state["step"])
 
     def objective(params):
-      terms = loss_terms(params, batch, key, self.model, self.cfg)
+      terms = loss_terms(params, batch, key, self.model, self.cfg, training=True)
       return terms["loss_sum"] / jnp.maximum(terms["tokens"], 1.0), terms
 
     (loss, terms), grads = jax.value_and_grad(objective, has_aux=True)(state["params"])
@@ -144,7 +153,7 @@ class Trainer:
     return new_state, {"loss": loss, "grad_norm": grad_norm, "tokens": terms["tokens"]}
 
   def _eval_step(self, params, batch: Batch, key: jax.Array) -> dict[str, jax.Array]:
-    terms = loss_terms(params, batch, key, self.model, self.cfg)
+    terms = loss_terms(params, batch, key, self.model, self.cfg, training=False)
     return {"loss_sum": terms["loss_sum"], "tokens": terms["tokens"]}
 
   @functools.cached_property

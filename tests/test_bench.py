@@ -179,7 +179,35 @@ def models(tmp_path_factory):
   prepare_main(["--corpus", str(corpus / "**" / "*"), "--out", str(data), "--vocab-size", "400", "--seq-len", "64"])
   train(load_config("tiny", {**SMALL, "data.path": str(data)}), root / "diffusion", log=False)
   train(load_config("default_ar", {**SMALL, **AR_SHAPE, "data.path": str(data)}), root / "ar", log=False)
+  train(load_config("tiny_bd", {**SMALL, "data.path": str(data)}), root / "block", log=False)
   return root
+
+
+def test_smoke_bench_of_a_block_diffusion_model_times_the_cache_and_the_loop_overhead(models):
+  out = models / "out_block"
+  argv = ["--diffusion", str(models / "block"), "--autoregressive", str(models / "ar"), "--data", str(models / "data")]
+  bench.main([*argv, "--out", str(out), "--smoke", "--caches", "none"])
+  result = json.loads((out / "results.json").read_text())
+  rows = {(r["name"], r["batch"]): r for r in result["rows"]}
+  assert set(rows) == {
+    (n, b)
+    for n in (
+      "confidence steps=4",
+      "threshold tau=0.9",
+      "confidence steps=4 cache=none",
+      "threshold tau=0.9 cache=none",
+    )
+    + ("AR T=1",)
+    for b in (1, 2)
+  }
+  for batch in (1, 2):
+    cached, uncached = rows[("confidence steps=4", batch)], rows[("confidence steps=4 cache=none", batch)]
+    assert cached["speedup_vs_no_cache"] > 0 and "speedup_vs_no_cache" not in uncached
+    assert cached["mean_tokens"] == uncached["mean_tokens"]  # Same tokens with and without the cache.
+  overhead = result["overhead"]
+  assert overhead["cache"] == "exact" and overhead["block"] == 4 and overhead["forwards"] >= 2
+  assert overhead["ratio"] > 0 and overhead["predicted_s"] > 0
+  assert "**Loop overhead**" in (out / "results.md").read_text()
 
 
 def test_smoke_bench_writes_every_row_with_sane_numbers(models, capsys):

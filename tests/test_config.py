@@ -75,12 +75,48 @@ def test_checkpoints_from_before_the_objective_section_still_load():
     # t = 0 gives the ELBO weight -alpha'/(1 - alpha) = inf, and inf * 0 = NaN for unmasked positions.
     ("objective.t_min=0", "objective.t_min=0.0 must lie in (0, 1)"),
     ("objective.t_min=1", "objective.t_min=1.0 must lie in (0, 1)"),
+    ("objective.block_size=-4", "objective.block_size=-4 must be >= 0"),
+    ("objective.block_size=3", "model.max_length=256 must be a multiple of objective.block_size=3"),
+    ("objective.mask_rate_min=-0.1", "objective.mask_rate_min=-0.1 and objective.mask_rate_max=1.0 must satisfy"),
+    ("objective.mask_rate_max=1.5", "0 <= mask_rate_min < mask_rate_max <= 1"),
+    ("objective.mask_rate_max=0", "objective.mask_rate_min=0.0 and objective.mask_rate_max=0.0 must satisfy"),
   ],
 )
 def test_bad_overrides_name_the_key(item, fragment):
   with pytest.raises(ConfigError, match=None) as err:
     load_config("tiny", parse_set_args([item]))
   assert fragment in str(err.value)
+
+
+@pytest.mark.parametrize(
+  "items, fragment",
+  [
+    (
+      ["objective.name=autoregressive", "model.causal=true"],
+      "objective.block_size=4 needs objective.name='masked_diffusion' (got 'autoregressive')",
+    ),
+    (["model.causal=true"], "objective.block_size=4 needs a bidirectional model (model.causal=false)"),
+    (["model.time_conditioning=true"], "objective.block_size=4 draws one t per block"),
+    (["model.max_length=30"], "model.max_length=30 must be a multiple of objective.block_size=4"),
+    (
+      ["objective.mask_rate_min=0.8", "objective.mask_rate_max=0.3"],
+      "mask_rate_min=0.8 and objective.mask_rate_max=0.3",
+    ),
+  ],
+)
+def test_block_diffusion_and_clip_settings_that_cannot_work_are_config_errors(items, fragment):
+  with pytest.raises(ConfigError) as err:
+    load_config("tiny_bd", parse_set_args(items))
+  assert fragment in str(err.value)
+
+
+def test_block_diffusion_preset_and_clip_load():
+  cfg = load_config("tiny_bd", parse_set_args(["objective.mask_rate_min=0.3", "objective.mask_rate_max=0.8"]))
+  assert (cfg.objective.block_size, cfg.objective.mask_rate_min, cfg.objective.mask_rate_max) == (4, 0.3, 0.8)
+  assert dataclasses.replace(cfg.objective, block_size=0, mask_rate_min=0.0, mask_rate_max=1.0) == (
+    load_config("tiny").objective
+  )
+  assert config_from_dict(cfg.to_dict()) == cfg
 
 
 def test_bad_preset_and_set_syntax(tmp_path):
@@ -126,7 +162,12 @@ def test_cli_reports_config_errors_with_exit_code_2(tmp_path):
   assert "model.d_modle" in proc.stderr
 
 
-SMALL_PRESETS = ("tiny", "default", "default_ar")  # data = -1: compiled on the test's 8 devices as (2, 2, 2).
+SMALL_PRESETS = (
+  "tiny",
+  "tiny_bd",
+  "default",
+  "default_ar",
+)  # data = -1: compiled on the test's 8 devices as (2, 2, 2).
 ACCELERATOR_PRESETS = {"gpu8_125m": (8, 135e6), "pod64_1b": (64, 0.98e9)}  # Compiled on their own mesh size.
 # What GSPMD logs when it must replicate a tensor because two sharding annotations disagree.
 REMATERIALIZATION = "Involuntary full rematerialization"

@@ -19,7 +19,7 @@ from flax import linen as nn
 
 from mercury_jax import attention, sharding
 from mercury_jax.config import MeshConfig
-from mercury_jax.kernels import flash_attention as fa
+from mercury_jax.kernels import flash_attention as fa, masks
 
 F32_OUT = {"atol": 2e-5, "rtol": 2e-5}
 F32_GRAD = {"atol": 5e-5, "rtol": 5e-5}
@@ -47,7 +47,7 @@ class Case:
 
 # Lengths that are not multiples of the 32-row tiles, GQA (2 or 4 query heads per kv head), one head_dim of 128, one
 # that is not a power of two, diffusion blocks that do and do not divide the tiles, and three block configurations.
-# CASES[1], [2], [7] are also run in bfloat16.
+# CASES[1], [2], [7], [9] are also run in bfloat16.
 CASES = [
   Case(2, 40, 4, 2, 64, "bidirectional"),
   Case(2, 72, 4, 1, 64, "causal", segments=True),
@@ -59,6 +59,15 @@ CASES = [
   Case(1, 128, 2, 1, 64, "block_causal", 16, blocks=fa.BlockSizes(64, 16, 16, 64, 64, 16)),
   Case(2, 64, 2, 2, 128, "causal", blocks=None),
   Case(1, 100, 2, 2, 64, "block_causal", 32, blocks=None),
+  # block_diffusion over x_t ⊕ x_0: halves of 37, 40, 50 and 64 tokens (the first three not multiples of the tiles),
+  # blocks that divide the tiles, divide none (5) or outgrow them (48 > 32), GQA, packed segments with padding (0).
+  Case(1, 74, 4, 2, 64, "block_diffusion", 8, segments=True),
+  Case(2, 80, 4, 1, 32, "block_diffusion", 5, segments=True),
+  Case(1, 100, 2, 2, 64, "block_diffusion", 48),
+  # Rows that see nothing of the first tiles of a masked range (diffusion_block == block_k < block_q).
+  Case(1, 128, 2, 1, 64, "block_diffusion", 16, blocks=fa.BlockSizes(64, 16, 16, 64, 64, 16)),
+  Case(1, 200, 2, 2, 64, "block_diffusion", 32, segments=True, blocks=None),
+  Case(1, 96, 2, 1, 48, "block_diffusion", 1, segments=True),
 ]
 
 
@@ -70,8 +79,11 @@ def _inputs(case: Case, dtype, seed: int = 0):
   do = jnp.asarray(rng.standard_normal(shape_q), dtype)
   segment_ids = None
   if case.segments:  # Packed documents of random lengths, then right padding (segment 0).
-    ids = np.sort(rng.integers(1, 4, (case.batch, case.length)), axis=1)
-    ids[:, case.length - rng.integers(3, 12) :] = 0
+    length = case.length // 2 if case.mask == "block_diffusion" else case.length
+    ids = np.sort(rng.integers(1, 4, (case.batch, length)), axis=1)
+    ids[:, length - rng.integers(3, 12) :] = 0
+    if case.mask == "block_diffusion":  # The ids of x_t, then the same ids for x_0.
+      ids = np.concatenate([ids, ids], axis=1)
     segment_ids = jnp.asarray(ids, jnp.int32)
   return q, k, v, do, segment_ids
 
@@ -109,9 +121,9 @@ def _check_bf16(got, want):
     np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=bound, rtol=0, err_msg=name)
 
 
-# The default run checks one case per mask kind (with segments, GQA and the partial-tile case); `-m slow` adds the
-# rest of the grid (other lengths, head_dims and block configurations).
-DEFAULT_CASES = (0, 1, 2, 6)
+# The default run checks one case per mask kind (with segments, GQA and the partial-tile case) and four of
+# block_diffusion; `-m slow` adds the rest of the grid (other lengths, head_dims and block configurations).
+DEFAULT_CASES = (0, 1, 2, 6, 9, 10, 11, 12)
 GRID = [pytest.param(c, id=str(c), marks=() if i in DEFAULT_CASES else pytest.mark.slow) for i, c in enumerate(CASES)]
 
 
@@ -120,7 +132,7 @@ def test_float32_forward_and_grads_match_reference(case):
   _check_f32(*_kernel_and_reference(case, jnp.float32))
 
 
-@pytest.mark.parametrize("case", [CASES[1], CASES[2], CASES[7]], ids=str)
+@pytest.mark.parametrize("case", [CASES[1], CASES[2], CASES[7], CASES[9]], ids=str)
 def test_bfloat16_forward_and_grads_match_reference(case):
   _check_bf16(*_kernel_and_reference(case, jnp.bfloat16))
 
@@ -166,43 +178,76 @@ def test_reference_matches_brute_force_loops():
       np.testing.assert_allclose(got[0, i, h], (weights / weights.sum()) @ v[0, keys, 0], atol=1e-5)
 
 
+def _padded_visibility(plan):
+  """``(visible [length, length], real [length])`` in the plan's padded layout, built from ``masks.dense``.
+
+  ``visible[i, j]``: padded query ``i`` sees padded key ``j``; padding keys are seen by nobody. A padding query of a
+  ``block_diffusion`` half sees nothing; one at the end of a one-part sequence sees what its position sees.
+  """
+  if plan.half:
+    n, half = plan.q_len, plan.half
+    where = np.concatenate([np.arange(n), half + np.arange(n)])  # The padded position of each real position.
+    visible = np.zeros((plan.length, plan.length), bool)
+    visible[np.ix_(where, where)] = masks.dense(2 * n, "block_diffusion", block=plan.diffusion_block, half=n)
+    real = np.zeros(plan.length, bool)
+    real[where] = True
+    return visible, real
+  visible = np.array(masks.dense(plan.length, plan.mask, block=plan.diffusion_block))
+  visible[:, plan.q_len :] = False
+  return visible, np.arange(plan.length) < plan.q_len
+
+
 @pytest.mark.parametrize(
-  "mask,diffusion_block", [("bidirectional", None), ("causal", None), ("block_causal", 24), ("block_causal", 5)]
+  "mask,diffusion_block",
+  [
+    ("bidirectional", None),
+    ("causal", None),
+    ("block_causal", 24),
+    ("block_causal", 5),
+    ("block_diffusion", 5),
+    ("block_diffusion", 16),
+    ("block_diffusion", 40),
+  ],
 )
-@pytest.mark.parametrize("q_len", [64, 50])
-def test_loop_bounds_visit_exactly_the_visible_tiles(mask, diffusion_block, q_len):
-  """Tiles outside the loop bounds are fully masked; tiles in the unmasked range are fully visible (no mask needed)."""
-  length, block_q, block_k = 64, 16, 8
+@pytest.mark.parametrize("padded", [False, True])
+def test_loop_bounds_visit_exactly_the_visible_tiles(mask, diffusion_block, padded):
+  """The ranges of a tile hold exactly the tiles with a visible (real query, real key) pair, each once; the tiles in
+  the unmasked ranges are seen whole by every query of the pair of tiles, padding included (no mask needed).
+
+  Query tiles over key tiles are the forward and dq loops, key tiles over query tiles the dkv loop; both with the
+  larger and with the smaller tile on the outside. 64 padded positions; block_diffusion has two halves of 32.
+  """
+  length, parts = 64, 2 if mask == "block_diffusion" else 1
+  real = length // parts - (7 if padded else 0)  # Real positions per part.
   plan = fa._Plan(
     mask=mask,
     diffusion_block=diffusion_block or 1,
     sm_scale=1.0,
-    q_len=q_len,
-    kv_len=q_len,
+    q_len=real,
+    kv_len=real,
     length=length,
     groups=1,
     head_dim=16,
     blocks=SMALL,
     interpret=True,
+    half=length // 2 if parts == 2 else 0,
   )
-  visible = np.array(fa.visibility(length, mask, diffusion_block))
-  visible[:, q_len:] = False  # Padding keys.
-  for i in range(length // block_q):
-    n_full, n_visit = (int(x) for x in fa._key_tiles(jnp.int32(i), block_q, block_k, plan))
-    rows = slice(i * block_q, min((i + 1) * block_q, q_len))
-    for t in range(length // block_k):
-      tile = visible[rows, t * block_k : (t + 1) * block_k]
-      if rows.start < q_len:
-        assert (t < n_visit) == tile.any(), (i, t)
-        assert (t < n_full) <= tile.all(), (i, t)
-      else:
-        assert n_visit == 0
-  for t in range(length // block_k):
-    first, full = (int(x) for x in fa._query_tiles(jnp.int32(t), block_q, block_k, plan))
-    for i in range(-(-q_len // block_q)):
-      tile = visible[i * block_q : min((i + 1) * block_q, q_len), t * block_k : (t + 1) * block_k]
-      assert (i >= first) or not tile.any(), (i, t)
-      assert (i < full) or tile.all(), (i, t)
+  visible, is_real = _padded_visibility(plan)
+  for size, other, by_query in [(16, 8, True), (8, 16, True), (16, 8, False), (8, 16, False)]:
+    seen = visible if by_query else visible.T  # [tile side, other side]
+    for tile in range(length // size):
+      ranges = [
+        (int(f), int(e), positional) for _, f, e, positional in plan.tile_ranges(jnp.int32(tile), size, other, by_query)
+      ]
+      visited = [t for first, end, _ in ranges for t in range(first, end)]
+      unmasked = {t for first, end, positional in ranges if not positional for t in range(first, end)}
+      assert len(visited) == len(set(visited)), (tile, ranges)
+      mine = slice(tile * size, (tile + 1) * size)
+      for t in range(length // other):
+        theirs = slice(t * other, (t + 1) * other)
+        pairs = seen[mine, theirs]
+        assert (t in visited) == pairs[is_real[mine]][:, is_real[theirs]].any(), (by_query, size, tile, t)
+        assert t not in unmasked or pairs.all(), (by_query, size, tile, t)
 
 
 def test_argument_errors_name_the_value():
@@ -213,6 +258,10 @@ def test_argument_errors_name_the_value():
     fa.flash_attention(q, q, q, mask="block_causal", interpret=True)
   with pytest.raises(ValueError, match="mask='sliding'"):
     fa.flash_attention(q, q, q, mask="sliding", interpret=True)
+  with pytest.raises(ValueError, match="length=15 must be even"):
+    fa.flash_attention(q[:, :15], q[:, :15], q[:, :15], mask="block_diffusion", diffusion_block=4, interpret=True)
+  with pytest.raises(ValueError, match="diffusion_block=0"):
+    fa.flash_attention(q, q, q, mask="block_diffusion", diffusion_block=0, interpret=True)
   with pytest.raises(ValueError, match="block_k=24"):
     fa.BlockSizes(32, 24, 32, 32, 32, 32)
   with pytest.raises(ValueError, match="causal=True contradicts"):
@@ -233,13 +282,13 @@ def test_cudnn_refuses_float32_with_a_clear_error():
     attention.attend(q, q, q, implementation="cudnn")
 
 
-@pytest.mark.parametrize("mask", ["bidirectional", "causal", "block_causal"])
+@pytest.mark.parametrize("mask", ["bidirectional", "causal", "block_causal", "block_diffusion"])
 def test_kernels_lower_to_triton_for_gpu(mask):
   """The GPU lowering (Pallas -> Triton IR) runs on any host; a missing Triton lowering rule fails here."""
   q = jax.ShapeDtypeStruct((2, 1000, 8, 128), jnp.bfloat16)
   k = jax.ShapeDtypeStruct((2, 1000, 2, 128), jnp.bfloat16)
   segment_ids = jax.ShapeDtypeStruct((2, 1000), jnp.int32)
-  diffusion_block = 100 if mask == "block_causal" else None
+  diffusion_block = 100 if mask in ("block_causal", "block_diffusion") else None
 
   def loss(q, k, v, segment_ids):
     out = fa.flash_attention(q, k, v, segment_ids=segment_ids, mask=mask, diffusion_block=diffusion_block)

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from ar_reference import jit_decode
 from flax import linen as nn
 
 from mercury_jax import sharding as sh
@@ -15,7 +16,6 @@ from mercury_jax.config import Config, MeshConfig, ModelConfig, ObjectiveConfig
 from mercury_jax.model import Transformer
 from mercury_jax.sample import main
 from mercury_jax.sampling import canvas as cv
-from mercury_jax.sampling.autoregressive import jit_decode
 from mercury_jax.sampling.sampler import MASK_TEXT, Sampler
 
 MAX_LENGTH = 64

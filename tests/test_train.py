@@ -122,6 +122,28 @@ def test_training_writes_tensorboard_summaries_that_read_back(tmp_path, data_dir
   np.testing.assert_allclose(scalars["eval/nats_per_token"][0][1], records[-1]["eval_nats_per_token"], rtol=1e-6)
 
 
+def test_block_diffusion_preset_trains(data_dir):
+  """tiny_bd (BD3-LM, blocks of 4) learns: its held-out negative ELBO falls far below a fresh model's."""
+  overrides = {"model.max_length": "64", "model.vocab_size": "400", "mesh.data": "1", "data.path": str(data_dir)}
+  overrides |= {"train.steps": "40", "optim.learning_rate": "3e-3", "optim.warmup_steps": "5"}
+  cfg = load_config("tiny_bd", overrides)
+  assert cfg.objective.block_size == 4
+  trainer = Trainer(cfg, sh.make_mesh(cfg.mesh, jax.devices()[:1]))
+  state = trainer.init_state(cfg.train.seed)
+  held_out = [
+    pipeline.to_global(b, trainer.mesh, trainer.rules)
+    for b in pipeline.eval_batches(data_dir, "validation", seq_len=64, global_batch_size=8, num_batches=4)
+  ]
+  random = trainer.nats_per_token(state["params"], held_out, jax.random.key(0))
+  batches = iter(pipeline.train_dataset(data_dir, seq_len=64, global_batch_size=8, seed=0))
+  for _ in range(cfg.train.steps):
+    state, _ = trainer.train_step(state, pipeline.to_global(next(batches), trainer.mesh, trainer.rules))
+  trained = trainer.nats_per_token(state["params"], held_out, jax.random.key(0))
+  # Measured: 5.80 nats/token before (near ln 399, a uniform guess), 4.57 after 40 steps (4.55-4.58 with init and
+  # data seeds 1-3): about 1.2 nats lower. A broken mask, ELBO weight or target scores near the fresh model.
+  assert trained < random - 1.0, (random, trained)
+
+
 def test_sigterm_saves_and_exits_cleanly_then_resumes(tmp_path, data_dir):
   workdir = tmp_path / "run"
   proc = subprocess.Popen(

@@ -48,6 +48,7 @@ import numpy as np
 
 from mercury_jax import kinds as K
 from mercury_jax.bench import prompts as bench_prompts, quality, report as bench_report
+from mercury_jax.bench.overhead import engine_overhead
 from mercury_jax.bench.throughput import time_call
 from mercury_jax.checkpoint import find_tokenizer, restore_params
 from mercury_jax.data import pipeline
@@ -72,22 +73,27 @@ class Setting:
   steps: int  # Step budget; 0 for the autoregressive twin (one token per forward pass).
   tau: float | None = None
   temperature: float = 1.0
+  cache: str = "auto"  # The Sampler's cache (``none``: the uncached reference; ``dual``/``prefix``: approximate).
 
   @property
   def name(self) -> str:
     if self.model == "autoregressive":
       return f"AR {'greedy' if self.temperature == 0 else f'T={self.temperature:g}'}"
     name = f"{self.rule} steps={self.steps}" if self.tau is None else f"threshold tau={self.tau:g}"
-    return name if self.temperature == 1.0 else f"{name} T={self.temperature:g}"
+    name = name if self.temperature == 1.0 else f"{name} T={self.temperature:g}"
+    return name if self.cache == "auto" else f"{name} cache={self.cache}"
 
 
-def grid(length: int, steps, taus, temperatures, ar_temperatures) -> list[Setting]:
+def grid(length: int, steps, taus, temperatures, ar_temperatures, caches=()) -> list[Setting]:
   """The settings measured: at each diffusion temperature, confidence at each step budget and threshold at each tau
-  (budget ``length``); then the twin at each of its temperatures."""
+  (budget ``length``); each of those at the first temperature again with every cache of ``caches``; then the twin
+  at each of its temperatures."""
   settings = []
   for temperature in temperatures:
     settings += [Setting("diffusion", "confidence", s, None, temperature) for s in steps]
     settings += [Setting("diffusion", "threshold", length, t, temperature) for t in taus]
+  first = [s for s in settings if s.temperature == temperatures[0]]
+  settings += [dataclasses.replace(s, cache=cache) for cache in caches for s in first]
   return settings + [Setting("autoregressive", "kv-cache", 0, None, t) for t in ar_temperatures]
 
 
@@ -160,15 +166,17 @@ class Runner:
   def executable(self, setting: Setting, canvas: cv.Canvas) -> tuple:
     """The key of ``setting``'s executable for ``canvas``'s shape in ``compile_s``; compiles it the first time."""
     settings = self.settings(setting)
-    key = (setting.model, settings, np.shape(canvas.tokens))
+    key = (setting.model, settings, setting.cache, np.shape(canvas.tokens))
     if key not in self.compile_s:  # The call compiles (timed apart from the run), then runs once untimed.
-      self.compile_s[key] = self.samplers[setting.model].run(canvas, setting.steps, self.seed, settings)[2]
+      run = self.samplers[setting.model].run(canvas, setting.steps or None, self.seed, settings, cache=setting.cache)
+      self.compile_s[key] = run[2]
     return key
 
   def call(self, setting: Setting, canvas: cv.Canvas) -> tuple[SampleOutput, float]:
     """Runs ``setting`` on ``canvas`` (compiled by :meth:`executable`): the output (numpy) and wall seconds."""
     self.executable(setting, canvas)
-    out, wall, _ = self.samplers[setting.model].run(canvas, setting.steps, self.seed, self.settings(setting))
+    sampler = self.samplers[setting.model]
+    out, wall, _ = sampler.run(canvas, setting.steps or None, self.seed, self.settings(setting), cache=setting.cache)
     return out._replace(tokens=out.tokens[:, : np.shape(canvas.tokens)[1]]), wall  # Drop the Sampler's bucket.
 
 
@@ -278,7 +286,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     args.data, args.prompts, lambda text: len(tokenizer.encode(text)) <= context - room, args.corpus
   )
   prompt_ids = [tokenizer.encode(p.text) for p in prompts]
-  settings = grid(args.length, args.steps, args.taus, args.temperatures, args.ar_temperatures)
+  settings = grid(args.length, args.steps, args.taus, args.temperatures, args.ar_temperatures, args.caches)
+  for cache in args.caches:  # Reject a cache the diffusion model does not have before anything is timed.
+    samplers["diffusion"].decoder(cache)
   batches = {b: make_batches(prompt_ids, args.length, context, b, tokenizer.pad_id) for b in args.batch_sizes}
   runner = Runner(samplers, args.seed)
   calls, gflops = measure(runner, settings, batches, len(prompts), args.repeats)
@@ -295,6 +305,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
       row = summarise(setting, batch, calls[(i, batch)], calls[(reference, batch)], runner.compile_s[executable])
       first_samples.setdefault(i, done)
       rows.append({**row, **quality_cache[cache_key], "same_samples_as_first_batch": done == first_samples[i]})
+  _cache_speedups(rows, settings, calls, args.batch_sizes)
+  overhead = None
+  diffusion = samplers["diffusion"]
+  if diffusion.decoder()[0] != "loop":
+    first = next(s for s in settings if s.model == "diffusion" and s.cache == "auto")
+    overhead = {
+      "setting": first.name,
+      **engine_overhead(diffusion, batches[min(args.batch_sizes)][0], first.steps, runner.settings(first)),
+    }
   tol = bench_report.Tolerances(args.ppl_tolerance, args.entropy_tolerance, args.parse_tolerance)
   result = {
     "machine": machine,
@@ -318,6 +337,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     },
     "matched_quality": tol.describe(),
     "rows": rows,
+    "overhead": overhead,
   }
   result["headline"] = bench_report.headlines(rows, tol)
   out = Path(args.out)
@@ -326,6 +346,27 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
   (out / "results.md").write_text(bench_report.markdown(result))
   result["plots"] = bench_report.plots(rows, out)
   return result
+
+
+def _cache_speedups(rows: list[dict[str, Any]], settings: list[Setting], calls: dict, batch_sizes) -> None:
+  """Adds to each diffusion row that has an uncached twin (same setting, ``cache="none"``) ``speedup_vs_no_cache``:
+  the median over rounds of its tokens/s ÷ the twin's in the same round."""
+  index = {(s, b): i for i, s in enumerate(settings) for b in batch_sizes}
+  for row in rows:
+    if row["model"] != "diffusion" or row["cache"] != "auto":
+      continue
+    setting = next(s for s in settings if s.name == row["name"])
+    uncached = dataclasses.replace(setting, cache="none")
+    if (uncached, row["batch"]) not in index:
+      continue
+    mine, theirs = (
+      calls[(index[(setting, row["batch"])], row["batch"])],
+      calls[(index[(uncached, row["batch"])], row["batch"])],
+    )
+    speed = lambda c: c["generated"].sum() / c["wall"]  # noqa: E731
+    other = {c["round"]: speed(c) for c in theirs}
+    ratios = [speed(c) / other[c["round"]] for c in mine if other.get(c["round"], 0) > 0]
+    row["speedup_vs_no_cache"] = float(np.median(ratios)) if ratios else float("nan")
 
 
 def _finite(value: Any) -> Any:
@@ -373,6 +414,13 @@ def build_parser() -> argparse.ArgumentParser:
   )
   p.add_argument("--ar-temperatures", type=_floats, default=AR_TEMPERATURES, help="the twin's (1 = reference)")
   p.add_argument("--batch-sizes", type=_ints, default=(1, 16), help="comma-separated")
+  p.add_argument(
+    "--caches",
+    type=lambda text: tuple(v for v in text.split(",") if v),
+    default=(),
+    help="also run every diffusion setting (first temperature) with these caches, e.g. 'none' for the uncached "
+    "reference of a block-diffusion model or 'dual,prefix' (approximate) for a whole-sequence one",
+  )
   p.add_argument("--repeats", type=int, default=1, help="timed passes over the prompts per batch size")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--ppl-tolerance", type=float, default=0.10, help="matched: gen ppl <= (1 + this) x AR's")

@@ -95,6 +95,7 @@ COLUMNS = (
   ("batch", "batch", "{}"),
   ("tokens/s", "tokens_per_s", "{:.1f}"),
   ("× AR", "speedup_vs_ar", "{:.2f}"),
+  ("× no cache", "speedup_vs_no_cache", "{:.2f}"),
   ("NFE", "nfe", "{:.1f}"),
   ("tokens/NFE", "tokens_per_forward", "{:.2f}"),
   ("p50 s", "latency_p50_s", "{:.3f}"),
@@ -144,6 +145,17 @@ def markdown(result: dict[str, Any]) -> str:
     "",
   ]
   lines += [f"**Headline** {v['text']}." for v in result["headline"]]
+  overhead = result.get("overhead")
+  if overhead:
+    lines += [
+      "",
+      f"**Loop overhead** ({overhead['setting']}, batch of the first prompts, {overhead['cache']} cache, block "
+      f"{overhead['block']}, {overhead['steps_per_block']} steps per block): wall {overhead['wall_s']:.4f} s ÷ "
+      f"(prefill {overhead['prefill_s']:.4f} s + {overhead['first_passes']} first passes × "
+      f"{overhead['first_pass_s'] * 1e3:.3f} ms + {overhead['other_passes']} other passes × "
+      f"{overhead['pass_s'] * 1e3:.3f} ms) = "
+      f"**{overhead['ratio']:.3f}**.",
+    ]
   return "\n".join(lines) + "\n"
 
 

@@ -6,23 +6,34 @@ from that residual: after the precompute ``delta = rowsum(dO * O)``, one kernel 
 grouped-query attention it also walks the query heads of the group, so dk and dv are summed in registers) and one walks
 query tiles (dq). Scores live in the base-2 domain (``s * sm_scale * log2(e)``) so the kernels use ``exp2``.
 
-Masks. A query at position ``i`` sees the keys ``j < limit(i)``:
+Masks are the functions of (query, key) positions in :mod:`mercury_jax.kernels.masks`, the one definition that the
+XLA path, the reference, these kernels and TPU splash attention (``masks.splash_mask``) share:
 
-* ``bidirectional``: every key, ``limit(i) = length``;
-* ``causal``: ``limit(i) = i + 1``;
-* ``block_causal``: ``limit(i) = (i // diffusion_block + 1) * diffusion_block`` (block diffusion: a query sees its
-  own diffusion block and every earlier one; ``diffusion_block`` is unrelated to the tile sizes).
+* ``bidirectional``: every key;
+* ``causal``: the keys ``j <= i``;
+* ``block_causal``: the keys ``j // diffusion_block <= i // diffusion_block`` (a query sees its own diffusion block
+  and every earlier one; ``diffusion_block`` is unrelated to the tile sizes);
+* ``block_diffusion``: BD3-LM's training mask over ``x_t ⊕ x_0`` (an even length, ``half = length // 2``), blocks of
+  ``diffusion_block`` tokens along each half: a noisy query (``i < half``) sees the noisy keys of its own block and
+  the clean keys of strictly earlier blocks, a clean query the clean keys of its own and earlier blocks.
 
-Because ``limit`` never decreases, the key tiles a query tile needs form a prefix: tiles past it are never visited
-(loop bounds come from the tile indices) and only the tiles that straddle the boundary compute a mask.
+For every mask the keys a query sees are at most two intervals (one per half for ``block_diffusion``, else one) whose
+ends never decrease along the queries of a half; the same holds for the queries that see a key. A tile therefore
+meets, per interval, a contiguous range of tiles of the other side: the loop bounds come from the intervals of the
+tile's first and last positions, no fully masked tile is visited, the tiles seen whole are computed without a mask,
+and only the tiles at the interval ends evaluate ``masks.visible`` on the tile's position iotas. Under
+``block_diffusion`` a row can meet such a tile before any key it sees, so the online softmax guards its running max.
 ``segment_ids`` ``[batch, length]`` (non-negative int32) further restrict a query to the keys of its own segment;
 segment 0 is padding. A padding query sees no key at all and its output is defined as **zeros** (its log-sum-exp is
 stored as ``+inf``, so it gets and gives no gradient). With segment ids, a pair of tiles whose segment ranges do not
-overlap is skipped (through loop bounds computed before the kernels).
+overlap is skipped (through loop bounds computed before the kernels, per half). For ``block_diffusion`` the caller
+gives the ids of ``x_t`` and then the same ids again for ``x_0``.
 
-Lengths that are not a multiple of the tiles are zero-padded to one; the padding keys get no weight (through the
-segment ids when given, else through an explicit key bound) and the padding rows are sliced off. A ``head_dim`` that
-is not a power of two (Triton tiles must be) is zero-padded too, which changes no score.
+Lengths that are not a multiple of the tiles are zero-padded to one; ``block_diffusion`` pads each half on its own, so
+that no tile straddles the halves and the padded sequence is again a ``block_diffusion`` layout (of the padded half).
+The padding keys get no weight (through the segment ids when given, else through an explicit key bound; always the
+bound for ``block_diffusion``, whose padding queries see nothing) and the padding rows are sliced off. A ``head_dim``
+that is not a power of two (Triton tiles must be) is zero-padded too, which changes no score.
 """
 
 from __future__ import annotations
@@ -37,7 +48,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-MASKS = ("bidirectional", "causal", "block_causal")
+from mercury_jax.kernels import masks
+
+MASKS = masks.MASKS
+_BLOCK_MASKS = ("block_causal", "block_diffusion")  # The masks that take a diffusion_block.
 _LOG2_E = math.log2(math.e)
 
 
@@ -109,34 +123,120 @@ class BlockSizes:
 
 @dataclasses.dataclass(frozen=True)
 class _Plan:
-  """Everything static about one call, hashable so that it can be a ``custom_vjp`` non-differentiable argument."""
+  """Everything static about one call, hashable so that it can be a ``custom_vjp`` non-differentiable argument.
+
+  The padded sequence is one part (``half == 0``) or, for ``block_diffusion``, two parts of ``half`` positions (the
+  padded ``x_t``, then the padded ``x_0``); each part holds its real positions first, then padding.
+  """
 
   mask: str
   diffusion_block: int  # 1 for causal (a block of one); unused for bidirectional.
   sm_scale: float
-  q_len: int  # Queries at or past this index are padding: their tiles are skipped, their rows sliced off.
-  kv_len: int  # Keys at or past this index are padding (the padded length when segment ids mark it instead).
+  q_len: int  # Real queries per part: rows at or past this offset in their part are padding, and sliced off.
+  kv_len: int  # Real keys per part (the padded length when segment ids mark the padding keys instead).
   length: int  # Padded length: a multiple of every block.
   groups: int  # Query heads per key/value head.
   head_dim: int  # Padded head dimension.
   blocks: BlockSizes
   interpret: bool
+  half: int = 0  # block_diffusion: the padded length of each half, a multiple of every block; else 0.
 
-  def key_limit(self, rows):
-    """How many leading keys the query ``rows`` (int32 scalar or vector, >= 0) may see, clipped to ``kv_len``."""
-    if self.mask == "bidirectional":
-      return jnp.full_like(rows, self.kv_len)
-    if self.diffusion_block == 1:
-      return jnp.minimum(rows + 1, self.kv_len)
-    return jnp.minimum((lax.div(rows, self.diffusion_block) + 1) * self.diffusion_block, self.kv_len)
+  @property
+  def parts(self) -> int:
+    return 2 if self.half else 1
 
-  def first_row(self, col):
-    """The first query row that sees key ``col`` (an int32 scalar < kv_len)."""
-    if self.mask == "bidirectional":
-      return jnp.zeros_like(col)
-    if self.diffusion_block == 1:
-      return col
-    return lax.div(col, self.diffusion_block) * self.diffusion_block
+  def _part_start(self, pos):
+    # Not jnp.where(pos >= half, half, 0): the Triton lowering gives a select of two Python ints the predicate's type.
+    return (pos >= self.half).astype(pos.dtype) * self.half
+
+  def real(self, pos, keys: bool):
+    """Whether the padded positions ``pos`` (int32, >= 0) hold real keys (``keys``) or real queries."""
+    return pos - self._part_start(pos) < (self.kv_len if keys else self.q_len)
+
+  def visible(self, rows, cols):
+    """Positional visibility of the keys ``cols`` from the queries ``rows`` (broadcast int32 arrays).
+
+    The padded ``block_diffusion`` layout is the ``block_diffusion`` layout with ``half = self.half`` (a position keeps
+    its half and its offset in it), so ``masks.visible`` applies to it directly; its padding queries see nothing.
+    For the other masks a padding query (at the end of the sequence) sees what its position sees.
+    """
+    seen = masks.visible(rows, cols, self.mask, block=self.diffusion_block, half=self.half)
+    if self.half:
+      return seen & self.real(rows, keys=False) & self.real(cols, keys=True)
+    return seen & (cols < self.kv_len)
+
+  def key_intervals(self, rows):
+    """Per part, ``(lo, hi)``: the keys ``[lo, hi)`` of that part the query ``rows`` (int32) see; none if lo >= hi.
+
+    What ``tile_ranges`` relies on: along the real queries of a part both ends never decrease and the intervals of
+    consecutive queries leave no gap between them (blocks of M_BD abut, the others are prefixes of their half), so
+    their union is ``[lo(first), hi(last))``; ``lo`` never decreases over the padding tail of a part either. A
+    ``block_diffusion`` padding query sees nothing: ``(length, 0)``.
+    """
+    if not self.half:
+      if self.mask == "bidirectional":
+        limit = jnp.full_like(rows, self.kv_len)
+      elif self.diffusion_block == 1:
+        limit = jnp.minimum(rows + 1, self.kv_len)
+      else:
+        limit = jnp.minimum((lax.div(rows, self.diffusion_block) + 1) * self.diffusion_block, self.kv_len)
+      return ((jnp.zeros_like(rows), limit),)
+    clean = rows >= self.half
+    start = lax.div(rows - self._part_start(rows), self.diffusion_block) * self.diffusion_block  # Block start, in half.
+    end = jnp.minimum(start + self.diffusion_block, self.kv_len)
+    noisy_keys = (jnp.where(clean, self.length, start), jnp.where(clean, 0, end))  # M_BD: the own noisy block.
+    clean_keys = (jnp.full_like(rows, self.half), self.half + jnp.where(clean, end, start))  # M_BC, M_OBC.
+    real = self.real(rows, keys=False)
+    return tuple((jnp.where(real, lo, self.length), jnp.where(real, hi, 0)) for lo, hi in (noisy_keys, clean_keys))
+
+  def query_intervals(self, cols):
+    """Per part, ``(lo, hi)``: the real queries ``[lo, hi)`` of that part that see the key ``cols`` (int32).
+
+    The transpose of ``key_intervals``, with the same properties along the keys (suffixes instead of prefixes); a
+    padding key is seen by nobody: ``(length, 0)``.
+    """
+    real = self.real(cols, keys=True)
+    if not self.half:
+      if self.mask == "bidirectional":
+        first = jnp.zeros_like(cols)
+      elif self.diffusion_block == 1:
+        first = cols
+      else:
+        first = lax.div(cols, self.diffusion_block) * self.diffusion_block
+      every = jnp.full_like(cols, self.q_len)  # Not a where of two Python ints (see _part_start).
+      return ((jnp.where(real, first, self.length), jnp.where(real, every, 0)),)
+    clean = cols >= self.half
+    start = lax.div(cols - self._part_start(cols), self.diffusion_block) * self.diffusion_block
+    end = jnp.minimum(start + self.diffusion_block, self.q_len)
+    # A noisy key: the noisy queries of its block (M_BD); a clean key: the noisy queries of later blocks (M_OBC).
+    noisy_rows = (jnp.where(clean, end, start), jnp.where(clean, self.q_len, end))
+    every = jnp.full_like(cols, self.half + self.q_len)  # Not a where of two Python ints (see _part_start).
+    clean_rows = (jnp.where(clean, self.half + start, self.length), jnp.where(clean, every, 0))  # M_BC
+    return tuple((jnp.where(real, lo, self.length), jnp.where(real, hi, 0)) for lo, hi in (noisy_rows, clean_rows))
+
+  def tile_ranges(self, tile, size: int, other: int, by_query: bool):
+    """The tiles of ``other`` keys that query tile ``tile`` of ``size`` rows meets (``by_query``), or the reverse.
+
+    Per part three ranges ``(part, first, end, positional)``: tiles that need the mask; tiles in which every pair with
+    ``tile`` is visible, padding positions included (no mask); tiles that need the mask. The ranges hold exactly the
+    tiles with a visible pair of a real query and a real key, from the intervals of the tile's first, last and last
+    real position; a tile without a real position meets none.
+    """
+    intervals = self.key_intervals if by_query else self.query_intervals
+    first = tile * size
+    last = first + size - 1
+    last_real = jnp.minimum(last, self._part_start(first) + (self.q_len if by_query else self.kv_len) - 1)
+    empty = ~self.real(first, keys=not by_query)
+    ranges = []
+    for part, ((lo, hi_first), (lo_last, _), (_, hi)) in enumerate(
+      zip(intervals(first), intervals(last), intervals(last_real), strict=True)
+    ):
+      begin = lax.div(lo, other)
+      end = jnp.where(empty | (lo >= hi), begin, _cdiv(hi, other))  # The intervals' union: [lo, hi), maybe empty.
+      whole_begin = jnp.minimum(jnp.maximum(_cdiv(lo_last, other), begin), end)
+      whole_end = jnp.minimum(jnp.maximum(lax.div(hi_first, other), whole_begin), end)
+      ranges += [(part, begin, whole_begin, True), (part, whole_begin, whole_end, False), (part, whole_end, end, True)]
+    return ranges
 
   def compiler_params(self, kernel: int) -> pltriton.CompilerParams:
     """Launch parameters of kernel 0 (forward), 1 (dkv) or 2 (dq)."""
@@ -152,35 +252,14 @@ def _query_tile(i, num_tiles: int, plan: _Plan):
   return i if plan.mask == "bidirectional" else num_tiles - 1 - i
 
 
-def _key_tiles(i, block_q: int, block_k: int, plan: _Plan):
-  """Key tiles ``[0, n_full)`` every row of query tile ``i`` sees whole, ``[n_full, n_visit)`` that need a mask."""
-  n_full = lax.div(plan.key_limit(i * block_q), block_k)
-  n_visit = _cdiv(plan.key_limit(i * block_q + block_q - 1), block_k)
-  padding = i * block_q >= plan.q_len  # A tile of padding queries only: nothing to compute, the rows are dropped.
-  return jnp.where(padding, 0, n_full), jnp.where(padding, 0, n_visit)
+def _segment_ranges(q_seg, k_seg, block_q: int, block_k: int, per_query_tile: bool, parts: int):
+  """Per part, the tile range that can hold a pair with equal segment ids; int32 ``[batch, tiles, 2 * parts]``.
 
-
-def _query_tiles(t, block_q: int, block_k: int, plan: _Plan):
-  """Query tiles ``[first, full)`` that see part of key tile ``t``, ``[full, cdiv(q_len, block_q))`` that see it whole.
-
-  A key tile that holds padding keys is masked for every query tile; one of padding keys only needs no work.
-  """
-  num_q_tiles = -(-plan.q_len // block_q)
-  first = lax.div(plan.first_row(jnp.minimum(t * block_k, plan.kv_len - 1)), block_q)
-  full = jnp.minimum(_cdiv(plan.first_row(jnp.minimum(t * block_k + block_k, plan.kv_len) - 1), block_q), num_q_tiles)
-  return (
-    jnp.where(t * block_k >= plan.kv_len, num_q_tiles, first),
-    jnp.where(t * block_k + block_k > plan.kv_len, num_q_tiles, full),
-  )
-
-
-def _segment_ranges(q_seg, k_seg, block_q: int, block_k: int, per_query_tile: bool):
-  """Tile ranges that can hold a pair with equal segment ids; int32 ``[batch, tiles, 2]`` of ``[first, end)``.
-
-  Computed in XLA before the kernels from each tile's smallest and largest id, so that the kernels skip tiles through
-  their loop bounds instead of a branch (which would stop Triton from pipelining the loop). Any id layout is correct
-  (tiles inside a range that match nothing are merely masked); for packed sequences, ids non-decreasing along the
-  sequence, the ranges are exact.
+  Entry ``[b, tile, 2 * part : 2 * part + 2]`` is the ``[first, end)`` of the tiles of the other side, within ``part``
+  of the padded sequence, that share an id with ``tile``. Computed in XLA before the kernels from each tile's smallest
+  and largest id, so that the kernels skip tiles through their loop bounds instead of a branch (which would stop
+  Triton from pipelining the loop). Any id layout is correct (tiles inside a range that match nothing are merely
+  masked); for packed sequences, ids non-decreasing along each part, the ranges are exact.
 
   Args:
     q_seg: query ids ``[batch, length]`` with -1 for padding.
@@ -188,6 +267,7 @@ def _segment_ranges(q_seg, k_seg, block_q: int, block_k: int, per_query_tile: bo
     block_q: query tile size.
     block_k: key tile size.
     per_query_tile: True: for each query tile the range of key tiles; False: for each key tile the range of query tiles.
+    parts: 1, or 2 for the halves of ``block_diffusion`` (no tile straddles them).
   """
   batch, length = q_seg.shape
   q_tiles = q_seg.reshape(batch, length // block_q, block_q)  # [batch, q tiles, block_q]
@@ -198,31 +278,26 @@ def _segment_ranges(q_seg, k_seg, block_q: int, block_k: int, per_query_tile: bo
   overlap = (k_lo[:, None, :] <= q_hi[:, :, None]) & (k_hi[:, None, :] >= q_lo[:, :, None])  # [batch, q tiles, k tiles]
   if not per_query_tile:
     overlap = jnp.swapaxes(overlap, 1, 2)  # [batch, k tiles, q tiles]
-  n = overlap.shape[-1]
-  first = jnp.min(jnp.where(overlap, jnp.arange(n), n), axis=-1)
-  end = jnp.max(jnp.where(overlap, jnp.arange(n) + 1, 0), axis=-1)
-  return jnp.stack([first, jnp.maximum(first, end)], axis=-1).astype(jnp.int32)
+  tiles, n = overlap.shape[1:]
+  overlap = overlap.reshape(batch, tiles, parts, n // parts)  # [batch, tiles, parts, other tiles per part]
+  index = jnp.arange(n).reshape(parts, n // parts)
+  first = jnp.min(jnp.where(overlap, index, n), axis=-1)  # [batch, tiles, parts]
+  end = jnp.max(jnp.where(overlap, index + 1, 0), axis=-1)
+  return jnp.stack([first, jnp.maximum(first, end)], axis=-1).reshape(batch, tiles, 2 * parts).astype(jnp.int32)
 
 
-def _mask_scores(s, rows_limit, cols, q_seg, k_seg, positional: bool, transposed: bool = False):
+def _mask_scores(s, visible, q_seg, k_seg, transposed: bool = False):
   """Sets invisible scores to -inf.
 
   Args:
     s: scores ``[rows, cols]``, or ``[cols, rows]`` if ``transposed``.
-    rows_limit: ``key_limit`` of the query rows ``[rows]``.
-    cols: key indices ``[cols]``.
-    q_seg: segment ids of the rows (padding -1), or None.
-    k_seg: segment ids of the keys, or None.
-    positional: whether to apply ``rows_limit`` (False on tiles every row sees whole).
+    visible: the positional mask (``_Plan.visible``), laid out like ``s``, or None on tiles every row sees whole.
+    q_seg: segment ids of the rows ``[rows]`` (padding -1), or None.
+    k_seg: segment ids of the keys ``[cols]``, or None.
     transposed: the layout of ``s``.
   """
-  rows_axis = (lambda x: x[None, :]) if transposed else (lambda x: x[:, None])
-  cols_axis = (lambda x: x[:, None]) if transposed else (lambda x: x[None, :])
-  visible = None
-  if positional:
-    visible = cols_axis(cols) < rows_axis(rows_limit)
   if q_seg is not None:
-    same = rows_axis(q_seg) == cols_axis(k_seg)
+    same = q_seg[None, :] == k_seg[:, None] if transposed else q_seg[:, None] == k_seg[None, :]
     visible = same if visible is None else visible & same
   return s if visible is None else jnp.where(visible, s, -jnp.inf)
 
@@ -233,10 +308,10 @@ def _dot(a, b, contract: tuple[int, int]):
 
 
 def _tile_loops(ranges, seg_range_ref, step, carry):
-  """Runs ``step(i, carry, positional)`` over each ``((first, end), positional)`` in order, within the segment range."""
-  for (first, end), positional in ranges:
+  """Runs ``step(i, carry, positional)`` over each ``(part, first, end, positional)``, in the part's segment range."""
+  for part, first, end, positional in ranges:
     if seg_range_ref is not None:
-      first, end = jnp.maximum(first, seg_range_ref[0]), jnp.minimum(end, seg_range_ref[1])
+      first, end = jnp.maximum(first, seg_range_ref[2 * part]), jnp.minimum(end, seg_range_ref[2 * part + 1])
     carry = lax.fori_loop(first, end, functools.partial(step, positional=positional), carry)
   return carry
 
@@ -244,22 +319,24 @@ def _tile_loops(ranges, seg_range_ref, step, carry):
 def _forward_kernel(q_ref, k_ref, v_ref, q_seg_ref, k_seg_ref, seg_range_ref, o_ref, lse_ref, *, plan: _Plan):
   block_q, block_k = plan.blocks.block_q, plan.blocks.block_k
   i = _query_tile(pl.program_id(0), plan.length // block_q, plan)
-  rows_limit = plan.key_limit(i * block_q + lax.iota(jnp.int32, block_q))  # [block_q]
-  n_full, n_visit = _key_tiles(i, block_q, block_k, plan)
+  rows = i * block_q + lax.iota(jnp.int32, block_q)  # [block_q]
   q = q_ref[...]  # [block_q, head_dim]
   q_seg = None if q_seg_ref is None else q_seg_ref[...]
   scale = plan.sm_scale * _LOG2_E
+  # Without segment ids and with a one-part mask every row has seen a key before a tile it sees nothing of (the whole
+  # tiles come first, and the first tile holds key 0), so m is finite. With segment ids, or with block_diffusion (a
+  # masked range may start with tiles some rows see nothing of), a row may have seen only -inf: shift it by 0 then.
+  guard = q_seg is not None or plan.half > 0
 
   def step(t, carry, positional: bool):
     m, ell, acc = carry
     keys = pl.ds(pl.multiple_of(t * block_k, block_k), block_k)
     k_seg = None if k_seg_ref is None else k_seg_ref[keys]
     s = _dot(q, k_ref[keys, :], (1, 1)) * scale  # [block_q, block_k]
-    s = _mask_scores(s, rows_limit, t * block_k + lax.iota(jnp.int32, block_k), q_seg, k_seg, positional)
+    visible = plan.visible(rows[:, None], t * block_k + lax.iota(jnp.int32, block_k)[None, :]) if positional else None
+    s = _mask_scores(s, visible, q_seg, k_seg)
     m_new = jnp.maximum(m, jnp.max(s, axis=1))
-    # Without segment ids every row has seen a key before a tile it sees nothing of (the whole tiles come first, and
-    # the first tile holds key 0), so m is finite; with them a row may have seen only -inf: shift it by 0, not -inf.
-    m_shift = m_new if q_seg is None else jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    m_shift = jnp.where(m_new == -jnp.inf, 0.0, m_new) if guard else m_new
     p = jnp.exp2(s - m_shift[:, None])  # [block_q, block_k]
     alpha = jnp.exp2(m - m_shift)
     acc = acc * alpha[:, None] + _dot(p.astype(v_ref.dtype), v_ref[keys, :], (1, 0))  # [block_q, head_dim]
@@ -270,9 +347,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_seg_ref, k_seg_ref, seg_range_ref, o_
     jnp.zeros((block_q,), jnp.float32),
     jnp.zeros((block_q, plan.head_dim), jnp.float32),
   )
-  # Whole tiles first: without segment ids they give every row a finite max before any tile it sees nothing of.
-  m, ell, acc = _tile_loops((((0, n_full), False), ((n_full, n_visit), True)), seg_range_ref, step, carry)
-  empty = ell == 0.0  # Only padding queries (segment 0) see no key.
+  m, ell, acc = _tile_loops(plan.tile_ranges(i, block_q, block_k, by_query=True), seg_range_ref, step, carry)
+  empty = ell == 0.0  # Only padding queries (segment 0, or the padding of a block_diffusion half) see no key.
   o_ref[...] = (acc * (1.0 / jnp.where(empty, 1.0, ell))[:, None]).astype(o_ref.dtype)
   lse_ref[...] = jnp.where(empty, jnp.inf, m + jnp.log2(jnp.where(empty, 1.0, ell)))
 
@@ -281,14 +357,15 @@ def _dkv_kernel(
   q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, k_seg_ref, seg_range_ref, dk_ref, dv_ref, *, plan: _Plan
 ):
   block_q, block_k = plan.blocks.block_q_dkv, plan.blocks.block_kv_dkv
-  num_q_tiles = -(-plan.q_len // block_q)  # Query tiles of padding only have zero do: they add nothing.
   t = pl.program_id(0)
-  cols = t * block_k + lax.iota(jnp.int32, block_k)
+  cols = t * block_k + lax.iota(jnp.int32, block_k)  # [block_k]
   k = k_ref[...]  # [block_k, head_dim]
   v = v_ref[...]
   k_seg = None if k_seg_ref is None else k_seg_ref[...]
   scale = plan.sm_scale * _LOG2_E
-  first_tile, full_tile = _query_tiles(t, block_q, block_k, plan)
+  # Query tiles of padding only are in no range; padding rows elsewhere have zero do (and lse +inf or a finite lse
+  # over exactly the keys they are masked to here): they add nothing.
+  ranges = plan.tile_ranges(t, block_k, block_q, by_query=False)
 
   def head(g, carry):
     def step(s_idx, carry, positional: bool):
@@ -299,15 +376,17 @@ def _dkv_kernel(
       q = q_ref[rows, g, :]  # [block_q, head_dim]
       do = do_ref[rows, g, :]
       s_t = _dot(k, q, (1, 1)) * scale  # [block_k, block_q]
-      rows_limit = plan.key_limit(s_idx * block_q + lax.iota(jnp.int32, block_q))
-      s_t = _mask_scores(s_t, rows_limit, cols, q_seg, k_seg, positional, transposed=True)
+      visible = (
+        plan.visible(s_idx * block_q + lax.iota(jnp.int32, block_q)[None, :], cols[:, None]) if positional else None
+      )
+      s_t = _mask_scores(s_t, visible, q_seg, k_seg, transposed=True)
       p_t = jnp.exp2(s_t - lse_ref[g, rows][None, :])
       dv = dv + _dot(p_t.astype(do.dtype), do, (1, 0))  # [block_k, head_dim]
       ds_t = p_t * (_dot(v, do, (1, 1)) - delta_ref[g, rows][None, :])  # [block_k, block_q]
       dk = dk + _dot(ds_t.astype(q.dtype), q, (1, 0))  # [block_k, head_dim]
       return dk, dv
 
-    return _tile_loops((((first_tile, full_tile), True), ((full_tile, num_q_tiles), False)), seg_range_ref, step, carry)
+    return _tile_loops(ranges, seg_range_ref, step, carry)
 
   zeros = jnp.zeros((block_k, plan.head_dim), jnp.float32)
   dk, dv = lax.fori_loop(0, plan.groups, head, (zeros, zeros))
@@ -320,8 +399,7 @@ def _dq_kernel(
 ):
   block_q, block_k = plan.blocks.block_q_dq, plan.blocks.block_kv_dq
   i = _query_tile(pl.program_id(0), plan.length // block_q, plan)
-  rows_limit = plan.key_limit(i * block_q + lax.iota(jnp.int32, block_q))  # [block_q]
-  n_full, n_visit = _key_tiles(i, block_q, block_k, plan)
+  rows = i * block_q + lax.iota(jnp.int32, block_q)  # [block_q]
   q = q_ref[...]  # [block_q, head_dim]
   do = do_ref[...]
   lse = lse_ref[...]
@@ -334,13 +412,14 @@ def _dq_kernel(
     k_seg = None if k_seg_ref is None else k_seg_ref[keys]
     k = k_ref[keys, :]  # [block_k, head_dim]
     s = _dot(q, k, (1, 1)) * scale  # [block_q, block_k]
-    s = _mask_scores(s, rows_limit, t * block_k + lax.iota(jnp.int32, block_k), q_seg, k_seg, positional)
+    visible = plan.visible(rows[:, None], t * block_k + lax.iota(jnp.int32, block_k)[None, :]) if positional else None
+    s = _mask_scores(s, visible, q_seg, k_seg)
     p = jnp.exp2(s - lse[:, None])
     ds = p * (_dot(do, v_ref[keys, :], (1, 1)) - delta[:, None])  # [block_q, block_k]
     return dq + _dot(ds.astype(k.dtype), k, (1, 0))  # [block_q, head_dim]
 
   dq = jnp.zeros((block_q, plan.head_dim), jnp.float32)
-  dq = _tile_loops((((0, n_full), False), ((n_full, n_visit), True)), seg_range_ref, step, dq)
+  dq = _tile_loops(plan.tile_ranges(i, block_q, block_k, by_query=True), seg_range_ref, step, dq)
   dq_ref[...] = (dq * plan.sm_scale).astype(dq_ref.dtype)
 
 
@@ -350,7 +429,7 @@ def _forward_call(q, k, v, q_seg, k_seg, plan: _Plan):
   n = length // block_q
   tile = lambda i: _query_tile(i, n, plan)
   segments = q_seg is not None
-  seg_range = _segment_ranges(q_seg, k_seg, block_q, plan.blocks.block_k, True) if segments else None
+  seg_range = _segment_ranges(q_seg, k_seg, block_q, plan.blocks.block_k, True, plan.parts) if segments else None
   return pl.pallas_call(
     functools.partial(_forward_kernel, plan=plan),
     grid=(n, batch, heads),
@@ -360,7 +439,7 @@ def _forward_call(q, k, v, q_seg, k_seg, plan: _Plan):
       pl.BlockSpec((None, length, None, head_dim), lambda i, b, h: (b, 0, lax.div(h, groups), 0)),
       pl.BlockSpec((None, block_q), lambda i, b, h: (b, tile(i))) if segments else None,
       pl.BlockSpec((None, length), lambda i, b, h: (b, 0)) if segments else None,
-      pl.BlockSpec((None, None, 2), lambda i, b, h: (b, tile(i), 0)) if segments else None,
+      pl.BlockSpec((None, None, 2 * plan.parts), lambda i, b, h: (b, tile(i), 0)) if segments else None,
     ],
     out_specs=[
       pl.BlockSpec((None, block_q, None, head_dim), lambda i, b, h: (b, tile(i), h, 0)),
@@ -390,14 +469,24 @@ def _backward_calls(q, k, v, q_seg, k_seg, do, lse, delta, plan: _Plan):
       pl.BlockSpec((None, groups, length), lambda t, b, j: (b, j, 0)),  # delta
       pl.BlockSpec((None, length), lambda t, b, j: (b, 0)) if segments else None,
       pl.BlockSpec((None, bk), lambda t, b, j: (b, t)) if segments else None,
-      pl.BlockSpec((None, None, 2), lambda t, b, j: (b, t, 0)) if segments else None,
+      pl.BlockSpec((None, None, 2 * plan.parts), lambda t, b, j: (b, t, 0)) if segments else None,
     ],
     out_specs=[pl.BlockSpec((None, bk, None, head_dim), lambda t, b, j: (b, t, j, 0))] * 2,
     out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
     compiler_params=plan.compiler_params(1),
     interpret=plan.interpret,
     name="mercury_flash_dkv",
-  )(q, k, v, do, lse, delta, q_seg, k_seg, _segment_ranges(q_seg, k_seg, bq, bk, False) if segments else None)
+  )(
+    q,
+    k,
+    v,
+    do,
+    lse,
+    delta,
+    q_seg,
+    k_seg,
+    _segment_ranges(q_seg, k_seg, bq, bk, False, plan.parts) if segments else None,
+  )
 
   bq, bk = blocks.block_q_dq, blocks.block_kv_dq
   n = length // bq
@@ -414,14 +503,16 @@ def _backward_calls(q, k, v, q_seg, k_seg, do, lse, delta, plan: _Plan):
       pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, tile(i))),  # delta
       pl.BlockSpec((None, bq), lambda i, b, h: (b, tile(i))) if segments else None,
       pl.BlockSpec((None, length), lambda i, b, h: (b, 0)) if segments else None,
-      pl.BlockSpec((None, None, 2), lambda i, b, h: (b, tile(i), 0)) if segments else None,
+      pl.BlockSpec((None, None, 2 * plan.parts), lambda i, b, h: (b, tile(i), 0)) if segments else None,
     ],
     out_specs=pl.BlockSpec((None, bq, None, head_dim), lambda i, b, h: (b, tile(i), h, 0)),
     out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
     compiler_params=plan.compiler_params(2),
     interpret=plan.interpret,
     name="mercury_flash_dq",
-  )(q, k, v, do, lse, delta, q_seg, k_seg, _segment_ranges(q_seg, k_seg, bq, bk, True) if segments else None)
+  )(
+    q, k, v, do, lse, delta, q_seg, k_seg, _segment_ranges(q_seg, k_seg, bq, bk, True, plan.parts) if segments else None
+  )
   return dq, dk, dv
 
 
@@ -459,14 +550,25 @@ def _check_args(q, k, v, segment_ids, mask, diffusion_block):
     raise ValueError(f"q, k, v must share one floating dtype, got {q.dtype=}, {k.dtype=}, {v.dtype=}")
   if mask not in MASKS:
     raise ValueError(f"{mask=} must be one of {MASKS}")
-  if mask == "block_causal" and (not isinstance(diffusion_block, int) or diffusion_block < 1):
-    raise ValueError(f"{diffusion_block=} must be a positive int for mask='block_causal'")
-  if mask != "block_causal" and diffusion_block is not None:
-    raise ValueError(f"{diffusion_block=} is only meaningful for mask='block_causal', got {mask=}")
+  if mask in _BLOCK_MASKS and (not isinstance(diffusion_block, int) or diffusion_block < 1):
+    raise ValueError(f"{diffusion_block=} must be a positive int for {mask=}")
+  if mask not in _BLOCK_MASKS and diffusion_block is not None:
+    raise ValueError(f"{diffusion_block=} is only meaningful for the masks {_BLOCK_MASKS}, got {mask=}")
+  if mask == "block_diffusion" and length % 2:
+    raise ValueError(f"{length=} must be even for mask='block_diffusion' (x_t ⊕ x_0: two halves of equal length)")
   if segment_ids is not None and (
     segment_ids.shape != (batch, length) or not jnp.issubdtype(segment_ids.dtype, jnp.integer)
   ):
     raise ValueError(f"{segment_ids.shape=} ({segment_ids.dtype}) must be int32 [batch, length]={batch, length}")
+
+
+def _pad_parts(x, parts: int, padded: int, value=0):
+  """``[batch, parts * real, ...]`` -> ``[batch, parts * padded, ...]``: each part padded at its end with ``value``."""
+  batch, length = x.shape[:2]
+  x = x.reshape(batch, parts, length // parts, *x.shape[2:])  # [batch, parts, real, ...]
+  pad = [(0, 0)] * x.ndim
+  pad[2] = (0, padded - length // parts)
+  return jnp.pad(x, pad, constant_values=value).reshape(batch, parts * padded, *x.shape[3:])
 
 
 def flash_attention(
@@ -488,12 +590,14 @@ def flash_attention(
     k: keys ``[batch, length, kv_heads, head_dim]``; ``heads`` must be a multiple of ``kv_heads``.
     v: values, shaped like ``k``.
     segment_ids: optional int32 ``[batch, length]``, non-negative: a query sees only keys of its own segment; 0 marks
-      padding, whose queries see nothing and output zeros.
-    mask: ``"bidirectional"``, ``"causal"`` or ``"block_causal"`` (see the module docstring).
-    diffusion_block: block size of ``"block_causal"``; must be None for the other masks.
+      padding, whose queries see nothing and output zeros. For ``block_diffusion`` the ids of ``x_t`` followed by the
+      same ids for ``x_0``.
+    mask: ``"bidirectional"``, ``"causal"``, ``"block_causal"`` or ``"block_diffusion"`` (module docstring; the
+      latter needs an even ``length``: ``x_t`` then ``x_0``).
+    diffusion_block: block size of ``"block_causal"`` and ``"block_diffusion"``; must be None for the other masks.
     sm_scale: multiplies the scores; defaults to ``head_dim ** -0.5``.
     block_sizes: tiles; defaults to ``BlockSizes.get_default(head_dim, q.dtype)``. Blocks longer than the padded
-      length shrink to it.
+      length (of a half, for ``block_diffusion``) shrink to it.
     interpret: run the kernels with the Pallas interpreter (any backend; slow).
 
   Returns:
@@ -501,45 +605,43 @@ def flash_attention(
   """
   _check_args(q, k, v, segment_ids, mask, diffusion_block)
   batch, length, heads, head_dim = q.shape
-  blocks = (block_sizes or BlockSizes.get_default(head_dim, q.dtype)).fit(length)
-  padded_len = -(-length // blocks.largest) * blocks.largest
+  parts = 2 if mask == "block_diffusion" else 1
+  real = length // parts  # Real positions per part.
+  blocks = (block_sizes or BlockSizes.get_default(head_dim, q.dtype)).fit(real)
+  padded = -(-real // blocks.largest) * blocks.largest  # Padded positions per part.
   padded_dim = max(16, pl.next_power_of_2(head_dim))
   q_seg = k_seg = None
   if segment_ids is not None:
     segment_ids = segment_ids.astype(jnp.int32)
-    pad = ((0, 0), (0, padded_len - length))
-    k_seg = jnp.pad(segment_ids, pad)  # Padding keys get segment 0,
-    q_seg = jnp.pad(jnp.where(segment_ids == 0, -1, segment_ids), pad, constant_values=-1)  # which no query matches.
+    k_seg = _pad_parts(segment_ids, parts, padded)  # Padding keys get segment 0,
+    q_seg = _pad_parts(jnp.where(segment_ids == 0, -1, segment_ids), parts, padded, -1)  # which no query matches.
   plan = _Plan(
     mask=mask,
-    diffusion_block=diffusion_block if mask == "block_causal" else 1,
+    diffusion_block=diffusion_block if mask in _BLOCK_MASKS else 1,
     sm_scale=float(head_dim**-0.5 if sm_scale is None else sm_scale),
-    q_len=length,
-    kv_len=length if segment_ids is None else padded_len,
-    length=padded_len,
+    q_len=real,
+    kv_len=padded if segment_ids is not None and parts == 1 else real,
+    length=parts * padded,
     groups=heads // k.shape[2],
     head_dim=padded_dim,
     blocks=blocks,
     interpret=interpret,
+    half=padded if parts == 2 else 0,
   )
-  if (padded_len, padded_dim) != (length, head_dim):
-    pad = ((0, 0), (0, padded_len - length), (0, 0), (0, padded_dim - head_dim))
-    q, k, v = jnp.pad(q, pad), jnp.pad(k, pad), jnp.pad(v, pad)
-  out = _flash(q, k, v, q_seg, k_seg, plan)
-  return out[:, :length, :, :head_dim]
+  if (padded, padded_dim) != (real, head_dim):
+    pad_dim = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, 0), (0, padded_dim - head_dim)))
+    q, k, v = (_pad_parts(pad_dim(x), parts, padded) for x in (q, k, v))
+  out = _flash(q, k, v, q_seg, k_seg, plan)  # [batch, parts * padded, heads, padded_dim]
+  out = out.reshape(batch, parts, padded, heads, padded_dim)[:, :, :real, :, :head_dim]
+  return out.reshape(batch, length, heads, head_dim)
 
 
 def visibility(length: int, mask: str, diffusion_block: int | None = None) -> jax.Array:
-  """``[length, length]`` bool, True where query ``i`` (row) may see key ``j`` (column) under ``mask``."""
-  rows = jnp.arange(length)[:, None]
-  cols = jnp.arange(length)[None, :]
-  if mask == "bidirectional":
-    return jnp.ones((length, length), jnp.bool_)
-  if mask == "causal":
-    return cols <= rows
-  if mask == "block_causal":
-    return cols // diffusion_block <= rows // diffusion_block
-  raise ValueError(f"{mask=} must be one of {MASKS}")
+  """``[length, length]`` bool, True where query ``i`` (row) may see key ``j`` (column) under ``mask``.
+
+  ``masks.dense``; ``block_diffusion`` runs over ``x_t ⊕ x_0``, so its ``half`` is ``length // 2``.
+  """
+  return masks.dense(length, mask, block=diffusion_block, half=length // 2, xp=jnp)
 
 
 def reference_attention(

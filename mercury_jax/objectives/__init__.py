@@ -3,9 +3,11 @@
 Each objective is a plain function over the network's ``logits_fn``; the network knows nothing of them.
 
 - ``masked_diffusion``: absorbing-state diffusion trained with the continuous-time ELBO (MDLM / MD4).
+- ``block_diffusion``: ``masked_diffusion`` with ``objective.block_size > 0``: diffusion within blocks,
+  autoregressive across them (BD3-LM), trained in one pass over ``x_t ⊕ x_0``.
 - ``autoregressive``: next-token prediction, the twin every diffusion model is compared with.
 
-Both return the same sums, ``{"loss_sum", "tokens", "masked"}``, so the trainer and evaluation treat them alike:
+All return the same sums, ``{"loss_sum", "tokens", "masked"}``, so the trainer and evaluation treat them alike:
 ``loss_sum / tokens`` is nats per scored token (an upper bound on the NLL for diffusion, exact for the twin).
 """
 
@@ -16,21 +18,46 @@ from collections.abc import Callable
 import jax
 
 from mercury_jax.config import ObjectiveConfig
-from mercury_jax.objectives import autoregressive, masked_diffusion
+from mercury_jax.objectives import autoregressive, block_diffusion, masked_diffusion
 
-# (tokens [batch, length], t [batch] or None) -> logits [batch, length, vocab]
-LogitsFn = Callable[[jax.Array, jax.Array | None], jax.Array]
+# (tokens [batch, length], t [batch] or None, **overrides) -> logits [batch, length, vocab]. Keyword overrides
+# (segment_ids, positions, mask, diffusion_block) go to the network in place of the batch's own segment ids, the
+# positions 0 .. length-1 and the model's default mask; the block objective passes them for its 2n-token pass.
+LogitsFn = Callable[..., jax.Array]
 
 
 def loss_terms(
-  logits_fn: LogitsFn, tokens: jax.Array, kinds: jax.Array, key: jax.Array, cfg: ObjectiveConfig
+  logits_fn: LogitsFn,
+  tokens: jax.Array,
+  kinds: jax.Array,
+  key: jax.Array,
+  cfg: ObjectiveConfig,
+  *,
+  segment_ids: jax.Array | None = None,
+  training: bool = False,
 ) -> dict[str, jax.Array]:
-  """The sums of the objective named by ``cfg.name`` for one batch (see the module docstring)."""
+  """The sums of the objective named by ``cfg.name`` for one batch (see the module docstring).
+
+  Args:
+    logits_fn: the network (:data:`LogitsFn`).
+    tokens: clean tokens, [batch, length] int32.
+    kinds: token kinds (``mercury_jax.kinds``), [batch, length].
+    key: PRNG key of the objective's noise.
+    cfg: the objective config.
+    segment_ids: the batch's attention segments, [batch, length], as ``logits_fn`` uses them by default (the block
+      objective repeats them for ``x_t ⊕ x_0``); default ``kinds.segment_ids(kinds)``.
+    training: True in the train step: the clipped schedule (``objective.mask_rate_min/max``) applies. Evaluation
+      passes False, so the diffusion estimate stays a bound on the NLL.
+  """
   if cfg.name == "autoregressive":
     return autoregressive.loss(lambda x: logits_fn(x, None), tokens, kinds)
+  if cfg.name == "masked_diffusion" and cfg.block_size:
+    return block_diffusion.loss(
+      logits_fn, tokens, kinds, key, cfg.mask_id, cfg, segment_ids=segment_ids, training=training
+    )
   if cfg.name == "masked_diffusion":
-    return masked_diffusion.loss(logits_fn, tokens, kinds, key, cfg.mask_id, cfg)
+    return masked_diffusion.loss(logits_fn, tokens, kinds, key, cfg.mask_id, cfg, training=training)
   raise ValueError(f"objective.name={cfg.name!r} is unknown")
 
 
-__all__ = ["LogitsFn", "autoregressive", "loss_terms", "masked_diffusion"]
+__all__ = ["LogitsFn", "autoregressive", "block_diffusion", "loss_terms", "masked_diffusion"]

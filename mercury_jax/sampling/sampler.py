@@ -5,9 +5,20 @@ The tokenizer, the params-only restore, the mesh and the compiled loops are set 
 data-parallel size and canvases to a multiple of ``LENGTH_BUCKET`` tokens (padding never changes an example's
 output), so varying prompt lengths share compilations.
 
-Diffusion checkpoints run the refinement loop (:func:`~mercury_jax.sampling.loop.jit_sample`); checkpoints of the
-autoregressive twin (``objective.name = "autoregressive"``) run the key-value-cache decoder
-(:func:`~mercury_jax.sampling.autoregressive.jit_decode`) on the same canvases, through the same ``generate``.
+Which decoder runs (``generate(..., cache=...)``, one of :data:`CACHES`):
+
+- block-diffusion checkpoints (``objective.block_size > 0``) and the autoregressive twin run the block engine
+  (:mod:`~mercury_jax.sampling.blocks`) with its exact key-value cache (``auto``/``exact``), or without a cache
+  (``none``, the reference the cache reproduces); the twin is the engine with blocks of one token;
+- whole-sequence diffusion checkpoints run the whole-canvas refinement loop
+  (:func:`~mercury_jax.sampling.loop.jit_sample`; ``auto``/``none``), or the block engine with Fast-dLLM's
+  approximate ``dual`` or ``prefix`` cache over blocks of ``block_length`` tokens (default
+  ``APPROXIMATE_BLOCK``).
+
+On the block engine ``steps`` stays the step budget for the generated length: each block gets
+``ceil(steps * block / generated)`` steps (at least 1), so the same ``steps`` means about the same tokens per step
+with and without a cache. :meth:`Sampler.stream` yields each block as it is committed (and, optionally, the draft
+after every step).
 
 Several processes (a multi-host mesh) either all pass the same prompts and all get every sample, or, with
 ``generate(..., per_process=True)``, each passes its own prompts and gets only its own samples: the processes agree
@@ -22,7 +33,7 @@ import contextlib
 import dataclasses
 import time
 import zlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -37,9 +48,10 @@ from mercury_jax.config import Config, MeshConfig
 from mercury_jax.data.tokenizer import Tokenizer
 from mercury_jax.model import Transformer
 from mercury_jax.sampling import canvas as cv
-from mercury_jax.sampling.autoregressive import jit_decode
+from mercury_jax.sampling.blocks import BlockEngine, BlockPlan, plan_blocks
 from mercury_jax.sampling.canvas import SampleOutput
 from mercury_jax.sampling.loop import jit_sample, model_denoise_fn
+from mercury_jax.sampling.mesh import jit_on_mesh
 from mercury_jax.sampling.settings import SamplerSettings, SettingError, check_knobs_for_model
 from mercury_jax.trainer import param_shardings
 
@@ -48,6 +60,8 @@ DEFAULT_CHECKPOINT = Path(__file__).resolve().parent.parent / "assets" / "defaul
 LENGTH_BUCKET = 64
 MASK_TEXT = "░"  # How an undecided position looks in a step-by-step trace.
 DEFAULT_STEPS = 32
+CACHES = ("auto", "exact", "none", "dual", "prefix")
+APPROXIMATE_BLOCK = 32  # Block of the approximate caches of whole-sequence checkpoints when block_length is 0.
 
 
 def bucketed_length(length: int, context: int) -> int:
@@ -90,6 +104,7 @@ class BatchLayout(NamedTuple):
   length: int  # the longest canvas of any process
   local_rows: int  # rows each process contributes (its own, then padding)
   own_devices: bool  # each process's devices hold rows no other process holds
+  generated: int = 0  # the most positions any row of any process generates (the block engine's step share)
 
 
 @dataclasses.dataclass
@@ -104,6 +119,7 @@ class Sample:
     wall_time: Seconds the batch it belongs to took (compilation excluded).
     tokens_per_s: Generated tokens of the whole batch (with ``per_process``: of this process's rows) per second of
       ``wall_time``.
+    tokens_per_forward: Generated tokens of this sample per forward pass it needed (TPF, ``len(tokens) / nfe``).
     compile_time: Seconds spent compiling for this batch (0 when a compilation was reused).
     steps: With ``show_steps``, the canvas text after each refinement step (autoregressive: after each generated
       token), undecided positions as ``MASK_TEXT``.
@@ -117,6 +133,7 @@ class Sample:
   tokens_per_s: float
   compile_time: float = 0.0
   steps: list[str] | None = None
+  tokens_per_forward: float = 0.0
 
 
 class Sampler:
@@ -133,6 +150,7 @@ class Sampler:
     check_compatible(cfg, tokenizer)
     self.cfg, self.tokenizer = cfg, tokenizer
     self.autoregressive = is_autoregressive(cfg)
+    self.block_size = cfg.objective.block_size  # 0: a whole-sequence diffusion model (or the twin)
     self.mesh = mesh if mesh is not None else sh.make_mesh(MeshConfig(data=1), jax.devices()[:1])
     self.rules = sh.axis_rules(cfg.mesh)
     self.param_shardings = param_shardings(Transformer(cfg.model), self.mesh, self.rules)
@@ -196,7 +214,15 @@ class Sampler:
     indices = sh.batch_sharding(self.mesh, self.rules, 1).addressable_devices_indices_map((shards,))
     return len({index[0].start for index in indices.values()})
 
-  def agree_on_batch(self, rows: int, length: int, *, digest: int = 0, failed: bool = False) -> BatchLayout:
+  def agree_on_batch(
+    self,
+    rows: int,
+    length: int,
+    *,
+    digest: int = 0,
+    failed: bool = False,
+    generated: int = 0,
+  ) -> BatchLayout:
     """Agrees with every other process on the batch of a ``per_process`` call (collective: all processes call it).
 
     Args:
@@ -204,11 +230,12 @@ class Sampler:
       length: This process's canvas length.
       digest: A number that must be equal on every process (e.g. of the settings and seed).
       failed: This process could not build its rows; every process then raises.
+      generated: The most positions a row of this process generates.
 
     Raises:
       ValueError: Some process failed, or the processes' ``digest`` differ.
     """
-    mine = np.asarray([rows, length, int(failed), self._local_slices(), digest & 0x7FFFFFFF], np.int32)
+    mine = np.asarray([rows, length, int(failed), self._local_slices(), digest & 0x7FFFFFFF, generated], np.int32)
     table = np.asarray(multihost_utils.process_allgather(mine)).reshape(jax.process_count(), mine.size)
     failures = [int(p) for p in np.flatnonzero(table[:, 2])]
     if failures:
@@ -222,7 +249,50 @@ class Sampler:
     own = shards % processes == 0 and bool((slices == shards // processes).all())
     most = max(int(table[:, 0].max()), 1)
     local_rows = -(-most // (shards // processes)) * (shards // processes) if own else most
-    return BatchLayout(table[:, 0], int(table[:, 1].max()), local_rows, own)
+    return BatchLayout(table[:, 0], int(table[:, 1].max()), local_rows, own, int(table[:, 5].max()))
+
+  # ------------------------------------------------------------------------------------------- decoders
+
+  def decoder(self, cache: str = "auto", block_length: int = 0) -> tuple[str, int]:
+    """``(cache, block)`` of the decoder this model runs: ``("loop", 0)`` for the whole-canvas refinement loop, else
+    the block engine's cache (``exact``, ``none``, ``dual``, ``prefix``) and block size.
+
+    Raises:
+      SettingError: A cache this model does not have, or a block length that contradicts its training.
+    """
+    if cache not in CACHES:
+      raise SettingError("cache", cache, f"is unknown; choose one of {', '.join(CACHES)}")
+    if self.autoregressive or self.block_size:
+      if cache in ("dual", "prefix"):
+        raise SettingError(
+          "cache", cache, "is the approximate cache of whole-sequence checkpoints; this model has an exact cache"
+        )
+      block = 1 if self.autoregressive else self.block_size
+      if block_length and not self.autoregressive and block_length != block:
+        raise SettingError(
+          "block_length", block_length, f"must be {block} (or 0): the block size this model was trained with"
+        )
+      return ("none" if cache == "none" else "exact"), block
+    if cache == "exact":
+      raise SettingError(
+        "cache",
+        cache,
+        "needs a block-diffusion checkpoint (objective.block_size > 0); this whole-sequence model has the "
+        "approximate caches 'dual' and 'prefix'",
+      )
+    if cache in ("auto", "none"):
+      return "loop", 0
+    return cache, block_length or APPROXIMATE_BLOCK
+
+  def block_steps(self, steps: int | None, block: int, generated: int) -> int:
+    """Steps per block for a budget of ``steps`` over ``generated`` positions (the longest row's; module docstring);
+    default one token per step (the twin: always 1)."""
+    if self.autoregressive:
+      return 1
+    generated = max(generated, 1)
+    if steps is None:
+      return block
+    return max(1, -(-steps * block // generated))
 
   def run(
     self,
@@ -232,26 +302,39 @@ class Sampler:
     settings: SamplerSettings,
     *,
     layout: BatchLayout | None = None,
+    cache: str = "auto",
   ) -> tuple[SampleOutput, float, float]:
-    """Runs the compiled sampler (diffusion loop or autoregressive decoder) on a canvas batch.
+    """Runs the compiled decoder (:meth:`decoder`) on a canvas batch.
 
     Args:
       canvas: The rows to fill (numpy). With ``layout``, this process's rows only.
-      steps: Step budget of the diffusion loop (>= 1); unused by an autoregressive model.
+      steps: Step budget of a diffusion model (>= 1; None: the block engine's default); unused by the twin.
       seed: The PRNG seed (the same on every process).
       settings: Sampler settings.
       layout: For per-process rows, the batch every process agreed on (:meth:`agree_on_batch`).
+      cache: See :data:`CACHES`.
 
     Returns:
       ``(output as numpy arrays, wall seconds, compile seconds)``; the batch is padded to the mesh's data size and
-      the canvas to ``LENGTH_BUCKET``, and the output is cut back to the rows given (its canvases keep the padded
-      length: the first ``canvas.tokens.shape[1]`` positions are the given ones).
+      the canvas to ``LENGTH_BUCKET`` (the whole-canvas loop) or to the block (the block engine), and the output is
+      cut back to the rows given (its canvases keep the padded length: the first ``canvas.tokens.shape[1]``
+      positions are the given ones).
     """
-    if not self.autoregressive and (steps is None or steps < 1):
+    kind, block = self.decoder(cache, settings.block_length)
+    if not self.autoregressive and steps is not None and steps < 1:
+      raise SettingError("steps", steps, "must be >= 1")
+    if kind == "loop" and steps is None:
       raise SettingError("steps", steps, "must be >= 1")
     batch, length = np.shape(canvas.tokens)
     length = length if layout is None else layout.length
-    canvas = self._pad_length(canvas, length, settings.pad_id)
+    plan = None
+    if kind == "loop":
+      canvas = self._pad_length(canvas, bucketed_length(length, self.max_length), settings.pad_id)
+    else:
+      generated = _generated(canvas.kinds) if layout is None else layout.generated
+      canvas = self._pad_length(canvas, -(-length // block) * block, settings.pad_id)
+      plan = self.plan(canvas.kinds, kind, block)
+      steps = self.block_steps(steps, block, generated)
     rows, vectors = sh.batch_sharding(self.mesh, self.rules, 2), sh.batch_sharding(self.mesh, self.rules, 1)
     first = 0  # This process's first row in the gathered output.
     if layout is not None and layout.own_devices:  # Each process places its rows on its devices.
@@ -275,17 +358,17 @@ class Sampler:
     replicated = NamedSharding(self.mesh, P())
     # Host values placed by callback, so every process of a multi-host mesh builds the same global arrays.
     args = (self.params, canvas, self._place(np.asarray(jax.random.key_data(jax.random.key(seed))), replicated))
-    if not self.autoregressive:
-      args += (self._place(np.asarray(steps, np.int32), replicated),)
-    cache_key = (settings, np.shape(canvas.tokens))
+    args += (self._place(np.asarray(1 if steps is None else steps, np.int32), replicated),)
+    cache_key = (settings, plan, np.shape(canvas.tokens))
     compile_time = 0.0
     if cache_key not in self._compiled:
       start = time.perf_counter()
       shardings = dict(mesh=self.mesh, rules=self.rules, param_shardings=self.param_shardings)
-      if self.autoregressive:
-        fn = jit_decode(self.cfg.model, settings, **shardings)
-      else:
+      if plan is None:
         fn = jit_sample(self.denoise_fn, settings, **shardings)
+      else:
+        engine = BlockEngine(self.cfg.model, settings, plan)
+        fn = jit_on_mesh(engine.sample, scalars=1, trace=settings.trace, name="the block engine", **shardings)
       self._compiled[cache_key] = fn.lower(*args).compile()
       compile_time = time.perf_counter() - start
     start = time.perf_counter()
@@ -302,9 +385,19 @@ class Sampler:
       out = out._replace(canvases=out.canvases[:, cut], commits=out.commits[:, cut], remasks=out.remasks[:, cut])
     return out._replace(tokens=out.tokens[cut], nfe=out.nfe[cut]), wall, compile_time
 
+  def plan(self, kinds: np.ndarray, cache: str, block: int) -> BlockPlan:
+    """The block engine's :class:`~mercury_jax.sampling.blocks.BlockPlan` for these canvases."""
+    return plan_blocks(
+      kinds,
+      block,
+      cache=cache,
+      autoregressive=self.autoregressive,
+      whole_sequence=not (self.autoregressive or self.block_size),
+    )
+
   def _pad_length(self, canvas: cv.Canvas, length: int, pad_id: int) -> cv.Canvas:
-    """Right-pads canvases to :func:`bucketed_length` of ``length``."""
-    extra = bucketed_length(length, self.max_length) - np.shape(canvas.tokens)[1]
+    """Right-pads canvases to ``length`` positions."""
+    extra = length - np.shape(canvas.tokens)[1]
     if extra <= 0:
       return canvas
     return cv.Canvas(
@@ -328,6 +421,7 @@ class Sampler:
     show_steps: bool = False,
     bos: bool = False,
     per_process: bool = False,
+    cache: str = "auto",
     **knobs,
   ) -> list[Sample]:
     """Generates text for each prompt (``num_samples`` each), in one batch.
@@ -340,7 +434,8 @@ class Sampler:
       prompts: One prompt or several (of any lengths). With ``template``, each prompt precedes the template.
       template: A string with ``<mask:N>`` holes; its text is kept and its holes filled.
       length: Tokens to generate after each prompt (prompt mode only).
-      steps: Step budget of a diffusion model (>= 1; default 32). Not for an autoregressive model.
+      steps: Step budget of a diffusion model for the generated length (>= 1; default 32 for the whole-canvas loop,
+        one token per step on the block engine). Not for an autoregressive model.
       seed: The PRNG seed.
       num_samples: Samples per prompt.
       streams: Each row's random stream (default: its row index; with ``per_process``, its row index in the batch
@@ -352,6 +447,8 @@ class Sampler:
         process must call ``generate`` with the same other arguments (it is collective). The tokens equal those of
         one process given every process's prompts, in process order. Without it, every process passes the same
         prompts and gets every sample.
+      cache: The decoder's key-value cache (:data:`CACHES`, module docstring): ``auto`` (the model's best exact
+        decoder), ``exact``, ``none``, or for whole-sequence checkpoints the approximate ``dual`` and ``prefix``.
       **knobs: ``SamplerSettings`` fields: temperature, top_k, top_p, min_length, eos_to_pad, and for diffusion
         models rule, confidence, threshold, block_length, revision.
 
@@ -361,10 +458,148 @@ class Sampler:
       ValueError: An empty prompt without a template, a template without holes, or a canvas beyond the model's
         context.
     """
+    prepared = self._prepare(
+      prompts, template, length, steps, seed, num_samples, streams, show_steps, bos, per_process, cache, knobs
+    )
+    if prepared is None:
+      return []
+    settings, canvas, prompts, prompt_lengths, layout = prepared
+    if steps is None and self._kind(cache, knobs)[0] == "loop":
+      steps = DEFAULT_STEPS
+    out, wall, compile_time = self.run(canvas, steps, seed, settings, layout=layout, cache=cache)
+    kinds = np.asarray(canvas.kinds)
+    generated = int(((kinds == K.TARGET) & (out.tokens[:, : kinds.shape[1]] != settings.pad_id)).sum())
+    samples = []
+    for row, prompt in enumerate(prompts):
+      end = int((kinds[row] != K.PAD).sum())
+      region = out.tokens[row, prompt_lengths[row] : end]
+      tokens = [int(t) for t in region if t != settings.pad_id]
+      trace = None
+      if show_steps:
+        trace = self._frames(out, kinds, row, end, settings)
+      samples.append(
+        Sample(
+          prompt=prompt,
+          text=self.tokenizer.decode(region),
+          tokens=tokens,
+          nfe=int(out.nfe[row]),
+          wall_time=wall,
+          tokens_per_s=generated / wall if wall > 0 else float("inf"),
+          compile_time=compile_time,
+          steps=trace,
+          tokens_per_forward=len(tokens) / max(int(out.nfe[row]), 1),
+        )
+      )
+    return samples
+
+  def stream(
+    self,
+    prompts: str | Sequence[str] | None = None,
+    *,
+    template: str | None = None,
+    length: int = 64,
+    steps: int | None = None,
+    seed: int = 0,
+    num_samples: int = 1,
+    streams: Sequence[int] | None = None,
+    bos: bool = False,
+    drafts: bool = False,
+    cache: str = "auto",
+    **knobs,
+  ) -> Iterator[StreamEvent]:
+    """Generates like :meth:`generate` (same arguments, same tokens) and yields text as blocks are committed.
+
+    The block engine runs in chunks of one block (with ``drafts``, one step): each chunk is one call of a compiled
+    program that takes and returns the loop state, so streaming compiles once per batch shape. A whole-sequence
+    checkpoint without a cache streams through the engine's uncached blocks of ``block_length`` tokens (default
+    ``APPROXIMATE_BLOCK``), the same decoding as ``generate(..., cache="none")`` with that block only when
+    ``generate`` runs on the engine too.
+
+    Args:
+      drafts: Also yield, after every step, each unfinished sample's draft: its committed tokens with the step's
+        proposals at the positions still undecided in the current block (later blocks as ``MASK_TEXT``).
+      See :meth:`generate` for the others.
+
+    Yields:
+      :class:`StreamEvent` per sample and chunk that has news: the newly committed text, the draft, and a last event
+      with ``done=True``. Concatenating a sample's ``text`` gives its ``generate`` text.
+    """
+    kind, block = self._kind(cache, knobs)
+    if kind == "loop":
+      kind, block = "none", knobs.get("block_length") or APPROXIMATE_BLOCK
+    prepared = self._prepare(
+      prompts, template, length, steps, seed, num_samples, streams, False, bos, False, cache, knobs
+    )
+    settings, canvas, prompts, prompt_lengths, _ = prepared
+    batch, length = np.shape(canvas.tokens)
+    generated = _generated(canvas.kinds)
+    canvas = self._pad_length(canvas, -(-length // block) * block, settings.pad_id)
+    plan = self.plan(canvas.kinds, kind, block)
+    canvas = cv.pad_batch(canvas, sh.data_parallel_size(self.mesh, self.rules), settings.pad_id)
+    rows, vectors = sh.batch_sharding(self.mesh, self.rules, 2), sh.batch_sharding(self.mesh, self.rules, 1)
+    placed = cv.Canvas(
+      self._place(canvas.tokens, rows), self._place(canvas.kinds, rows), self._place(canvas.streams, vectors)
+    )
+    replicated = NamedSharding(self.mesh, P())
+    key = self._place(np.asarray(jax.random.key_data(jax.random.key(seed))), replicated)
+    per_block = self._place(np.asarray(self.block_steps(steps, block, generated), np.int32), replicated)
+    engine = BlockEngine(self.cfg.model, settings, plan)
+    cache_key = (settings, plan, np.shape(canvas.tokens), "stream")
+    if cache_key not in self._compiled:
+      init = sh.MeshJit(engine.init, self.mesh, self.rules, in_shardings=(self.param_shardings, None, None, None))
+      advance = sh.MeshJit(engine.advance, self.mesh, self.rules, donate_argnums=(1,))
+      self._compiled[cache_key] = (init, advance)
+    init, advance = self._compiled[cache_key]
+    one = self._place(np.asarray(1, np.int32), replicated)
+    state = init(self.params, placed, key, per_block)
+    kinds = np.asarray(canvas.kinds)
+    ends = [int((kinds[row] != K.PAD).sum()) for row in range(batch)]
+    sent, finished = [""] * batch, [False] * batch
+    decode = lambda ids: self.tokenizer.decode(ids, mask_text=MASK_TEXT)  # noqa: E731
+    while not all(finished):
+      state = advance(self.params, state, None, one) if drafts else advance(self.params, state, one, None)
+      z, first, last, current, fresh, proposal, nfe = (
+        self._gather(x) for x in (state.z, state.first, state.last, state.block, state.fresh, state.proposal, state.nfe)
+      )
+      done_all = bool(np.asarray(jax.device_get(engine.done(state))))
+      for row in range(batch):
+        if finished[row]:
+          continue
+        row_block = min(int(first[row]) + int(current), int(last[row]))  # the row's next (or open) block
+        open_block = row_block - 1 if bool(fresh) else row_block  # the block the last step worked on
+        slots = np.arange(length) + block
+        tokens = z[row, block : block + length]
+        row_done = done_all or not (tokens[: ends[row]] == settings.mask_id).any()
+        committed = row_block * block - block  # the canvas positions before the row's block are final
+        final_end = ends[row] if row_done else max(committed, prompt_lengths[row])
+        text = self.tokenizer.decode(tokens[prompt_lengths[row] : min(final_end, ends[row])])
+        if not row_done and text.endswith("\ufffd"):  # A character split between blocks waits for its bytes.
+          text = text[:-1]
+        delta = text[len(sent[row]) :] if text.startswith(sent[row]) else ""
+        draft = None
+        if drafts and not row_done:
+          undecided = (tokens == settings.mask_id) & ((slots // block) == open_block)
+          guess = tokens.copy()
+          guess[undecided] = proposal[row, (slots[undecided] % block)]
+          draft = decode(guess[prompt_lengths[row] : ends[row]])
+        if delta or draft is not None or row_done:
+          sent[row] += delta
+          finished[row] = row_done
+          yield StreamEvent(index=row, text=delta, draft=draft, done=row_done, nfe=int(nfe[row]))
+
+  def _kind(self, cache: str, knobs: dict) -> tuple[str, int]:
+    return self.decoder(cache, knobs.get("block_length") or 0)
+
+  def _prepare(
+    self, prompts, template, length, steps, seed, num_samples, streams, show_steps, bos, per_process, cache, knobs
+  ):
+    """Checks ``generate``'s arguments and builds ``(settings, canvas, prompts, prompt lengths, layout)``, or None
+    when no process has a prompt (``per_process``)."""
     spread = per_process and jax.process_count() > 1
     try:
+      kind, block = self._kind(cache, knobs)
       settings, examples, prompts, prompt_lengths = self._examples(
-        prompts, template, length, steps, num_samples, show_steps, bos, per_process, knobs
+        prompts, template, length, steps, num_samples, show_steps, bos, per_process, knobs, kind, block
       )
     except ValueError:
       if spread:  # Tell the other processes, which would otherwise wait for this one.
@@ -374,41 +609,20 @@ class Sampler:
     offset, layout = 0, None
     if spread:
       width = max((sum(p.length if isinstance(p, cv.Hole) else len(p) for p in e) for e in examples), default=0)
-      digest = zlib.crc32(repr((settings, steps, seed)).encode())
-      layout = self.agree_on_batch(len(examples), width, digest=digest)
+      digest = zlib.crc32(repr((settings, steps, seed, cache)).encode())
+      generated = _generated(cv.make_canvas(examples, pad_id=settings.pad_id).kinds) if examples else 0
+      layout = self.agree_on_batch(len(examples), width, digest=digest, generated=generated)
       offset = int(layout.rows[: jax.process_index()].sum())
     if not (examples if layout is None else layout.rows.any()):
-      return []
+      return None
     if streams is None:
       streams = range(offset, offset + len(examples))
     canvas = cv.make_canvas(examples, streams=streams, pad_id=settings.pad_id)
-    out, wall, compile_time = self.run(
-      canvas, steps if steps is not None else DEFAULT_STEPS, seed, settings, layout=layout
-    )
-    kinds = np.asarray(canvas.kinds)
-    generated = int(((kinds == K.TARGET) & (out.tokens[:, : kinds.shape[1]] != settings.pad_id)).sum())
-    samples = []
-    for row, prompt in enumerate(prompts):
-      end = int((kinds[row] != K.PAD).sum())
-      region = out.tokens[row, prompt_lengths[row] : end]
-      trace = None
-      if show_steps:
-        trace = self._frames(out, kinds, row, end, settings)
-      samples.append(
-        Sample(
-          prompt=prompt,
-          text=self.tokenizer.decode(region),
-          tokens=[int(t) for t in region if t != settings.pad_id],
-          nfe=int(out.nfe[row]),
-          wall_time=wall,
-          tokens_per_s=generated / wall if wall > 0 else float("inf"),
-          compile_time=compile_time,
-          steps=trace,
-        )
-      )
-    return samples
+    return settings, canvas, prompts, prompt_lengths, layout
 
-  def _examples(self, prompts, template, length, steps, num_samples, show_steps, bos, per_process, knobs):
+  def _examples(
+    self, prompts, template, length, steps, num_samples, show_steps, bos, per_process, knobs, kind="loop", block=0
+  ):
     """Checks ``generate``'s arguments and builds ``(settings, examples, prompt of each row, prompt lengths)``."""
     check_knobs_for_model({"steps": steps, **knobs}, self.autoregressive)
     if not self.autoregressive and steps is not None and steps < 1:
@@ -425,9 +639,15 @@ class Sampler:
       raise ValueError(f"num_samples={num_samples} must be >= 1")
     if template is None and length < 1:
       raise ValueError(f"length={length} must be >= 1")
-    trace = (steps or DEFAULT_STEPS) if show_steps and not self.autoregressive else 0
-    settings = self.settings(trace=trace, **knobs)
     tail = cv.parse_template(template, self.tokenizer.encode) if template is not None else None
+    trace = 0
+    if show_steps and not self.autoregressive:
+      trace = steps or DEFAULT_STEPS
+      if kind != "loop":  # The block engine: steps per block times the blocks a row spans.
+        holes = sum(p.length for p in tail if isinstance(p, cv.Hole)) if tail is not None else length
+        span = sum(p.length if isinstance(p, cv.Hole) else len(p) for p in tail) if tail is not None else length
+        trace = self.block_steps(steps, block, holes) * (-(-span // block) + 1)
+    settings = self.settings(trace=trace, **knobs)
     examples, prompt_lengths = [], []
     for i, prompt in enumerate(prompts):
       if not prompt and template is None:
@@ -451,7 +671,10 @@ class Sampler:
     """The canvas text of one row after each step (diffusion) or each generated token (autoregressive)."""
     decode = lambda ids: self.tokenizer.decode(ids, mask_text=MASK_TEXT)
     if not self.autoregressive:
-      return [decode(out.canvases[j, row, :end]) for j in range(min(int(out.nfe[row]), settings.trace))]
+      frames = min(int(out.nfe[row]), settings.trace)
+      if (out.commits < 0).any():  # The block engine marks frames past its last step with -1.
+        frames = int((out.commits[:, row] >= 0).sum())
+      return [decode(out.canvases[j, row, :end]) for j in range(frames)]
     # The decoder commits one position per forward pass, left to right, and skips the rest of a hole after its EOS:
     # frame k shows the first k decided positions.
     final = out.tokens[row, :end]
@@ -464,6 +687,31 @@ class Sampler:
       canvas[positions[k:]] = settings.mask_id
       frames.append(decode(canvas))
     return [*frames, decode(final)]
+
+
+@dataclasses.dataclass
+class StreamEvent:
+  """One update of :meth:`Sampler.stream`.
+
+  Attributes:
+    index: The sample (its index in ``generate``'s output).
+    text: Text committed since this sample's previous event ("" when only the draft changed).
+    draft: With ``drafts``: the sample's whole completion now, committed tokens plus the current proposals, later
+      undecided positions as ``MASK_TEXT``; None otherwise and in the last event.
+    done: This is the sample's last event.
+    nfe: Forward passes the sample has needed so far (prefill included).
+  """
+
+  index: int
+  text: str
+  draft: str | None
+  done: bool
+  nfe: int
+
+
+def _generated(kinds: np.ndarray) -> int:
+  """The most positions a row of these canvases generates."""
+  return int((np.asarray(kinds) == K.TARGET).sum(axis=1).max(initial=0))
 
 
 def _pad_rows(canvas: cv.Canvas, rows: int, pad_id: int) -> cv.Canvas:

@@ -1,4 +1,9 @@
-"""Key-value-cache decoding for the autoregressive twin: one jitted ``lax.while_loop``, one token per forward pass.
+"""The autoregressive twin's decoder as it was before the block engine: the reference the engine must reproduce.
+
+The package decodes the twin with the block engine (``mercury_jax.sampling.blocks``, blocks of one token); this
+stand-alone decoder is kept, unchanged, only so that the tests can check the engine against it token for token.
+
+Key-value-cache decoding for the autoregressive twin: one jitted ``lax.while_loop``, one token per forward pass.
 
 It fills the same :class:`~mercury_jax.sampling.canvas.Canvas` as the diffusion sampler, left to right: a prefill
 pass writes the whole canvas into the cache (generated positions hold padding there, in segment 0, so nothing

@@ -1,0 +1,313 @@
+"""The block engine: the exact cache reproduces the uncached engine, the cache holds clean keys and values, the twin
+decodes as the reference decoder does, and streaming gives the batch result (tiny random models, f32)."""
+
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from ar_reference import decode
+from flax import linen as nn
+
+from mercury_jax import sharding as sh
+from mercury_jax.checkpoint import export_params
+from mercury_jax.config import Config, MeshConfig, ModelConfig, ObjectiveConfig
+from mercury_jax.model import Transformer
+from mercury_jax.sampling import canvas as cv
+from mercury_jax.sampling.blocks import BlockEngine, plan_blocks
+from mercury_jax.sampling.mesh import jit_on_mesh
+from mercury_jax.sampling.sampler import Sampler
+from mercury_jax.sampling.settings import SamplerSettings, SettingError
+from mercury_jax.trainer import param_shardings
+
+BLOCK = 4
+EOS = 3
+VOCAB = 64
+PROMPTS = ["def add(x, y):", "import os", "class Point:\n  def"]
+
+
+def _model_cfg(**overrides) -> ModelConfig:
+  base = dict(
+    vocab_size=VOCAB,
+    d_model=32,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    mlp_dim=64,
+    max_length=64,
+    attention="xla",
+    unroll_layers=True,
+  )
+  return ModelConfig(**{**base, **overrides})
+
+
+def _params(cfg: ModelConfig, seed: int = 0, scale: float = 8.0):
+  params = nn.meta.unbox(Transformer(cfg).init(jax.random.key(seed), jnp.zeros((1, 8), jnp.int32)))["params"]
+  return jax.tree.map(lambda p: p * scale, params)  # Sharper distributions than the 0.02 init.
+
+
+def _canvas() -> cv.Canvas:
+  """Rows with different prompt lengths (first generated position in different blocks) and a two-hole template."""
+  examples = [
+    cv.prefix([5, 6, 7], 13),
+    cv.prefix([5, 6, 7, 8, 9, 10, 11], 9),
+    [[9, 9], cv.Hole(5), [12, 13], cv.Hole(6)],
+    cv.prefix([20], 11),
+  ]
+  return cv.make_canvas(examples)
+
+
+def _settings(**knobs) -> SamplerSettings:
+  return SamplerSettings(eos_id=EOS, num_tokens=VOCAB, **knobs).validate()
+
+
+def _sample(cfg, params, canvas, settings, cache, steps, *, block=BLOCK, seed=1):
+  plan = plan_blocks(canvas.kinds, block, cache=cache, autoregressive=cfg.causal)
+  engine = BlockEngine(cfg, settings, plan)
+  return jax.jit(engine.sample)(params, canvas, jax.random.key(seed), jnp.int32(steps))
+
+
+RULES = [
+  dict(rule="confidence"),
+  dict(rule="threshold", threshold=0.5),
+  dict(rule="ancestral"),
+  dict(rule="ancestral", revision=0.4),
+  dict(rule="confidence", revision=0.3, temperature=0.0),
+]
+
+
+@pytest.mark.parametrize("knobs", RULES, ids=lambda k: "-".join(f"{a}={b}" for a, b in k.items()))
+def test_exact_cache_gives_the_tokens_of_the_uncached_engine(knobs):
+  cfg, canvas = _model_cfg(), _canvas()
+  params, settings = _params(cfg), _settings(**knobs)
+  cached = _sample(cfg, params, canvas, settings, "exact", 3)
+  uncached = _sample(cfg, params, canvas, settings, "none", 3)
+  np.testing.assert_array_equal(np.asarray(cached.tokens), np.asarray(uncached.tokens))
+  tokens, kinds = np.asarray(cached.tokens), np.asarray(canvas.kinds)
+  assert not (tokens == settings.mask_id).any()
+  np.testing.assert_array_equal(tokens[kinds == cv.FIXED], np.asarray(canvas.tokens)[kinds == cv.FIXED])
+  # Both ran the same refinement steps; the cache costs one prefill, with which the first block's first pass is fused.
+  assert int(cached.steps) <= int(uncached.steps) + 1
+
+
+def test_the_cache_holds_the_clean_keys_and_values_of_every_committed_block():
+  cfg, canvas = _model_cfg(), _canvas()
+  params, settings = _params(cfg), _settings(rule="threshold", threshold=0.5)
+  plan = plan_blocks(canvas.kinds, BLOCK, cache="exact")
+  engine = BlockEngine(cfg, settings, plan)
+  state = jax.jit(lambda p, c: engine.advance(p, engine.init(p, c, jax.random.key(3), jnp.int32(2))))(params, canvas)
+  # A full clean pass over the final tokens, block-causal, written into a fresh cache of the same slots.
+  model = Transformer(cfg)
+  empty = jax.tree.map(jnp.zeros_like, state.cache)
+  _, clean = model.apply(
+    {"params": params, "cache": empty},
+    state.z,
+    segment_ids=state.segments,
+    positions=state.positions,
+    decode=True,
+    mask="block_causal",
+    diffusion_block=BLOCK,
+    cache_index=0,
+    mutable=["cache"],
+  )
+  # Every block before a row's last one is committed and was written by the next block's fused first pass.
+  written = (jnp.arange(plan.slots)[None, :] < state.last[:, None] * BLOCK) & (state.segments != 0)
+  assert int(written.sum()) > 20
+  for name in ("key", "value"):
+    got = state.cache["blocks"]["attention"][name]  # [layers, batch, slots, kv_heads, head_dim]
+    want = clean["cache"]["blocks"]["attention"][name]
+    np.testing.assert_allclose(
+      np.asarray(got)[:, np.asarray(written)], np.asarray(want)[:, np.asarray(written)], atol=2e-5, rtol=2e-5
+    )
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.0])
+def test_the_twin_through_the_engine_decodes_like_the_reference_decoder(temperature):
+  cfg, canvas = _model_cfg(causal=True), _canvas()
+  params, settings = _params(cfg, seed=3), _settings(temperature=temperature, min_length=4)
+  reference = jax.jit(lambda p, c, k: decode(p, c, k, model_cfg=cfg, settings=settings))(
+    params, canvas, jax.random.key(2)
+  )
+  for cache in ("exact", "none"):
+    out = _sample(cfg, params, canvas, settings, cache, 1, block=1, seed=2)
+    np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(reference.tokens))
+  # One pass per generated token and row (the prefill gives the first): the row with 9 to generate needs 9.
+  cached = _sample(cfg, params, canvas, settings, "exact", 1, block=1, seed=2)
+  np.testing.assert_array_equal(np.asarray(cached.nfe)[[0, 1, 3]], [13, 9, 11])
+
+
+def test_exact_cache_on_a_2x2x2_mesh_equals_one_device():
+  cfg, canvas = _model_cfg(), _canvas()
+  params, settings = _params(cfg), _settings(rule="ancestral", revision=0.3)
+  plan = plan_blocks(canvas.kinds, BLOCK, cache="exact")
+  engine = BlockEngine(cfg, settings, plan)
+  single = jax.jit(engine.sample)(params, canvas, jax.random.key(4), jnp.int32(2))
+  mesh = sh.make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
+  shardings = param_shardings(Transformer(cfg), mesh, sh.RULES)
+  sharded = jax.device_put(params, shardings)
+  fn = jit_on_mesh(engine.sample, mesh, sh.RULES, shardings, scalars=1)
+  out = fn(sharded, canvas, jax.random.key(4), jnp.int32(2))
+  assert out.tokens.sharding.spec == sh.batch_spec(sh.RULES, 2)
+  np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(single.tokens))
+  np.testing.assert_array_equal(np.asarray(out.nfe), np.asarray(single.nfe))
+
+
+def test_a_row_gives_the_same_tokens_alone_or_in_a_batch():
+  cfg, canvas = _model_cfg(), _canvas()
+  params, settings = _params(cfg), _settings(rule="threshold", threshold=0.6)
+  batch = _sample(cfg, params, canvas, settings, "exact", 2)
+  one = cv.Canvas(canvas.tokens[2:3], canvas.kinds[2:3], canvas.streams[2:3])
+  alone = _sample(cfg, params, one, settings, "exact", 2)
+  length = np.asarray(alone.tokens).shape[1]
+  np.testing.assert_array_equal(np.asarray(alone.tokens)[0], np.asarray(batch.tokens)[2, :length])
+
+
+def _eos_model(cfg: ModelConfig):
+  """A model whose favourite token is EOS and second favourite token 5, everywhere: one hidden feature, made large in
+  every embedding, is the only input of the output head."""
+  params = _params(cfg, seed=5, scale=1.0)
+  scale = np.zeros(cfg.d_model, np.float32)
+  scale[0] = 1.0
+  head = np.zeros((cfg.d_model, cfg.vocab_size), np.float32)
+  head[0, EOS], head[0, 5] = 30.0, 20.0
+  embedding = np.asarray(params["embedding"]).copy()
+  embedding[:, 0] = 50.0
+  return {**params, "embedding": jnp.asarray(embedding), "final_norm": {"scale": jnp.asarray(scale)}, "head": head}
+
+
+def test_generation_stops_at_eos_per_row_and_cache_and_no_cache_agree():
+  cfg = _model_cfg(tie_embeddings=False)
+  params = _eos_model(cfg)
+  examples = [cv.prefix([7 + i] * (1 + i % 3), 24) for i in range(5)] + [[[7], cv.Hole(6), [8, 8], cv.Hole(5)]]
+  canvas = cv.make_canvas(examples)
+  kinds = np.asarray(canvas.kinds)
+  outputs = {}
+  for min_length in (6, 24):
+    settings = _settings(rule="confidence", temperature=0.0, min_length=min_length)
+    cached = _sample(cfg, params, canvas, settings, "exact", 4)
+    uncached = _sample(cfg, params, canvas, settings, "none", 4)
+    np.testing.assert_array_equal(np.asarray(cached.tokens), np.asarray(uncached.tokens))
+    outputs[min_length] = cached
+  tokens = np.asarray(outputs[6].tokens)
+  for row in range(5):  # Six tokens, then EOS, then padding: nothing after the EOS was generated.
+    generated = tokens[row][kinds[row] == cv.TARGET]
+    np.testing.assert_array_equal(generated, [5] * 6 + [EOS] + [0] * 17)
+  # The template: EOS ends the first hole only (min_length counts over both holes, so the second hole gets EOS at
+  # once) and the fixed text between them stays.
+  np.testing.assert_array_equal(tokens[5][: 1 + 6 + 2 + 5], [7, 5, 5, 5, 5, 5, 5, 8, 8, EOS, 0, 0, 0, 0])
+  # Rows that stop at EOS need fewer forward passes than the same rows generating all 24 tokens.
+  assert (np.asarray(outputs[6].nfe)[:5] < np.asarray(outputs[24].nfe)[:5]).all()
+  assert int(outputs[6].steps) < int(outputs[24].steps)
+
+
+# ------------------------------------------------------------------------------------------ the Sampler
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory, data_dir) -> Path:
+  root = tmp_path_factory.mktemp("bd")
+  model_cfg = _model_cfg(vocab_size=512)
+  cfg = Config(model=model_cfg, objective=ObjectiveConfig(block_size=BLOCK), name="bd-test")
+  return export_params(
+    root / "export", _params(model_cfg, seed=1, scale=10.0), cfg, data_dir / "tokenizer.model"
+  ).parent
+
+
+@pytest.fixture(scope="module")
+def sampler(checkpoint) -> Sampler:
+  return Sampler.from_checkpoint(checkpoint)
+
+
+def test_sampler_cache_and_no_cache_agree_and_report_tokens_per_forward(sampler):
+  knobs = dict(length=24, steps=12, seed=3, rule="threshold", threshold=0.7)
+  cached = sampler.generate(PROMPTS, **knobs)
+  uncached = sampler.generate(PROMPTS, cache="none", **knobs)
+  assert [s.tokens for s in cached] == [s.tokens for s in uncached]
+  for s in cached:
+    assert s.tokens_per_forward == pytest.approx(len(s.tokens) / s.nfe)
+    # The budget of 12 steps for 24 tokens gives each block of 4 two steps: the prefill (which runs the first
+    # block's first step) and at most 12 steps, so at least 24 / 13 tokens per forward pass.
+    assert len(s.tokens) == 24 and 6 <= s.nfe <= 13
+
+
+def test_streamed_blocks_concatenate_to_the_batch_result(sampler):
+  knobs = dict(length=20, steps=10, seed=7, num_samples=2)
+  batch = sampler.generate(PROMPTS[:2], **knobs)
+  for drafts in (False, True):
+    texts, finished, draft_seen = {}, set(), 0
+    for event in sampler.stream(PROMPTS[:2], drafts=drafts, **knobs):
+      assert event.index not in finished
+      texts[event.index] = texts.get(event.index, "") + event.text
+      finished |= {event.index} if event.done else set()
+      draft_seen += event.draft is not None
+    assert [texts[i] for i in range(len(batch))] == [s.text for s in batch]
+    assert finished == set(range(len(batch)))
+    assert (draft_seen > 0) == drafts
+
+
+def test_sampler_rejects_caches_the_model_does_not_have(sampler):
+  with pytest.raises(SettingError, match="cache='dual' is the approximate cache of whole-sequence checkpoints"):
+    sampler.generate("x", length=4, cache="dual")
+  with pytest.raises(SettingError, match="block_length=8 must be 4"):
+    sampler.generate("x", length=4, block_length=8)
+  with pytest.raises(SettingError, match="cache='fast' is unknown"):
+    sampler.generate("x", length=4, cache="fast")
+
+
+@pytest.mark.parametrize("cache", ["dual", "prefix"])
+def test_approximate_caches_of_a_whole_sequence_model(cache):
+  cfg, canvas = _model_cfg(), _canvas()
+  params, settings = _params(cfg), _settings(rule="confidence")
+  plan = plan_blocks(canvas.kinds, BLOCK, cache=cache, whole_sequence=True)
+  uncached_plan = plan_blocks(canvas.kinds, BLOCK, cache="none", whole_sequence=True)
+  run = lambda plan, steps: jax.jit(BlockEngine(cfg, settings, plan).sample)(  # noqa: E731
+    params, canvas, jax.random.key(0), jnp.int32(steps)
+  )
+  # One step per block: every block is decided by its refresh pass over the whole canvas, which is exact.
+  np.testing.assert_array_equal(np.asarray(run(plan, 1).tokens), np.asarray(run(uncached_plan, 1).tokens))
+  # More steps: the block's later steps read the refreshed keys and values of the other blocks (approximate), but
+  # every position is filled, fixed tokens stay, and each step costs one pass.
+  out, exact = run(plan, 3), run(uncached_plan, 3)
+  tokens, kinds = np.asarray(out.tokens), np.asarray(canvas.kinds)
+  assert not (tokens == settings.mask_id).any()
+  np.testing.assert_array_equal(tokens[kinds == cv.FIXED], np.asarray(canvas.tokens)[kinds == cv.FIXED])
+  assert int(out.steps) == int(exact.steps)
+  with pytest.raises(ValueError, match="approximate cache of whole-sequence checkpoints"):
+    plan_blocks(canvas.kinds, BLOCK, cache=cache)
+  with pytest.raises(ValueError, match="no exact cache"):
+    plan_blocks(canvas.kinds, BLOCK, cache="exact", whole_sequence=True)
+
+
+def test_command_line_streams_the_text_generate_gives(checkpoint, sampler, capsys):
+  from mercury_jax.sample import main
+
+  (expected,) = sampler.generate(PROMPTS[1], length=12, steps=6, seed=4)
+  argv = ["--checkpoint", str(checkpoint), "--prompt", PROMPTS[1], "--length", "12", "--steps", "6", "--seed", "4"]
+  assert main([*argv, "--stream"]) == 0
+  assert capsys.readouterr().out == PROMPTS[1] + expected.text + "\n"
+  assert main([*argv, "--cache", "none", "--json"]) == 0
+  (record,) = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+  assert record["tokens"] == expected.tokens and record["tokens_per_forward"] == pytest.approx(
+    expected.tokens_per_forward, abs=1e-3
+  )
+
+
+@pytest.mark.parametrize(
+  "extra,message",
+  [
+    (["--cache", "dual"], "--cache='dual' is the approximate cache of whole-sequence checkpoints"),
+    (["--stream", "--show-steps"], "--stream and --show-steps do not go together"),
+    (["--block-length", "8"], "--block-length=8 must be 4 (or 0)"),
+  ],
+)
+def test_command_line_rejects_a_cache_the_model_lacks_with_exit_code_2(checkpoint, capsys, extra, message):
+  from mercury_jax.sample import main
+
+  with pytest.raises(SystemExit) as exit_info:
+    main(["--checkpoint", str(checkpoint), "--prompt", "x", "--length", "4", *extra])
+  assert exit_info.value.code == 2
+  err = capsys.readouterr().err.strip()
+  assert "\n" not in err and message in err, err
