@@ -3,7 +3,8 @@
 ``ratio = wall time of one generation ÷ (prefill + first passes × their cost + other passes × their cost)``, where
 the counts are those the engine reports for that generation (``State.forwards``, ``State.first_passes``) and each
 cost is measured alone: the engine's own forward function on the generation's final state, run ``n`` times in a
-``fori_loop`` over different blocks (so XLA cannot hoist it), divided by ``n``. A ratio of 1 means the loop, the step
+``fori_loop`` over different blocks (so XLA cannot hoist it), each pass writing its keys and values into the cache
+the loop carries (as in the engine), divided by ``n``. A ratio of 1 means the loop, the step
 rules, the proposals and the bookkeeping cost nothing next to the model.
 """
 
@@ -61,12 +62,13 @@ def engine_overhead(
 
   def probe(fresh: bool):
     def run(p, st):
-      def body(i, total):
-        moved = st._replace(block=i % blocks, fresh=jnp.asarray(fresh))
-        logits, _ = engine._forward(p, moved, jnp.ones((st.z.shape[0],), jnp.float32))
-        return total + logits[0, 0, 0]
+      def body(i, carry):  # The pass writes its keys and values into the cache it carries on, as in the engine.
+        total, cache = carry
+        moved = st._replace(block=i % blocks, fresh=jnp.asarray(fresh), cache=cache)
+        logits, cache = engine._forward(p, moved, jnp.ones((st.z.shape[0],), jnp.float32))
+        return total + logits[0, 0, 0], cache
 
-      return jax.lax.fori_loop(0, passes, body, jnp.zeros((), jnp.float32))
+      return jax.lax.fori_loop(0, passes, body, (jnp.zeros((), jnp.float32), st.cache))
 
     return _median_seconds(jax.jit(run), params, final, repeats=repeats) / passes
 

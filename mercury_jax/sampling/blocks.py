@@ -18,9 +18,12 @@ Caches (``BlockPlan.cache``):
 
 * ``exact`` (block-diffusion and autoregressive models): a prefill over every slot writes the prompt's clean keys and
   values once and gives the first block's first logits (the masked slots it also writes are rewritten before anything
-  reads them). The first step of block ``k`` runs ``[block k-1 (clean) ; block k (noisy)]`` in one forward pass,
-  which writes block ``k-1``'s clean keys and values (the commit pass, fused); every other step runs block ``k``
-  alone. Both see the cache through the block-causal mask in slot space, which is exactly BD3-LM's training mask.
+  reads them). Every step of block ``k`` runs ``[block k-1 (clean) ; block k (noisy)]`` in one forward pass: the
+  first one writes block ``k-1``'s clean keys and values (the commit pass, fused), the later ones write the same
+  values again. One static chunk and no conditional around the cache: on XLA:CPU a ``lax.cond`` choosing between a
+  ``2B``- and a ``B``-token pass copied the whole cache at every step, which cost more than the ``B`` extra tokens
+  (``BUILD_NOTES.md``). The chunk sees the cache through the block-causal mask in slot space, which is exactly
+  BD3-LM's training mask.
   The autoregressive twin runs ``[block k-1]`` (one token) and reads the next token's distribution from it.
 * ``none``: the same steps without a cache: every forward pass runs the whole context (``x_t ⊕ x_0`` through the
   ``block_diffusion`` mask; the causal model over the canvas; a whole-sequence checkpoint over the canvas). The
@@ -68,7 +71,6 @@ from mercury_jax.sampling.rules import StepInputs, make_rule
 from mercury_jax.sampling.settings import SamplerSettings
 
 CACHES = ("exact", "none", "dual", "prefix")
-_RULE_STREAM = 0x7FFFFFFF  # fold_in data of the rule's own uniforms (token proposals use the step key itself)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -265,11 +267,12 @@ class BlockEngine:
     if plan.autoregressive:
       return self._apply(params, st.cache, *self._chunk(st, starts - 1, 1), starts - 1, mask)
 
+    if plan.cache == "exact":  # [block k-1 clean ; block k noisy]: the commit pass of block k-1, fused.
+      chunk = self._chunk(st, starts - block, 2 * block)
+      logits, cache = self._apply(params, st.cache, *chunk, starts - block, mask, t)
+      return logits[:, block:], cache
+
     def first_step():
-      if plan.cache == "exact":  # [block k-1 clean ; block k noisy]: the commit pass of block k-1, fused.
-        chunk = self._chunk(st, starts - block, 2 * block)
-        logits, cache = self._apply(params, st.cache, *chunk, starts - block, mask, t)
-        return logits[:, block:], cache
       logits, cache = self._apply(params, st.cache, st.z, st.positions, st.segments, 0, mask, t)  # refresh all
       return _rows(logits, starts, block), cache
 
@@ -376,8 +379,11 @@ class BlockEngine:
     logits, cache = jax.lax.cond(run, lambda: self._forward(params, st, t), lambda: (st.logits, st.cache))
 
     keys = self._step_keys(st, starts - block)  # the block's first canvas position
-    noise = uniform_noise(keys, (block, self.width)) if self.width else None
-    u = uniform_noise(jax.vmap(lambda k: jax.random.fold_in(k, _RULE_STREAM))(keys), (block,))
+    # One draw per row and step: rows [0, B) are the proposals' Gumbel noise, row B the rule's uniforms (a shorter
+    # draw is a prefix of a longer one, so the proposals' noise is that of a draw of B rows alone).
+    noise = uniform_noise(keys, (block + 1, max(self.width, block)))
+    u = noise[:, block, :block]
+    noise = noise[:, :block, : self.width] if self.width else None
     x0, confidence = propose(logits, noise, piece(st.eos_banned), settings)
     committed = generate_b & ~open_ & jnp.any(open_, axis=-1, keepdims=True)  # revision: the open block only
     inputs = StepInputs(
@@ -404,10 +410,13 @@ class BlockEngine:
 
     # A finished block: an EOS in it ends its hole; the hole's later positions become dead padding.
     slots = jnp.arange(plan.slots)
-    dead = after_eos(z, st.target, settings.eos_id, known=slots[None, :] < (starts + block)[:, None]) & finished
-    z = jnp.where(dead, settings.pad_id, z)
-    segments = jnp.where(dead, 0, st.segments)
-    generate = st.generate & ~dead
+
+    def end_holes(z, segments, generate):
+      dead = after_eos(z, st.target, settings.eos_id, known=slots[None, :] < (starts + block)[:, None])
+      return jnp.where(dead, settings.pad_id, z), jnp.where(dead, 0, segments), generate & ~dead
+
+    has_eos = finished & jnp.any(generate_b & (z_b == settings.eos_id))  # Most blocks end without one: no work.
+    z, segments, generate = jax.lax.cond(has_eos, end_holes, lambda *a: a, z, st.segments, st.generate)
 
     trace = st.trace
     if trace:
