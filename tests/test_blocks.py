@@ -311,3 +311,18 @@ def test_command_line_rejects_a_cache_the_model_lacks_with_exit_code_2(checkpoin
   assert exit_info.value.code == 2
   err = capsys.readouterr().err.strip()
   assert "\n" not in err and message in err, err
+
+
+def test_a_step_that_changed_nothing_reuses_the_last_logits():
+  """Ancestral steps that commit nothing (many steps per block) run no forward pass, as MDLM's sampler skips them."""
+  cfg, canvas = _model_cfg(), _canvas()
+  params, settings = _params(cfg), _settings(rule="ancestral")
+  plan = plan_blocks(canvas.kinds, BLOCK, cache="exact")
+  engine = BlockEngine(cfg, settings, plan)
+  run = jax.jit(lambda p, c, n: engine.advance(p, engine.init(p, c, jax.random.key(5), n)))
+  state = run(params, canvas, jnp.int32(16))
+  # 16 steps for blocks of at most 4 open positions: many steps unmask nothing in any row (here 27 of 56), and those
+  # run no forward pass.
+  assert int(state.forwards) <= int(state.iterations) - 15
+  uncached = _sample(cfg, params, canvas, settings, "none", 16, seed=5)
+  np.testing.assert_array_equal(np.asarray(engine.output(state, canvas.tokens.shape[1]).tokens), uncached.tokens)
