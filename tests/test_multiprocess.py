@@ -247,13 +247,16 @@ def test_sample_command_on_two_processes_matches_one(tmp_path, trained, compile_
   assert _json_lines(two.stdout(1)) == [], "only process 0 prints samples"
 
 
-def test_each_process_samples_its_own_prompts(tmp_path, trained, compile_cache):
+@pytest.mark.parametrize("cache", ["auto", "dual"])  # The whole-canvas loop, and the block engine.
+def test_each_process_samples_its_own_prompts(tmp_path, trained, compile_cache, cache):
   # Process 0 has 5 prompts and process 1 has 3: the shorter batch is padded, and streams continue across processes.
   mine = {0: PROMPTS[:5], 1: PROMPTS[5:]}
   for i, prompts in mine.items():
     (tmp_path / f"prompts-{i}.jsonl").write_text("".join(json.dumps(p) + "\n" for p in prompts))
   argv = [sys.executable, "-m", "mercury_jax.sample", "--checkpoint", str(trained[1]), "--prompts-file"]
-  argv += [str(tmp_path / "prompts-{process}.jsonl"), "--json", *SAMPLE_FLAGS]
+  blocks = {"block_length": 4} if cache == "dual" else {}  # Several blocks of the engine per row.
+  argv += [str(tmp_path / "prompts-{process}.jsonl"), "--json", "--cache", cache, *SAMPLE_FLAGS]
+  argv += ["--block-length", "4"] if blocks else []
   (run,) = _run(compile_cache, (argv, 2, tmp_path / "logs"))
   got = {i: _json_lines(run.stdout(i)) for i in range(2)}
 
@@ -262,7 +265,7 @@ def test_each_process_samples_its_own_prompts(tmp_path, trained, compile_cache):
   from mercury_jax.sampling import Sampler
 
   sampler = Sampler.from_checkpoint(trained[1], mesh=sh.make_mesh(MeshConfig(data=-1)))
-  expected = [s.tokens for s in sampler.generate(PROMPTS, length=16, steps=4, seed=3)]
+  expected = [s.tokens for s in sampler.generate(PROMPTS, length=16, steps=4, seed=3, cache=cache, **blocks)]
   for i, records in got.items():  # Each process prints the samples of its own prompts, and only those.
     assert [(r["process"], r["prompt"]) for r in records] == [(i, p) for p in mine[i]]
   assert [r["tokens"] for r in got[0] + got[1]] == expected
