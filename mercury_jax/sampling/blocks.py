@@ -3,8 +3,10 @@
 Block diffusion (BD3-LM, Arriola et al. 2025, arXiv 2503.09573) refines a block of ``B`` tokens at a time; the
 block attends to the keys and values of everything before it, which are computed once. The same engine decodes the
 autoregressive twin (blocks of one token, one step per block) and gives bidirectional (whole-sequence) checkpoints
-Fast-dLLM's approximate caches (Wu et al. 2025, arXiv 2505.22618), so every objective and entry point shares one
-decoding loop.
+Fast-dLLM's approximate caches (Wu et al. 2025, arXiv 2505.22618): block-diffusion models, the twin and cached
+whole-sequence decoding share this one loop, behind every entry point (``Sampler.generate`` and ``stream``, the
+command line, the benchmark). Only whole-sequence checkpoints without a cache keep the whole-canvas loop of
+``mercury_jax.sampling.loop``.
 
 Layout. Canvases (``mercury_jax.sampling.canvas``: prompts, holes, templates; right-padded rows) are laid into
 *slots*: slot ``p + B`` holds canvas position ``p`` (one block of padding in front, so that every block has a block
@@ -32,7 +34,8 @@ Caches (``BlockPlan.cache``):
   position's keys and values; the block's other steps run the block alone against that cache (Fast-dLLM's
   DualCache: prefix and suffix are both stale until the next block).
 * ``prefix`` (bidirectional models; approximate): like ``dual`` but each step recomputes the block and everything
-  after it (Fast-dLLM's PrefixCache). Shapes are static, so that suffix is as long as the generated region.
+  after it (Fast-dLLM's PrefixCache). Shapes are static: a ``lax.switch`` picks the shortest of a few chunk lengths
+  (the longest suffix, then halving) that covers every row's suffix.
 
 Steps. Within a block the existing step rules (``mercury_jax.sampling.rules``) run unchanged on ``[batch, B]``
 slices with ``num_steps`` steps per block: the confidence schedule commits ``ceil(open / steps_left)``, the
@@ -46,8 +49,10 @@ positions become padding, are never generated and are never attended to; generat
 position left, so open-ended generation ends at EOS.
 
 Randomness. Example ``i`` draws from ``key_i = fold_in(key, streams[i])``; step ``j`` of the block starting at
-canvas position ``p`` draws from ``fold_in(key_i, p)`` (``j = 0``) or ``fold_in(fold_in(key_i, p), j)``, so the
-autoregressive twin draws exactly like :func:`~mercury_jax.sampling.autoregressive.decode`.
+canvas position ``p`` draws one array of ``B + 1`` rows from ``fold_in(key_i, p)`` (``j = 0``) or
+``fold_in(fold_in(key_i, p), j)``: rows ``[0, B)`` are the proposals' Gumbel noise, row ``B`` the rule's uniforms.
+So the twin draws exactly as the stand-alone decoder it replaced did (kept as the tests' reference), and a row's
+draws do not depend on its batch.
 
 The loop runs in chunks (:meth:`BlockEngine.advance`, a budget of blocks and steps): the state goes in and out of
 each jitted call, so a stream of blocks or of drafts costs no recompilation.
@@ -106,8 +111,18 @@ class BlockPlan:
 
   @property
   def tail(self) -> int:
-    """The prefix cache's chunk: from a block's start to the last slot, at most ``slots - block``."""
+    """The prefix cache's longest chunk: from a block's start to the last slot, at most ``slots - block``."""
     return self.slots - self.block
+
+  @property
+  def suffix_sizes(self) -> tuple[int, ...]:
+    """The prefix cache's chunk lengths, longest first: ``tail``, then halving, in whole blocks. A step runs the
+    shortest that covers every row's block and suffix, so later blocks cost less."""
+    sizes, size = [], self.tail
+    while size >= self.block and len(sizes) < 4:
+      sizes.append(-(-size // self.block) * self.block)
+      size //= 2
+    return tuple(sorted(set(sizes), reverse=True))
 
 
 def plan_blocks(
@@ -276,11 +291,18 @@ class BlockEngine:
       logits, cache = self._apply(params, st.cache, st.z, st.positions, st.segments, 0, mask, t)  # refresh all
       return _rows(logits, starts, block), cache
 
-    def later_step():
-      if plan.cache == "prefix":  # The block and everything after it.
-        chunk = self._chunk(st, starts, plan.tail, padded=True)
-        logits, cache = self._apply(params, st.cache, *chunk, starts, mask, t)
+    def suffix(size: int):
+      def run():
+        logits, cache = self._apply(params, st.cache, *self._chunk(st, starts, size, padded=True), starts, mask, t)
         return logits[:, :block], cache
+
+      return run
+
+    def later_step():
+      if plan.cache == "prefix":  # The block and everything after it: the shortest chunk that covers every row's.
+        sizes = plan.suffix_sizes
+        need = jnp.max(plan.slots - starts)
+        return jax.lax.switch(jnp.sum(jnp.asarray(sizes) >= need) - 1, [suffix(size) for size in sizes])
       return self._apply(params, st.cache, *self._chunk(st, starts, block), starts, mask, t)
 
     return jax.lax.cond(st.fresh, first_step, later_step)
