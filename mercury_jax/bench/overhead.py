@@ -48,11 +48,9 @@ def engine_overhead(
   if kind == "loop":
     raise ValueError("the overhead probe measures the block engine; this model and cache run the whole-canvas loop")
   canvas = cv.Canvas(*(np.asarray(a) for a in canvas))
-  plan = sampler.plan(canvas.kinds, kind, block)
+  canvas, plan, per_block = sampler.engine_layout(canvas, canvas.kinds.shape[1], kind, block, steps, settings)
   engine = BlockEngine(sampler.cfg.model, settings, plan)
-  params, key = sampler.params, jax.random.key(0)
-  generated = int((canvas.kinds == cv.TARGET).sum(axis=1).max())
-  per_block = jnp.int32(sampler.block_steps(steps, block, generated))
+  params, key, per_block = sampler.params, jax.random.key(0), jnp.int32(per_block)
   init = jax.jit(engine.init)
   whole = jax.jit(lambda p, c, k, n: engine.advance(p, engine.init(p, c, k, n)))
   final = whole(params, canvas, key, per_block)
@@ -65,7 +63,7 @@ def engine_overhead(
       def body(i, carry):  # The pass writes its keys and values into the cache it carries on, as in the engine.
         total, cache = carry
         moved = st._replace(block=i % blocks, fresh=jnp.asarray(fresh), cache=cache)
-        logits, cache = engine._forward(p, moved, jnp.ones((st.z.shape[0],), jnp.float32))
+        logits, cache = engine.forward(p, moved, jnp.ones((st.z.shape[0],), jnp.float32))
         return total + logits[0, 0, 0], cache
 
       return jax.lax.fori_loop(0, passes, body, (jnp.zeros((), jnp.float32), st.cache))

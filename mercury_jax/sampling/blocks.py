@@ -257,7 +257,7 @@ class BlockEngine:
     t_in = t if self.model_cfg.time_conditioning else None
     return self.model.apply({"params": params}, st.z, t_in, segment_ids=st.segments, positions=st.positions, **kw)
 
-  def _forward(self, params, st: State, t: jax.Array):
+  def forward(self, params, st: State, t: jax.Array):
     """The logits ``[b, B, vocab]`` of every row's step block at time ``t`` [b] and the updated cache."""
     plan, block = self.plan, self.plan.block
     starts = self.starts(st)
@@ -398,7 +398,7 @@ class BlockEngine:
     steps_left = st.num_steps - st.step
     t = jnp.broadcast_to(1.0 - st.step / st.num_steps, (batch,)).astype(jnp.float32)
     s = jnp.broadcast_to(1.0 - (st.step + 1) / st.num_steps, (batch,)).astype(jnp.float32)
-    logits, cache = jax.lax.cond(run, lambda: self._forward(params, st, t), lambda: (st.logits, st.cache))
+    logits, cache = jax.lax.cond(run, lambda: self.forward(params, st, t), lambda: (st.logits, st.cache))
 
     keys = self._step_keys(st, starts - block)  # the block's first canvas position
     # One draw per row and step: rows [0, B) are the proposals' Gumbel noise, row B the rule's uniforms (a shorter

@@ -331,13 +331,11 @@ class Sampler:
     if kind == "loop":
       canvas = self._pad_length(canvas, bucketed_length(length, self.max_length), settings.pad_id)
     else:
-      generated = _generated(canvas.kinds) if layout is None else layout.generated
-      canvas = self._pad_length(canvas, -(-length // block) * block, settings.pad_id)
-      plan = self.plan(canvas.kinds, kind, block)
-      steps = self.block_steps(steps, block, generated)
-    rows, vectors = sh.batch_sharding(self.mesh, self.rules, 2), sh.batch_sharding(self.mesh, self.rules, 1)
+      generated = None if layout is None else layout.generated
+      canvas, plan, steps = self.engine_layout(canvas, length, kind, block, steps, settings, generated)
     first = 0  # This process's first row in the gathered output.
     if layout is not None and layout.own_devices:  # Each process places its rows on its devices.
+      rows, vectors = sh.batch_sharding(self.mesh, self.rules, 2), sh.batch_sharding(self.mesh, self.rules, 1)
       canvas = _pad_rows(canvas, layout.local_rows, settings.pad_id)
       total = jax.process_count() * layout.local_rows
       canvas = cv.Canvas(
@@ -351,14 +349,8 @@ class Sampler:
         canvas = _pad_rows(canvas, layout.local_rows, settings.pad_id)
         canvas = cv.Canvas(*(np.asarray(multihost_utils.process_allgather(a, tiled=True)) for a in canvas))
         first = jax.process_index() * layout.local_rows
-      canvas = cv.pad_batch(canvas, sh.data_parallel_size(self.mesh, self.rules), settings.pad_id)
-      canvas = cv.Canvas(
-        self._place(canvas.tokens, rows), self._place(canvas.kinds, rows), self._place(canvas.streams, vectors)
-      )
-    replicated = NamedSharding(self.mesh, P())
-    # Host values placed by callback, so every process of a multi-host mesh builds the same global arrays.
-    args = (self.params, canvas, self._place(np.asarray(jax.random.key_data(jax.random.key(seed))), replicated))
-    args += (self._place(np.asarray(1 if steps is None else steps, np.int32), replicated),)
+      canvas = self._place_batch(canvas, settings.pad_id)
+    args = (self.params, canvas, self._place_key(seed), self._place_scalar(1 if steps is None else steps))
     cache_key = (settings, plan, np.shape(canvas.tokens))
     compile_time = 0.0
     if cache_key not in self._compiled:
@@ -384,6 +376,28 @@ class Sampler:
     if settings.trace:
       out = out._replace(canvases=out.canvases[:, cut], commits=out.commits[:, cut], remasks=out.remasks[:, cut])
     return out._replace(tokens=out.tokens[cut], nfe=out.nfe[cut]), wall, compile_time
+
+  def _place_batch(self, canvas: cv.Canvas, pad_id: int) -> cv.Canvas:
+    """The whole batch (the same on every process), padded to the data-parallel size and split over it."""
+    canvas = cv.pad_batch(canvas, sh.data_parallel_size(self.mesh, self.rules), pad_id)
+    rows, vectors = sh.batch_sharding(self.mesh, self.rules, 2), sh.batch_sharding(self.mesh, self.rules, 1)
+    return cv.Canvas(
+      self._place(canvas.tokens, rows), self._place(canvas.kinds, rows), self._place(canvas.streams, vectors)
+    )
+
+  # Host values placed by callback, so every process of a multi-host mesh builds the same global arrays.
+  def _place_scalar(self, value: int) -> jax.Array:
+    return self._place(np.asarray(value, np.int32), NamedSharding(self.mesh, P()))
+
+  def _place_key(self, seed: int) -> jax.Array:
+    return self._place(np.asarray(jax.random.key_data(jax.random.key(seed))), NamedSharding(self.mesh, P()))
+
+  def engine_layout(self, canvas, length, kind, block, steps, settings, generated=None):
+    """``(canvas, plan, steps per block)`` for the block engine: the canvas padded to the block (not to
+    ``LENGTH_BUCKET``); ``generated`` (default: this canvas's) sets each block's share of ``steps``."""
+    generated = _generated(canvas.kinds) if generated is None else generated
+    canvas = self._pad_length(canvas, -(-length // block) * block, settings.pad_id)
+    return canvas, self.plan(canvas.kinds, kind, block), self.block_steps(steps, block, generated)
 
   def plan(self, kinds: np.ndarray, cache: str, block: int) -> BlockPlan:
     """The block engine's :class:`~mercury_jax.sampling.blocks.BlockPlan` for these canvases."""
@@ -532,26 +546,17 @@ class Sampler:
     )
     settings, canvas, prompts, prompt_lengths, _ = prepared
     batch, length = np.shape(canvas.tokens)
-    generated = _generated(canvas.kinds)
-    canvas = self._pad_length(canvas, -(-length // block) * block, settings.pad_id)
-    plan = self.plan(canvas.kinds, kind, block)
-    canvas = cv.pad_batch(canvas, sh.data_parallel_size(self.mesh, self.rules), settings.pad_id)
-    rows, vectors = sh.batch_sharding(self.mesh, self.rules, 2), sh.batch_sharding(self.mesh, self.rules, 1)
-    placed = cv.Canvas(
-      self._place(canvas.tokens, rows), self._place(canvas.kinds, rows), self._place(canvas.streams, vectors)
-    )
-    replicated = NamedSharding(self.mesh, P())
-    key = self._place(np.asarray(jax.random.key_data(jax.random.key(seed))), replicated)
-    per_block = self._place(np.asarray(self.block_steps(steps, block, generated), np.int32), replicated)
-    engine = BlockEngine(self.cfg.model, settings, plan)
+    canvas, plan, per_block = self.engine_layout(canvas, length, kind, block, steps, settings)
     cache_key = (settings, plan, np.shape(canvas.tokens), "stream")
     if cache_key not in self._compiled:
+      engine = BlockEngine(self.cfg.model, settings, plan)
       init = sh.MeshJit(engine.init, self.mesh, self.rules, in_shardings=(self.param_shardings, None, None, None))
       advance = sh.MeshJit(engine.advance, self.mesh, self.rules, donate_argnums=(1,))
-      self._compiled[cache_key] = (init, advance)
-    init, advance = self._compiled[cache_key]
-    one = self._place(np.asarray(1, np.int32), replicated)
-    state = init(self.params, placed, key, per_block)
+      self._compiled[cache_key] = (engine, init, advance)
+    engine, init, advance = self._compiled[cache_key]
+    one = self._place_scalar(1)
+    placed = self._place_batch(canvas, settings.pad_id)
+    state = init(self.params, placed, self._place_key(seed), self._place_scalar(per_block))
     kinds = np.asarray(canvas.kinds)
     ends = [int((kinds[row] != K.PAD).sum()) for row in range(batch)]
     sent, finished = [""] * batch, [False] * batch
@@ -610,7 +615,7 @@ class Sampler:
     if spread:
       width = max((sum(p.length if isinstance(p, cv.Hole) else len(p) for p in e) for e in examples), default=0)
       digest = zlib.crc32(repr((settings, steps, seed, cache)).encode())
-      generated = _generated(cv.make_canvas(examples, pad_id=settings.pad_id).kinds) if examples else 0
+      generated = max((sum(p.length for p in e if isinstance(p, cv.Hole)) for e in examples), default=0)
       layout = self.agree_on_batch(len(examples), width, digest=digest, generated=generated)
       offset = int(layout.rows[: jax.process_index()].sum())
     if not (examples if layout is None else layout.rows.any()):
