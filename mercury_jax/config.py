@@ -125,6 +125,9 @@ class DataConfig:
   shuffle_seed: int = 0
   num_threads: int = 2
   prefetch: int = 8
+  # A Jinja2 chat template that renders `messages` (OpenAI-style dicts) into the SFT prompt text, for the server's
+  # /v1/chat/completions (mercury_jax.serve.chat); "" = none: the model has no chat format.
+  chat_template: str = ""
 
   def validate(self) -> None:
     if self.batch_size < 1:

@@ -274,7 +274,8 @@ def test_approximate_caches_of_a_whole_sequence_model(cache):
   tokens, kinds = np.asarray(out.tokens), np.asarray(canvas.kinds)
   assert not (tokens == settings.mask_id).any()
   np.testing.assert_array_equal(tokens[kinds == cv.FIXED], np.asarray(canvas.tokens)[kinds == cv.FIXED])
-  assert int(out.steps) == int(exact.steps)
+  np.testing.assert_array_equal(np.asarray(out.nfe), np.asarray(exact.nfe))  # One pass per step of each row.
+  assert int(out.steps) >= int(np.max(out.nfe))
   with pytest.raises(ValueError, match="approximate cache of whole-sequence checkpoints"):
     plan_blocks(canvas.kinds, BLOCK, cache=cache)
   with pytest.raises(ValueError, match="no exact cache"):

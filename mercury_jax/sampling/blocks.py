@@ -71,11 +71,12 @@ from mercury_jax import kinds as K
 from mercury_jax.config import ModelConfig
 from mercury_jax.model import Transformer
 from mercury_jax.sampling.canvas import Canvas, SampleOutput, after_eos
-from mercury_jax.sampling.proposal import noise_width, propose, uniform_noise
+from mercury_jax.sampling.proposal import Knobs, noise_width, propose_rows, uniform_noise
 from mercury_jax.sampling.rules import StepInputs, make_rule
 from mercury_jax.sampling.settings import SamplerSettings
 
 CACHES = ("exact", "none", "dual", "prefix")
+RULE_NOISE = 0x7275  # Folded into a step's key for the step rule's own uniforms (the ancestral rule's).
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,19 +173,20 @@ class State(NamedTuple):
   first: jax.Array  # [b] the row's first block with a position to generate
   last: jax.Array  # [b] its last one
   example_keys: jax.Array  # [b] PRNG keys
-  block: jax.Array  # [] the step block's index ``j`` (row ``r`` works on block ``min(first + j, last)``)
-  step: jax.Array  # [] step within the block
-  fresh: jax.Array  # [] bool: the block's first step is next
-  changed: jax.Array  # [] bool: the block changed since its last forward pass
+  block: jax.Array  # [b] the row's step block index ``j`` (it works on block ``min(first + j, last)``)
+  step: jax.Array  # [b] step within the block
+  fresh: jax.Array  # [b] bool: the block's first step is next
+  changed: jax.Array  # [b] bool: the block changed since its last forward pass
   logits: jax.Array  # [b, B, vocab] the last forward pass's logits of the block
   proposal: jax.Array  # [b, B] the last step's proposed tokens in its block (a draft's undecided positions)
-  cache: Any  # the model's key-value cache (``()`` without one)
-  num_steps: jax.Array  # [] steps per block
-  nfe: jax.Array  # [b] forward passes while the row had a masked position (prefill included)
+  cache: Any  # the model's key-value cache (``()`` without one); leaves are [layers, b, ...]
+  num_steps: jax.Array  # [b] steps per block
+  knobs: Knobs  # [b] each: temperature, top-k, top-p, threshold
+  nfe: jax.Array  # [b] forward passes the row needed while it had a masked position (prefill included)
   forwards: jax.Array  # [] forward passes run (prefill included)
   first_passes: jax.Array  # [] of which a block's first pass (the fused commit, or the approximate caches' refresh)
   iterations: jax.Array  # [] loop iterations (steps, forward or not)
-  recorded: jax.Array  # [] steps that had an open position (frames of the trace)
+  recorded: jax.Array  # [b] steps in which the row had an open position (frames of its trace)
   trace: tuple[jax.Array, ...]  # (canvases, commits, remasks) in slot space, or ()
 
 
@@ -203,7 +205,6 @@ class BlockEngine:
     self.model_cfg, self.settings, self.plan = model_cfg, settings, plan
     self.model = Transformer(model_cfg)
     self.rule = make_rule(settings)
-    self.width = 0 if settings.temperature == 0.0 else noise_width(model_cfg.vocab_size)
 
   # ------------------------------------------------------------------------------------------- forward passes
 
@@ -305,12 +306,31 @@ class BlockEngine:
         return jax.lax.switch(jnp.sum(jnp.asarray(sizes) >= need) - 1, [suffix(size) for size in sizes])
       return self._apply(params, st.cache, *self._chunk(st, starts, block), starts, mask, t)
 
-    return jax.lax.cond(st.fresh, first_step, later_step)
+    return jax.lax.cond(jnp.any(st.fresh), first_step, later_step)  # the approximate caches run in lockstep
 
   # ------------------------------------------------------------------------------------------------ the loop
 
-  def init(self, params, canvas: Canvas, key: jax.Array, num_steps: jax.Array) -> State:
-    """Lays the canvases into slots and runs the prefill (``exact`` cache): the state before the first step."""
+  def init(
+    self,
+    params,
+    canvas: Canvas,
+    key: jax.Array,
+    num_steps: jax.Array,
+    knobs: Knobs | None = None,
+    *,
+    prefill: int | None = None,
+  ) -> State:
+    """Lays the canvases into slots and runs the prefill (``exact`` cache): the state before the first step.
+
+    Args:
+      params: The model's parameters.
+      canvas: The rows, ``slots - block`` positions or fewer.
+      key: The PRNG key; row ``i`` draws from ``fold_in(key, canvas.streams[i])``.
+      num_steps: Steps per block: one for every row ([]) or one per row ([b]).
+      knobs: Each row's sampling knobs (traced); default: the settings' own.
+      prefill: How many slots the exact cache's prefill runs over (static; default every slot): a serving engine
+        prefills a prompt over a bucket that covers its first block, not over the whole context.
+    """
     plan, settings, block = self.plan, self.settings, self.plan.block
     tokens, kinds = jnp.asarray(canvas.tokens, jnp.int32), jnp.asarray(canvas.kinds, jnp.int32)
     batch, length = tokens.shape
@@ -335,8 +355,11 @@ class BlockEngine:
       cache = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), abstract)
     if plan.cache == "exact":
       # Every slot, clean and block-causal (causal for the twin): the prompts' keys and values, and the first open
-      # block's logits, which are its first step's, as the fused pass would give them.
-      out, cache = self._apply(params, cache, z, positions, segments, 0, self._cached_mask())
+      # block's logits, which are its first step's, as the fused pass would give them. ``prefill`` slots suffice
+      # when they cover every row's first block.
+      size = plan.slots if prefill is None else prefill
+      cut = lambda a: a[:, :size]  # noqa: E731
+      out, cache = self._apply(params, cache, cut(z), cut(positions), cut(segments), 0, self._cached_mask())
       start = first * block
       logits = _rows(out, start - 1, 1) if plan.autoregressive else _rows(out, start, block)
       nfe, forwards = nfe + 1, forwards + 1
@@ -347,6 +370,9 @@ class BlockEngine:
         jnp.full((settings.trace, batch), -1, jnp.int32),  # -1: no step was recorded in this frame
         jnp.zeros((settings.trace, batch), jnp.int32),
       )
+    knobs = Knobs.of(settings, batch) if knobs is None else knobs
+    per_row = lambda a, dtype: jnp.broadcast_to(jnp.asarray(a, dtype), (batch,))  # noqa: E731
+    no = jnp.zeros((batch,), jnp.int32)
     return State(
       z=z,
       target=target,
@@ -358,21 +384,47 @@ class BlockEngine:
       first=first,
       last=last.astype(jnp.int32),
       example_keys=example_keys,
-      block=jnp.zeros((), jnp.int32),
-      step=jnp.zeros((), jnp.int32),
-      fresh=jnp.asarray(plan.cache != "exact"),  # The exact cache's prefill ran the first block's first pass.
-      changed=jnp.asarray(plan.cache != "exact"),
+      block=no,
+      step=no,
+      fresh=per_row(plan.cache != "exact", bool),  # The exact cache's prefill ran the first block's first pass.
+      changed=per_row(plan.cache != "exact", bool),
       logits=logits,
       proposal=jnp.zeros((batch, block), jnp.int32),
       cache=cache,
-      num_steps=jnp.maximum(jnp.asarray(num_steps, jnp.int32), 1),
+      num_steps=jnp.maximum(per_row(num_steps, jnp.int32), 1),
+      knobs=Knobs(
+        per_row(knobs.temperature, jnp.float32),
+        per_row(knobs.top_k, jnp.int32),
+        per_row(knobs.top_p, jnp.float32),
+        per_row(knobs.threshold, jnp.float32),
+      ),
       nfe=nfe,
       forwards=forwards,
       first_passes=jnp.zeros((), jnp.int32),
       iterations=jnp.zeros((), jnp.int32),
-      recorded=jnp.zeros((), jnp.int32),
+      recorded=no,
       trace=trace,
     )
+
+  def insert(self, st: State, row: State, slot: jax.Array) -> State:
+    """``st`` with the one-row state ``row`` (an :meth:`init` of one canvas) in row ``slot``; the batch counters
+    (``forwards``, ...) stay ``st``'s. A serving engine's admission: prefill a request alone, then insert it."""
+    put = lambda axis: lambda a, r: jax.lax.dynamic_update_slice_in_dim(a, r.astype(a.dtype), slot, axis=axis)  # noqa: E731
+    fields = {}
+    for name in State._fields:
+      if name in ("forwards", "first_passes", "iterations"):
+        continue
+      if name == "cache":
+        fields[name] = jax.tree.map(put(1), st.cache, row.cache)  # [layers, b, ...]
+      elif name == "trace":
+        fields[name] = jax.tree.map(put(1), st.trace, row.trace)  # [frames, b, ...]
+      else:
+        fields[name] = jax.tree.map(put(0), getattr(st, name), getattr(row, name))
+    return st._replace(**fields)
+
+  def release(self, st: State, slot: jax.Array) -> State:
+    """``st`` with row ``slot`` given up: it has nothing left to generate, so it takes no more steps."""
+    return st._replace(generate=st.generate.at[slot].set(False))
 
   def unfinished(self, st: State) -> jax.Array:
     """[b] bool: the row still has a masked position."""
@@ -380,7 +432,10 @@ class BlockEngine:
 
   def _step_keys(self, st: State, position: jax.Array) -> jax.Array:
     keys = jax.vmap(jax.random.fold_in)(st.example_keys, position)
-    return jax.lax.cond(st.step == 0, lambda: keys, lambda: jax.vmap(lambda k: jax.random.fold_in(k, st.step))(keys))
+    stepped = jax.vmap(jax.random.fold_in)(keys, st.step)
+    data = lambda k: jax.random.key_data(k) if jnp.issubdtype(k.dtype, jax.dtypes.prng_key) else k  # noqa: E731
+    chosen = jnp.where((st.step == 0)[:, None], data(keys), data(stepped))
+    return jax.random.wrap_key_data(chosen) if jnp.issubdtype(keys.dtype, jax.dtypes.prng_key) else chosen
 
   def _body(self, params, st: State) -> State:
     plan, settings, block, mask_id = self.plan, self.settings, self.plan.block, self.settings.mask_id
@@ -388,26 +443,32 @@ class BlockEngine:
     piece = lambda a: _rows(a, starts, block)  # noqa: E731
     z_b, generate_b = piece(st.z), piece(st.generate)
     open_ = generate_b & (z_b == mask_id)  # [b, B]
-    has_open = jnp.any(open_)
+    has_open = jnp.any(open_, axis=-1)  # [b]
     unfinished = self.unfinished(st)
     first_run = has_open
     if plan.cache == "exact":  # Block k-1 reaches the cache through this block's first pass when it holds live tokens.
-      first_run |= jnp.any((_rows(st.segments, starts - block, block) != 0) & unfinished[:, None])
-    run = jnp.where(st.fresh, first_run, st.changed | self.model_cfg.time_conditioning)
-    batch = z_b.shape[0]
-    steps_left = st.num_steps - st.step
-    t = jnp.broadcast_to(1.0 - st.step / st.num_steps, (batch,)).astype(jnp.float32)
-    s = jnp.broadcast_to(1.0 - (st.step + 1) / st.num_steps, (batch,)).astype(jnp.float32)
+      first_run |= jnp.any(_rows(st.segments, starts - block, block) != 0, axis=-1) & unfinished
+    needs = jnp.where(st.fresh, first_run, (st.changed | self.model_cfg.time_conditioning) & has_open)  # [b]
+    # One pass for the batch when any row needs one: a row that did not gets the logits it already had (same inputs,
+    # same program), so its tokens never depend on its neighbours.
+    run = jnp.any(needs)
+    steps_left = st.num_steps - st.step  # [b]
+    t = (1.0 - st.step / st.num_steps).astype(jnp.float32)
+    s = (1.0 - (st.step + 1) / st.num_steps).astype(jnp.float32)
     logits, cache = jax.lax.cond(run, lambda: self.forward(params, st, t), lambda: (st.logits, st.cache))
 
     keys = self._step_keys(st, starts - block)  # the block's first canvas position
-    # One draw per row and step: rows [0, B) are the proposals' Gumbel noise, row B the rule's uniforms (a shorter
-    # draw is a prefix of a longer one, so the proposals' noise is that of a draw of B rows alone).
-    noise = uniform_noise(keys, (block + 1, max(self.width, block)))
-    u = noise[:, block, :block]
-    noise = noise[:, :block, : self.width] if self.width else None
-    x0, confidence = propose(logits, noise, piece(st.eos_banned), settings)
-    committed = generate_b & ~open_ & jnp.any(open_, axis=-1, keepdims=True)  # revision: the open block only
+    # The proposals' Gumbel noise, drawn only when some row samples (a row at temperature 0 ignores it), and the
+    # rule's own uniforms from a key of their own, so neither depends on the other rows' knobs.
+    sampled = jnp.any((st.knobs.temperature > 0.0) & has_open)
+    width = noise_width(self.model_cfg.vocab_size)
+    zeros = jnp.full((z_b.shape[0], block, width), 0.5, jnp.float32)
+    noise = jax.lax.cond(sampled, lambda: uniform_noise(keys, (block, width)), lambda: zeros)
+    u = jnp.zeros(z_b.shape, jnp.float32)
+    if settings.rule == "ancestral":
+      u = uniform_noise(jax.vmap(lambda k: jax.random.fold_in(k, RULE_NOISE))(keys), (block,))
+    x0, confidence = propose_rows(logits, noise, piece(st.eos_banned), settings, st.knobs)
+    committed = generate_b & ~open_ & has_open[:, None]  # revision: the open block only
     inputs = StepInputs(
       x0=x0,
       confidence=confidence,
@@ -415,42 +476,47 @@ class BlockEngine:
       committed=committed,
       score=piece(st.score),
       k=(open_.sum(axis=-1, dtype=jnp.int32) + steps_left - 1) // steps_left,
-      steps_left=jnp.broadcast_to(steps_left, (batch,)),
-      window_steps=jnp.broadcast_to(st.num_steps, (batch,)),
+      steps_left=steps_left,
+      window_steps=st.num_steps,
       t=t,
       s=s,
       u=u,
+      threshold=st.knobs.threshold,
     )
     out = self.rule(inputs)
-    is_last = st.step >= st.num_steps - 1
+    is_last = (st.step >= st.num_steps - 1)[:, None]
     commit = (out.commit | is_last) & open_
     remask = out.remask & committed & ~is_last
     z_b = jnp.where(remask, mask_id, jnp.where(commit, x0, z_b))
     z = _put(st.z, starts, z_b)
     score = _put(st.score, starts, jnp.where(commit, confidence, piece(st.score)))
-    finished = ~jnp.any(generate_b & (z_b == mask_id))  # every row's block is done (or had nothing to do)
+    finished = ~jnp.any(generate_b & (z_b == mask_id), axis=-1)  # [b] the row's block is done (or had nothing to do)
 
     # A finished block: an EOS in it ends its hole; the hole's later positions become dead padding.
     slots = jnp.arange(plan.slots)
+    has_eos = finished & jnp.any(generate_b & (z_b == settings.eos_id), axis=-1)  # [b]
 
     def end_holes(z, segments, generate):
-      dead = after_eos(z, st.target, settings.eos_id, known=slots[None, :] < (starts + block)[:, None])
+      known = slots[None, :] < (starts + block)[:, None]
+      dead = after_eos(z, st.target, settings.eos_id, known=known) & has_eos[:, None]
       return jnp.where(dead, settings.pad_id, z), jnp.where(dead, 0, segments), generate & ~dead
 
-    has_eos = finished & jnp.any(generate_b & (z_b == settings.eos_id))  # Most blocks end without one: no work.
-    z, segments, generate = jax.lax.cond(has_eos, end_holes, lambda *a: a, z, st.segments, st.generate)
+    z, segments, generate = jax.lax.cond(jnp.any(has_eos), end_holes, lambda *a: a, z, st.segments, st.generate)
 
     trace = st.trace
     if trace:
       canvases, commits, remasks = trace
-      row = jnp.minimum(st.recorded, settings.trace - 1)
+      rows = jnp.arange(z.shape[0])
+      frame = jnp.minimum(st.recorded, settings.trace - 1)  # [b]: each row records its own steps
       keep = (st.recorded < settings.trace) & has_open
       trace = (
-        canvases.at[row].set(jnp.where(keep, z, canvases[row])),
-        commits.at[row].set(jnp.where(keep, commit.sum(axis=-1, dtype=jnp.int32), commits[row])),
-        remasks.at[row].set(jnp.where(keep, remask.sum(axis=-1, dtype=jnp.int32), remasks[row])),
+        canvases.at[frame, rows].set(jnp.where(keep[:, None], z, canvases[frame, rows])),
+        commits.at[frame, rows].set(jnp.where(keep, commit.sum(axis=-1, dtype=jnp.int32), commits[frame, rows])),
+        remasks.at[frame, rows].set(jnp.where(keep, remask.sum(axis=-1, dtype=jnp.int32), remasks[frame, rows])),
       )
-    advance = finished | ~has_open
+    advance = finished
+    if plan.cache in ("dual", "prefix"):  # The approximate caches refresh every row at once: blocks in lockstep.
+      advance = jnp.broadcast_to(jnp.all(finished), finished.shape)
     return st._replace(
       z=z,
       generate=generate,
@@ -459,27 +525,27 @@ class BlockEngine:
       block=st.block + advance.astype(jnp.int32),
       step=jnp.where(advance, 0, st.step + 1),
       fresh=advance,
-      changed=jnp.any(commit | remask),
+      changed=jnp.any(commit | remask, axis=-1),
       logits=logits,
       proposal=x0,
       cache=cache,
-      nfe=st.nfe + (run & unfinished).astype(jnp.int32),
+      nfe=st.nfe + (run & needs & unfinished).astype(jnp.int32),
       forwards=st.forwards + run.astype(jnp.int32),
-      first_passes=st.first_passes + (run & st.fresh).astype(jnp.int32),
+      first_passes=st.first_passes + (run & jnp.any(st.fresh & needs)).astype(jnp.int32),
       iterations=st.iterations + 1,
       recorded=st.recorded + has_open.astype(jnp.int32),
       trace=trace,
     )
 
   def advance(self, params, st: State, max_blocks: jax.Array | None = None, max_steps: jax.Array | None = None):
-    """Runs steps until nothing is masked, or ``max_blocks`` more blocks are finished, or ``max_steps`` more steps
-    ran (each budget optional; traced scalars, so one compilation serves every budget)."""
+    """Runs steps until nothing is masked, or some row finished ``max_blocks`` more blocks, or ``max_steps`` more
+    steps ran (each budget optional; traced scalars, so one compilation serves every budget)."""
     first_block, first_iteration = st.block, st.iterations
 
     def cond(st: State):
       going = ~self.done(st)
       if max_blocks is not None:
-        going &= st.block - first_block < max_blocks
+        going &= jnp.all(st.block - first_block < max_blocks)
       if max_steps is not None:
         going &= st.iterations - first_iteration < max_steps
       return going
@@ -488,7 +554,7 @@ class BlockEngine:
 
   def done(self, st: State) -> jax.Array:
     """[] bool: nothing is left to generate."""
-    return ~jnp.any(self.unfinished(st)) | (st.block >= self.plan.slots // self.plan.block)
+    return ~jnp.any(self.unfinished(st) & (st.block < self.plan.slots // self.plan.block))
 
   def to_canvas(self, slots_array: jax.Array, length: int) -> jax.Array:
     """``[..., S]`` slot values at canvas positions ``[..., length]``."""

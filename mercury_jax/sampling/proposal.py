@@ -19,12 +19,36 @@ costs several forward passes of a small model. Greedy decoding uses the same two
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from mercury_jax.sampling.settings import SamplerSettings
+
+
+class Knobs(NamedTuple):
+  """Per-row sampling knobs as traced arrays, so a serving engine mixes requests without recompiling.
+
+  Every field is [batch]; the values mean what the :class:`SamplerSettings` fields of the same names mean.
+  """
+
+  temperature: jax.Array  # float32; 0 picks the most likely token
+  top_k: jax.Array  # int32; 0 keeps every token
+  top_p: jax.Array  # float32 in (0, 1]
+  threshold: jax.Array  # float32: the threshold rule's bar
+
+  @classmethod
+  def of(cls, settings: SamplerSettings, batch: int) -> Knobs:
+    """``settings``' knobs for ``batch`` rows (host arrays)."""
+    full = lambda value, dtype: np.full((batch,), value, dtype)  # noqa: E731
+    return cls(
+      full(settings.temperature, np.float32),
+      full(settings.top_k, np.int32),
+      full(settings.top_p, np.float32),
+      full(settings.threshold, np.float32),
+    )
 
 
 def excluded_ids(vocab: int, settings: SamplerSettings) -> np.ndarray:
@@ -59,6 +83,24 @@ def filter_logits(logits: jax.Array, settings: SamplerSettings) -> jax.Array:
     cutoff = jnp.min(jnp.where(kept, ranked, jnp.inf), axis=-1, keepdims=True)
     logits = jnp.where(logits >= cutoff, logits, -jnp.inf)
   return logits
+
+
+def filter_rows(logits: jax.Array, knobs: Knobs) -> jax.Array:
+  """:func:`filter_logits` with per-row top-k and top-p (``[b, l, vocab]``, temperature already applied).
+
+  A row whose ``top_k`` is 0 and ``top_p`` 1 keeps its logits bit for bit, so a row's tokens never depend on the
+  knobs of the rows batched with it.
+  """
+  ranked = -jnp.sort(-logits, axis=-1)  # [b, l, vocab], descending
+  vocab = logits.shape[-1]
+  kth = jnp.take_along_axis(ranked, jnp.clip(knobs.top_k - 1, 0, vocab - 1)[:, None, None], axis=-1)  # [b, l, 1]
+  by_k = (knobs.top_k > 0)[:, None, None]
+  ranked = jnp.where(by_k & (ranked < kth), -jnp.inf, ranked)
+  probs = jax.nn.softmax(ranked, axis=-1)
+  kept = (jnp.cumsum(probs, axis=-1) - probs) < knobs.top_p[:, None, None]  # The most likely token is always kept.
+  cutoff = jnp.min(jnp.where(kept, ranked, jnp.inf), axis=-1, keepdims=True)
+  cutoff = jnp.where((knobs.top_p < 1.0)[:, None, None], cutoff, jnp.where(by_k, kth, -jnp.inf))
+  return jnp.where(logits >= cutoff, logits, -jnp.inf)
 
 
 def _chunk_size(vocab: int) -> int:
@@ -159,14 +201,51 @@ def propose(
     x0 = _gumbel_max(chunks, chunk_max, chunk_lse, None if greedy else uniforms)  # Reuses the normaliser's work.
   else:
     x0 = sample_tokens(filter_logits(logits, settings), uniforms)
+  return x0, _confidence(logits, x0, chunks, chunk_max, log_z, settings, greedy)
+
+
+def propose_rows(
+  logits: jax.Array, uniforms: jax.Array | None, eos_banned: jax.Array, settings: SamplerSettings, knobs: Knobs
+) -> tuple[jax.Array, jax.Array]:
+  """:func:`propose` with the sampling knobs of each row (``knobs``, traced) instead of ``settings``' own.
+
+  A row's proposals are a function of its own logits, noise and knobs only: the top-k/top-p filter runs (behind a
+  ``lax.cond``) only when some row asks for it and leaves the other rows' logits untouched, and everything after it
+  is the same program for every row. A row at temperature 1 without filters draws exactly what :func:`propose`
+  draws; at temperature 0 it takes the argmax and ignores ``uniforms`` (which may be None when no row samples).
+  """
+  logits = clean_logits(logits, eos_banned, settings)
+  chunks = _chunked(logits)  # [b, l, C, C]
+  chunk_max, chunk_lse, log_z = _chunk_stats(chunks)
+  greedy_x0 = _two_level_argmax(chunks, chunk_max, None)
+  if uniforms is None:
+    x0 = greedy_x0
+  else:
+    sampled = knobs.temperature > 0.0
+    scaled = logits / jnp.where(sampled, knobs.temperature, 1.0)[:, None, None]  # x / 1 is x, bit for bit
+    filtered = (knobs.top_k > 0) | (knobs.top_p < 1.0)
+    scaled = jax.lax.cond(
+      jnp.any(filtered & sampled),
+      lambda: jnp.where(filtered[:, None, None], filter_rows(scaled, knobs), scaled),
+      lambda: scaled,
+    )
+    scaled_chunks = _chunked(scaled)
+    scaled_max, scaled_lse, _ = _chunk_stats(scaled_chunks)
+    x0 = jnp.where(sampled[:, None], _gumbel_max(scaled_chunks, scaled_max, scaled_lse, uniforms), greedy_x0)
+  return x0, _confidence(logits, x0, chunks, chunk_max, log_z, settings, False, greedy_x0)
+
+
+def _confidence(logits, x0, chunks, chunk_max, log_z, settings, greedy, top1=None):
+  """The confidence of proposals ``x0`` (``settings.confidence``) under the cleaned distribution ``logits``."""
   if settings.confidence == "prob":
     confidence = jnp.exp(jnp.take_along_axis(logits, x0[..., None], axis=-1)[..., 0] - log_z)
   elif settings.confidence == "margin":
-    top1 = x0 if greedy else _two_level_argmax(chunks, chunk_max, None)
+    if top1 is None:
+      top1 = x0 if greedy else _two_level_argmax(chunks, chunk_max, None)
     first = jnp.take_along_axis(logits, top1[..., None], axis=-1)[..., 0]
     second = jnp.max(jnp.where(jnp.arange(logits.shape[-1]) == top1[..., None], -jnp.inf, logits), axis=-1)
     confidence = jnp.exp(first - log_z) - jnp.exp(second - log_z)
   else:  # Negative entropy: sum_v p_v log p_v, with 0 log 0 = 0.
     p = jnp.exp(logits - log_z[..., None])
     confidence = jnp.sum(jnp.where(p > 0, p * logits, 0.0), axis=-1) - log_z
-  return x0, confidence
+  return confidence

@@ -40,6 +40,8 @@ class StepInputs(NamedTuple):
     t: The window's diffusion time now, in (0, 1], float32 [batch].
     s: Its time after this step, ``0 <= s < t``, float32 [batch].
     u: Uniform noise in [0, 1) for the rule's own random decisions, float32 [batch, length].
+    threshold: The threshold rule's bar per example, float32 [batch] (the block engine's per-row knob); None: the
+      settings' ``threshold``.
   """
 
   x0: jax.Array
@@ -53,6 +55,7 @@ class StepInputs(NamedTuple):
   t: jax.Array
   s: jax.Array
   u: jax.Array
+  threshold: jax.Array | None = None
 
 
 class StepOutput(NamedTuple):
@@ -126,11 +129,12 @@ def above_threshold(tau: float) -> Rule:
   """Fast-dLLM's parallel decoding (Wu et al. 2025): commit every open position with confidence >= tau.
 
   Never fewer than the schedule's ``k`` (>= 1 while anything is open), so easy spans finish in few steps and the
-  step budget still suffices.
+  step budget still suffices. ``inputs.threshold``, when given, is each example's own tau.
   """
 
   def rule(inputs: StepInputs) -> StepOutput:
-    above = (inputs.open & (inputs.confidence >= tau)).sum(axis=-1)
+    bar = tau if inputs.threshold is None else inputs.threshold[:, None]
+    above = (inputs.open & (inputs.confidence >= bar)).sum(axis=-1)
     ranked = jnp.where(inputs.open, inputs.confidence, -jnp.inf)
     return StepOutput(top_k_mask(ranked, jnp.maximum(above, inputs.k)) & inputs.open, _no_remask(inputs))
 

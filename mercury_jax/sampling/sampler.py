@@ -570,8 +570,8 @@ class Sampler:
       for row in range(batch):
         if finished[row]:
           continue
-        row_block = min(int(first[row]) + int(current), int(last[row]))  # the row's next (or open) block
-        open_block = row_block - 1 if bool(fresh) else row_block  # the block the last step worked on
+        row_block = min(int(first[row]) + int(current[row]), int(last[row]))  # the row's next (or open) block
+        open_block = row_block - 1 if bool(fresh[row]) else row_block  # the block the last step worked on
         slots = np.arange(length) + block
         tokens = z[row, block : block + length]
         row_done = done_all or not (tokens[: ends[row]] == settings.mask_id).any()

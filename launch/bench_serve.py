@@ -1,0 +1,594 @@
+"""Serving benchmark: latency against throughput of ``python -m mercury_jax.serve`` under open-loop load.
+
+    python launch/bench_serve.py --model diffusion=runs/bd --model twin=runs/ar \\
+      [--concurrency 1,4,16,64] [--requests-per-level 64] [--max-tokens 64] [--slots 64] \\
+      [--extra '{"steps": 2, "threshold": 0.9}'] [--temperature 1.0] [--seed 0] [--prompts FILE] [--out bench_serve]
+
+Needs ``httpx`` and ``matplotlib`` besides the server's own packages. For each ``--model NAME=CHECKPOINT`` the script
+starts a server (``sys.executable -m mercury_jax.serve --port 0``; its log goes to ``OUT/server-NAME.log``), waits for
+its ``serving`` line, sends one warm-up request, then ``--solo-requests`` requests one after another whose mean
+latency is the model's *solo latency*. Then, for each concurrency level C, it sends
+``max(--requests-per-level, C)`` streamed ``/v1/completions`` requests (prompts taken in turn from ``--prompts``, one
+per line with ``\\n`` escapes, or a built-in list of short Python prompts):
+
+* C = 1: strictly one after another (each is sent when the previous one has ended).
+* C > 1: open loop. Arrival times are a Poisson process of rate C / solo latency (the *offered* concurrency, by
+  Little's law, is C while the server keeps its solo latency), and each request is sent at its arrival time whatever
+  the others are doing; nothing caps the requests in flight. A server that slows down under load therefore holds
+  more than C requests at once: the *achieved* concurrency column says how many it held on average.
+
+Definitions (times from the client's clock; a request's latency runs from just before it is sent to its last event):
+
+* out tok/s: the completion tokens of the level's successful requests / the level's wall span (first send to last
+  end).
+* per-req tok/s: a request's completion tokens / its latency; the median over the level's requests.
+* TTFT: time to the first event whose ``choices[0].text`` is non-empty (the first committed block of text).
+* inter-block: the gaps between successive events with non-empty text of one request, pooled over the level.
+* tok/fwd: the level's completion tokens / its forward passes (``usage.nfe``, summed; a request's nfe counts the
+  passes that advanced it, not the batched passes it shared).
+* achieved conc.: the time average of the requests in flight over the wall span (the sum of latencies / the span).
+* errors: requests that did not answer 200 with a usage event (429 from a full queue counts; ``--max-queue``
+  defaults high so that an open loop is never refused).
+* p99 of a level with fewer than 100 requests lies between its two largest values (linear interpolation).
+
+Sampling: ``--temperature`` defaults to 1.0, the model's own distribution, as a sampling client would use it (greedy
+decoding makes small models loop on one phrase, text unlike what they serve); each request has seed ``--seed`` plus
+its index, so a run repeats. ``--extra`` fields go to diffusion models only; a model whose ``/v1/models`` card says
+``objective: autoregressive`` gets none (it would answer 400). When a model is called ``twin`` (an autoregressive
+twin of the others), the summary also gives each other model's per-request speed over the twin's at the lowest level
+run, and the lowest level at which the twin's out tok/s reaches or passes that model's at the same level.
+
+Writes ``OUT/results.json`` (every request's record), ``OUT/results.md`` (the table, the command line and the
+machine) and ``OUT/latency_throughput.png``. Each server is stopped with SIGTERM and must exit 0; the script exits 1
+when a server failed to start, to stop cleanly, or a level had errors. The client runs on the same machine as the
+server and shares its CPUs: on a small host its own parsing shows up in the latencies. The server's engine step
+always computes ``--slots`` rows, so the solo latency (and every level's) depends on ``--slots``: compare models at
+the same value.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import math
+import os
+import platform
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+PROMPTS = (
+  "def fibonacci(n):",
+  "import os\n",
+  "class Stack:\n    def push(self, item):",
+  "def is_prime(n):",
+  "def read_config(path):",
+  "import json\n\ndef load(path):",
+  "def merge_sorted(a, b):",
+  "for i in range(10):",
+  "class Node:\n    def __init__(self, value):",
+  "def binary_search(items, target):",
+  "def parse_args():",
+  "import numpy as np\n\ndef normalize(x):",
+  "def flatten(nested):",
+  "with open('data.txt') as f:",
+  "def quicksort(items):",
+  "class Counter:\n    def increment(self):",
+)
+SERVING = re.compile(r"^serving (\S+) on (http://\S+)")
+
+
+def _levels(text: str) -> list[int]:
+  try:
+    levels = [int(v) for v in text.split(",") if v.strip()]
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"{text!r} must be comma-separated integers, e.g. 1,4,16,64") from None
+  if not levels or min(levels) < 1:
+    raise argparse.ArgumentTypeError(f"{text!r}: every concurrency level must be >= 1")
+  return sorted(set(levels))
+
+
+def _model(text: str) -> tuple[str, str]:
+  name, sep, path = text.partition("=")
+  if not sep or not name or not path:
+    raise argparse.ArgumentTypeError(f"{text!r} must be NAME=CHECKPOINT_DIR, e.g. diffusion=runs/bd")
+  return name, path
+
+
+def _extra(text: str) -> dict:
+  try:
+    value = json.loads(text)
+  except json.JSONDecodeError as e:
+    raise argparse.ArgumentTypeError(f"{text!r} is not JSON: {e}") from None
+  if not isinstance(value, dict):
+    raise argparse.ArgumentTypeError(f"{text!r} must be a JSON object of request fields")
+  return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--model", type=_model, action="append", required=True, metavar="NAME=CHECKPOINT_DIR")
+  p.add_argument("--concurrency", type=_levels, default=[1, 4, 16, 64], help="levels, e.g. 1,4,16,64")
+  p.add_argument("--requests-per-level", type=int, default=64, help="requests per level (at least the level)")
+  p.add_argument("--solo-requests", type=int, default=4, help="sequential requests that measure the solo latency")
+  p.add_argument("--max-tokens", type=int, default=64)
+  p.add_argument("--prompts", help="a file of prompts, one a line (write a newline inside one as \\n)")
+  p.add_argument(
+    "--slots", type=int, default=64, help="the server's --slots (each engine step computes all of them, even at 1)"
+  )
+  p.add_argument("--max-queue", type=int, default=4096, help="the server's --max-queue")
+  p.add_argument("--extra", type=_extra, default={}, help="JSON object of request fields for diffusion models")
+  p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (0: greedy; default 1.0)")
+  p.add_argument("--seed", type=int, default=0, help="request i gets seed SEED + i; also seeds the arrivals")
+  p.add_argument("--startup-timeout", type=float, default=1800.0, help="seconds a server may take to listen")
+  p.add_argument("--request-timeout", type=float, default=600.0, help="seconds one request may take")
+  p.add_argument("--out", default="bench_serve", help="folder for results.json, results.md and the plot")
+  return p
+
+
+# ------------------------------------------------------------------------------------------------ the server
+
+
+class Server:
+  """One ``mercury_jax.serve`` subprocess, its output copied to a log file.
+
+  Args:
+    checkpoint: The checkpoint folder to serve.
+    log: The file that receives the server's stdout and stderr.
+    slots: The server's ``--slots``.
+    max_queue: The server's ``--max-queue``.
+  """
+
+  def __init__(self, checkpoint: str, log: Path, slots: int, max_queue: int):
+    self.command = [sys.executable, "-m", "mercury_jax.serve", "--checkpoint", checkpoint, "--port", "0"]
+    self.command += ["--slots", str(slots), "--max-queue", str(max_queue)]
+    self.url: str | None = None
+    self.last_line = ""  # The server's latest non-empty output line, for the error when it fails.
+    self._ready = threading.Event()
+    self._log = log.open("w")
+    self.process = subprocess.Popen(
+      self.command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, start_new_session=True
+    )
+    self._reader = threading.Thread(target=self._read, daemon=True)
+    self._reader.start()
+
+  def _read(self) -> None:
+    for line in self.process.stdout:
+      self._log.write(line)
+      self._log.flush()
+      self.last_line = line.strip() or self.last_line
+      match = SERVING.match(line)
+      if match and self.url is None:
+        self.url = match.group(2)
+        self._ready.set()
+    self._ready.set()  # The process ended: wait() below sees no url.
+
+  def wait(self, timeout: float) -> str:
+    """The server's base URL once it listens.
+
+    Raises:
+      RuntimeError: It exited, or did not listen within ``timeout`` seconds.
+    """
+    if not self._ready.wait(timeout):
+      raise RuntimeError(f"no 'serving' line within {timeout:.0f} s")
+    if self.url is None:
+      code = self.process.wait()
+      raise RuntimeError(f"the server exited with code {code} before it listened: {self.last_line}")
+    return self.url
+
+  def stop(self, timeout: float = 120.0) -> int | None:
+    """Sends SIGTERM and returns the exit code (None: still running after ``timeout`` s, then killed)."""
+    if self.process.poll() is None:
+      self.process.send_signal(signal.SIGTERM)
+    try:
+      code = self.process.wait(timeout)
+    except subprocess.TimeoutExpired:
+      self.process.kill()
+      self.process.wait()
+      code = None
+    self._reader.join(10)
+    self._log.close()
+    return code
+
+
+# ------------------------------------------------------------------------------------------------ the client
+
+
+@dataclasses.dataclass
+class Record:
+  """One request as the client saw it; times in seconds from the start of its level."""
+
+  index: int
+  scheduled: float  # When the load meant to send it.
+  sent: float = math.nan
+  ttft: float = math.nan  # From sent to the first event with text.
+  gaps: list[float] = dataclasses.field(default_factory=list)  # Between successive events with text.
+  end: float = math.nan
+  completion_tokens: int = 0
+  nfe: int = 0
+  status: int | None = None
+  error: str | None = None
+
+  @property
+  def latency(self) -> float:
+    return self.end - self.sent
+
+
+async def _request(client, url: str, body: dict, record: Record, origin: float) -> Record:
+  """Sends one streamed completion and fills ``record`` from its events."""
+  start = time.perf_counter()
+  record.sent = start - origin
+  last = None
+  usage = None
+  try:
+    async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+      record.status = response.status_code
+      if response.status_code != 200:
+        text = (await response.aread()).decode(errors="replace")
+        record.error = f"HTTP {response.status_code}: {text[:300]}"
+      else:
+        async for line in response.aiter_lines():
+          if not line.startswith("data:"):
+            continue
+          data = line[5:].strip()
+          if data == "[DONE]":
+            break
+          event = json.loads(data)
+          if "error" in event:
+            record.error = f"stream error: {json.dumps(event['error'])[:300]}"
+            continue
+          if event.get("usage"):
+            usage = event["usage"]
+          choices = event.get("choices") or []
+          if choices and choices[0].get("text"):
+            now = time.perf_counter()
+            if last is None:
+              record.ttft = now - start
+            else:
+              record.gaps.append(now - last)
+            last = now
+  except Exception as e:  # Any failure of one request is recorded, not fatal to the level.
+    record.error = f"{type(e).__name__}: {e}"[:300]
+  record.end = time.perf_counter() - origin
+  if record.error is None and usage is None:
+    record.error = "the stream ended without a usage event"
+  if usage is not None:
+    record.completion_tokens, record.nfe = int(usage["completion_tokens"]), int(usage["nfe"])
+  return record
+
+
+def _body(index: int, prompts: list[str], args, extra: dict) -> dict:
+  return {
+    "prompt": prompts[index % len(prompts)],
+    "max_tokens": args.max_tokens,
+    "temperature": args.temperature,
+    "seed": args.seed + index,
+    "stream": True,
+    "stream_options": {"include_usage": True},
+    **extra,
+  }
+
+
+async def _sequential(client, url: str, bodies: list[dict]) -> list[Record]:
+  origin = time.perf_counter()
+  records = []
+  for i, body in enumerate(bodies):
+    records.append(await _request(client, url, body, Record(i, time.perf_counter() - origin), origin))
+  return records
+
+
+async def _open_loop(client, url: str, bodies: list[dict], rate: float, rng: np.random.Generator) -> list[Record]:
+  """Sends ``bodies`` at the arrivals of a Poisson process of ``rate`` per second (the first at once)."""
+  arrivals = np.concatenate([[0.0], np.cumsum(rng.exponential(1.0 / rate, len(bodies) - 1))])
+  origin = time.perf_counter()
+  tasks = []
+  for i, (body, arrival) in enumerate(zip(bodies, arrivals, strict=True)):
+    delay = origin + arrival - time.perf_counter()
+    if delay > 0:
+      await asyncio.sleep(delay)
+    tasks.append(asyncio.create_task(_request(client, url, body, Record(i, float(arrival)), origin)))
+  return list(await asyncio.gather(*tasks))
+
+
+async def _compilations(client, url: str) -> float | None:
+  """``mercury_compilations_total`` from ``/metrics`` (None when absent)."""
+  try:
+    text = (await client.get(f"{url}/metrics")).text
+  except Exception:
+    return None
+  for line in text.splitlines():
+    if line.startswith("mercury_compilations_total "):
+      return float(line.split()[1])
+  return None
+
+
+# ------------------------------------------------------------------------------------------------ statistics
+
+
+def _pct(values, q: float) -> float:
+  values = [v for v in values if not math.isnan(v)]
+  return float(np.percentile(values, q)) if values else math.nan
+
+
+def summarize(records: list[Record], level: int, sequential: bool, rate: float | None) -> dict:
+  """The level's row of the table (definitions in the module docstring)."""
+  ok = [r for r in records if r.error is None]
+  span = max(r.end for r in records) - min(r.sent for r in records)
+  tokens = sum(r.completion_tokens for r in ok)
+  nfe = sum(r.nfe for r in ok)
+  return {
+    "concurrency": level,
+    "load": "sequential" if sequential else "poisson",
+    "rate_rps": rate,
+    "requests": len(records),
+    "errors": len(records) - len(ok),
+    "span_s": span,
+    "achieved_concurrency": sum(r.latency for r in records) / span if span > 0 else math.nan,
+    "output_tokens": tokens,
+    "output_tokens_per_s": tokens / span if span > 0 else math.nan,
+    "per_request_tokens_per_s_p50": _pct([r.completion_tokens / r.latency for r in ok if r.latency > 0], 50),
+    "ttft_p50_s": _pct([r.ttft for r in ok], 50),
+    "ttft_p99_s": _pct([r.ttft for r in ok], 99),
+    "inter_block_p50_s": _pct([g for r in ok for g in r.gaps], 50),
+    "inter_block_p99_s": _pct([g for r in ok for g in r.gaps], 99),
+    "latency_p50_s": _pct([r.latency for r in ok], 50),
+    "latency_p99_s": _pct([r.latency for r in ok], 99),
+    "tokens_per_forward": tokens / nfe if nfe else math.nan,
+    "max_send_lag_s": max(r.sent - r.scheduled for r in records),
+  }
+
+
+def _ms(seconds: float) -> str:
+  if math.isnan(seconds):
+    return "-"
+  return f"{1000 * seconds:.1f}" if seconds < 0.01 else f"{1000 * seconds:.0f}"
+
+
+def _num(value: float, digits: int = 1) -> str:
+  return "-" if value is None or math.isnan(value) else f"{value:.{digits}f}"
+
+
+def markdown_table(models: dict) -> str:
+  head = (
+    "| model | conc. | load | req | err | achieved conc. | out tok/s | per-req tok/s p50 | TTFT p50 / p99 ms "
+    "| inter-block p50 / p99 ms | latency p50 / p99 ms | tok/fwd |"
+  )
+  lines = [head, "|" + "---|" * 12]
+  for name, model in models.items():
+    for row in model.get("levels", []):
+      load = "sequential" if row["load"] == "sequential" else f"Poisson {row['rate_rps']:.2f} req/s"
+      lines.append(
+        f"| {name} | {row['concurrency']} | {load} | {row['requests']} | {row['errors']} "
+        f"| {_num(row['achieved_concurrency'], 2)} | {_num(row['output_tokens_per_s'])} "
+        f"| {_num(row['per_request_tokens_per_s_p50'])} | {_ms(row['ttft_p50_s'])} / {_ms(row['ttft_p99_s'])} "
+        f"| {_ms(row['inter_block_p50_s'])} / {_ms(row['inter_block_p99_s'])} "
+        f"| {_ms(row['latency_p50_s'])} / {_ms(row['latency_p99_s'])} | {_num(row['tokens_per_forward'], 2)} |"
+      )
+  return "\n".join(lines)
+
+
+def compare_to_twin(models: dict) -> list[str]:
+  """Each model against the one named ``twin``: per-request speed at the lowest level, and the throughput crossover."""
+  twin = models.get("twin", {}).get("levels")
+  if not twin:
+    return []
+  by_level = {row["concurrency"]: row for row in twin}
+  lines = []
+  for name, model in models.items():
+    rows = {row["concurrency"]: row for row in model.get("levels", [])}
+    common = sorted(set(rows) & set(by_level))
+    if name == "twin" or not common:
+      continue
+    low = common[0]
+    ratio = rows[low]["per_request_tokens_per_s_p50"] / by_level[low]["per_request_tokens_per_s_p50"]
+    lines.append(f"- {name} / twin, per-request output tok/s (p50) at concurrency {low}: {ratio:.2f}x")
+    cross = next((c for c in common if by_level[c]["output_tokens_per_s"] >= rows[c]["output_tokens_per_s"]), None)
+    where = f"at concurrency {cross}" if cross is not None else "not within the levels run"
+    lines.append(f"- twin's out tok/s reaches or passes {name}'s (same level): {where}")
+  return lines
+
+
+def plot(models: dict, path: Path) -> None:
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  fig, axes = plt.subplots(1, 2, figsize=(13, 5))
+  panels = (("latency", "request latency (s)"), ("ttft", "time to first token (s)"))
+  for ax, (key, label) in zip(axes, panels, strict=True):
+    for i, (name, model) in enumerate(models.items()):
+      rows = model.get("levels", [])
+      if not rows:
+        continue
+      color = f"C{i}"
+      x = [row["output_tokens_per_s"] for row in rows]
+      for q, style in (("p50", "-o"), ("p99", "--s")):
+        y = [row[f"{key}_{q}_s"] for row in rows]
+        ax.plot(x, y, style, color=color, label=f"{name} {q}")
+        for xi, yi, row in zip(x, y, rows, strict=True):
+          ax.annotate(str(row["concurrency"]), (xi, yi), textcoords="offset points", xytext=(4, 4), fontsize=8)
+    ax.set_xlabel("throughput (output tokens/s)")
+    ax.set_ylabel(label)
+    ax.set_title(f"{label} vs throughput (labels: concurrency)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def _finite(value):
+  """``value`` with every NaN or infinity turned into None (strict JSON has neither)."""
+  if isinstance(value, float) and not math.isfinite(value):
+    return None
+  if isinstance(value, dict):
+    return {k: _finite(v) for k, v in value.items()}
+  if isinstance(value, (list, tuple)):
+    return [_finite(v) for v in value]
+  return value
+
+
+def machine() -> dict:
+  cpu = platform.processor() or "unknown"
+  try:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+      if line.startswith("model name"):
+        cpu = line.split(":", 1)[1].strip()
+        break
+  except OSError:
+    pass
+  return {"cpu": cpu, "cores": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()}
+
+
+# ------------------------------------------------------------------------------------------------ the run
+
+
+async def bench_model(url: str, args, prompts: list[str], rng: np.random.Generator) -> dict:
+  """Warm-up, solo latency and every level against the server at ``url``."""
+  import httpx
+
+  limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+  timeout = httpx.Timeout(args.request_timeout, connect=60.0)
+  async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+    card = (await client.get(f"{url}/v1/models")).json()["data"][0]
+    extra = {} if card.get("objective") == "autoregressive" else args.extra
+    warm = await _request(client, url, _body(0, prompts, args, extra), Record(-1, 0.0), time.perf_counter())
+    if warm.error:
+      raise RuntimeError(f"the warm-up request failed: {warm.error}")
+    solo = await _sequential(client, url, [_body(i, prompts, args, extra) for i in range(args.solo_requests)])
+    failed = [r.error for r in solo if r.error]
+    if failed:
+      raise RuntimeError(f"a solo request failed: {failed[0]}")
+    solo_latency = float(np.mean([r.latency for r in solo]))
+    print(f"  {card['id']}: objective {card.get('objective')}, solo latency {1000 * solo_latency:.0f} ms", flush=True)
+    levels = []
+    for level in args.concurrency:
+      count = max(args.requests_per_level, level)
+      bodies = [_body(i, prompts, args, extra) for i in range(count)]
+      before = await _compilations(client, url)
+      if level == 1:
+        records, rate = await _sequential(client, url, bodies), None
+      else:
+        rate = level / solo_latency
+        records = await _open_loop(client, url, bodies, rate, rng)
+      after = await _compilations(client, url)
+      row = summarize(records, level, level == 1, rate)
+      row["compilations"] = None if before is None or after is None else after - before
+      row["records"] = [dataclasses.asdict(r) for r in records]
+      levels.append(row)
+      print(
+        f"  concurrency {level}: {row['output_tokens_per_s']:.1f} out tok/s, "
+        f"latency p50 {_ms(row['latency_p50_s'])} ms, achieved {row['achieved_concurrency']:.2f}, "
+        f"{row['errors']} errors",
+        flush=True,
+      )
+  return {"card": card, "extra": extra, "solo_latency_s": solo_latency, "levels": levels}
+
+
+def _prompts(path: str | None) -> list[str]:
+  if path is None:
+    return list(PROMPTS)
+  lines = [line.replace("\\n", "\n") for line in Path(path).read_text().splitlines() if line.strip()]
+  if not lines:
+    raise SystemExit(f"bench_serve: --prompts {path!r} has no prompts")
+  return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+  args = build_parser().parse_args(argv)
+  names = [name for name, _ in args.model]
+  if len(set(names)) != len(names):
+    raise SystemExit(f"bench_serve: model names repeat: {names}")
+  if args.requests_per_level < 1 or args.solo_requests < 1 or args.max_tokens < 1:
+    raise SystemExit("bench_serve: --requests-per-level, --solo-requests and --max-tokens must be >= 1")
+  prompts = _prompts(args.prompts)
+  out = Path(args.out)
+  out.mkdir(parents=True, exist_ok=True)
+  command = shlex.join(["python", *sys.argv] if argv is None else ["python", "launch/bench_serve.py", *argv])
+  models: dict[str, dict] = {}
+  failed = False
+  for name, checkpoint in args.model:
+    print(f"{name}: starting the server on {checkpoint}", flush=True)
+    server = Server(checkpoint, out / f"server-{name}.log", args.slots, args.max_queue)
+    model: dict = {"checkpoint": checkpoint, "server_command": shlex.join(server.command)}
+    try:
+      url = server.wait(args.startup_timeout)
+      print(f"  listening on {url}", flush=True)
+      rng = np.random.default_rng(args.seed)
+      model.update(asyncio.run(bench_model(url, args, prompts, rng)))
+    except Exception as e:  # The model's failure is reported; the other models still run.
+      model["error"] = f"{type(e).__name__}: {e}"
+      print(f"  failed: {model['error']}", flush=True)
+      failed = True
+    code = server.stop()
+    model["server_exit_code"] = code
+    if code != 0:
+      print(f"  the server's exit code after SIGTERM was {code}, not 0 (see {out / f'server-{name}.log'})")
+      failed = True
+    failed = failed or any(row["errors"] for row in model.get("levels", []))
+    models[name] = model
+
+  table = markdown_table(models)
+  comparison = compare_to_twin(models)
+  info = machine()
+  notes = [
+    "Concurrency 1 runs its requests strictly one after another; higher levels are open-loop Poisson arrivals at "
+    "rate = level / solo latency (offered concurrency = level). Times in ms; p99 of fewer than 100 requests "
+    "interpolates between the largest ones.",
+  ]
+  for name, model in models.items():
+    if "error" in model:
+      notes.append(f"{name}: {model['error']}")
+    elif model.get("server_exit_code") != 0:
+      notes.append(f"{name}: the server exited with code {model.get('server_exit_code')} after SIGTERM")
+    for row in model.get("levels", []):
+      if row.get("compilations"):
+        compiled = f"{row['compilations']:.0f} programs during level {row['concurrency']}"
+        notes.append(f"{name}: the server compiled {compiled}")
+  print()
+  print(table)
+  print()
+  for line in comparison + notes:
+    print(line if line.startswith("- ") else f"- {line}")
+
+  settings = {k: v for k, v in vars(args).items() if k != "model"}
+  settings |= {"prompts": args.prompts or "built-in", "models": dict(args.model)}
+  markdown = [
+    "# Serving benchmark",
+    "",
+    f"Command: `{command}`",
+    "",
+    f"Machine: {info['cpu']}, {info['cores']} cores ({info['platform']}, Python {info['python']})",
+    "",
+    f"Settings: max_tokens {args.max_tokens}, temperature {args.temperature}, seed {args.seed}, slots {args.slots}, "
+    f"extra (diffusion only) `{json.dumps(args.extra)}`",
+    "",
+    table,
+    "",
+    *comparison,
+    *(f"- {note}" for note in notes),
+    "",
+  ]
+  (out / "results.md").write_text("\n".join(markdown))
+  results = {"command": command, "machine": info, "settings": settings, "models": models, "comparison": comparison}
+  (out / "results.json").write_text(json.dumps(_finite(results), indent=1))
+  written = [out / "results.md", out / "results.json"]
+  if any(model.get("levels") for model in models.values()):
+    plot(models, out / "latency_throughput.png")
+    written.append(out / "latency_throughput.png")
+  print(f"\nwrote {', '.join(map(str, written))}")
+  return 1 if failed else 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,195 @@
+"""``python -m mercury_jax.serve [--checkpoint DIR] [--port 8000] ...``: an OpenAI-compatible HTTP server.
+
+Examples::
+
+  python -m mercury_jax.serve                                   # the bundled model on http://127.0.0.1:8000
+  python -m mercury_jax.serve --checkpoint runs/tiny_bd --slots 32 --port 8080
+  curl http://127.0.0.1:8000/v1/completions -H 'content-type: application/json' \\
+    -d '{"prompt": "def fibonacci(n):", "max_tokens": 64, "stream": true}'
+
+The endpoints and the streaming format are described in :mod:`mercury_jax.serve.routes`. The server prints
+``serving MODEL on http://HOST:PORT`` once it listens (``--port 0`` picks a free port). On SIGTERM or Ctrl-C it stops
+accepting connections, ``/health`` turns 503, running requests get ``--grace`` seconds to finish, then the engine
+stops and the process exits 0. Bad flags get one line on stderr and exit code 2. Compiled programs are kept in
+``~/.cache/mercury_jax/xla`` as for ``python -m mercury_jax.sample``.
+
+Multi-host: start the same command on every host with ``--coordinator HOST:PORT --num-processes N --process-id I``
+(or under SLURM, ``mpirun`` or on a Cloud TPU VM, without them). Process 0 serves HTTP and schedules; every other
+process runs the same engine steps on its devices (its share of the mesh) and leaves when process 0 shuts down.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+from pathlib import Path
+
+BUNDLED_NAME = "mercury_jax-default"  # The model name of the bundled checkpoint.
+
+
+class _Parser(argparse.ArgumentParser):
+  """Usage errors as one line on stderr, exit code 2."""
+
+  def error(self, message: str):
+    _fail(message)
+
+
+def _fail(message: str):
+  first_line = str(message).strip().splitlines()[0] if str(message).strip() else "invalid input"
+  sys.stderr.write(f"mercury_jax.serve: error: {first_line}\n")
+  raise SystemExit(2)
+
+
+def build_parser() -> argparse.ArgumentParser:
+  p = _Parser(prog="python -m mercury_jax.serve", description=__doc__.splitlines()[0])
+  p.add_argument(
+    "--checkpoint", help="train workdir, checkpoints folder, step folder or exported checkpoint (default: bundled)"
+  )
+  p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0: every one)")
+  p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000; 0: a free one)")
+  p.add_argument("--slots", type=int, default=16, help="requests generated at once, the engine's batch (default 16)")
+  p.add_argument("--max-queue", type=int, default=256, help="requests that may wait for a slot; more get 429")
+  p.add_argument("--mesh", help="DATA,FSDP,TENSOR sizes (default: every device on the data axis)")
+  p.add_argument(
+    "--block-length",
+    type=int,
+    default=0,
+    help="block of a whole-sequence checkpoint (default 32); block-diffusion checkpoints use their trained block",
+  )
+  p.add_argument("--model-name", help="the name clients see (default: the checkpoint folder's name)")
+  p.add_argument(
+    "--grace", type=float, default=30.0, help="seconds running requests get to finish on shutdown (default 30)"
+  )
+  from mercury_jax import distributed
+
+  distributed.add_arguments(p)
+  return p
+
+
+def _check_args(args: argparse.Namespace) -> None:
+  if not 0 <= args.port <= 65535:
+    _fail(f"--port={args.port} must lie in [0, 65535]")
+  if args.slots < 1:
+    _fail(f"--slots={args.slots} must be >= 1")
+  if args.max_queue < 0:
+    _fail(f"--max-queue={args.max_queue} must be >= 0")
+  if args.block_length < 0:
+    _fail(f"--block-length={args.block_length} must be >= 0 (0: the model's own)")
+  if not args.grace >= 0:
+    _fail(f"--grace={args.grace} must be >= 0 seconds")
+  if args.model_name is not None and not args.model_name.strip():
+    _fail("--model-name is empty; give the name clients should send, or leave the flag out")
+  if args.checkpoint is not None and not Path(args.checkpoint).exists():
+    _fail(f"--checkpoint {args.checkpoint!r} does not exist")
+
+
+def _make_mesh(spec: str | None):
+  from mercury_jax import sharding as sh
+  from mercury_jax.config import ConfigError, MeshConfig
+
+  if spec is None:
+    return sh.make_mesh(MeshConfig(data=-1))
+  try:
+    data, fsdp, tensor = (int(v) for v in spec.split(","))
+  except ValueError:
+    _fail(f"--mesh {spec!r} must be three integers DATA,FSDP,TENSOR, e.g. 4,1,2")
+  try:
+    return sh.make_mesh(MeshConfig(data=data, fsdp=fsdp, tensor=tensor))
+  except ConfigError as e:
+    _fail(f"--mesh {spec!r}: {e}")
+
+
+def _load(args: argparse.Namespace):
+  """The scheduler (not started yet) and the model's name; every failure is one line and exit code 2."""
+  import jax
+
+  from mercury_jax.config import ConfigError
+  from mercury_jax.sample import NO_DEFAULT_MODEL, compile_cache_dir
+  from mercury_jax.sampling.sampler import Sampler, default_checkpoint
+  from mercury_jax.sampling.settings import SettingError
+  from mercury_jax.serve.scheduler import Scheduler
+
+  if not jax.config.jax_compilation_cache_dir:
+    jax.config.update("jax_compilation_cache_dir", str(compile_cache_dir()))
+  path = args.checkpoint if args.checkpoint is not None else default_checkpoint()
+  if path is None:
+    _fail(NO_DEFAULT_MODEL)
+  mesh = _make_mesh(args.mesh)
+  try:
+    sampler = Sampler.from_checkpoint(path, mesh=mesh)
+  except (FileNotFoundError, ConfigError, ValueError) as e:
+    _fail(f"--checkpoint {str(path)!r}: {e}")
+  try:
+    scheduler = Scheduler(sampler, slots=args.slots, max_queue=args.max_queue, block_length=args.block_length)
+  except SettingError as e:
+    _fail(e.named("--block-length" if e.field == "block_length" else e.field))
+  except ValueError as e:
+    _fail(str(e))
+  name = args.model_name or (BUNDLED_NAME if args.checkpoint is None else Path(path).resolve().name)
+  return scheduler, name
+
+
+async def _serve(server, name: str, host: str) -> None:
+  """Runs ``server`` and prints the line that says it listens (tests wait for it)."""
+
+  async def announce():
+    while not server.started:
+      await asyncio.sleep(0.05)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    print(f"serving {name} on http://{host}:{port}", flush=True)
+
+  announcer = asyncio.create_task(announce())
+  try:
+    await server.serve()
+  finally:
+    announcer.cancel()
+
+
+def main(argv: list[str] | None = None) -> int:
+  """The command line: checks the flags, loads the model, serves until SIGTERM/SIGINT, then drains."""
+  args = build_parser().parse_args(argv)
+  _check_args(args)
+  from mercury_jax import distributed
+
+  try:
+    distributed.initialize(args)
+  except SystemExit as e:  # Inconsistent --coordinator/--num-processes/--process-id.
+    _fail(str(e.code))
+  scheduler, name = _load(args)
+  if not scheduler.leader:  # Another process of a multi-host mesh: run process 0's engine steps, serve nothing.
+    scheduler.follow()
+    return 0
+
+  import uvicorn
+
+  from mercury_jax.serve.chat import TemplateError
+  from mercury_jax.serve.routes import create_app
+
+  try:
+    app = create_app(scheduler, model_name=name, grace=args.grace)
+  except TemplateError as e:
+    _fail(f"--checkpoint: {e}")
+
+  class Server(uvicorn.Server):
+    def handle_exit(self, sig, frame):
+      app.state.draining = True  # /health answers 503 while running requests finish.
+      super().handle_exit(sig, frame)
+
+  config = uvicorn.Config(app, host=args.host, port=args.port, timeout_graceful_shutdown=args.grace, lifespan="off")
+  server = Server(config)
+  for sig in (signal.SIGINT, signal.SIGTERM):  # uvicorn raises the signal that stopped it again: drain instead.
+    signal.signal(sig, lambda *_: None)
+  scheduler.start()
+  try:
+    asyncio.run(_serve(server, name, args.host))
+  except SystemExit:  # uvicorn could not listen (it logged why).
+    scheduler.shutdown(0.0)
+    _fail(f"cannot listen on {args.host}:{args.port} (see the log above)")
+  scheduler.shutdown(args.grace)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

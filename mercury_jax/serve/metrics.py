@@ -1,0 +1,111 @@
+"""The server's Prometheus metrics (``GET /metrics``), in a registry of their own.
+
+Read from the scheduler when scraped: ``mercury_queue_depth``, ``mercury_busy_slots``, ``mercury_slots`` and
+``mercury_compilations_total`` (XLA programs the engine compiled; it should stop growing after warm-up, since
+per-request knobs are traced). Recorded by the routes: ``mercury_generated_tokens_total``,
+``mercury_tokens_per_second`` (generated tokens over the last :data:`RATE_WINDOW` seconds),
+``mercury_time_to_first_token_seconds`` (submit to the first committed token of each choice),
+``mercury_request_nfe`` and ``mercury_tokens_per_forward`` (per choice, when it ends) and
+``mercury_requests_total{endpoint, status}`` (HTTP status of every API request; a stream that fails after its
+headers counts as 500, one whose client went away as 499).
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
+
+RATE_WINDOW = 10.0  # Seconds of generated tokens that mercury_tokens_per_second averages over.
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+NFE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+TPF_BUCKETS = (0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 32.0)
+
+
+class _Compilations(Collector):
+  """``mercury_compilations_total``, read from ``scheduler.compilations`` at scrape time."""
+
+  def __init__(self, scheduler):
+    self.scheduler = scheduler
+
+  def describe(self):
+    return [CounterMetricFamily("mercury_compilations", "XLA programs compiled by the engine")]
+
+  def collect(self):
+    family = CounterMetricFamily("mercury_compilations", "XLA programs compiled by the engine")
+    family.add_metric([], self.scheduler.compilations)
+    yield family
+
+
+class Metrics:
+  """The metrics of one server.
+
+  Args:
+    scheduler: Read at scrape time: ``queue_depth``, ``busy_slots``, ``slots`` and ``compilations``.
+    clock: Seconds on the clock of ``Update.time`` (``time.perf_counter``).
+  """
+
+  def __init__(self, scheduler, *, clock=time.perf_counter):
+    self.registry = registry = CollectorRegistry()
+    self._clock = clock
+    self._recent: collections.deque[tuple[float, int]] = collections.deque()  # (time, tokens), oldest first
+    Gauge("mercury_queue_depth", "Requests waiting for a slot", registry=registry).set_function(
+      lambda: scheduler.queue_depth
+    )
+    Gauge("mercury_busy_slots", "Engine slots generating", registry=registry).set_function(lambda: scheduler.busy_slots)
+    Gauge("mercury_slots", "Engine slots", registry=registry).set_function(lambda: scheduler.slots)
+    Gauge(
+      "mercury_tokens_per_second", f"Generated tokens per second over the last {RATE_WINDOW:g} s", registry=registry
+    ).set_function(self.tokens_per_second)
+    registry.register(_Compilations(scheduler))
+    self.tokens = Counter("mercury_generated_tokens", "Generated (committed) tokens", registry=registry)
+    self.ttft = Histogram(
+      "mercury_time_to_first_token_seconds",
+      "Seconds from submit to the first committed token of a choice",
+      buckets=TTFT_BUCKETS,
+      registry=registry,
+    )
+    self.nfe = Histogram(
+      "mercury_request_nfe", "Forward passes a choice needed", buckets=NFE_BUCKETS, registry=registry
+    )
+    self.tpf = Histogram(
+      "mercury_tokens_per_forward",
+      "Generated tokens per forward pass of a choice",
+      buckets=TPF_BUCKETS,
+      registry=registry,
+    )
+    self.requests = Counter(
+      "mercury_requests", "API requests by endpoint and HTTP status", ("endpoint", "status"), registry=registry
+    )
+
+  def add_tokens(self, count: int, when: float) -> None:
+    """``count`` new tokens committed at ``when`` (clock seconds)."""
+    if count > 0:
+      self.tokens.inc(count)
+      self._recent.append((when, count))
+
+  def tokens_per_second(self) -> float:
+    """Generated tokens per second over the last :data:`RATE_WINDOW` seconds."""
+    start = self._clock() - RATE_WINDOW
+    while self._recent and self._recent[0][0] < start:
+      self._recent.popleft()
+    return sum(count for _, count in self._recent) / RATE_WINDOW
+
+  def first_token(self, seconds: float) -> None:
+    self.ttft.observe(max(seconds, 0.0))
+
+  def choice_done(self, tokens: int, nfe: int) -> None:
+    """A choice ended having generated ``tokens`` in ``nfe`` forward passes."""
+    self.nfe.observe(nfe)
+    if nfe:
+      self.tpf.observe(tokens / nfe)
+
+  def request(self, endpoint: str, status: int) -> None:
+    self.requests.labels(endpoint=endpoint, status=str(status)).inc()
+
+  def render(self) -> tuple[bytes, str]:
+    """The Prometheus text exposition and its content type."""
+    return generate_latest(self.registry), CONTENT_TYPE_LATEST

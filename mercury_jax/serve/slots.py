@@ -1,0 +1,284 @@
+"""The serving engine's device side: slots of the block engine, and the commands that drive them on every process.
+
+This is JetStream's prefill / insert / generate split over :class:`~mercury_jax.sampling.blocks.BlockEngine`, the
+engine behind every other entry point:
+
+* **prefill** (:meth:`BlockEngine.init` of one request): the request's canvas is laid into slots and its prompt runs
+  through the model over the smallest *bucket* of slots that covers its first block, giving its keys and values and
+  its first block's logits. One compilation per bucket, all made at start-up (:meth:`SlotEngine.warm_up`).
+* **insert**: that one-row state is written into a free row of the batch state (its cache rows too).
+* **generate**: one jitted step advances every busy slot by one refinement step of its own block. Each slot has its
+  own block, step, step budget, sampling knobs and random stream, all traced arrays; the host then reads the
+  canvases back once.
+* **release**: a finished or cancelled request's row stops taking steps.
+
+A :class:`Command` says what one iteration does (which rows to release, which requests to admit where, whether to
+step). It is a fixed-shape tree of host arrays, so on a multi-host mesh process 0 (which serves HTTP and owns the
+queue) broadcasts it and every process runs the same programs in the same order (:meth:`SlotEngine.run`,
+:meth:`SlotEngine.follow`).
+
+Nothing a request asks for compiles: its knobs are arrays, its prompt length picks a bucket compiled at start-up and
+the batch is always ``slots`` rows. A request draws from ``fold_in(key(seed), stream)`` and runs alone in its
+prefill and in its own row of a fixed-shape step, so its tokens are the same whatever else is being served.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from mercury_jax import kinds as K, sharding as sh
+from mercury_jax.sampling.blocks import BlockEngine, BlockPlan, State
+from mercury_jax.sampling.canvas import Canvas
+from mercury_jax.sampling.proposal import Knobs as RowKnobs
+from mercury_jax.sampling.sampler import APPROXIMATE_BLOCK, Sampler
+
+MIN_BUCKET = 32  # The smallest prefill bucket, in slots; buckets double up to the whole context.
+
+
+@dataclasses.dataclass(frozen=True)
+class Knobs:
+  """A request's sampling knobs (traced per slot, so no value ever recompiles).
+
+  Attributes:
+    temperature: >= 0; 0 picks the most likely token.
+    top_k: >= 0; 0 keeps every token.
+    top_p: In (0, 1].
+    threshold: In [0, 1]: commit every position of a block whose confidence reaches it (Fast-dLLM), and never fewer
+      than the step budget needs; 1 leaves the budget alone to decide.
+    steps: Refinement steps per block (>= 1); None: the server's default (one token per step).
+  """
+
+  temperature: float = 1.0
+  top_k: int = 0
+  top_p: float = 1.0
+  threshold: float = 0.9
+  steps: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+  """One completion to generate: ``prompt``, a hole of ``max_tokens`` positions, then ``suffix`` (token ids)."""
+
+  prompt: tuple[int, ...]
+  max_tokens: int
+  suffix: tuple[int, ...] = ()
+  knobs: Knobs = Knobs()
+  seed: int = 0
+  stream: int = 0  # The random stream within the seed (the choice index of an n > 1 request).
+  diffusing: bool = False  # Also deliver the draft after every step.
+
+
+class Command(NamedTuple):
+  """One engine iteration, identical on every process: fixed-shape host arrays (row ``r`` is slot ``r``)."""
+
+  stop: np.ndarray  # [] bool: the followers leave (and nothing else happens)
+  step: np.ndarray  # [] bool: run one refinement step after the releases and admissions
+  release: np.ndarray  # [slots] bool: rows to give up
+  bucket: np.ndarray  # [slots] int32: the prefill bucket (an index) of a request admitted into the row; -1: none
+  tokens: np.ndarray  # [slots, length] int32: the admitted requests' canvases
+  kinds: np.ndarray  # [slots, length] int32
+  streams: np.ndarray  # [slots] int32
+  keys: np.ndarray  # [slots, 2] uint32: PRNG key data of the requests' seeds
+  steps: np.ndarray  # [slots] int32: steps per block
+  knobs: RowKnobs  # [slots] each
+
+
+class View(NamedTuple):
+  """What the host reads back after a step (numpy, every row)."""
+
+  z: np.ndarray  # [slots, S] tokens in slot space
+  starts: np.ndarray  # [slots] first slot of each row's step block
+  unfinished: np.ndarray  # [slots] bool: the row still has a masked position
+  nfe: np.ndarray  # [slots] forward passes each row needed
+  proposal: np.ndarray  # [slots, B] the last step's proposals in the row's block
+  fresh: np.ndarray  # [slots] bool: the row's next step opens a new block
+
+
+class SlotEngine:
+  """The block engine over a fixed number of slots, for one model.
+
+  Args:
+    sampler: The model, tokenizer and mesh (:meth:`Sampler.from_checkpoint`).
+    slots: Rows of every step: requests refined at once.
+    block_length: The block of a whole-sequence checkpoint (decoded without a cache); block-diffusion checkpoints
+      use their trained block (a different one is an error) and the autoregressive twin blocks of one token.
+    default_steps: Steps per block when a request gives none; default the block (one token per step).
+  """
+
+  def __init__(self, sampler: Sampler, *, slots: int, block_length: int = 0, default_steps: int | None = None):
+    if slots < 1:
+      raise ValueError(f"slots={slots} must be >= 1")
+    self.sampler, self.slots = sampler, slots
+    self.autoregressive = sampler.autoregressive
+    self.whole_sequence = not (sampler.autoregressive or sampler.block_size)
+    if self.whole_sequence:
+      cache, block = "none", block_length or APPROXIMATE_BLOCK
+    else:
+      cache, block = sampler.decoder("exact", block_length)
+    context = sampler.max_length
+    self.block = block
+    self.plan = BlockPlan(block, block + -(-context // block) * block, cache, self.autoregressive, self.whole_sequence)
+    self.length = self.plan.slots - block  # canvas positions of a row
+    self.settings = sampler.settings(rule="threshold")
+    self.default_steps = 1 if self.autoregressive else (default_steps or block)
+    self.buckets = self._buckets()
+    self.engine = engine = BlockEngine(sampler.cfg.model, self.settings, self.plan)
+    self.multiprocess = jax.process_count() > 1
+
+    mesh, rules, params = sampler.mesh, sampler.rules, sampler.param_shardings
+
+    def step(params, st: State):
+      st = engine.advance(params, st, max_steps=jnp.ones((), jnp.int32))
+      return st, View(st.z, engine.starts(st), engine.unfinished(st), st.nfe, st.proposal, st.fresh)
+
+    def prefill(size: int):
+      fn = lambda p, c, k, n, kn: engine.init(p, c, k, n, kn, prefill=size)  # noqa: E731
+      return sh.MeshJit(fn, mesh, rules, in_shardings=(params, None, None, None, None))
+
+    self._prefill = [prefill(size) for size in self.buckets]
+    self._insert = sh.MeshJit(engine.insert, mesh, rules, donate_argnums=(0,))
+    self._release = sh.MeshJit(engine.release, mesh, rules, donate_argnums=(0,))
+    self._step = sh.MeshJit(step, mesh, rules, in_shardings=(params, None), donate_argnums=(1,))
+    self.state: State | None = None
+
+  # ------------------------------------------------------------------------------------------- requests
+
+  def _buckets(self) -> tuple[int, ...]:
+    size, sizes = MIN_BUCKET, []
+    while size < self.plan.slots:
+      sizes.append(-(-size // self.block) * self.block)
+      size *= 2
+    return tuple(sorted({*(s for s in sizes if s < self.plan.slots), self.plan.slots}))
+
+  def bucket(self, request: Request) -> int:
+    """The index of the smallest prefill bucket that covers the request's first block."""
+    first_block = (self.block + len(request.prompt)) // self.block
+    return next(i for i, size in enumerate(self.buckets) if size >= (first_block + 1) * self.block)
+
+  def command(self) -> Command:
+    """A command that does nothing (fill it in with :meth:`admit` and its fields)."""
+    n, zeros = self.slots, lambda dtype: np.zeros((self.slots,), dtype)  # noqa: E731
+    return Command(
+      stop=np.zeros((), bool),
+      step=np.zeros((), bool),
+      release=zeros(bool),
+      bucket=np.full((n,), -1, np.int32),
+      tokens=np.full((n, self.length), self.settings.pad_id, np.int32),
+      kinds=np.full((n, self.length), K.PAD, np.int32),
+      streams=zeros(np.int32),
+      keys=np.zeros((n, 2), np.uint32),
+      steps=np.ones((n,), np.int32),
+      knobs=RowKnobs.of(self.settings, n),
+    )
+
+  def admit(self, command: Command, slot: int, request: Request) -> None:
+    """Writes ``request`` into ``command`` as the admission of row ``slot`` (host arrays, in place)."""
+    p, m, s = len(request.prompt), request.max_tokens, len(request.suffix)
+    command.tokens[slot] = self.settings.pad_id
+    command.tokens[slot, :p] = request.prompt
+    command.tokens[slot, p + m : p + m + s] = request.suffix
+    command.kinds[slot] = K.PAD
+    command.kinds[slot, :p] = K.FIXED
+    command.kinds[slot, p : p + m] = K.TARGET
+    command.kinds[slot, p + m : p + m + s] = K.FIXED
+    command.bucket[slot] = self.bucket(request)
+    command.streams[slot] = request.stream
+    command.keys[slot] = np.asarray(jax.random.key_data(jax.random.key(request.seed)))
+    command.steps[slot] = 1 if self.autoregressive else (request.knobs.steps or self.default_steps)
+    knobs = request.knobs
+    values = (knobs.temperature, knobs.top_k, knobs.top_p, knobs.threshold)
+    for field, value in zip(RowKnobs._fields, values, strict=True):
+      getattr(command.knobs, field)[slot] = value
+
+  # ------------------------------------------------------------------------------------------- programs
+
+  def _place(self, array) -> jax.Array | np.ndarray:
+    """A host array as a replicated global array on a multi-host mesh (every process passes the same values)."""
+    if not self.multiprocess:
+      return array
+    array = np.asarray(array)
+    sharding = NamedSharding(self.sampler.mesh, P())
+    return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
+
+  def prefill(self, command: Command, slot: int) -> State:
+    """The one-row state of the request admitted into ``slot``: its prefill over its bucket."""
+    row = slice(slot, slot + 1)
+    place = self._place
+    canvas = Canvas(place(command.tokens[row]), place(command.kinds[row]), place(command.streams[row]))
+    knobs = RowKnobs(*(place(k[row]) for k in command.knobs))
+    fn = self._prefill[int(command.bucket[slot])]
+    return fn(self.sampler.params, canvas, place(command.keys[slot]), place(command.steps[row]), knobs)
+
+  def run(self, command: Command) -> tuple[View | None, dict[int, str]]:
+    """Carries ``command`` out on this process (process 0's command, on every process of a multi-host mesh).
+
+    Returns:
+      ``(view after the step or None, {slot: error message} of admissions that failed)``. A failed admission leaves
+      its row free; the others go on.
+    """
+    if self.multiprocess:
+      command = multihost_utils.broadcast_one_to_all(command)
+    if bool(command.stop):
+      return None, {}
+    for slot in np.flatnonzero(command.release):
+      self.state = self._release(self.state, self._place(np.int32(slot)))
+    failures = {}
+    for slot in np.flatnonzero(command.bucket >= 0):
+      try:
+        row = self.prefill(command, int(slot))
+        self.state = self._insert(self.state, row, self._place(np.int32(slot)))
+      except Exception as error:  # noqa: BLE001  The request fails alone; the engine keeps serving.
+        failures[int(slot)] = f"{type(error).__name__}: {error}"
+    if not bool(command.step):
+      return None, failures
+    self.state, view = self._step(self.sampler.params, self.state)
+    return View(*(self.sampler._gather(a) for a in view)), failures
+
+  def follow(self) -> None:
+    """A process other than 0: runs process 0's commands until it sends ``stop``."""
+    while True:
+      command = multihost_utils.broadcast_one_to_all(self.command())
+      if bool(command.stop):
+        return
+      self.multiprocess = False  # Already broadcast: run it as received.
+      try:
+        self.run(command)
+      finally:
+        self.multiprocess = True
+
+  def stop_followers(self) -> None:
+    """Process 0: tells the other processes to leave :meth:`follow`."""
+    if self.multiprocess:
+      multihost_utils.broadcast_one_to_all(self.command()._replace(stop=np.ones((), bool)))
+
+  def reset(self) -> None:
+    """Every row free: the state after start-up (after a failed step, too)."""
+    self.state = None
+    self.warm_up()
+
+  def warm_up(self) -> None:
+    """Builds the batch state with every row free, compiling every program a request can reach on the way: each
+    bucket's prefill, insert, release and the step."""
+    command = self.command()
+    bos = self.settings.bos_id
+    for bucket, size in enumerate(self.buckets):  # A prompt whose first block ends at the bucket's end.
+      self.admit(command, 0, Request(prompt=(bos,) * max(1, size - 2 * self.block), max_tokens=1))
+      assert command.bucket[0] == bucket
+      if self.state is None:  # The batch state: every row that request, all released below.
+        full = Canvas(*(np.repeat(a[:1], self.slots, axis=0) for a in (command.tokens, command.kinds, command.streams)))
+        place = lambda a: self._place(a)  # noqa: E731
+        knobs = RowKnobs(*(place(k) for k in command.knobs))
+        args = (place(full.tokens), place(full.kinds), place(full.streams))
+        init = self._prefill[bucket]
+        self.state = init(self.sampler.params, Canvas(*args), place(command.keys[0]), place(command.steps), knobs)
+      self.state = self._insert(self.state, self.prefill(command, 0), self._place(np.int32(0)))
+    self.state, _ = self._step(self.sampler.params, self.state)
+    for slot in range(self.slots):
+      self.state = self._release(self.state, self._place(np.int32(slot)))

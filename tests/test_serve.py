@@ -1,0 +1,384 @@
+"""The OpenAI-compatible server, live: a subprocess on a free port, spoken to over real sockets by the `openai` client.
+
+The model is a tiny block-diffusion model fine-tuned (SFT) in the module fixture to sort digits behind a chat
+template stored in its config, so chat answers can be checked for being right, not only well formed.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import random
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+from mercury_jax.config import load_config
+from mercury_jax.prepare import main as prepare_main
+from mercury_jax.train import train
+
+TEMPLATE = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant:"
+CONTEXT = 24
+TRAIN = {
+  "model.max_length": str(CONTEXT),
+  "model.vocab_size": "400",
+  "data.batch_size": "32",
+  "optim.learning_rate": "3e-3",
+  "optim.warmup_steps": "20",
+  "train.steps": "1000",
+  "train.eval_every": "0",
+  "train.log_every": "100",
+  "checkpoint.every": "1000",
+  "checkpoint.async_save": "false",
+}
+
+
+def _digits(rng: random.Random) -> list[int]:
+  return [rng.randint(0, 9) for _ in range(3)]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+  """A tiny block-diffusion chat model: "sort 3 1 2" -> "1 2 3", prompts rendered by its own chat template.
+
+  1000 steps (about 30 s on 2 cores) get 39 of 40 held-out lists right with greedy decoding; 400 steps get 1 in 3.
+  """
+  root = tmp_path_factory.mktemp("serve")
+  rng = random.Random(0)
+  lines = []
+  for _ in range(2000):
+    digits = _digits(rng)
+    prompt = f"user: sort {' '.join(map(str, digits))}\nassistant:"  # TEMPLATE of one user message
+    lines.append(json.dumps({"prompt": prompt, "response": " " + " ".join(map(str, sorted(digits)))}))
+  (root / "task.jsonl").write_text("\n".join(lines) + "\n")
+  data = root / "data"
+  args = ["--corpus", str(root / "task.jsonl"), "--out", str(data), "--vocab-size", "400", "--seq-len", str(CONTEXT)]
+  assert prepare_main(args) == 0
+  cfg = load_config("tiny_bd", {**TRAIN, "data.path": str(data), "data.chat_template": TEMPLATE})
+  train(cfg, root / "run", log=False)
+  return root / "run"
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+class Server:
+  """``python -m mercury_jax.serve`` in a subprocess, up once it printed its address."""
+
+  def __init__(self, checkpoint, *flags: str, devices: int = 1, processes: int = 1):
+    self.port = _free_port()
+    self.url = f"http://127.0.0.1:{self.port}"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "JAX_PLATFORMS": "cpu"}
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    command = [sys.executable, "-m", "mercury_jax.serve", "--checkpoint", str(checkpoint), "--port", str(self.port)]
+    command += flags
+    self.followers: list[subprocess.Popen] = []
+    if processes > 1:  # One multi-host server: process 0 serves HTTP, the others follow its engine commands.
+      command += ["--coordinator", f"localhost:{_free_port()}", "--num-processes", str(processes)]
+      for i in range(1, processes):
+        follower = [*command, "--process-id", str(i)]
+        self.followers.append(subprocess.Popen(follower, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env))
+      command += ["--process-id", "0"]
+    self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    self.log: list[str] = []
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
+      line = self.process.stdout.readline()
+      if not line and self.process.poll() is not None:
+        break
+      self.log.append(line)
+      if line.startswith("serving "):
+        return
+    raise AssertionError("the server did not start:\n" + "".join(self.log))
+
+  def client(self, **kwargs) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, **kwargs)
+
+  def metric(self, name: str) -> float:
+    text = httpx.get(f"{self.url}/metrics").text
+    match = re.search(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.MULTILINE)
+    assert match, f"{name} not in /metrics"
+    return float(match.group(1))
+
+  def stop(self, sig=signal.SIGTERM, timeout: float = 60) -> int:
+    if self.process.poll() is None:
+      self.process.send_signal(sig)
+    try:
+      code = self.process.wait(timeout)
+    except subprocess.TimeoutExpired:
+      self.process.kill()
+      raise
+    self.log.extend(self.process.stdout.readlines())
+    for follower in self.followers:  # They leave when process 0 stops.
+      assert follower.wait(timeout) == 0, follower.stderr.read()[-3000:]
+    return code
+
+  def kill(self) -> None:
+    for process in [self.process, *self.followers]:
+      if process.poll() is None:
+        process.kill()
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint):
+  srv = Server(checkpoint, "--slots", "8", "--max-queue", "128")
+  yield srv
+  srv.stop()
+
+
+def _text(client, **kw) -> tuple[str, str]:
+  out = client.completions.create(model="tiny", **kw)
+  return out.choices[0].text, out.choices[0].finish_reason
+
+
+def _streamed(client, **kw) -> tuple[str, str | None, list]:
+  text, reason, chunks = "", None, []
+  for chunk in client.completions.create(model="tiny", stream=True, **kw):
+    chunks.append(chunk)
+    for choice in chunk.choices:
+      text += choice.text
+      reason = choice.finish_reason or reason
+  return text, reason, chunks
+
+
+# ----------------------------------------------------------------------------------------------- completions
+
+
+def test_completion_streamed_equals_unstreamed_and_usage_counts_tokens(server):
+  client = server.client()
+  kw = dict(prompt="user: sort 4 1 3\nassistant:", max_tokens=8, seed=7, temperature=1.0)
+  out = client.completions.create(model="tiny", **kw)
+  text, reason, chunks = _streamed(client, stream_options={"include_usage": True}, **kw)
+  assert text == out.choices[0].text and reason == out.choices[0].finish_reason
+  assert out.usage.completion_tokens >= 1 and out.usage.prompt_tokens > 5
+  assert out.usage.total_tokens == out.usage.prompt_tokens + out.usage.completion_tokens
+  assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == out.usage.completion_tokens
+  assert len([c for c in chunks if c.choices and c.choices[0].text]) >= 1
+
+
+def test_fim_fills_between_prompt_and_suffix(server):
+  body = {"prompt": "user: sort 2 1", "suffix": "\nassistant: 1 2", "max_tokens": 4, "seed": 3, "temperature": 0}
+  out = httpx.post(f"{server.url}/v1/fim/completions", json=body, timeout=60).json()
+  again = httpx.post(f"{server.url}/v1/fim/completions", json=body, timeout=60).json()
+  assert out["choices"][0]["text"] == again["choices"][0]["text"]
+  assert out["usage"]["completion_tokens"] <= 4
+  streamed = ""
+  with httpx.stream("POST", f"{server.url}/v1/fim/completions", json={**body, "stream": True}, timeout=60) as r:
+    lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+  assert lines[-1] == "data: [DONE]"
+  for line in lines[:-1]:
+    streamed += "".join(c.get("text", "") for c in json.loads(line[6:])["choices"])
+  assert streamed == out["choices"][0]["text"]
+
+
+def test_chat_sorts_digits(server):
+  client = server.client()
+  rng = random.Random(5)
+  right = 0
+  for _ in range(10):
+    digits = _digits(rng)
+    out = client.chat.completions.create(
+      model="tiny", messages=[{"role": "user", "content": "sort " + " ".join(map(str, digits))}], temperature=0
+    )
+    message = out.choices[0].message
+    assert message.role == "assistant" and out.choices[0].finish_reason == "stop"
+    right += message.content.strip() == " ".join(map(str, sorted(digits)))
+  assert right >= 8, right
+
+
+def test_chat_streams_the_same_answer(server):
+  client = server.client()
+  messages = [{"role": "user", "content": "sort 9 0 5"}]
+  out = client.chat.completions.create(model="tiny", messages=messages, temperature=0.0)
+  chunks = list(client.chat.completions.create(model="tiny", messages=messages, temperature=0.0, stream=True))
+  assert chunks[0].choices[0].delta.role == "assistant"
+  assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == out.choices[0].message.content
+  assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_diffusing_streams_replacing_drafts_that_end_at_the_answer(server):
+  body = {"prompt": "user: sort 3 8 1\nassistant:", "max_tokens": 8, "seed": 1, "stream": True}
+  body |= {"diffusing": True, "steps": 4, "threshold": 1.0}  # one token per step: several drafts per block
+  drafts, appended = [], ""
+  with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as r:
+    for line in r.iter_lines():
+      if not line.startswith("data: ") or line == "data: [DONE]":
+        continue
+      for choice in json.loads(line[6:])["choices"]:
+        if choice.get("diffusing"):
+          assert choice["diffusing"]["replace"] is True
+          drafts.append(choice["diffusing"]["text"])
+        appended += choice.get("text") or ""
+  final = httpx.post(f"{server.url}/v1/completions", json={**body, "stream": False}, timeout=60).json()
+  assert appended == final["choices"][0]["text"]
+  assert len(drafts) >= 2 and any("░" in d for d in drafts)  # early drafts still have undecided positions
+
+
+def test_stop_sequence_straddling_a_block_edge(server):
+  client = server.client()
+  kw = dict(prompt="user: sort 7 3", max_tokens=14, seed=11, temperature=0.0)  # goes on for several blocks
+  out = client.completions.create(model="tiny", **kw)
+  full = out.choices[0].text
+  assert out.usage.completion_tokens >= 6 and len(full) >= 8, full
+  # Blocks hold 4 tokens; a stop string of 3 characters in the middle of the answer spans token (and, for some
+  # offsets, block) edges. Every offset must end the text right before the stop string.
+  for begin in range(1, len(full) - 3):
+    stop = full[begin : begin + 3]
+    if full.index(stop) != begin:
+      continue
+    text, reason = _text(client, stop=[stop], **kw)
+    assert (text, reason) == (full[:begin], "stop"), (stop, text)
+    streamed, reason, _ = _streamed(client, stop=stop, **kw)
+    assert (streamed, reason) == (full[:begin], "stop"), (stop, streamed)
+
+
+# ------------------------------------------------------------------------------------------- batch invariance
+
+
+def _mixed_requests(count: int) -> list[dict]:
+  rng = random.Random(0)
+  requests = []
+  for i in range(count):
+    digits = _digits(rng)
+    kw = dict(prompt=f"user: sort {' '.join(map(str, digits))}\nassistant:", max_tokens=rng.randint(2, 10), seed=i)
+    kw["temperature"] = rng.choice([0.0, 0.7, 1.0, 1.3])
+    kw["top_p"] = rng.choice([1.0, 0.9, 0.5])
+    extra = {"steps": rng.choice([1, 2, 4]), "threshold": rng.choice([0.5, 0.9, 1.0])}
+    if rng.random() < 0.3:
+      extra["top_k"] = rng.choice([1, 5, 20])
+    requests.append({**kw, "extra_body": extra})
+  return requests
+
+
+def test_sixty_four_concurrent_requests_equal_their_solo_results_without_compiling(server):
+  client = server.client(timeout=120)
+  requests = _mixed_requests(64)
+  compiled = server.metric("mercury_compilations_total")
+  solo = [_text(client, **kw) for kw in requests]
+  with concurrent.futures.ThreadPoolExecutor(64) as pool:
+    together = list(pool.map(lambda kw: _text(client, **kw), requests))
+  assert together == solo
+  assert server.metric("mercury_compilations_total") == compiled
+  assert len({text for text, _ in solo}) > 10  # the knobs and seeds really differ
+
+
+# ---------------------------------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize(
+  ("body", "param"),
+  [
+    ({"prompt": "x", "temperature": "hot"}, "temperature"),
+    ({"prompt": "x", "temperature": -1}, "temperature"),
+    ({"prompt": "x", "top_p": 0}, "top_p"),
+    ({"prompt": "x", "steps": 0}, "steps"),
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": CONTEXT}, "max_tokens"),
+    ({"prompt": "x " * 40, "max_tokens": 1}, "prompt"),
+    ({"prompt": "x", "logprobs": 2}, "logprobs"),
+    ({"prompt": "x", "block_length": 8}, "block_length"),
+    ({"max_tokens": 3}, "prompt"),
+  ],
+)
+def test_bad_requests_answer_400_naming_the_field(server, body, param):
+  response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=30)
+  assert response.status_code == 400, response.text
+  error = response.json()["error"]
+  assert error["type"] == "invalid_request_error" and error["param"] == param, error
+  assert param in error["message"]
+
+
+def test_too_long_prompt_names_both_lengths(server):
+  response = httpx.post(f"{server.url}/v1/completions", json={"prompt": "5 " * 40, "max_tokens": 4}, timeout=30)
+  assert response.status_code == 400
+  message = response.json()["error"]["message"]
+  assert str(CONTEXT) in message and re.search(r"\b\d{2,} tokens\b", message), message
+
+
+def test_malformed_json_and_openai_client_errors(server):
+  response = httpx.post(
+    f"{server.url}/v1/completions", content=b"{not json", headers={"content-type": "application/json"}
+  )
+  assert response.status_code == 400 and "error" in response.json()
+  with pytest.raises(openai.BadRequestError):
+    server.client().completions.create(model="tiny", prompt="x", max_tokens=CONTEXT * 2)
+
+
+def test_disconnect_mid_stream_frees_the_slot_and_serving_goes_on(server):
+  body = {"prompt": "sort", "max_tokens": 20, "steps": 4, "stream": True, "diffusing": True}
+  with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as r:
+    next(line for line in r.iter_lines() if line.startswith("data: "))
+  deadline = time.monotonic() + 30
+  while server.metric("mercury_busy_slots") > 0 and time.monotonic() < deadline:
+    time.sleep(0.05)
+  assert server.metric("mercury_busy_slots") == 0
+  text, reason = _text(server.client(), prompt="user: sort 2 1\nassistant:", max_tokens=6, temperature=0)
+  assert reason in ("stop", "length") and text
+
+
+def test_models_health_and_metrics(server):
+  models = server.client().models.list().data
+  assert len(models) == 1
+  assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
+  text = httpx.get(f"{server.url}/metrics").text
+  for name in (
+    "mercury_queue_depth",
+    "mercury_busy_slots",
+    "mercury_time_to_first_token_seconds_bucket",
+    "mercury_request_nfe_bucket",
+    "mercury_tokens_per_forward_bucket",
+  ):
+    assert name in text, name
+
+
+# ------------------------------------------------------------------------------------- a full queue, SIGTERM
+
+
+def test_full_queue_answers_429_and_sigterm_drains_then_exits_0(checkpoint):
+  srv = Server(checkpoint, "--slots", "1", "--max-queue", "1", "--grace", "30")
+  try:
+    body = {"prompt": "sort", "max_tokens": 20, "steps": 4, "threshold": 1.0}
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+      responses = list(pool.map(lambda _: httpx.post(f"{srv.url}/v1/completions", json=body, timeout=120), range(8)))
+    codes = sorted(r.status_code for r in responses)
+    assert 200 in codes and 429 in codes, codes
+    limited = next(r for r in responses if r.status_code == 429)
+    assert float(limited.headers["retry-after"]) > 0 and limited.json()["error"]["type"] == "rate_limit_error"
+    # In-flight requests finish after SIGTERM; the process exits 0.
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+      futures = [pool.submit(httpx.post, f"{srv.url}/v1/completions", json=body, timeout=120) for _ in range(2)]
+      time.sleep(0.5)
+      code = srv.stop(signal.SIGTERM)
+      statuses = [f.result().status_code for f in futures]
+    assert code == 0, "".join(srv.log)
+    assert 200 in statuses, statuses
+  finally:
+    srv.kill()
+
+
+def test_a_multi_host_server_answers_as_one_process_with_as_many_devices(checkpoint):
+  """Two processes of one device each (process 0 serves HTTP) against one process of two devices: same mesh shape,
+  same tokens."""
+  requests = _mixed_requests(12)
+  results = []
+  for devices, processes in ((2, 1), (1, 2)):
+    srv = Server(checkpoint, "--slots", "4", devices=devices, processes=processes)
+    try:
+      client = srv.client(timeout=120)
+      with concurrent.futures.ThreadPoolExecutor(12) as pool:
+        results.append(list(pool.map(lambda kw, client=client: _text(client, **kw), requests)))
+      assert srv.stop() == 0, "".join(srv.log)
+    finally:
+      srv.kill()
+  assert results[0] == results[1]

@@ -1,0 +1,450 @@
+"""The HTTP layer of ``python -m mercury_jax.serve`` over a fake scheduler: parsing, validation, errors, chat
+templates, stop strings, the SSE event format, usage and metrics (no model runs)."""
+
+import asyncio
+import json
+
+import pytest
+from fastapi.testclient import TestClient
+
+from mercury_jax.config import Config, DataConfig, ObjectiveConfig
+from mercury_jax.sampling.sampler import MASK_TEXT
+from mercury_jax.sampling.settings import SettingError
+from mercury_jax.serve import protocol as api
+from mercury_jax.serve.chat import ChatTemplate, TemplateError
+from mercury_jax.serve.routes import _Choice, _events, _Shape, create_app
+from mercury_jax.serve.scheduler import QueueFull, Update
+
+TEMPLATE = (
+  "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
+  "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+BOS, EOS, MASK, OFFSET = 2, 3, 4, 5  # The fake tokenizer: character c is id ord(c) + OFFSET.
+
+
+class FakeTokenizer:
+  bos_id, eos_id, vocab_size = BOS, EOS, 1000
+
+  def encode(self, text: str) -> list[int]:
+    return [ord(c) + OFFSET for c in text]
+
+  def decode(self, ids, *, mask_text: str = "") -> str:
+    return "".join(chr(i - OFFSET) if i >= OFFSET else mask_text if i == MASK else "" for i in ids)
+
+
+class FakeHandle:
+  """Delivers a scripted list of updates; ``wait`` makes it hang (as a slow engine) until cancelled."""
+
+  def __init__(self, handle_id: int, updates: list[Update], wait: bool):
+    self.id, self.script, self.wait = handle_id, updates, wait
+    self.submitted, self.cancelled = 0.0, False
+    self._cancel = asyncio.Event()
+
+  async def updates(self):
+    for update in self.script:
+      await asyncio.sleep(0)
+      yield update
+    if self.wait:
+      await self._cancel.wait()
+      yield Update((), None, True, "cancelled", 0)
+
+  def cancel(self) -> None:
+    self.cancelled = True
+    self._cancel.set()
+
+
+class FakeScheduler:
+  """Answers every request with ``reply`` (then EOS), one block of ``block`` characters per update.
+
+  ``n`` choices get ``reply`` with their stream index appended when ``per_stream``.
+  """
+
+  def __init__(self, reply="Hello world", *, block=4, autoregressive=False, template="", context=64, **options):
+    self.tokenizer = FakeTokenizer()
+    objective = ObjectiveConfig(name="autoregressive" if autoregressive else "masked_diffusion", block_size=block)
+    self.cfg = Config(objective=objective, data=DataConfig(chat_template=template))
+    self.reply, self.block, self.autoregressive, self.max_length = reply, block, autoregressive, context
+    self.block_length_fixed, self.slots, self.mask_id, self.default_steps = True, 4, MASK, block
+    self.queue_depth, self.busy_slots, self.compilations = 1, 2, 7
+    self.error, self.queue_full_after, self.wait, self.per_stream = None, None, False, False
+    self.__dict__.update(options)
+    self.requests, self.handles = [], []
+
+  def check(self, request) -> None:
+    if request.knobs.top_k > self.tokenizer.vocab_size:
+      raise SettingError("top_k", request.knobs.top_k, f"must be at most the vocabulary, {self.tokenizer.vocab_size}")
+
+  def script(self, request) -> list[Update]:
+    if self.error:
+      return [Update((), None, True, "error", 0, error=self.error)]
+    reply = self.reply + (str(request.stream) if self.per_stream else "")
+    ids = self.tokenizer.encode(reply)[: request.max_tokens]
+    reason = "stop" if len(ids) < request.max_tokens else "length"
+    updates = []
+    for end in range(self.block, len(ids) + self.block, self.block):
+      done = end >= len(ids)
+      draft = None if done or not request.diffusing else (*ids[:end], *[MASK] * (request.max_tokens - end))
+      updates.append(Update(tuple(ids[:end]), draft, done, reason if done else None, end // self.block, time=0.5))
+    return updates
+
+  def submit(self, request, loop):
+    if self.queue_full_after is not None and len(self.handles) >= self.queue_full_after:
+      raise QueueFull(3, retry_after=2.5)
+    self.requests.append(request)
+    self.handles.append(FakeHandle(len(self.handles), [] if self.wait else self.script(request), self.wait))
+    return self.handles[-1]
+
+
+def client_for(scheduler: FakeScheduler) -> TestClient:
+  return TestClient(create_app(scheduler, model_name="fake-model"))
+
+
+def sse(response) -> list:
+  """The ``data:`` payloads of an event stream, JSON-decoded except ``[DONE]``."""
+  payloads = [line[len("data: ") :] for line in response.text.splitlines() if line.startswith("data: ")]
+  return [p if p == "[DONE]" else json.loads(p) for p in payloads]
+
+
+def error_of(response, status: int = 400) -> dict:
+  assert response.status_code == status, response.text
+  body = response.json()
+  assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+  return body["error"]
+
+
+# ------------------------------------------------------------------------------------------------ plain answers
+
+
+def test_completion_answers_text_finish_reason_and_usage():
+  scheduler = FakeScheduler("Hello world")
+  body = client_for(scheduler).post("/v1/completions", json={"model": "anything", "prompt": "Hi", "max_tokens": 20})
+  assert body.status_code == 200, body.text
+  out = body.json()
+  assert out["object"] == "text_completion" and out["model"] == "fake-model" and out["id"].startswith("cmpl-")
+  assert out["choices"] == [{"index": 0, "text": "Hello world", "logprobs": None, "finish_reason": "stop"}]
+  assert out["usage"] == {
+    "prompt_tokens": 2,
+    "completion_tokens": 11,
+    "total_tokens": 13,
+    "nfe": 3,
+    "tokens_per_forward": round(11 / 3, 3),
+  }
+  (request,) = scheduler.requests
+  assert request.prompt == tuple(FakeTokenizer().encode("Hi")) and request.max_tokens == 20
+
+
+def test_unknown_fields_are_ignored_and_neutral_values_of_unsupported_ones_accepted():
+  response = client_for(FakeScheduler()).post(
+    "/v1/completions",
+    json={"prompt": "x", "no_such_field": [1, 2], "logprobs": None, "echo": False, "best_of": 1, "tools": []},
+  )
+  assert response.status_code == 200, response.text
+
+
+@pytest.mark.parametrize(
+  "field,value", [("logprobs", 2), ("echo", True), ("best_of", 3), ("presence_penalty", 0.5), ("tools", [{}])]
+)
+def test_unsupported_fields_answer_400_naming_the_field(field, value):
+  error = error_of(client_for(FakeScheduler()).post("/v1/completions", json={"prompt": "x", field: value}))
+  assert error["param"] == field and error["message"].startswith(f"{field}=") and "not supported" in error["message"]
+  assert error["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize(
+  "body,param,words",
+  [
+    ({"prompt": "x", "temperature": -1}, "temperature", "greater than or equal to 0"),
+    ({"prompt": "x", "top_p": 0}, "top_p", "greater than 0"),
+    ({"prompt": "x", "n": "many"}, "n", "valid integer"),
+    ({"prompt": 5}, "prompt", "prompt=5 is invalid: input should be a valid list or input should be a valid string"),
+    ({"prompt": ["a", "b"]}, "prompt", "one prompt per request"),
+    ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, "stop", "at most 4"),
+    ({"prompt": "x", "stop": [""]}, "stop", "empty string"),
+    ({"prompt": "x", "reasoning_effort": "max"}, "reasoning_effort", "'instant', 'low', 'medium' or 'high'"),
+    ({}, "prompt", "is required"),
+  ],
+)
+def test_invalid_requests_answer_400_not_422(body, param, words):
+  error = error_of(client_for(FakeScheduler()).post("/v1/completions", json=body))
+  assert error["param"] == param and words in error["message"]
+
+
+def test_malformed_json_answers_400():
+  client = client_for(FakeScheduler())
+  response = client.post("/v1/completions", content=b'{"prompt": ', headers={"content-type": "application/json"})
+  assert "not valid JSON" in error_of(response)["message"]
+  assert "JSON object" in error_of(client.post("/v1/completions", json=["x"]))["message"]
+
+
+def test_setting_errors_of_the_scheduler_name_the_field():
+  error = error_of(client_for(FakeScheduler()).post("/v1/completions", json={"prompt": "x", "top_k": 5000}))
+  assert error["param"] == "top_k" and error["message"] == "top_k=5000 must be at most the vocabulary, 1000"
+
+
+# ------------------------------------------------------------------------------------------------ lengths and knobs
+
+
+def test_max_tokens_defaults_and_the_context_limit():
+  scheduler = FakeScheduler(template=TEMPLATE, context=64)
+  client = client_for(scheduler)
+  client.post("/v1/completions", json={"prompt": "abc"})
+  client.post("/v1/completions", json={"prompt": "a" * 60})
+  client.post("/v1/fim/completions", json={"prompt": "abc", "suffix": "xyz"})
+  client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
+  chat_prompt = 1 + len("<user>hi\n<assistant>")
+  assert [r.max_tokens for r in scheduler.requests] == [16, 4, 64 - 6, 64 - chat_prompt]
+  assert scheduler.requests[2].suffix == tuple(FakeTokenizer().encode("xyz"))
+  assert scheduler.requests[3].prompt[0] == BOS
+
+  error = error_of(client.post("/v1/completions", json={"prompt": "a" * 50, "max_tokens": 20}))
+  assert error["param"] == "max_tokens" and error["message"] == (
+    "prompt has 50 tokens and max_tokens=20, together 70, but the model's context is 64 tokens; lower max_tokens to "
+    "at most 14"
+  )
+  error = error_of(client.post("/v1/fim/completions", json={"prompt": "a" * 30, "suffix": "b" * 30, "max_tokens": 5}))
+  assert "prompt has 30 tokens, suffix has 30 tokens and max_tokens=5, together 65" in error["message"]
+  error = error_of(client.post("/v1/completions", json={"prompt": "a" * 64}))
+  assert error["message"].startswith("prompt has 64 tokens but the model's context is 64 tokens")
+  error = error_of(client.post("/v1/completions", json={"prompt": "a" * 70, "max_tokens": 1}))
+  assert error["param"] == "prompt" and error["message"].endswith("context is 64 tokens; shorten the prompt")
+  error = error_of(
+    client.post(
+      "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 500}
+    )
+  )
+  assert error["param"] == "max_completion_tokens" and "max_completion_tokens=500" in error["message"]
+
+
+def test_reasoning_effort_maps_to_steps_and_threshold_and_explicit_knobs_win():
+  scheduler = FakeScheduler(block=16)
+  client = client_for(scheduler)
+  client.post("/v1/completions", json={"prompt": "x", "reasoning_effort": "instant"})
+  client.post("/v1/completions", json={"prompt": "x", "reasoning_effort": "high", "steps": 3})
+  client.post("/v1/completions", json={"prompt": "x", "threshold": 0.5, "temperature": 0, "top_k": 7, "seed": 9})
+  first, second, third = (r.knobs for r in scheduler.requests)
+  assert (first.steps, first.threshold) == (api.effort_knobs("instant", 16)) == (2, 0.7)
+  assert (second.steps, second.threshold) == (3, 0.95)
+  assert (third.steps, third.threshold, third.temperature, third.top_k) == (None, 0.5, 0.0, 7)
+  assert scheduler.requests[2].seed == 9
+
+
+def test_diffusion_knobs_for_an_autoregressive_model_and_a_foreign_block_length_answer_400():
+  client = client_for(FakeScheduler(block=1, autoregressive=True))
+  for field, value in [("steps", 4), ("threshold", 0.5), ("diffusing", True), ("reasoning_effort", "low")]:
+    error = error_of(client.post("/v1/completions", json={"prompt": "x", field: value}))
+    assert error["param"] == field and "diffusion models only" in error["message"]
+  assert client.post("/v1/completions", json={"prompt": "x", "temperature": 0.5}).status_code == 200
+  error = error_of(client_for(FakeScheduler(block=4)).post("/v1/completions", json={"prompt": "x", "block_length": 8}))
+  assert error["param"] == "block_length" and "block_length=8" in error["message"] and " 4 " in error["message"]
+
+
+# ------------------------------------------------------------------------------------------------ stop strings
+
+
+def test_find_stop_and_held_back():
+  assert api.find_stop("abc. def", ("z", ". d")) == 3
+  assert api.find_stop("abc", ("z",)) is None
+  assert api.held_back("Hello wor", ("world",)) == 3
+  assert api.held_back("Hello", ("x", "lo!")) == 2
+  assert api.held_back("Hello", ()) == 0
+
+
+def test_stop_straddling_a_block_edge_truncates_and_frees_the_slot():
+  scheduler = FakeScheduler("Hello world. Bye", block=4)  # Blocks "Hell" "o wo" "rld." " Bye": "d. B" spans two.
+  out = client_for(scheduler).post("/v1/completions", json={"prompt": "x", "max_tokens": 30, "stop": ["d. B", "zz"]})
+  choice = out.json()["choices"][0]
+  assert (choice["text"], choice["finish_reason"]) == ("Hello worl", "stop")
+  assert scheduler.handles[0].cancelled
+
+
+def test_streamed_deltas_hold_back_a_possible_stop_and_add_up_to_the_answer():
+  scheduler = FakeScheduler("Hello world. Bye", block=4)
+  client = client_for(scheduler)
+  events = sse(client.post("/v1/completions", json={"prompt": "x", "max_tokens": 30, "stop": "d. B", "stream": True}))
+  assert events[-1] == "[DONE]"
+  chunks = events[:-1]
+  assert all(c["object"] == "text_completion" and c["model"] == "fake-model" for c in chunks)
+  texts = [c["choices"][0]["text"] for c in chunks]
+  assert texts == ["Hell", "o wo", "rl", ""]  # Of "rld.", "d." waits: it may start "d. B".
+  assert [c["choices"][0]["finish_reason"] for c in chunks] == [None, None, None, "stop"]
+  assert len({c["id"] for c in chunks}) == 1
+
+
+# ------------------------------------------------------------------------------------------------ streaming
+
+
+def test_stream_with_usage_ends_with_a_usage_chunk_then_done():
+  response = client_for(FakeScheduler("Hello world")).post(
+    "/v1/completions", json={"prompt": "x", "max_tokens": 30, "stream": True, "stream_options": {"include_usage": True}}
+  )
+  assert response.headers["content-type"].startswith("text/event-stream")
+  assert response.text.startswith('data: {"id":"cmpl-') and response.text.endswith("\n\ndata: [DONE]\n\n")
+  events = sse(response)
+  assert events[-1] == "[DONE]" and events[-2]["choices"] == []
+  assert events[-2]["usage"]["completion_tokens"] == 11 and events[-2]["usage"]["nfe"] == 3
+  assert all("usage" not in e for e in events[:-2])
+  assert "".join(e["choices"][0]["text"] for e in events[:-2]) == "Hello world"
+
+
+def test_diffusing_stream_sends_whole_draft_replacements():
+  events = sse(
+    client_for(FakeScheduler("Hello", block=2)).post(
+      "/v1/completions", json={"prompt": "x", "max_tokens": 8, "stream": True, "diffusing": True}
+    )
+  )[:-1]
+  drafts = [e["choices"][0]["diffusing"] for e in events if "diffusing" in e["choices"][0]]
+  assert drafts == [
+    {"replace": True, "text": "He" + MASK_TEXT * 6},
+    {"replace": True, "text": "Hell" + MASK_TEXT * 4},
+  ]
+  assert all(e["choices"][0]["text"] == "" for e in events if "diffusing" in e["choices"][0])
+  assert "".join(e["choices"][0]["text"] for e in events) == "Hello"
+
+
+def test_diffusing_asks_the_engine_for_drafts_only_when_streaming():
+  scheduler = FakeScheduler("Hello", block=2)
+  client = client_for(scheduler)
+  assert "diffusing" not in client.post("/v1/completions", json={"prompt": "x", "diffusing": True}).text
+  sse(client.post("/v1/completions", json={"prompt": "x", "diffusing": True, "stream": True}))
+  assert [r.diffusing for r in scheduler.requests] == [False, True]
+
+
+def test_n_choices_use_streams_of_one_seed_and_interleave_by_index():
+  scheduler = FakeScheduler("ab", block=1, per_stream=True)
+  client = client_for(scheduler)
+  out = client.post("/v1/completions", json={"prompt": "x", "n": 2, "seed": 5, "max_tokens": 10}).json()
+  assert [c["text"] for c in out["choices"]] == ["ab0", "ab1"] and out["usage"]["completion_tokens"] == 6
+  assert [(r.seed, r.stream) for r in scheduler.requests] == [(5, 0), (5, 1)]
+  events = sse(client.post("/v1/completions", json={"prompt": "x", "n": 2, "max_tokens": 10, "stream": True}))[:-1]
+  indices = [e["choices"][0]["index"] for e in events]
+  assert indices[:2] == [0, 1]
+  for i in (0, 1):
+    assert "".join(e["choices"][0]["text"] for e in events if e["choices"][0]["index"] == i) == f"ab{i}"
+  assert scheduler.requests[2].seed == scheduler.requests[3].seed  # A drawn seed, shared by the choices.
+
+
+def test_closing_a_stream_cancels_the_running_handles():
+  scheduler = FakeScheduler(wait=True)
+
+  async def run():
+    handles = [scheduler.submit(None, None), scheduler.submit(None, None)]
+    app = create_app(scheduler, model_name="m")
+    choices = [_Choice(i, h, scheduler.tokenizer, (), app.state.metrics) for i, h in enumerate(handles)]
+    events = _events(choices, _Shape("cmpl-1", "m", chat=False), None, app.state.metrics, "/v1/completions")
+    task = asyncio.ensure_future(events.__anext__())
+    await asyncio.sleep(0.01)
+    task.cancel()  # As sse-starlette does when the client goes away.
+    with pytest.raises(asyncio.CancelledError):
+      await task
+    return handles, app.state.metrics.render()[0].decode()
+
+  handles, metrics = asyncio.run(run())
+  assert all(h.cancelled for h in handles)
+  assert 'mercury_requests_total{endpoint="/v1/completions",status="499"} 1.0' in metrics
+
+
+# ------------------------------------------------------------------------------------------------ chat
+
+
+def test_chat_template_renders_messages_in_a_sandbox():
+  template = ChatTemplate(TEMPLATE)
+  messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+  assert template.render(messages) == "<system>be brief\n<user>hi\n<assistant>"
+  assert ChatTemplate("{{ messages | tojson }}").render([{"role": "user", "content": "é"}]).endswith('"é"}]')
+  with pytest.raises(TemplateError, match="roles must alternate"):
+    ChatTemplate("{{ raise_exception('roles must alternate') }}").render(messages)
+  with pytest.raises(TemplateError, match="cannot render"):
+    ChatTemplate("{{ messages.append(1) }}").render(messages)  # Immutable: no mutation of the arguments.
+  with pytest.raises(TemplateError, match="does not compile"):
+    ChatTemplate("{% for %}")
+
+
+def test_chat_completion_and_its_stream():
+  scheduler = FakeScheduler("Sure.", template=TEMPLATE)
+  client = client_for(scheduler)
+  messages = [{"role": "user", "content": [{"type": "text", "text": "h"}, {"type": "text", "text": "i"}]}]
+  out = client.post("/v1/chat/completions", json={"messages": messages}).json()
+  assert out["object"] == "chat.completion" and out["id"].startswith("chatcmpl-")
+  assert out["choices"][0]["message"] == {"role": "assistant", "content": "Sure."}
+  assert out["choices"][0]["finish_reason"] == "stop"
+  assert scheduler.requests[0].prompt == (BOS, *FakeTokenizer().encode("<user>hi\n<assistant>"))
+
+  events = sse(client.post("/v1/chat/completions", json={"messages": messages, "stream": True, "diffusing": True}))
+  chunks = events[:-1]
+  assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+  assert chunks[0]["choices"][0]["delta"] == {"role": "assistant"}
+  drafts = [c["choices"][0]["delta"] for c in chunks if "diffusing" in c["choices"][0]["delta"]]
+  assert drafts and all(set(d) == {"diffusing"} and d["diffusing"]["replace"] for d in drafts)
+  content = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+  assert content == "Sure." and chunks[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_chat_without_a_template_and_with_an_image_answer_400():
+  error = error_of(
+    client_for(FakeScheduler()).post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
+  )
+  assert error["message"] == "this model has no chat template (data.chat_template in its config); use /v1/completions"
+  image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
+  error = error_of(client_for(FakeScheduler(template=TEMPLATE)).post("/v1/chat/completions", json={"messages": image}))
+  assert error["param"] == "messages.0.content" and "text parts only" in error["message"]
+
+
+# ------------------------------------------------------------------------------------------------ failures
+
+
+def test_a_full_queue_answers_429_with_retry_after_and_cancels_what_it_submitted():
+  scheduler = FakeScheduler(queue_full_after=1)
+  response = client_for(scheduler).post("/v1/completions", json={"prompt": "x", "n": 2})
+  error = error_of(response, 429)
+  assert response.headers["retry-after"] == "3" and "capacity" in error["message"]
+  assert scheduler.handles[0].cancelled
+
+
+def test_an_engine_error_answers_500_and_ends_a_stream_with_an_error_event():
+  client = client_for(FakeScheduler(error="XlaRuntimeError: out of memory"))
+  error = error_of(client.post("/v1/completions", json={"prompt": "x"}), 500)
+  assert "out of memory" in error["message"] and error["type"] == "server_error"
+  events = sse(client.post("/v1/completions", json={"prompt": "x", "stream": True}))
+  assert "out of memory" in events[-2]["error"]["message"] and events[-1] == "[DONE]"
+
+
+# ------------------------------------------------------------------------------------------------ other endpoints
+
+
+def test_health_models_and_draining():
+  scheduler = FakeScheduler(block=4, context=64)
+  app = create_app(scheduler, model_name="fake-model")
+  client = TestClient(app)
+  assert client.get("/health").json() == {"status": "ok"}
+  (card,) = client.get("/v1/models").json()["data"]
+  assert (card["id"], card["owned_by"], card["context_length"]) == ("fake-model", "mercury_jax", 64)
+  assert (card["block_length"], card["objective"]) == (4, "block_diffusion")
+  app.state.draining = True
+  response = client.get("/health")
+  assert response.status_code == 503 and response.json() == {"status": "draining"}
+  assert error_of(client.post("/v1/completions", json={"prompt": "x"}), 503)["code"] == "draining"
+
+
+def test_metrics_read_the_scheduler_and_count_requests_tokens_and_forward_passes():
+  scheduler = FakeScheduler("Hello world")
+  client = client_for(scheduler)
+  client.post("/v1/completions", json={"prompt": "x", "max_tokens": 30})
+  client.post("/v1/completions", json={"prompt": "x", "temperature": -1})
+  response = client.get("/metrics")
+  assert response.headers["content-type"].startswith("text/plain")
+  text = response.text
+  for line in (
+    "mercury_queue_depth 1.0",
+    "mercury_busy_slots 2.0",
+    "mercury_compilations_total 7.0",
+    "mercury_generated_tokens_total 11.0",
+    'mercury_requests_total{endpoint="/v1/completions",status="200"} 1.0',
+    'mercury_requests_total{endpoint="/v1/completions",status="400"} 1.0',
+    "mercury_request_nfe_count 1.0",
+    "mercury_request_nfe_sum 3.0",
+    "mercury_time_to_first_token_seconds_count 1.0",
+    "mercury_tokens_per_forward_count 1.0",
+  ):
+    assert line in text, line
+  scheduler.compilations = 9
+  assert "mercury_compilations_total 9.0" in client.get("/metrics").text
