@@ -243,19 +243,6 @@ def _check_args(args: argparse.Namespace, flags: dict[str, str]) -> dict:
   return knobs
 
 
-def _make_mesh(spec: str | None):
-  from mercury_jax import sharding as sh
-  from mercury_jax.config import MeshConfig
-
-  if spec is None:
-    return sh.make_mesh(MeshConfig(data=-1))
-  try:
-    data, fsdp, tensor = (int(v) for v in spec.split(","))
-  except ValueError:
-    _fail(f"--mesh {spec!r} must be three integers DATA,FSDP,TENSOR, e.g. 4,1,2")
-  return sh.make_mesh(MeshConfig(data=data, fsdp=fsdp, tensor=tensor))
-
-
 def _show(frames: list[str], header: str, unit: str) -> None:
   tty = sys.stdout.isatty()
   for j, frame in enumerate(frames):
@@ -310,10 +297,12 @@ def main(argv: list[str] | None = None, *, compile_cache: bool = False) -> int:
       _fail(NO_DEFAULT_MODEL)
   elif not Path(path).exists():
     _fail(f"--checkpoint {path!r} does not exist")
+  from mercury_jax import sharding as sh
+
   try:
-    mesh = _make_mesh(args.mesh)
+    mesh = sh.mesh_from_flag(args.mesh)
   except ConfigError as e:
-    _fail(f"--mesh: {e}")
+    _fail(str(e) if str(e).startswith("--mesh") else f"--mesh: {e}")
   try:
     sampler = Sampler.from_checkpoint(path, mesh=mesh)
   except (FileNotFoundError, ConfigError, ValueError) as e:

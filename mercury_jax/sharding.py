@@ -101,6 +101,21 @@ def make_mesh(mesh_cfg: MeshConfig, devices: Sequence[jax.Device] | None = None)
   return Mesh(np.asarray(devices).reshape(shape), MESH_AXES, axis_types=(AxisType.Auto,) * 3)
 
 
+def mesh_from_flag(spec: str | None) -> Mesh:
+  """The mesh of a command's ``--mesh DATA,FSDP,TENSOR`` flag (None: every device on the data axis).
+
+  Raises:
+    ConfigError: The flag is not three integers, or its sizes do not fit the devices.
+  """
+  if spec is None:
+    return make_mesh(MeshConfig(data=-1))
+  try:
+    data, fsdp, tensor = (int(v) for v in spec.split(","))
+  except ValueError:
+    raise ConfigError(f"--mesh {spec!r} must be three integers DATA,FSDP,TENSOR, e.g. 4,1,2") from None
+  return make_mesh(MeshConfig(data=data, fsdp=fsdp, tensor=tensor))
+
+
 def logical_to_sharding(logical_specs, mesh: Mesh, rules) -> object:
   """Maps a pytree of logical ``PartitionSpec``s to ``NamedSharding``s on ``mesh``."""
   return nn.logical_to_mesh_sharding(logical_specs, mesh, rules)

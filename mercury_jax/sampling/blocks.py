@@ -37,6 +37,14 @@ Caches (``BlockPlan.cache``):
   after it (Fast-dLLM's PrefixCache). Shapes are static: a ``lax.switch`` picks the shortest of a few chunk lengths
   (the longest suffix, then halving) that covers every row's suffix.
 
+Rows are independent. Each row has its own block counter, step, step budget (``num_steps`` [b]) and sampling knobs
+(``State.knobs``: temperature, top-k, top-p, threshold as traced [b] arrays), and moves to its next block as soon as
+its own block is finished; one forward pass serves every row that needs one, and a row that did not need it gets the
+logits it already had (same inputs, same program). So a row's tokens depend on its own canvas, key and knobs only,
+and a serving engine (``mercury_jax.serve``) can :meth:`BlockEngine.insert` a request into a free row and
+:meth:`BlockEngine.release` it between steps. The approximate caches refresh every row at once and keep the rows'
+blocks in lockstep.
+
 Steps. Within a block the existing step rules (``mercury_jax.sampling.rules``) run unchanged on ``[batch, B]``
 slices with ``num_steps`` steps per block: the confidence schedule commits ``ceil(open / steps_left)``, the
 ancestral rule walks the block's time grid from 1 to 0, revision re-masks only the open block, and the block's last
@@ -49,10 +57,10 @@ positions become padding, are never generated and are never attended to; generat
 position left, so open-ended generation ends at EOS.
 
 Randomness. Example ``i`` draws from ``key_i = fold_in(key, streams[i])``; step ``j`` of the block starting at
-canvas position ``p`` draws one array of ``B + 1`` rows from ``fold_in(key_i, p)`` (``j = 0``) or
-``fold_in(fold_in(key_i, p), j)``: rows ``[0, B)`` are the proposals' Gumbel noise, row ``B`` the rule's uniforms.
-So the twin draws exactly as the stand-alone decoder it replaced did (kept as the tests' reference), and a row's
-draws do not depend on its batch.
+canvas position ``p`` uses the key ``k = fold_in(key_i, p)`` (``j = 0``) or ``fold_in(fold_in(key_i, p), j)``: the
+proposals' Gumbel noise is ``B`` rows drawn from ``k`` (only when some row samples: a row at temperature 0 ignores
+it), the ancestral rule's uniforms come from ``fold_in(k, RULE_NOISE)``. So the twin draws exactly as the
+stand-alone decoder it replaced did (kept as the tests' reference), and a row's draws do not depend on its batch.
 
 The loop runs in chunks (:meth:`BlockEngine.advance`, a budget of blocks and steps): the state goes in and out of
 each jitted call, so a stream of blocks or of drafts costs no recompilation.

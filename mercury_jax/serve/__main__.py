@@ -85,22 +85,6 @@ def _check_args(args: argparse.Namespace) -> None:
     _fail(f"--checkpoint {args.checkpoint!r} does not exist")
 
 
-def _make_mesh(spec: str | None):
-  from mercury_jax import sharding as sh
-  from mercury_jax.config import ConfigError, MeshConfig
-
-  if spec is None:
-    return sh.make_mesh(MeshConfig(data=-1))
-  try:
-    data, fsdp, tensor = (int(v) for v in spec.split(","))
-  except ValueError:
-    _fail(f"--mesh {spec!r} must be three integers DATA,FSDP,TENSOR, e.g. 4,1,2")
-  try:
-    return sh.make_mesh(MeshConfig(data=data, fsdp=fsdp, tensor=tensor))
-  except ConfigError as e:
-    _fail(f"--mesh {spec!r}: {e}")
-
-
 def _load(args: argparse.Namespace):
   """The scheduler (not started yet) and the model's name; every failure is one line and exit code 2."""
   import jax
@@ -116,7 +100,12 @@ def _load(args: argparse.Namespace):
   path = args.checkpoint if args.checkpoint is not None else default_checkpoint()
   if path is None:
     _fail(NO_DEFAULT_MODEL)
-  mesh = _make_mesh(args.mesh)
+  from mercury_jax import sharding as sh
+
+  try:
+    mesh = sh.mesh_from_flag(args.mesh)
+  except ConfigError as e:
+    _fail(str(e) if str(e).startswith("--mesh") else f"--mesh {args.mesh!r}: {e}")
   try:
     sampler = Sampler.from_checkpoint(path, mesh=mesh)
   except (FileNotFoundError, ConfigError, ValueError) as e:
