@@ -124,10 +124,14 @@ class Server:
       assert follower.wait(timeout) == 0, follower.stderr.read()[-3000:]
     return code
 
-  def kill(self) -> None:
+  def kill(self) -> str:
+    """Kills what still runs; returns the server's output (for a failure's message)."""
     for process in [self.process, *self.followers]:
       if process.poll() is None:
         process.kill()
+    self.log.extend(self.process.stdout.readlines())
+    followers = [f.stderr.read()[-2000:] for f in self.followers]
+    return "".join(self.log)[-4000:] + "".join(f"\nfollower:\n{text}" for text in followers)
 
 
 @pytest.fixture(scope="module")
@@ -376,9 +380,12 @@ def test_a_multi_host_server_answers_as_one_process_with_as_many_devices(checkpo
     srv = Server(checkpoint, "--slots", "4", devices=devices, processes=processes)
     try:
       client = srv.client(timeout=120)
+      time.sleep(2.5)  # Idle: process 0 sends its followers no-op commands (one a second) meanwhile.
       with concurrent.futures.ThreadPoolExecutor(12) as pool:
         results.append(list(pool.map(lambda kw, client=client: _text(client, **kw), requests)))
       assert srv.stop() == 0, "".join(srv.log)
+    except Exception as error:
+      raise AssertionError(f"{devices=} {processes=}: {error}\n{srv.kill()}") from error
     finally:
       srv.kill()
   assert results[0] == results[1]

@@ -312,6 +312,10 @@ class Scheduler:
       for handle in [*(a.handle for a in self._active.values()), *admitted.values()]:
         handle._deliver(Update((), None, True, "error", 0, error=message, time=time.perf_counter()))
       self._active.clear()
+      if engine.multiprocess:  # The other processes cannot be restarted from here: stop serving.
+        with self._lock:
+          self._stopping = True
+        raise
       engine.reset()
       return
     for slot, handle in admitted.items():

@@ -216,30 +216,37 @@ class SlotEngine:
     fn = self._prefill[int(command.bucket[slot])]
     return fn(self.sampler.params, canvas, place(command.keys[slot]), place(command.steps[row]), knobs)
 
-  def run(self, command: Command) -> tuple[View | None, dict[int, str]]:
-    """Carries ``command`` out on this process (process 0's command, on every process of a multi-host mesh).
+  def run(self, command: Command, *, received: bool = False) -> tuple[View | None, dict[int, str]]:
+    """Carries ``command`` out on this process: process 0's command, on every process of a multi-host mesh (it is
+    broadcast here unless ``received`` says it already was).
 
     Returns:
       ``(view after the step or None, {slot: error message} of admissions that failed)``. A failed admission leaves
       its row free; the others go on.
     """
-    if self.multiprocess:
+    if self.multiprocess and not received:
       command = multihost_utils.broadcast_one_to_all(command)
     if bool(command.stop):
       return None, {}
     for slot in np.flatnonzero(command.release):
-      self.state = self._release(self.state, self._place(np.int32(slot)))
+      self.state = self._sync(self._release(self.state, self._place(np.int32(slot))))
     failures = {}
     for slot in np.flatnonzero(command.bucket >= 0):
       try:
-        row = self.prefill(command, int(slot))
-        self.state = self._insert(self.state, row, self._place(np.int32(slot)))
+        row = self._sync(self.prefill(command, int(slot)))
+        self.state = self._sync(self._insert(self.state, row, self._place(np.int32(slot))))
       except Exception as error:  # noqa: BLE001  The request fails alone; the engine keeps serving.
         failures[int(slot)] = f"{type(error).__name__}: {error}"
     if not bool(command.step):
       return None, failures
-    self.state, view = self._step(self.sampler.params, self.state)
+    self.state, view = self._sync(self._step(self.sampler.params, self.state))
     return View(*(self.sampler._gather(a) for a in view)), failures
+
+  def _sync(self, out):
+    """``out``, computed, on a multi-host mesh. XLA:CPU runs programs without a data dependency between them
+    concurrently, so a prefill (or the next command's broadcast) could reach its collectives before the previous
+    program's on one process and after them on another, which mismatches the collectives (gloo aborts)."""
+    return jax.block_until_ready(out) if self.multiprocess else out
 
   def follow(self) -> None:
     """A process other than 0: runs process 0's commands until it sends ``stop``."""
@@ -247,11 +254,7 @@ class SlotEngine:
       command = multihost_utils.broadcast_one_to_all(self.command())
       if bool(command.stop):
         return
-      self.multiprocess = False  # Already broadcast: run it as received.
-      try:
-        self.run(command)
-      finally:
-        self.multiprocess = True
+      self.run(command, received=True)
 
   def stop_followers(self) -> None:
     """Process 0: tells the other processes to leave :meth:`follow`."""
@@ -278,7 +281,9 @@ class SlotEngine:
         args = (place(full.tokens), place(full.kinds), place(full.streams))
         init = self._prefill[bucket]
         self.state = init(self.sampler.params, Canvas(*args), place(command.keys[0]), place(command.steps), knobs)
-      self.state = self._insert(self.state, self.prefill(command, 0), self._place(np.int32(0)))
-    self.state, _ = self._step(self.sampler.params, self.state)
+        self._sync(self.state)
+      row = self._sync(self.prefill(command, 0))
+      self.state = self._sync(self._insert(self.state, row, self._place(np.int32(0))))
+    self.state, _ = self._sync(self._step(self.sampler.params, self.state))
     for slot in range(self.slots):
-      self.state = self._release(self.state, self._place(np.int32(slot)))
+      self.state = self._sync(self._release(self.state, self._place(np.int32(slot))))
