@@ -105,9 +105,11 @@ class Server:
   def client(self, **kwargs) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, **kwargs)
 
-  def metric(self, name: str) -> float:
+  def metric(self, name: str, labels: str = "") -> float:
+    """A sample of ``/metrics``: the first of ``name``, or the one whose labels contain ``labels``."""
     text = httpx.get(f"{self.url}/metrics").text
-    match = re.search(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.MULTILINE)
+    pattern = rf"^{name}{{[^}}]*{re.escape(labels)}[^}}]*}} (\S+)$" if labels else rf"^{name}(?:{{[^}}]*}})? (\S+)$"
+    match = re.search(pattern, text, re.MULTILINE)
     assert match, f"{name} not in /metrics"
     return float(match.group(1))
 
@@ -144,6 +146,11 @@ def server(checkpoint):
 def _text(client, **kw) -> tuple[str, str]:
   out = client.completions.create(model="tiny", **kw)
   return out.choices[0].text, out.choices[0].finish_reason
+
+
+def _ids_and_text(client, **kw) -> tuple[str, str, str]:
+  out = client.completions.create(model="tiny", **kw)
+  return out.id, out.choices[0].text, out.choices[0].finish_reason
 
 
 def _streamed(client, **kw) -> tuple[str, str | None, list]:
@@ -270,9 +277,14 @@ def test_sixty_four_concurrent_requests_equal_their_solo_results_without_compili
   requests = _mixed_requests(64)
   compiled = server.metric("mercury_compilations_total")
   solo = [_text(client, **kw) for kw in requests]
+  answered = server.metric("mercury_requests_total", 'endpoint="/v1/completions",status="200"')
   with concurrent.futures.ThreadPoolExecutor(64) as pool:
-    together = list(pool.map(lambda kw: _text(client, **kw), requests))
-  assert together == solo
+    together = list(pool.map(lambda kw: _ids_and_text(client, **kw), requests))
+  assert [t[1:] for t in together] == solo
+  assert len({t[0] for t in together}) == 64  # every request answered once, under its own id
+  assert (
+    server.metric("mercury_requests_total", 'endpoint="/v1/completions",status="200"') == answered + 64
+  )  # none lost or answered twice
   assert server.metric("mercury_compilations_total") == compiled
   assert len({text for text, _ in solo}) > 10  # the knobs and seeds really differ
 
