@@ -12,10 +12,13 @@ latency is the model's *solo latency*. Then, for each concurrency level C, it se
 per line with ``\\n`` escapes, or a built-in list of short Python prompts):
 
 * C = 1: strictly one after another (each is sent when the previous one has ended).
-* C > 1: open loop. Arrival times are a Poisson process of rate C / solo latency (the *offered* concurrency, by
-  Little's law, is C while the server keeps its solo latency), and each request is sent at its arrival time whatever
-  the others are doing; nothing caps the requests in flight. A server that slows down under load therefore holds
-  more than C requests at once: the *achieved* concurrency column says how many it held on average.
+* C > 1 with ``--load closed``: C clients, each sending its next request when its previous one has ended (never
+  more than C in flight: the load under which "up to the slot count" is meant).
+* C > 1: open loop (the default). Arrival times are a Poisson process of rate C / solo latency (the *offered*
+  concurrency, by Little's law, is C while the server keeps its solo latency), and each request is sent at its
+  arrival time whatever the others are doing; nothing caps the requests in flight. A server that slows down under
+  load therefore holds more than C requests at once: the *achieved* concurrency column says how many it held on
+  average.
 
 Definitions (times from the client's clock; a request's latency runs from just before it is sent to its last event):
 
@@ -131,6 +134,13 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--seed", type=int, default=0, help="request i gets seed SEED + i; also seeds the arrivals")
   p.add_argument("--startup-timeout", type=float, default=1800.0, help="seconds a server may take to listen")
   p.add_argument("--request-timeout", type=float, default=600.0, help="seconds one request may take")
+  p.add_argument(
+    "--load",
+    choices=("open", "closed"),
+    default="open",
+    help="open: Poisson arrivals at level / solo latency (default); closed: LEVEL clients, each sending its next "
+    "request when its last one ended (never more than LEVEL in flight)",
+  )
   p.add_argument("--out", default="bench_serve", help="folder for results.json, results.md and the plot")
   return p
 
@@ -299,6 +309,19 @@ async def _open_loop(client, url: str, bodies: list[dict], rate: float, rng: np.
   return list(await asyncio.gather(*tasks))
 
 
+async def _closed_loop(client, url: str, bodies: list[dict], clients: int) -> list[Record]:
+  """``clients`` clients share ``bodies``; each sends its next one as soon as its previous one ended."""
+  origin, pending, records = time.perf_counter(), list(enumerate(bodies)), []
+
+  async def client_loop():
+    while pending:
+      i, body = pending.pop(0)
+      records.append(await _request(client, url, body, Record(i, time.perf_counter() - origin), origin))
+
+  await asyncio.gather(*(client_loop() for _ in range(clients)))
+  return sorted(records, key=lambda r: r.index)
+
+
 async def _compilations(client, url: str) -> float | None:
   """``mercury_compilations_total`` from ``/metrics`` (None when absent)."""
   try:
@@ -319,7 +342,7 @@ def _pct(values, q: float) -> float:
   return float(np.percentile(values, q)) if values else math.nan
 
 
-def summarize(records: list[Record], level: int, sequential: bool, rate: float | None) -> dict:
+def summarize(records: list[Record], level: int, load: str, rate: float | None) -> dict:
   """The level's row of the table (definitions in the module docstring)."""
   ok = [r for r in records if r.error is None]
   span = max(r.end for r in records) - min(r.sent for r in records)
@@ -327,7 +350,7 @@ def summarize(records: list[Record], level: int, sequential: bool, rate: float |
   nfe = sum(r.nfe for r in ok)
   return {
     "concurrency": level,
-    "load": "sequential" if sequential else "poisson",
+    "load": load,
     "rate_rps": rate,
     "requests": len(records),
     "errors": len(records) - len(ok),
@@ -365,7 +388,11 @@ def markdown_table(models: dict) -> str:
   lines = [head, "|" + "---|" * 12]
   for name, model in models.items():
     for row in model.get("levels", []):
-      load = "sequential" if row["load"] == "sequential" else f"Poisson {row['rate_rps']:.2f} req/s"
+      load = row["load"]
+      if load == "poisson":
+        load = f"Poisson {row['rate_rps']:.2f} req/s"
+      elif load == "closed":
+        load = f"closed, {row['concurrency']} clients"
       lines.append(
         f"| {name} | {row['concurrency']} | {load} | {row['requests']} | {row['errors']} "
         f"| {_num(row['achieved_concurrency'], 2)} | {_num(row['output_tokens_per_s'])} "
@@ -477,12 +504,14 @@ async def bench_model(url: str, args, prompts: list[str], rng: np.random.Generat
       bodies = [_body(i, prompts, args, extra) for i in range(count)]
       before = await _compilations(client, url)
       if level == 1:
-        records, rate = await _sequential(client, url, bodies), None
+        records, rate, load = await _sequential(client, url, bodies), None, "sequential"
+      elif args.load == "closed":
+        records, rate, load = await _closed_loop(client, url, bodies, level), None, "closed"
       else:
-        rate = level / solo_latency
+        rate, load = level / solo_latency, "poisson"
         records = await _open_loop(client, url, bodies, rate, rng)
       after = await _compilations(client, url)
-      row = summarize(records, level, level == 1, rate)
+      row = summarize(records, level, load, rate)
       row["compilations"] = None if before is None or after is None else after - before
       row["records"] = [dataclasses.asdict(r) for r in records]
       levels.append(row)
@@ -542,9 +571,13 @@ def main(argv: list[str] | None = None) -> int:
   comparison = compare_to_twin(models)
   info = machine()
   notes = [
-    "Concurrency 1 runs its requests strictly one after another; higher levels are open-loop Poisson arrivals at "
-    "rate = level / solo latency (offered concurrency = level). Times in ms; p99 of fewer than 100 requests "
-    "interpolates between the largest ones.",
+    "Concurrency 1 runs its requests strictly one after another; "
+    + (
+      "higher levels are LEVEL closed-loop clients (each sends its next request when its last one ended). "
+      if args.load == "closed"
+      else "higher levels are open-loop Poisson arrivals at rate = level / solo latency (offered concurrency = level). "
+    )
+    + "Times in ms; p99 of fewer than 100 requests interpolates between the largest ones.",
   ]
   for name, model in models.items():
     if "error" in model:
