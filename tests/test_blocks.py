@@ -233,6 +233,19 @@ def test_sampler_cache_and_no_cache_agree_and_report_tokens_per_forward(sampler)
     assert len(s.tokens) == 24 and 6 <= s.nfe <= 13
 
 
+def test_sampling_knobs_are_traced_so_new_values_reuse_the_compiled_engine(sampler):
+  base = dict(length=12, steps=6, seed=5, rule="threshold")
+  first = sampler.generate(PROMPTS[:2], temperature=0.7, **base)
+  assert first[0].compile_time > 0
+  runs = [first]
+  for knobs in (dict(temperature=1.0), dict(temperature=0.0), dict(top_p=0.5), dict(top_k=3, threshold=0.5)):
+    runs.append(sampler.generate(PROMPTS[:2], **base, **knobs))
+    assert runs[-1][0].compile_time == 0.0, knobs  # the same program: the knobs are arguments, not constants
+  tokens = [[s.tokens for s in run] for run in runs]
+  assert tokens[1] != tokens[2] and tokens[1] != tokens[4]  # they take effect: T=1 vs greedy, vs top-k 3
+  assert [s.tokens for s in sampler.generate(PROMPTS[:2], temperature=0.0, **base)] == tokens[2]
+
+
 def test_streamed_blocks_concatenate_to_the_batch_result(sampler):
   knobs = dict(length=20, steps=10, seed=7, num_samples=2)
   batch = sampler.generate(PROMPTS[:2], **knobs)

@@ -62,7 +62,8 @@ def engine_overhead(
     def run(p, st):
       def body(i, carry):  # The pass writes its keys and values into the cache it carries on, as in the engine.
         total, cache = carry
-        moved = st._replace(block=i % blocks, fresh=jnp.asarray(fresh), cache=cache)
+        block, opens = jnp.full_like(st.block, i % blocks), jnp.full_like(st.fresh, fresh)
+        moved = st._replace(block=block, fresh=opens, cache=cache)
         logits, cache = engine.forward(p, moved, jnp.ones((st.z.shape[0],), jnp.float32))
         return total + logits[0, 0, 0], cache
 

@@ -335,7 +335,8 @@ class BlockEngine:
       canvas: The rows, ``slots - block`` positions or fewer.
       key: The PRNG key; row ``i`` draws from ``fold_in(key, canvas.streams[i])``.
       num_steps: Steps per block: one for every row ([]) or one per row ([b]).
-      knobs: Each row's sampling knobs (traced); default: the settings' own.
+      knobs: The sampling knobs (traced), per row ([b] each) or for every row ([] each); default: the settings'
+        own, as constants.
       prefill: How many slots the exact cache's prefill runs over (static; default every slot): a serving engine
         prefills a prompt over a bucket that covers its first block, not over the whole context.
     """
@@ -581,7 +582,9 @@ class BlockEngine:
       trace = (self.to_canvas(canvases, length), commits, remasks)
     return SampleOutput(tokens, st.nfe, st.forwards, *trace)
 
-  def sample(self, params, canvas: Canvas, key: jax.Array, num_steps: jax.Array) -> SampleOutput:
-    """The whole generation as one program: prefill, every block, output."""
-    st = self.advance(params, self.init(params, canvas, key, num_steps))
+  def sample(
+    self, params, canvas: Canvas, key: jax.Array, num_steps: jax.Array, knobs: Knobs | None = None
+  ) -> SampleOutput:
+    """The whole generation as one program: prefill, every block, output (``knobs``: see :meth:`init`)."""
+    st = self.advance(params, self.init(params, canvas, key, num_steps, knobs))
     return self.output(st, jnp.shape(canvas.tokens)[1])

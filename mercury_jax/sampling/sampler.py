@@ -1,7 +1,8 @@
 """Text in, text out: ``Sampler.from_checkpoint(dir, mesh=...)`` once, then ``.generate(prompts, steps=...)``.
 
 The tokenizer, the params-only restore, the mesh and the compiled loops are set up once and reused; each
-(settings, batch, length) combination compiles once, whatever the step count. Batches are padded to the mesh's
+(settings, batch, length) combination compiles once, whatever the step count, and on the block engine whatever the
+temperature, top-k, top-p and threshold too (they are traced: :func:`without_knobs`). Batches are padded to the mesh's
 data-parallel size and canvases to a multiple of ``LENGTH_BUCKET`` tokens (padding never changes an example's
 output), so varying prompt lengths share compilations.
 
@@ -52,6 +53,7 @@ from mercury_jax.sampling.blocks import BlockEngine, BlockPlan, plan_blocks
 from mercury_jax.sampling.canvas import SampleOutput
 from mercury_jax.sampling.loop import jit_sample, model_denoise_fn
 from mercury_jax.sampling.mesh import jit_on_mesh
+from mercury_jax.sampling.proposal import Knobs
 from mercury_jax.sampling.settings import SamplerSettings, SettingError, check_knobs_for_model
 from mercury_jax.trainer import param_shardings
 
@@ -352,6 +354,8 @@ class Sampler:
       canvas = self._place_batch(canvas, settings.pad_id)
     args = (self.params, canvas, self._place_key(seed), self._place_scalar(1 if steps is None else steps))
     cache_key = (settings, plan, np.shape(canvas.tokens))
+    if plan is not None:  # The block engine takes the sampling knobs as traced scalars: they never recompile.
+      args, cache_key = (*args, self._place_knobs(settings)), (without_knobs(settings), *cache_key[1:])
     compile_time = 0.0
     if cache_key not in self._compiled:
       start = time.perf_counter()
@@ -359,8 +363,8 @@ class Sampler:
       if plan is None:
         fn = jit_sample(self.denoise_fn, settings, **shardings)
       else:
-        engine = BlockEngine(self.cfg.model, settings, plan)
-        fn = jit_on_mesh(engine.sample, scalars=1, trace=settings.trace, name="the block engine", **shardings)
+        engine = BlockEngine(self.cfg.model, without_knobs(settings), plan)
+        fn = jit_on_mesh(engine.sample, scalars=2, trace=settings.trace, name="the block engine", **shardings)
       self._compiled[cache_key] = fn.lower(*args).compile()
       compile_time = time.perf_counter() - start
     start = time.perf_counter()
@@ -388,6 +392,13 @@ class Sampler:
   # Host values placed by callback, so every process of a multi-host mesh builds the same global arrays.
   def _place_scalar(self, value: int) -> jax.Array:
     return self._place(np.asarray(value, np.int32), NamedSharding(self.mesh, P()))
+
+  def _place_knobs(self, settings: SamplerSettings) -> Knobs:
+    """``settings``' sampling knobs as replicated scalars (the block engine broadcasts them to every row)."""
+    replicated = NamedSharding(self.mesh, P())
+    values = (settings.temperature, settings.top_k, settings.top_p, settings.threshold)
+    dtypes = (np.float32, np.int32, np.float32, np.float32)
+    return Knobs(*(self._place(np.asarray(v, t), replicated) for v, t in zip(values, dtypes, strict=True)))
 
   def _place_key(self, seed: int) -> jax.Array:
     return self._place(np.asarray(jax.random.key_data(jax.random.key(seed))), NamedSharding(self.mesh, P()))
@@ -547,16 +558,17 @@ class Sampler:
     settings, canvas, prompts, prompt_lengths, _ = prepared
     batch, length = np.shape(canvas.tokens)
     canvas, plan, per_block = self.engine_layout(canvas, length, kind, block, steps, settings)
-    cache_key = (settings, plan, np.shape(canvas.tokens), "stream")
+    cache_key = (without_knobs(settings), plan, np.shape(canvas.tokens), "stream")
     if cache_key not in self._compiled:
-      engine = BlockEngine(self.cfg.model, settings, plan)
-      init = sh.MeshJit(engine.init, self.mesh, self.rules, in_shardings=(self.param_shardings, None, None, None))
+      engine = BlockEngine(self.cfg.model, without_knobs(settings), plan)
+      shardings = (self.param_shardings, None, None, None, None)
+      init = sh.MeshJit(engine.init, self.mesh, self.rules, in_shardings=shardings)
       advance = sh.MeshJit(engine.advance, self.mesh, self.rules, donate_argnums=(1,))
       self._compiled[cache_key] = (engine, init, advance)
     engine, init, advance = self._compiled[cache_key]
     one = self._place_scalar(1)
     placed = self._place_batch(canvas, settings.pad_id)
-    state = init(self.params, placed, self._place_key(seed), self._place_scalar(per_block))
+    state = init(self.params, placed, self._place_key(seed), self._place_scalar(per_block), self._place_knobs(settings))
     kinds = np.asarray(canvas.kinds)
     ends = [int((kinds[row] != K.PAD).sum()) for row in range(batch)]
     sent, finished = [""] * batch, [False] * batch
@@ -712,6 +724,12 @@ class StreamEvent:
   draft: str | None
   done: bool
   nfe: int
+
+
+def without_knobs(settings: SamplerSettings) -> SamplerSettings:
+  """``settings`` with the sampling knobs the block engine traces (temperature, top-k, top-p, threshold) at their
+  defaults: the engine's compilation key, so a new value of one of them reuses the compiled program."""
+  return dataclasses.replace(settings, temperature=1.0, top_k=0, top_p=1.0, threshold=0.9)
 
 
 def _generated(kinds: np.ndarray) -> int:

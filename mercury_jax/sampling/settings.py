@@ -1,4 +1,7 @@
-"""Sampler settings: one frozen, hashable dataclass, static under ``jax.jit`` (only the step count is traced).
+"""Sampler settings: one frozen, hashable dataclass, static under ``jax.jit``.
+
+The step count is traced everywhere; the block engine also traces temperature, top-k, top-p and threshold
+(``proposal.Knobs``, per row), so only the whole-canvas loop compiles per value of those.
 
 ``SAMPLERS`` names the step rules a user picks with ``--sampler``; every knob is checked by
 :meth:`SamplerSettings.validate`, whose ``ValueError`` names the knob and the allowed range.
