@@ -35,6 +35,7 @@ process would give for all the files' prompts in process order.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -45,7 +46,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from mercury_jax import distributed
+from mercury_jax import distributed, usage
 from mercury_jax.sampling import canvas as cv
 from mercury_jax.sampling.settings import CONFIDENCES, SAMPLERS, SamplerSettings, SettingError
 
@@ -72,17 +73,8 @@ NO_DEFAULT_MODEL = (
 )
 
 
-class _Parser(argparse.ArgumentParser):
-  """Usage errors as one line on stderr, exit code 2."""
-
-  def error(self, message: str):
-    _fail(message)
-
-
-def _fail(message: str):
-  first_line = str(message).strip().splitlines()[0] if str(message).strip() else "invalid input"
-  sys.stderr.write(f"mercury_jax.sample: error: {first_line}\n")
-  raise SystemExit(2)
+_Parser = functools.partial(usage.Parser, command="mercury_jax.sample")  # usage errors: one line, exit code 2
+_fail = functools.partial(usage.fail, "mercury_jax.sample")
 
 
 def flag_names(parser: argparse.ArgumentParser) -> dict[str, str]:

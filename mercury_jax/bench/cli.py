@@ -35,10 +35,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import functools
 import json
 import os
 import platform
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +46,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mercury_jax import kinds as K
+from mercury_jax import kinds as K, usage
 from mercury_jax.bench import prompts as bench_prompts, quality, report as bench_report
 from mercury_jax.bench.overhead import engine_overhead
 from mercury_jax.bench.throughput import time_call
@@ -378,15 +378,8 @@ def _finite(value: Any) -> Any:
   return None if isinstance(value, float) and not np.isfinite(value) else value
 
 
-class _Parser(argparse.ArgumentParser):
-  def error(self, message: str):
-    _fail(message)
-
-
-def _fail(message: str):
-  lines = str(message).strip().splitlines()
-  sys.stderr.write(f"mercury_jax.bench: error: {lines[0] if lines else 'invalid input'}\n")
-  raise SystemExit(2)
+_Parser = functools.partial(usage.Parser, command="mercury_jax.bench")  # usage errors: one line, exit code 2
+_fail = functools.partial(usage.fail, "mercury_jax.bench")
 
 
 def _floats(text: str) -> tuple[float, ...]:

@@ -22,24 +22,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import signal
 import sys
 from pathlib import Path
 
+from mercury_jax import usage
+
 BUNDLED_NAME = "mercury_jax-default"  # The model name of the bundled checkpoint.
 
 
-class _Parser(argparse.ArgumentParser):
-  """Usage errors as one line on stderr, exit code 2."""
-
-  def error(self, message: str):
-    _fail(message)
-
-
-def _fail(message: str):
-  first_line = str(message).strip().splitlines()[0] if str(message).strip() else "invalid input"
-  sys.stderr.write(f"mercury_jax.serve: error: {first_line}\n")
-  raise SystemExit(2)
+_Parser = functools.partial(usage.Parser, command="mercury_jax.serve")  # usage errors: one line, exit code 2
+_fail = functools.partial(usage.fail, "mercury_jax.serve")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -169,8 +169,6 @@ class Scheduler:
     self._ids = itertools.count()
     self._stopping = False
     self._thread: threading.Thread | None = None
-    self.steps_run = 0
-    self.generated_tokens = 0
     self.engine.warm_up()
 
   @property
@@ -189,14 +187,8 @@ class Scheduler:
   def check(self, request: Request) -> None:
     """Raises :class:`SettingError` for a knob out of range or a request that does not fit the context."""
     knobs = request.knobs
-    if not knobs.temperature >= 0.0:
-      raise SettingError("temperature", knobs.temperature, "must be >= 0 (0 is greedy)")
-    if knobs.top_k < 0:
-      raise SettingError("top_k", knobs.top_k, "must be >= 0 (0 keeps every token)")
-    if not 0.0 < knobs.top_p <= 1.0:
-      raise SettingError("top_p", knobs.top_p, "must lie in (0, 1]")
-    if not 0.0 <= knobs.threshold <= 1.0:
-      raise SettingError("threshold", knobs.threshold, "must lie in [0, 1]")
+    values = dict(temperature=knobs.temperature, top_k=knobs.top_k, top_p=knobs.top_p, threshold=knobs.threshold)
+    dataclasses.replace(self.engine.settings, **values).validate()  # The sampler's own checks of these knobs.
     if knobs.steps is not None and knobs.steps < 1:
       raise SettingError("steps", knobs.steps, "must be >= 1 (steps per block)")
     if request.max_tokens < 1:
@@ -326,7 +318,6 @@ class Scheduler:
       self._active[slot] = _Active(handle, start, start + handle.request.max_tokens)
     if view is None:
       return
-    self.steps_run += 1
     now = time.perf_counter()
     for slot, active in list(self._active.items()):
       try:
@@ -359,7 +350,6 @@ class Scheduler:
       whole[undecided] = view.proposal[slot][slots[undecided] - open_start]
       draft = tuple(int(t) for t in whole)
     if done:
-      self.generated_tokens += len(tokens)
       self._finish(slot, Update(tokens, None, True, "stop" if stopped else "length", nfe, time=now))
     elif len(tokens) != active.sent or draft is not None:
       active.sent = len(tokens)
