@@ -1,0 +1,502 @@
+"""The host half of structured output: a constraint compiled into a token-level automaton of plain arrays.
+
+outlines-core's ``Index`` turns a regular expression and the tokenizer's vocabulary into token transitions; this module
+renumbers them into the dense int32 arrays that :mod:`mercury_jax.constrain.device` runs over inside the jitted loop:
+
+* State 0 is ``DONE`` (after EOS), where every token goes to ``DONE``. EOS is allowed exactly in accepting states.
+* Tokens whose columns of the transition table are equal share a class, so the table is ``[states, classes]``.
+* Text that every continuation of a state begins with (a JSON Schema's keys and punctuation) gets exactly one
+  tokenisation, the tokenizer's own: such states allow a single token (``forced``), which the engine commits without
+  spending model confidence, and which is what the tokenizer would write, so canonical text stays accepted.
+* ``distance`` counts the fewest tokens to acceptance, so a block never runs out of room mid-structure.
+
+Only the tokenizer's text pieces are used: the control ids, the unknown id and byte pieces of bytes >= 0x80 (halves
+of UTF-8 characters) are forbidden everywhere but in ``DONE``. :class:`Compiler` is the front door: regexes,
+JSON Schemas (:mod:`mercury_jax.constrain.schema`) and "any JSON object", compiled once per tokenizer and cached.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+import json
+import os
+import re
+import threading
+from collections.abc import Iterable
+from typing import ClassVar
+
+import numpy as np
+import outlines_core
+
+from mercury_jax.constrain import schema as schema_lib
+from mercury_jax.constrain.schema import ConstraintError
+from mercury_jax.data.tokenizer import NUM_SPECIAL, Tokenizer
+
+__all__ = ["Automaton", "Compiler", "ConstraintError"]
+
+FORCED_TEXT_LIMIT = 64  # Characters of fixed text looked ahead per state (a shorter look-ahead is still correct).
+PRE_PRUNING_FACTOR = 4  # outlines states beyond this many times max_states are refused before the dense table.
+_BYTE_PIECE = re.compile(r"<0x([0-9A-F]{2})>")
+
+
+@dataclasses.dataclass(frozen=True, eq=False, repr=False)
+class Automaton:
+  """A constraint as a deterministic automaton over token ids (read-only arrays).
+
+  Attributes:
+    kind: ``"regex"``, ``"json_schema"`` or ``"json_object"``.
+    source: The constraint text (the regex, or the schema as compact JSON in its own key order); ``kind`` and
+      ``source`` compile to this automaton again with the same tokenizer.
+    regex: The regular expression the automaton was built from.
+    key: Hex sha256 of the kind, the source and the tokenizer: the cache key.
+    classes: int32 [vocab]: token id -> class (tokens with identical transitions share one).
+    table: int32 [states, classes]: the next state, or -1 for a forbidden token.
+    accepting: bool [states].
+    distance: int32 [states]: the fewest tokens from a state to an accepting one (0 when accepting).
+    forced: int32 [states]: the one token allowed in a state (EOS counted), or -1.
+    start: The initial state.
+    eos_id: The end-of-sequence id: allowed in accepting states, where it leads to ``DONE``.
+  """
+
+  kind: str
+  source: str
+  regex: str
+  key: str
+  classes: np.ndarray
+  table: np.ndarray
+  accepting: np.ndarray
+  distance: np.ndarray
+  forced: np.ndarray
+  start: int
+  eos_id: int
+  DONE: ClassVar[int] = 0  # The state after EOS: accepting, and every token stays there.
+
+  @property
+  def num_states(self) -> int:
+    return self.table.shape[0]
+
+  @property
+  def num_classes(self) -> int:
+    return self.table.shape[1]
+
+  @property
+  def num_edges(self) -> int:
+    """Allowed ``(state, class)`` pairs: the transitions the device's program runs over."""
+    return int(np.count_nonzero(self.table >= 0))
+
+  @property
+  def nbytes(self) -> int:
+    return sum(a.nbytes for a in (self.classes, self.table, self.accepting, self.distance, self.forced))
+
+  def next_state(self, state: int, token: int) -> int:
+    """The state after ``token`` from ``state``; -1 when the token is forbidden there."""
+    return int(self.table[state, self.classes[token]])
+
+  def walk(self, tokens: Iterable[int], state: int | None = None) -> int:
+    """The state after ``tokens`` from ``state`` (default: the start); -1 as soon as one is forbidden."""
+    state = self.start if state is None else state
+    for token in tokens:
+      state = self.next_state(state, token)
+      if state < 0:
+        return -1
+    return state
+
+  def accepts(self, tokens: Iterable[int]) -> bool:
+    """Whether ``tokens`` from the start end in an accepting state (``DONE``, after EOS, is one)."""
+    state = self.walk(tokens)
+    return state >= 0 and bool(self.accepting[state])
+
+  def allowed(self, state: int) -> np.ndarray:
+    """The token ids allowed in ``state`` (ascending)."""
+    return np.flatnonzero(self.table[state, self.classes] >= 0)
+
+  def __repr__(self) -> str:
+    return (
+      f"Automaton(kind={self.kind!r}, states={self.num_states}, classes={self.num_classes}, edges={self.num_edges}, "
+      f"key={self.key[:12]}...)"
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Vocab:
+  """The tokenizer as the automaton builder sees it."""
+
+  tokenizer: Tokenizer
+  index_vocabulary: outlines_core.Vocabulary  # Text pieces, every byte piece and the sentinel, as UTF-8 bytes.
+  texts: tuple[str | None, ...]  # Each id's text, None for ids the automaton never allows outside DONE.
+  first: np.ndarray  # int32 [vocab]: the code point a token's text starts with, -1 for None texts
+  lengths: np.ndarray  # int32 [vocab]: characters of each token's text
+  excluded: np.ndarray  # int64: ids outlines may use (bytes >= 0x80) that the automaton forbids
+  digest: bytes  # sha256 of the serialized tokenizer
+
+  @classmethod
+  def of(cls, tokenizer: Tokenizer) -> _Vocab:
+    sizes = tokenizer.characters_per_token()
+    texts: list[str | None] = [None] * tokenizer.vocab_size
+    raw: dict[bytes, list[int]] = collections.defaultdict(list)
+    excluded = []
+    for token_id in range(NUM_SPECIAL, tokenizer.vocab_size):
+      piece = tokenizer.id_to_piece(token_id)
+      byte = _BYTE_PIECE.fullmatch(piece)
+      if byte and sizes[token_id] <= 1:
+        value = int(byte.group(1), 16)
+        raw[bytes([value])].append(token_id)
+        if value < 0x80:
+          texts[token_id] = chr(value)
+        else:
+          excluded.append(token_id)  # Half a character: outlines may walk it, the automaton forbids it.
+      elif piece:
+        texts[token_id] = piece.replace("\u2581", " ")
+        raw[texts[token_id].encode()].append(token_id)
+    raw[schema_lib.SENTINEL.encode()].append(tokenizer.vocab_size)  # An id past the vocabulary (see full_match).
+    first = np.array([ord(t[0]) if t else -1 for t in texts], np.int32)
+    return cls(
+      tokenizer=tokenizer,
+      index_vocabulary=outlines_core.Vocabulary(tokenizer.eos_id, dict(raw)),
+      texts=tuple(texts),
+      first=first,
+      lengths=np.array([len(t) if t else 0 for t in texts], np.int32),
+      excluded=np.asarray(excluded, np.int64),
+      digest=hashlib.sha256(tokenizer.to_bytes()).digest(),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Limits:
+  max_states: int
+  max_classes: int
+  max_edges: int
+  remedy: str = "raise the compiler's max_{name}"  # how a user raises a limit (``{name}``: states, ...)
+
+
+def _index(regex: str, vocab: _Vocab) -> tuple[dict, set, int]:
+  """outlines-core's token transitions of the texts ``regex`` matches in full: ``(transitions, finals, start)``, the
+  start being the state after the sentinel token (see :func:`~mercury_jax.constrain.schema.full_match`).
+
+  Raises:
+    ConstraintError: The regex is invalid, or some prefix of it has no token that continues it.
+  """
+  if not schema_lib.balanced(regex):
+    raise ConstraintError(schema_lib.explain_regex_error(regex), param="regex")
+  try:
+    index = outlines_core.Index(schema_lib.full_match(regex), vocab.index_vocabulary)
+  except ValueError as e:
+    message = str(e)
+    if "incompatible with the regex" not in message:
+      raise ConstraintError(schema_lib.explain_regex_error(regex), param="regex") from None
+    chars = re.search(r"characters: \[(.*)\]", message)
+    raise ConstraintError(
+      f"no token can continue some prefix of the constraint (it needs one of {chars.group(1) if chars else '?'}); "
+      "write it with characters the tokenizer has"
+    ) from None
+  transitions = index.get_transitions()
+  start = transitions.get(index.get_initial_state(), {}).get(vocab.tokenizer.vocab_size)
+  return transitions, index.get_final_states(), start
+
+
+def _dense(transitions: dict, finals: set, start: int, vocab: _Vocab) -> tuple[np.ndarray, np.ndarray]:
+  """``(table [states, vocab], accepting)`` of the states reachable from ``start`` (numbered 1 on, in
+  breadth-first order; 0 is DONE), with EOS wired in."""
+  size = vocab.tokenizer.vocab_size
+  order, seen = [start], {start}
+  for state in order:  # Breadth-first over recorded transitions: outlines also lists states no token reaches.
+    for token, nxt in transitions.get(state, {}).items():
+      if nxt not in seen and token < size:
+        seen.add(nxt)
+        order.append(nxt)
+  number = {state: i + 1 for i, state in enumerate(order)}
+  table = np.full((len(order) + 1, size), -1, np.int32)
+  table[Automaton.DONE] = Automaton.DONE
+  for state in order:
+    row = {t: n for t, n in transitions.get(state, {}).items() if t < size}
+    if row:
+      tokens = np.fromiter(row.keys(), np.int64, len(row))
+      table[number[state], tokens] = np.fromiter((number[n] for n in row.values()), np.int32, len(row))
+  accepting = np.array([True] + [s in finals for s in order])
+  table[1:, vocab.excluded] = -1
+  table[1:, vocab.tokenizer.eos_id] = np.where(accepting[1:], Automaton.DONE, -1)
+  return table, accepting
+
+
+def _distance(table: np.ndarray, accepting: np.ndarray) -> np.ndarray:
+  """Fewest tokens from each state to an accepting one (breadth-first on the reversed graph); -1 where none."""
+  distance = np.where(accepting, 0, -1).astype(np.int32)
+  frontier = accepting.copy()
+  step = 0
+  while frontier.any():
+    step += 1
+    hit = ((table >= 0) & frontier[np.maximum(table, 0)]).any(axis=1) & (distance < 0)
+    distance[hit] = step
+    frontier = hit
+  return distance
+
+
+def _reachable(table: np.ndarray, start: int) -> np.ndarray:
+  """States reachable from ``start``, in breadth-first order (ascending within a level)."""
+  seen = np.zeros(table.shape[0], bool)
+  seen[start] = True
+  levels = [np.array([start])]
+  while levels[-1].size:
+    targets = np.unique(table[levels[-1]])
+    new = targets[(targets >= 0) & ~seen[np.maximum(targets, 0)]]
+    seen[new] = True
+    levels.append(new)
+  return np.concatenate(levels)
+
+
+def _classes(table: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """``(columns [states, classes], classes [vocab])``: equal columns share a class, numbered by first token."""
+  weights = np.random.default_rng(0).integers(1, 2**63, size=table.shape[0], dtype=np.uint64)
+  hashes = (table.T.astype(np.uint64) * weights).sum(axis=1)  # wraps around: a hash of each column
+  _, first, inverse = np.unique(hashes, return_index=True, return_inverse=True)
+  rank = np.empty_like(first)
+  rank[np.argsort(first)] = np.arange(len(first))
+  columns, classes = table[:, np.sort(first)], rank[inverse.reshape(-1)]
+  if not np.array_equal(columns[:, classes], table):  # A hash collision: the slow exact way.
+    columns, classes = np.unique(table, axis=1, return_inverse=True)
+  return np.ascontiguousarray(columns, np.int32), classes.reshape(-1).astype(np.int32)
+
+
+def _forced_text(table: np.ndarray, accepting: np.ndarray, vocab: _Vocab, eos: int) -> dict[int, str]:
+  """The longest text every continuation of a state begins with, for states where it is not empty.
+
+  F(s) is the longest common prefix over the allowed tokens t of text(t) + F(next(s, t)), and empty in accepting
+  states. It is the least fixed point reached from all-empty by iterating that rule (each round can only lengthen
+  F, capped at ``FORCED_TEXT_LIMIT`` characters); every round's F is a prefix of the true one, so it is always safe.
+  """
+  allowed = table >= 0
+  allowed[:, eos] = False
+  first = np.where(allowed, vocab.first[None, :], np.iinfo(np.int32).max).min(axis=1)
+  last = np.where(allowed, vocab.first[None, :], -1).max(axis=1)
+  candidates = np.flatnonzero((first == last) & ~accepting & (first >= 0))
+  edges = {}
+  for s in candidates.tolist():
+    tokens = np.flatnonzero(allowed[s])
+    edges[s] = [(vocab.texts[t], int(table[s, t])) for t in tokens.tolist()]
+  text = dict.fromkeys(edges, "")
+  changed = True
+  while changed:
+    changed = False
+    for s in reversed(edges):  # Deeper states first: most chains settle in one round.
+      common = None
+      for piece, nxt in edges[s]:
+        option = (piece + text.get(nxt, ""))[:FORCED_TEXT_LIMIT]
+        common = option if common is None else os.path.commonprefix([common, option])
+      if common != text[s]:
+        text[s], changed = common, True
+  return {s: t for s, t in text.items() if t}
+
+
+def _walk_dense(table: np.ndarray, state: int, tokens: list[int]) -> int:
+  for token in tokens:
+    state = int(table[state, token])
+    if state < 0:
+      return -1
+  return state
+
+
+def _canonicalize(table: np.ndarray, accepting: np.ndarray, vocab: _Vocab) -> np.ndarray:
+  """Forbids every token but the tokenizer's own first token of a state's fixed text (in place).
+
+  The tokenizer's first token of the fixed text F is kept only when it is also its first token of F followed by
+  anything that may come next (each character that may follow, and the longest token starting with it): BPE merges
+  across the end of F would otherwise make the canonical encoding of a whole valid text take another path.
+  """
+  eos = vocab.tokenizer.eos_id
+  encode = vocab.tokenizer.encode
+  probes: dict[int, list[str]] = {}  # What may follow a divergence state: "" when it accepts, then per first
+  # character that character alone and the longest token starting with it.
+  for s, fixed in _forced_text(table, accepting, vocab, eos).items():
+    ids = encode(fixed)
+    token = ids[0]
+    if table[s, token] < 0:
+      continue
+    if len(fixed) < FORCED_TEXT_LIMIT:
+      after = _walk_dense(table, s, ids)
+      if after < 0:
+        continue
+      if after not in probes:
+        ids = np.flatnonzero(table[after] >= 0)
+        ids = ids[ids != eos]
+        ids = ids[np.lexsort((-vocab.lengths[ids], vocab.first[ids]))]  # by first character, longest first
+        longest = ids[np.unique(vocab.first[ids], return_index=True)[1]].tolist()
+        probes[after] = [""] * bool(accepting[after]) + [vocab.texts[t][0] for t in longest]
+        probes[after] += [vocab.texts[t] for t in longest]
+      if any(encode(fixed + probe)[0] != token for probe in probes[after]):
+        continue
+    keep = table[s, token]
+    table[s] = -1
+    table[s, token] = keep
+  return table
+
+
+def build(kind: str, source: str, regex: str, key: str, vocab: _Vocab, limits: _Limits, canonical: bool) -> Automaton:
+  """Compiles ``regex`` into an :class:`Automaton` (see the module docstring for the construction)."""
+  transitions, finals, start = _index(regex, vocab)
+  impossible = ConstraintError(
+    "no token sequence satisfies the constraint with this tokenizer (it can only write ASCII characters and the "
+    "text pieces it has); change the constraint"
+  )
+  if start is None:
+    raise impossible
+  size = len(transitions)
+  if size > PRE_PRUNING_FACTOR * limits.max_states:
+    raise ConstraintError(
+      f"the constraint compiles to about {size} automaton states, more than max_states={limits.max_states}; "
+      "simplify it (shorter maxLength, fewer optional properties or alternatives) or "
+      + limits.remedy.format(name="states")
+    )
+  table, accepting = _dense(transitions, finals, start, vocab)
+  start = 1
+  live = _distance(_classes(table)[0], accepting) >= 0
+  if not live[start]:
+    raise impossible
+  table = np.where(live[np.maximum(table, 0)], table, -1).astype(np.int32)
+  if canonical:
+    table = _canonicalize(table, accepting, vocab)
+  reachable = _reachable(table, start)
+  keep = np.concatenate([[Automaton.DONE], reachable[reachable != Automaton.DONE]])
+  renumber = np.full(table.shape[0], -1, np.int32)
+  renumber[keep] = np.arange(len(keep), dtype=np.int32)
+  table = np.where(table >= 0, renumber[np.maximum(table, 0)], -1)[keep]
+  accepting = accepting[keep]
+  table, classes = _classes(table)
+  distance = _distance(table, accepting)
+  assert (distance >= 0).all(), "pruning left a state that cannot reach acceptance"
+  allowed_count = (table >= 0).astype(np.int64) @ np.bincount(classes, minlength=table.shape[1])
+  member = np.zeros(table.shape[1], np.int32)
+  member[classes] = np.arange(len(classes), dtype=np.int32)  # Some token of each class: the token of a singleton.
+  forced = np.where(allowed_count == 1, member[np.argmax(table >= 0, axis=1)], -1).astype(np.int32)
+  automaton = Automaton(
+    kind=kind,
+    source=source,
+    regex=regex,
+    key=key,
+    classes=classes,
+    table=table,
+    accepting=accepting,
+    distance=distance,
+    forced=forced,
+    start=start,
+    eos_id=vocab.tokenizer.eos_id,
+  )
+  for name, size, most in (
+    ("states", automaton.num_states, limits.max_states),
+    ("classes", automaton.num_classes, limits.max_classes),
+    ("edges", automaton.num_edges, limits.max_edges),
+  ):
+    if size > most:
+      raise ConstraintError(
+        f"the constraint compiles to {size} automaton {name}, more than max_{name}={most}; simplify it (shorter "
+        f"maxLength, fewer optional properties or alternatives) or {limits.remedy.format(name=name)}"
+      )
+  for array in (classes, table, accepting, distance, forced):
+    array.flags.writeable = False
+  return automaton
+
+
+class Compiler:
+  """Compiles constraints for one tokenizer, once: an LRU cache of automata (and of refusals) keyed by
+  :attr:`Automaton.key`. Thread-safe; two threads compiling the same constraint get the same object.
+
+  Args:
+    tokenizer: The model's tokenizer.
+    max_states: Refuse automata with more states (the device tables are padded to the largest one).
+    max_classes: Refuse automata with more token classes.
+    max_edges: Refuse automata with more allowed ``(state, class)`` pairs.
+    cache_size: Automata (and refused constraints) kept.
+    remedy: What the refusal of a constraint above a limit tells the user to do, ``{name}`` being ``states``,
+      ``classes`` or ``edges`` (a server names its own flag).
+    canonical: Give fixed text the tokenizer's own tokenisation only (see the module docstring); False keeps every
+      tokenisation, for tests and comparisons.
+  """
+
+  def __init__(
+    self,
+    tokenizer: Tokenizer,
+    *,
+    max_states: int = 4096,
+    max_classes: int = 1024,
+    max_edges: int = 65536,
+    cache_size: int = 64,
+    remedy: str = "raise the compiler's max_{name}",
+    canonical: bool = True,
+  ):
+    for name, value in (("max_states", max_states), ("max_classes", max_classes), ("max_edges", max_edges)):
+      if value < 1:
+        raise ValueError(f"{name}={value} must be >= 1")
+    if cache_size < 0:
+      raise ValueError(f"cache_size={cache_size} must be >= 0")
+    self._vocab = _Vocab.of(tokenizer)
+    self._limits = _Limits(max_states, max_classes, max_edges, remedy)
+    self._canonical = canonical
+    self._cache: collections.OrderedDict[str, Automaton | ConstraintError] = collections.OrderedDict()
+    self._cache_size = cache_size
+    self._lock = threading.Lock()
+
+  def regex(self, pattern: str) -> Automaton:
+    """The automaton of texts that ``pattern`` matches in full (a leading ``^`` and trailing ``$`` are optional).
+
+    Raises:
+      ConstraintError: The regex is invalid, uses a feature the automaton cannot express, no token sequence matches
+        it, or its automaton exceeds the limits.
+    """
+    if not isinstance(pattern, str) or not pattern:
+      raise ConstraintError("the regex must be a non-empty string", param="regex")
+    return self._compile("regex", pattern, lambda: schema_lib.normalize_regex(pattern))
+
+  def json_schema(self, schema: dict | str) -> Automaton:
+    """The automaton of compact JSON texts (no whitespace between tokens) that validate against ``schema``.
+
+    Args:
+      schema: A JSON Schema, as a dict or as JSON text.
+
+    Raises:
+      ConstraintError: The schema is invalid JSON Schema, uses a keyword the compiler does not enforce (``param``
+        names it), or its automaton exceeds the limits.
+    """
+    if isinstance(schema, str):
+      try:
+        schema = json.loads(schema)
+      except json.JSONDecodeError as e:
+        raise ConstraintError(f"the JSON Schema is not valid JSON: {e.msg} at character {e.pos}") from None
+    try:
+      source = json.dumps(schema, separators=(",", ":"))
+    except (TypeError, ValueError) as e:
+      raise ConstraintError(f"the JSON Schema must be JSON data (dicts, lists, strings, numbers): {e}") from None
+    return self._compile("json_schema", source, lambda: schema_lib.schema_regex(schema))
+
+  def json_object(self) -> Automaton:
+    """The automaton of compact JSON objects (OpenAI's ``response_format`` ``json_object``): values are scalars,
+    or arrays or objects of scalars."""
+    return self._compile("json_object", "", lambda: schema_lib.schema_regex({"type": "object"}))
+
+  def _compile(self, kind: str, source: str, regex_of) -> Automaton:
+    key = _key(kind, source, self._vocab.digest, self._canonical)
+    with self._lock:
+      found = self._cache.get(key)
+      if found is not None:
+        self._cache.move_to_end(key)
+    if found is None:
+      try:
+        found = build(kind, source, regex_of(), key, self._vocab, self._limits, self._canonical)
+      except ConstraintError as e:
+        found = e
+      with self._lock:
+        found = self._cache.setdefault(key, found)
+        self._cache.move_to_end(key)
+        while len(self._cache) > self._cache_size:
+          self._cache.popitem(last=False)
+    if isinstance(found, ConstraintError):
+      raise ConstraintError(str(found), param=found.param)
+    return found
+
+
+def _key(kind: str, source: str, tokenizer_digest: bytes, canonical: bool) -> str:
+  """Hex sha256 of the length-prefixed parts."""
+  digest = hashlib.sha256()
+  for part in (kind.encode(), source.encode(), tokenizer_digest, b"canonical" if canonical else b"every"):
+    digest.update(len(part).to_bytes(8, "little") + part)
+  return digest.hexdigest()
