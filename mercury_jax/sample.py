@@ -138,6 +138,11 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--num-samples", type=int, default=1, help="samples per prompt")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--mesh", help="DATA,FSDP,TENSOR sizes (default: every device on the data axis)")
+  structured = p.add_mutually_exclusive_group()
+  structured.add_argument(
+    "--json-schema", metavar="FILE_OR_JSON", help="generate JSON valid under this JSON Schema (a file, or JSON text)"
+  )
+  structured.add_argument("--regex", metavar="PATTERN", help="generate text that matches this regular expression")
   p.add_argument(
     "--json", action="store_true", help="one JSON object per sample: text, tokens, NFE, wall time, batch tokens/s"
   )
@@ -299,8 +304,9 @@ def main(argv: list[str] | None = None, *, compile_cache: bool = False) -> int:
     sampler = Sampler.from_checkpoint(path, mesh=mesh)
   except (FileNotFoundError, ConfigError, ValueError) as e:
     _fail(f"--checkpoint {str(path)!r}: {e}")
+  constraint = _constraint(sampler, args)
   if args.stream:
-    return _stream(sampler, prompts, args, knobs, flags)
+    return _stream(sampler, prompts, args, knobs, flags, constraint)
   try:  # Refinement flags for an autoregressive checkpoint are a SettingError too.
     samples = sampler.generate(
       prompts if prompts is not None else args.prompt,
@@ -313,6 +319,7 @@ def main(argv: list[str] | None = None, *, compile_cache: bool = False) -> int:
       bos=args.bos,
       per_process=per_process,
       cache=args.cache,
+      constraint=constraint,
       **knobs,
     )
   except SettingError as e:
@@ -336,6 +343,8 @@ def main(argv: list[str] | None = None, *, compile_cache: bool = False) -> int:
         "tokens_per_s": round(s.tokens_per_s, 2),
         "compile_time_s": round(s.compile_time, 3),
       }
+      if s.complete is not None:
+        record["complete"] = s.complete
       if process is not None:
         record["process"] = process
       if s.steps is not None:
@@ -345,6 +354,8 @@ def main(argv: list[str] | None = None, *, compile_cache: bool = False) -> int:
     if s.steps is not None:
       _show(s.steps, f"[sample {i + 1}/{len(samples)}]", unit)
     print(s.prompt + s.text)
+    if s.complete is False:
+      sys.stderr.write(f"sample {i + 1}: the structured text is unfinished: --length ran out before it could end\n")
     if i + 1 < len(samples):
       print("-" * 40)
   if not args.json and samples:
@@ -357,7 +368,30 @@ def main(argv: list[str] | None = None, *, compile_cache: bool = False) -> int:
   return 0
 
 
-def _stream(sampler, prompts, args: argparse.Namespace, knobs: dict, flags: dict[str, str]) -> int:
+def _constraint(sampler, args: argparse.Namespace):
+  """The ``--json-schema`` or ``--regex`` automaton (None without either); a bad one is a usage error."""
+  if args.json_schema is None and args.regex is None:
+    return None
+  from mercury_jax.constrain.automaton import ConstraintError
+
+  try:
+    if args.regex is not None:
+      return sampler.constraint(regex=args.regex)
+    text = args.json_schema
+    path = Path(text)
+    if not text.lstrip().startswith("{") and path.is_file():
+      text = path.read_text()
+    try:
+      schema = json.loads(text)
+    except json.JSONDecodeError as e:
+      _fail(f"--json-schema: neither a JSON Schema file nor JSON text ({e.msg} at character {e.pos})")
+    return sampler.constraint(json_schema=schema)
+  except ConstraintError as e:
+    where = f" at {e.param}" if e.param else ""
+    _fail(f"--{'regex' if args.regex is not None else 'json-schema'}{where}: {e}")
+
+
+def _stream(sampler, prompts, args: argparse.Namespace, knobs: dict, flags: dict[str, str], constraint=None) -> int:
   """``--stream``: sample 0's text as its blocks commit, each later sample once those before it are done (``--json``:
   one line per event)."""
   given = prompts if prompts is not None else [args.prompt if args.prompt is not None else ""]
@@ -371,6 +405,7 @@ def _stream(sampler, prompts, args: argparse.Namespace, knobs: dict, flags: dict
     num_samples=args.num_samples,
     bos=args.bos,
     cache=args.cache,
+    constraint=constraint,
     **knobs,
   )
   texts, done, nfe = [[] for _ in heads], [False] * len(heads), [0] * len(heads)

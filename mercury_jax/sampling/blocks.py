@@ -77,14 +77,16 @@ import numpy as np
 
 from mercury_jax import kinds as K
 from mercury_jax.config import ModelConfig
+from mercury_jax.constrain import device as constrained
 from mercury_jax.model import Transformer
 from mercury_jax.sampling.canvas import Canvas, SampleOutput, after_eos
-from mercury_jax.sampling.proposal import Knobs, noise_width, propose_rows, uniform_noise
+from mercury_jax.sampling.proposal import Knobs, clean_logits, noise_width, propose_rows, uniform_noise
 from mercury_jax.sampling.rules import StepInputs, make_rule
 from mercury_jax.sampling.settings import SamplerSettings
 
 CACHES = ("exact", "none", "dual", "prefix")
 RULE_NOISE = 0x7275  # Folded into a step's key for the step rule's own uniforms (the ancestral rule's).
+CLASS_NOISE = 0x636C  # Folded into a step's key for a constrained row's class scores (``constrain.device``).
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,6 +198,8 @@ class State(NamedTuple):
   iterations: jax.Array  # [] loop iterations (steps, forward or not)
   recorded: jax.Array  # [b] steps in which the row had an open position (frames of its trace)
   trace: tuple[jax.Array, ...]  # (canvases, commits, remasks) in slot space, or ()
+  tables: constrained.Tables | None  # the rows' automata (structured output), or None: no row is constrained
+  dfa: jax.Array  # [b] the automaton state before the row's step block (0 for unconstrained rows)
 
 
 class BlockEngine:
@@ -327,6 +331,7 @@ class BlockEngine:
     knobs: Knobs | None = None,
     *,
     prefill: int | None = None,
+    tables: constrained.Tables | None = None,
   ) -> State:
     """Lays the canvases into slots and runs the prefill (``exact`` cache): the state before the first step.
 
@@ -339,6 +344,9 @@ class BlockEngine:
         own, as constants.
       prefill: How many slots the exact cache's prefill runs over (static; default every slot): a serving engine
         prefills a prompt over a bucket that covers its first block, not over the whole context.
+      tables: The rows' automata (:func:`mercury_jax.constrain.device.tables`): a constrained row's hole (it must
+        have one) is generated as a valid prefix of its automaton's language, complete when the hole has room
+        (:mod:`mercury_jax.constrain.device`); its ``min_length`` is ignored (the automaton says where text ends).
     """
     plan, settings, block = self.plan, self.settings, self.plan.block
     tokens, kinds = jnp.asarray(canvas.tokens, jnp.int32), jnp.asarray(canvas.kinds, jnp.int32)
@@ -352,6 +360,16 @@ class BlockEngine:
     last = jnp.where(has_target, (plan.slots - 1 - jnp.argmax(target[:, ::-1], axis=1)) // block, 1)
     rank = jnp.cumsum(target, axis=-1, dtype=jnp.int32) - 1
     z = jnp.where(target, settings.mask_id, lay(tokens, settings.pad_id))
+    eos_banned = target & (rank < settings.min_length)
+    dfa = jnp.zeros((batch,), jnp.int32)
+    if tables is not None:  # Budget: the automaton can accept within the hole; the first block's forced tokens.
+      tables = jax.tree.map(jnp.asarray, tables)
+      room = target.sum(axis=1, dtype=jnp.int32)
+      least = jnp.take_along_axis(tables.distance, tables.start[:, None], axis=1)[:, 0]
+      tables = tables._replace(budgeted=tables.on & (least <= room))
+      eos_banned &= ~tables.on[:, None]
+      dfa = jnp.where(tables.on, tables.start, 0)
+      z = self._force(tables, dfa, z, target, first * block)[0]
     segments = (kinds != K.PAD).astype(jnp.int32)
     positions = jnp.broadcast_to(jnp.maximum(slots - block, 0), (batch, plan.slots)).astype(jnp.int32)
     example_keys = jax.vmap(lambda stream: jax.random.fold_in(key, stream))(jnp.asarray(canvas.streams, jnp.int32))
@@ -388,7 +406,7 @@ class BlockEngine:
       generate=target,
       segments=segments,
       positions=positions,
-      eos_banned=target & (rank < settings.min_length),
+      eos_banned=eos_banned,
       score=jnp.zeros((batch, plan.slots), jnp.float32),
       first=first,
       last=last.astype(jnp.int32),
@@ -413,6 +431,8 @@ class BlockEngine:
       iterations=jnp.zeros((), jnp.int32),
       recorded=no,
       trace=trace,
+      tables=tables,
+      dfa=dfa,
     )
 
   def insert(self, st: State, row: State, slot: jax.Array) -> State:
@@ -438,6 +458,39 @@ class BlockEngine:
   def unfinished(self, st: State) -> jax.Array:
     """[b] bool: the row still has a masked position."""
     return jnp.any(st.generate & (st.z == self.settings.mask_id), axis=-1)
+
+  def _force(self, tables, dfa, z, target, starts):
+    """``(z, forced, end)``: the forced tokens of every row's block at ``starts`` committed (``constrain.device``)."""
+    block = self.plan.block
+    z_b, forced, end = constrained.force(
+      tables, dfa, _rows(z, starts, block), _rows(target, starts, block), self.settings.mask_id
+    )
+    return _put(z, starts, z_b), forced, end
+
+  def _constrain(self, st: State, logits, x0, confidence, z_b, starts, keys, noise, has_open):
+    """Constrained rows' proposals: the best valid string of their block (``constrain.device.propose``)."""
+    settings, block, tables = self.settings, self.plan.block, st.tables
+    hole = _rows(st.target, starts, block)
+    end = self.plan.slots - jnp.argmax(st.target[:, ::-1], axis=1)  # [b] one past the hole's last slot
+    remaining = end[:, None] - (starts[:, None] + jnp.arange(block)[None, :]) - 1
+
+    def run():
+      clean = clean_logits(logits, _rows(st.eos_banned, starts, block), settings)
+      class_keys = jax.vmap(lambda k: jax.random.fold_in(k, CLASS_NOISE))(keys)
+      # Drawn [classes, B]: a draw is a prefix of a longer one along its first axis, so a row's noise does not
+      # depend on the capacity its batch pads the classes to.
+      class_noise = jnp.swapaxes(uniform_noise(class_keys, (tables.table.shape[2], block)), 1, 2)
+      y, found = constrained.propose(
+        tables, st.dfa, clean, st.knobs, z_b, hole, remaining, noise, class_noise, settings.mask_id
+      )
+      use = found[:, None] & hole
+      conf = confidence
+      if settings.confidence == "prob":
+        log_z = jax.nn.logsumexp(clean, axis=-1)
+        conf = jnp.where(use, jnp.exp(jnp.take_along_axis(clean, y[..., None], axis=-1)[..., 0] - log_z), conf)
+      return jnp.where(use, y, x0), conf
+
+    return jax.lax.cond(jnp.any(tables.on & has_open), run, lambda: (x0, confidence))
 
   def _step_keys(self, st: State, position: jax.Array) -> jax.Array:
     keys = jax.vmap(jax.random.fold_in)(st.example_keys, position)
@@ -477,6 +530,8 @@ class BlockEngine:
     if settings.rule == "ancestral":
       u = uniform_noise(jax.vmap(lambda k: jax.random.fold_in(k, RULE_NOISE))(keys), (block,))
     x0, confidence = propose_rows(logits, noise, piece(st.eos_banned), settings, st.knobs)
+    if st.tables is not None:
+      x0, confidence = self._constrain(st, logits, x0, confidence, z_b, starts, keys, noise, has_open)
     committed = generate_b & ~open_ & has_open[:, None]  # revision: the open block only
     inputs = StepInputs(
       x0=x0,
@@ -497,6 +552,15 @@ class BlockEngine:
     commit = (out.commit | is_last) & open_
     remask = out.remask & committed & ~is_last
     z_b = jnp.where(remask, mask_id, jnp.where(commit, x0, z_b))
+    end_state = st.dfa
+    if st.tables is not None:  # Forced tokens the commits exposed, without the model; the state after the block.
+      z_b, forced, end_state = jax.lax.cond(
+        jnp.any(st.tables.on),
+        lambda: constrained.force(st.tables, st.dfa, z_b, piece(st.target), mask_id),
+        lambda: (z_b, jnp.zeros_like(open_), st.dfa),
+      )
+      commit |= forced
+      confidence = jnp.where(forced, 1.0, confidence)
     z = _put(st.z, starts, z_b)
     score = _put(st.score, starts, jnp.where(commit, confidence, piece(st.score)))
     finished = ~jnp.any(generate_b & (z_b == mask_id), axis=-1)  # [b] the row's block is done (or had nothing to do)
@@ -526,6 +590,15 @@ class BlockEngine:
     advance = finished
     if plan.cache in ("dual", "prefix"):  # The approximate caches refresh every row at once: blocks in lockstep.
       advance = jnp.broadcast_to(jnp.all(finished), finished.shape)
+    dfa = st.dfa
+    if st.tables is not None:  # The next block starts where this one ended; its forced tokens go in now.
+      dfa = jnp.where(advance & st.tables.on, end_state, st.dfa)
+      upcoming = jnp.minimum(st.first + st.block + advance.astype(jnp.int32), st.last) * block
+      forced_z = jax.lax.cond(
+        jnp.any(st.tables.on & advance), lambda: self._force(st.tables, dfa, z, st.target, upcoming)[0], lambda: z
+      )
+      score = jnp.where(advance[:, None] & (forced_z != z), 1.0, score)
+      z = jnp.where(advance[:, None], forced_z, z)
     return st._replace(
       z=z,
       generate=generate,
@@ -544,6 +617,7 @@ class BlockEngine:
       iterations=st.iterations + 1,
       recorded=st.recorded + has_open.astype(jnp.int32),
       trace=trace,
+      dfa=dfa,
     )
 
   def advance(self, params, st: State, max_blocks: jax.Array | None = None, max_steps: jax.Array | None = None):
@@ -583,8 +657,14 @@ class BlockEngine:
     return SampleOutput(tokens, st.nfe, st.forwards, *trace)
 
   def sample(
-    self, params, canvas: Canvas, key: jax.Array, num_steps: jax.Array, knobs: Knobs | None = None
+    self,
+    params,
+    canvas: Canvas,
+    key: jax.Array,
+    num_steps: jax.Array,
+    knobs: Knobs | None = None,
+    tables: constrained.Tables | None = None,
   ) -> SampleOutput:
-    """The whole generation as one program: prefill, every block, output (``knobs``: see :meth:`init`)."""
-    st = self.advance(params, self.init(params, canvas, key, num_steps, knobs))
+    """The whole generation as one program: prefill, every block, output (``knobs``, ``tables``: see :meth:`init`)."""
+    st = self.advance(params, self.init(params, canvas, key, num_steps, knobs, tables=tables))
     return self.output(st, jnp.shape(canvas.tokens)[1])

@@ -25,6 +25,7 @@ def jit_on_mesh(
   *,
   scalars: int = 0,
   trace: int = 0,
+  batched: Any = None,
   name: str = "the sampler",
 ) -> Callable[..., SampleOutput]:
   """``jax.jit`` of a sampler ``fn(params, canvas, key, *scalars) -> SampleOutput`` with its shardings on ``mesh``.
@@ -42,6 +43,8 @@ def jit_on_mesh(
     param_shardings: The parameters' shardings on ``mesh`` (needed with a mesh).
     scalars: How many scalar arguments follow the key (the diffusion loop's step budget).
     trace: ``settings.trace``: when > 0, the ``[trace, batch, ...]`` outputs are split on their batch axis too.
+    batched: A pytree of arrays passed after the scalars (the block engine's constraint tables), split over the batch
+      axes on their first axis; None: no such argument.
     name: The caller, for the error message.
   """
   if mesh is None:
@@ -59,7 +62,13 @@ def jit_on_mesh(
     fn,
     mesh,
     rules,
-    in_shardings=(param_shardings, Canvas(rows, rows, vectors), replicated, *[replicated] * scalars),
+    in_shardings=(
+      param_shardings,
+      Canvas(rows, rows, vectors),
+      replicated,
+      *[replicated] * scalars,
+      *([] if batched is None else [jax.tree.map(lambda a: sh.batch_sharding(mesh, rules, a.ndim), batched)]),
+    ),
     out_shardings=SampleOutput(rows, vectors, replicated, traced_rows, traced_vectors, traced_vectors),
   )
 

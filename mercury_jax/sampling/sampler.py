@@ -46,6 +46,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from mercury_jax import kinds as K, sharding as sh
 from mercury_jax.checkpoint import find_tokenizer, restore_params
 from mercury_jax.config import Config, MeshConfig
+from mercury_jax.constrain import device as constrained
+from mercury_jax.constrain.automaton import Automaton, Compiler
 from mercury_jax.data.tokenizer import Tokenizer
 from mercury_jax.model import Transformer
 from mercury_jax.sampling import canvas as cv
@@ -125,6 +127,8 @@ class Sample:
     compile_time: Seconds spent compiling for this batch (0 when a compilation was reused).
     steps: With ``show_steps``, the canvas text after each refinement step (autoregressive: after each generated
       token), undecided positions as ``MASK_TEXT``.
+    complete: With a ``constraint``: whether the text is a whole sentence of it (False: ``length`` ran out first and
+      the text is a valid prefix); None without one.
   """
 
   prompt: str
@@ -136,6 +140,7 @@ class Sample:
   compile_time: float = 0.0
   steps: list[str] | None = None
   tokens_per_forward: float = 0.0
+  complete: bool | None = None
 
 
 class Sampler:
@@ -159,6 +164,7 @@ class Sampler:
     self.params = jax.device_put(params, self.param_shardings)
     self.denoise_fn = model_denoise_fn(cfg.model)
     self._compiled: dict[tuple, Any] = {}
+    self._compiler: Compiler | None = None  # structured output's constraint compiler, made on first use
 
   @classmethod
   def from_checkpoint(cls, path: str | Path | None = None, *, mesh: Mesh | None = None, step: int | None = None):
@@ -305,6 +311,7 @@ class Sampler:
     *,
     layout: BatchLayout | None = None,
     cache: str = "auto",
+    automata: Sequence[Automaton | None] | None = None,
   ) -> tuple[SampleOutput, float, float]:
     """Runs the compiled decoder (:meth:`decoder`) on a canvas batch.
 
@@ -315,6 +322,9 @@ class Sampler:
       settings: Sampler settings.
       layout: For per-process rows, the batch every process agreed on (:meth:`agree_on_batch`).
       cache: See :data:`CACHES`.
+      automata: Each row's constraint (structured output; None: free), on the block engine (a whole-sequence
+        checkpoint without a cache runs it uncached, in blocks of ``settings.block_length`` or
+        ``APPROXIMATE_BLOCK``); not with ``layout``.
 
     Returns:
       ``(output as numpy arrays, wall seconds, compile seconds)``; the batch is padded to the mesh's data size and
@@ -323,6 +333,11 @@ class Sampler:
       positions are the given ones).
     """
     kind, block = self.decoder(cache, settings.block_length)
+    constrained_rows = automata is not None and any(a is not None for a in automata)
+    if constrained_rows and kind == "loop":
+      kind, block = "none", settings.block_length or APPROXIMATE_BLOCK
+    if constrained_rows and layout is not None:
+      raise SettingError("constraint", "per_process", "is not supported with per-process prompts; pass every prompt")
     if not self.autoregressive and steps is not None and steps < 1:
       raise SettingError("steps", steps, "must be >= 1")
     if kind == "loop" and steps is None:
@@ -356,6 +371,13 @@ class Sampler:
     cache_key = (settings, plan, np.shape(canvas.tokens))
     if plan is not None:  # The block engine takes the sampling knobs as traced scalars: they never recompile.
       args, cache_key = (*args, self._place_knobs(settings)), (without_knobs(settings), *cache_key[1:])
+    tables = None
+    if constrained_rows:  # Each row's automaton, padded to the batch's capacity (one compilation per capacity).
+      rows = np.shape(canvas.tokens)[0]
+      capacity = constrained.capacity_of(automata)
+      host = constrained.tables([*automata, *[None] * (rows - len(automata))], capacity, self.cfg.model.vocab_size)
+      tables = jax.tree.map(lambda a: self._place(a, sh.batch_sharding(self.mesh, self.rules, a.ndim)), host)
+      args, cache_key = (*args, tables), (*cache_key, capacity)
     compile_time = 0.0
     if cache_key not in self._compiled:
       start = time.perf_counter()
@@ -364,7 +386,9 @@ class Sampler:
         fn = jit_sample(self.denoise_fn, settings, **shardings)
       else:
         engine = BlockEngine(self.cfg.model, without_knobs(settings), plan)
-        fn = jit_on_mesh(engine.sample, scalars=2, trace=settings.trace, name="the block engine", **shardings)
+        fn = jit_on_mesh(
+          engine.sample, scalars=2, trace=settings.trace, batched=tables, name="the block engine", **shardings
+        )
       self._compiled[cache_key] = fn.lower(*args).compile()
       compile_time = time.perf_counter() - start
     start = time.perf_counter()
@@ -447,6 +471,7 @@ class Sampler:
     bos: bool = False,
     per_process: bool = False,
     cache: str = "auto",
+    constraint: Automaton | Sequence[Automaton | None] | None = None,
     **knobs,
   ) -> list[Sample]:
     """Generates text for each prompt (``num_samples`` each), in one batch.
@@ -474,6 +499,11 @@ class Sampler:
         prompts and gets every sample.
       cache: The decoder's key-value cache (:data:`CACHES`, module docstring): ``auto`` (the model's best exact
         decoder), ``exact``, ``none``, or for whole-sequence checkpoints the approximate ``dual`` and ``prefix``.
+      constraint: Structured output: an :class:`~mercury_jax.constrain.automaton.Automaton` (:meth:`constraint`)
+        for every prompt, or one per prompt (None: free). A constrained sample's hole (it must have exactly one) is
+        a valid prefix of the automaton's language, and complete (``Sample.complete``) when ``length`` leaves room
+        for it; fixed text of the automaton (a schema's keys and punctuation) is committed without the model. A
+        whole-sequence checkpoint runs it through the block engine without a cache.
       **knobs: ``SamplerSettings`` fields: temperature, top_k, top_p, min_length, eos_to_pad, and for diffusion
         models rule, confidence, threshold, block_length, revision.
 
@@ -481,7 +511,7 @@ class Sampler:
       SettingError: A bad setting or step count, or a diffusion-only one (``DIFFUSION_ONLY`` of
         :mod:`~mercury_jax.sampling.settings`) for an autoregressive model; ``.field`` names the argument.
       ValueError: An empty prompt without a template, a template without holes, or a canvas beyond the model's
-        context.
+        context; a constraint for another tokenizer or a canvas with more than one hole.
     """
     prepared = self._prepare(
       prompts, template, length, steps, seed, num_samples, streams, show_steps, bos, per_process, cache, knobs
@@ -489,9 +519,10 @@ class Sampler:
     if prepared is None:
       return []
     settings, canvas, prompts, prompt_lengths, layout = prepared
-    if steps is None and self._kind(cache, knobs)[0] == "loop":
+    automata = self._row_constraints(constraint, canvas, num_samples)
+    if steps is None and self._kind(cache, knobs)[0] == "loop" and automata is None:
       steps = DEFAULT_STEPS
-    out, wall, compile_time = self.run(canvas, steps, seed, settings, layout=layout, cache=cache)
+    out, wall, compile_time = self.run(canvas, steps, seed, settings, layout=layout, cache=cache, automata=automata)
     kinds = np.asarray(canvas.kinds)
     generated = int(((kinds == K.TARGET) & (out.tokens[:, : kinds.shape[1]] != settings.pad_id)).sum())
     samples = []
@@ -513,9 +544,57 @@ class Sampler:
           compile_time=compile_time,
           steps=trace,
           tokens_per_forward=len(tokens) / max(int(out.nfe[row]), 1),
+          complete=None if automata is None else self._accepted(automata[row], out.tokens, kinds, row),
         )
       )
     return samples
+
+  def constraint(self, *, regex: str | None = None, json_schema: dict | str | None = None) -> Automaton:
+    """Compiles a regular expression or a JSON Schema (a dict, or JSON text) for this model's tokenizer, once
+    (cached): the ``constraint`` of :meth:`generate`.
+
+    Raises:
+      ConstraintError: An invalid or unsupported constraint (one line naming what is wrong).
+    """
+    if (regex is None) == (json_schema is None):
+      raise ValueError("give exactly one of regex= and json_schema=")
+    if self._compiler is None:
+      self._compiler = Compiler(self.tokenizer)
+    return self._compiler.regex(regex) if regex is not None else self._compiler.json_schema(json_schema)
+
+  def _row_constraints(self, constraint, canvas: cv.Canvas, num_samples: int) -> list[Automaton | None] | None:
+    """Each row's automaton (a prompt's samples share its own), checked against the tokenizer and the canvas."""
+    if constraint is None:
+      return None
+    rows = np.shape(canvas.tokens)[0]
+    if isinstance(constraint, Automaton):
+      automata = [constraint] * rows
+    else:
+      given = list(constraint)
+      if len(given) * num_samples != rows:
+        raise ValueError(f"constraint has {len(given)} entries but there are {rows // num_samples} prompts")
+      automata = [a for a in given for _ in range(num_samples)]
+    kinds = np.asarray(canvas.kinds) == K.TARGET
+    for row, a in enumerate(automata):
+      if a is None:
+        continue
+      if a.classes.shape[0] != self.tokenizer.vocab_size:
+        raise ValueError(
+          f"constraint {row} was compiled for a vocabulary of {a.classes.shape[0]} tokens, but this model's tokenizer "
+          f"has {self.tokenizer.vocab_size}; compile it with this sampler's constraint()"
+        )
+      starts = int(np.sum(kinds[row] & ~np.pad(kinds[row], (1, 0))[:-1]))
+      if starts != 1:
+        raise ValueError(f"a constrained canvas needs exactly one hole, but row {row} has {starts}")
+    return automata if any(a is not None for a in automata) else None
+
+  def _accepted(self, automaton: Automaton | None, tokens: np.ndarray, kinds: np.ndarray, row: int) -> bool | None:
+    """Whether a row's hole (its generated tokens, padding after EOS dropped) is a whole sentence of ``automaton``
+    (None without one)."""
+    if automaton is None:
+      return None
+    hole = tokens[row, : kinds.shape[1]][kinds[row] == K.TARGET]
+    return automaton.accepts([int(t) for t in hole if t != self.tokenizer.pad_id])
 
   def stream(
     self,
@@ -530,6 +609,7 @@ class Sampler:
     bos: bool = False,
     drafts: bool = False,
     cache: str = "auto",
+    constraint: Automaton | Sequence[Automaton | None] | None = None,
     **knobs,
   ) -> Iterator[StreamEvent]:
     """Generates like :meth:`generate` (same arguments, same tokens) and yields text as blocks are committed.
@@ -556,19 +636,28 @@ class Sampler:
       prompts, template, length, steps, seed, num_samples, streams, False, bos, False, cache, knobs
     )
     settings, canvas, prompts, prompt_lengths, _ = prepared
+    automata = self._row_constraints(constraint, canvas, num_samples)
     batch, length = np.shape(canvas.tokens)
     canvas, plan, per_block = self.engine_layout(canvas, length, kind, block, steps, settings)
-    cache_key = (without_knobs(settings), plan, np.shape(canvas.tokens), "stream")
+    placed = self._place_batch(canvas, settings.pad_id)
+    tables, capacity = None, None
+    if automata is not None:
+      capacity = constrained.capacity_of(automata)
+      rows = np.shape(placed.tokens)[0]
+      host = constrained.tables([*automata, *[None] * (rows - batch)], capacity, self.cfg.model.vocab_size)
+      tables = jax.tree.map(lambda a: self._place(a, sh.batch_sharding(self.mesh, self.rules, a.ndim)), host)
+    cache_key = (without_knobs(settings), plan, np.shape(canvas.tokens), "stream", capacity)
     if cache_key not in self._compiled:
       engine = BlockEngine(self.cfg.model, without_knobs(settings), plan)
-      shardings = (self.param_shardings, None, None, None, None)
-      init = sh.MeshJit(engine.init, self.mesh, self.rules, in_shardings=shardings)
+      shardings = (self.param_shardings, None, None, None, None, None)
+      fn = lambda p, c, k, n, kn, t: engine.init(p, c, k, n, kn, tables=t)  # noqa: E731
+      init = sh.MeshJit(fn, self.mesh, self.rules, in_shardings=shardings)
       advance = sh.MeshJit(engine.advance, self.mesh, self.rules, donate_argnums=(1,))
       self._compiled[cache_key] = (engine, init, advance)
     engine, init, advance = self._compiled[cache_key]
     one = self._place_scalar(1)
-    placed = self._place_batch(canvas, settings.pad_id)
-    state = init(self.params, placed, self._place_key(seed), self._place_scalar(per_block), self._place_knobs(settings))
+    knobs_placed = self._place_knobs(settings)
+    state = init(self.params, placed, self._place_key(seed), self._place_scalar(per_block), knobs_placed, tables)
     kinds = np.asarray(canvas.kinds)
     ends = [int((kinds[row] != K.PAD).sum()) for row in range(batch)]
     sent, finished = [""] * batch, [False] * batch

@@ -1,0 +1,191 @@
+"""Structured output through the block engine: every finished output is valid, for block diffusion, the
+autoregressive twin and whole-sequence checkpoints, with random and trained weights; forced text costs no steps;
+rows are the same alone, batched and sharded."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from pathlib import Path
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import jsonschema
+import numpy as np
+import pytest
+
+from mercury_jax import sharding as sh
+from mercury_jax.checkpoint import export_params
+from mercury_jax.config import Config, MeshConfig, ModelConfig, ObjectiveConfig
+from mercury_jax.constrain.suite import REGEXES, SCHEMAS
+from mercury_jax.model import Transformer
+from mercury_jax.sample import main
+from mercury_jax.sampling.sampler import Sampler, default_checkpoint
+
+KINDS = {
+  "block_diffusion": (False, ObjectiveConfig(block_size=4)),
+  "autoregressive": (True, ObjectiveConfig(name="autoregressive")),
+  "whole_sequence": (False, ObjectiveConfig()),
+}
+LENGTH = 96  # generated tokens: room for every suite schema's shortest instance
+
+
+def _random_checkpoint(root: Path, kind: str, tokenizer: Path) -> Path:
+  causal, objective = KINDS[kind]
+  model = ModelConfig(
+    vocab_size=512, d_model=32, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16, mlp_dim=64,
+    max_length=128, causal=causal,
+  )  # fmt: skip
+  params = nn.meta.unbox(Transformer(model).init(jax.random.key(1), jnp.zeros((1, 8), jnp.int32)))["params"]
+  params = jax.tree.map(lambda p: p * 8.0, params)  # Sharp distributions: a random model with strong opinions.
+  return export_params(root / kind, params, Config(model=model, objective=objective, name=kind), tokenizer).parent
+
+
+def _check(samples, automata, kinds_of_rows, length):
+  """Every complete sample validates; every sample whose automaton fits the room is complete."""
+  for sample, automaton, (kind, name) in zip(samples, automata, kinds_of_rows, strict=True):
+    fits = int(automaton.distance[automaton.start]) <= length
+    assert sample.complete or not fits, (name, sample.text)
+    if not sample.complete:
+      continue
+    if kind == "schema":
+      jsonschema.validate(json.loads(sample.text), SCHEMAS[name])
+    else:
+      assert re.fullmatch(REGEXES[name], sample.text), (name, sample.text)
+
+
+def _suite(sampler: Sampler):
+  rows = [("schema", name) for name in SCHEMAS] + [("regex", name) for name in REGEXES]
+  automata = [
+    sampler.constraint(json_schema=SCHEMAS[name]) if kind == "schema" else sampler.constraint(regex=REGEXES[name])
+    for kind, name in rows
+  ]
+  return rows, automata
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_random_weights_give_valid_output_for_every_schema_and_regex(kind, tmp_path, data_dir):
+  sampler = Sampler.from_checkpoint(_random_checkpoint(tmp_path, kind, data_dir / "tokenizer.model"))
+  rows, automata = _suite(sampler)
+  knobs = {} if kind == "autoregressive" else {"block_length": 8} if kind == "whole_sequence" else {}
+  for temperature in (0.0, 1.0):
+    samples = sampler.generate(
+      ["x = "] * len(rows), length=LENGTH, constraint=automata, temperature=temperature, seed=3, **knobs
+    )
+    _check(samples, automata, rows, LENGTH)
+
+
+@pytest.mark.skipif(default_checkpoint() is None, reason="no bundled model")
+@pytest.mark.parametrize("part,block_length,steps", [(0, 8, None), (1, 16, 48), (2, 32, 24)])
+def test_the_trained_model_gives_valid_output_at_several_budgets_and_blocks(part, block_length, steps):
+  """The bundled model (trained), a third of the suite per step budget and block length: all of it across the three."""
+  sampler = _bundled()
+  rows, automata = _suite(sampler)
+  rows, automata = rows[part::3], automata[part::3]
+  samples = sampler.generate(
+    ["record = "] * len(rows), length=LENGTH, steps=steps, constraint=automata, block_length=block_length, seed=1
+  )
+  _check(samples, automata, rows, LENGTH)
+  assert sum(s.complete for s in samples) == len(samples)
+
+
+_BUNDLED = {}
+
+
+def _bundled() -> Sampler:
+  if "sampler" not in _BUNDLED:
+    _BUNDLED["sampler"] = Sampler.from_checkpoint(default_checkpoint())
+  return _BUNDLED["sampler"]
+
+
+def test_forced_text_costs_no_forward_passes(tmp_path, data_dir):
+  """A schema of long fixed keys: its keys are committed without the model, so block diffusion needs fewer forward
+  passes than the same automaton with forcing turned off, and the text is the same valid JSON kind."""
+  sampler = Sampler.from_checkpoint(_random_checkpoint(tmp_path, "block_diffusion", data_dir / "tokenizer.model"))
+  schema = {
+    "type": "object",
+    "properties": {
+      "customer_shipping_address_line": {"type": "string", "maxLength": 8},
+      "customer_billing_postal_code_value": {"type": "integer", "minimum": 0, "maximum": 99},
+    },
+    "required": ["customer_shipping_address_line", "customer_billing_postal_code_value"],
+    "additionalProperties": False,
+  }
+  automaton = sampler.constraint(json_schema=schema)
+  unforced = dataclasses.replace(automaton, forced=np.full_like(automaton.forced, -1))
+  forced, free = sampler.generate(["x = "] * 2, length=LENGTH, constraint=[automaton, unforced], temperature=0.0)
+  for sample in (forced, free):
+    assert sample.complete
+    jsonschema.validate(json.loads(sample.text), schema)
+  keys = len(sampler.tokenizer.encode('{"customer_shipping_address_line":"","customer_billing_postal_code_value":}'))
+  assert forced.nfe <= free.nfe - keys // 2, (forced.nfe, free.nfe, keys)
+
+
+def test_a_constrained_row_is_the_same_alone_in_a_batch_and_on_a_mesh(tmp_path, data_dir):
+  path = _random_checkpoint(tmp_path, "block_diffusion", data_dir / "tokenizer.model")
+  sampler = Sampler.from_checkpoint(path)
+  small = sampler.constraint(regex=REGEXES[next(iter(REGEXES))])
+  big = sampler.constraint(json_schema=SCHEMAS[next(iter(SCHEMAS))])
+  alone = sampler.generate("x = ", length=48, constraint=small, temperature=1.0, seed=5)[0]
+  batched = sampler.generate(
+    ["x = ", "y = ", "x = "], length=48, constraint=[big, small, None], temperature=1.0, seed=5, streams=[1, 0, 2]
+  )
+  assert batched[1].tokens == alone.tokens and batched[1].complete == alone.complete
+  mesh = sh.make_mesh(MeshConfig(data=2, fsdp=2, tensor=1), devices=jax.devices()[:4])
+  sharded = Sampler.from_checkpoint(path, mesh=mesh).generate(
+    ["x = ", "y = ", "x = "], length=48, constraint=[big, small, None], temperature=1.0, seed=5, streams=[1, 0, 2]
+  )
+  assert [s.tokens for s in sharded] == [s.tokens for s in batched]
+
+
+def test_room_too_small_ends_with_a_valid_unfinished_prefix(tmp_path, data_dir):
+  sampler = Sampler.from_checkpoint(_random_checkpoint(tmp_path, "block_diffusion", data_dir / "tokenizer.model"))
+  automaton = sampler.constraint(regex=r"\{\"alpha_beta_gamma\": [0-9]{6}\}")
+  sample = sampler.generate("x = ", length=6, constraint=automaton, temperature=0.0)[0]
+  assert sample.complete is False
+  assert automaton.walk(sample.tokens) >= 0  # a valid prefix
+  assert '{"alpha_beta_gamma": '.startswith(sample.text) or sample.text.startswith('{"alpha_beta_gamma": ')
+
+
+@pytest.mark.skipif(default_checkpoint() is None, reason="no bundled model")
+def test_command_line_json_schema_and_regex(tmp_path, capsys):
+  schema = SCHEMAS[next(iter(SCHEMAS))]
+  path = tmp_path / "schema.json"
+  path.write_text(json.dumps(schema))
+  common = ["--prompt", "x = ", "--length", str(LENGTH), "--block-length", "16", "--json", "--no-compile-cache"]
+  assert main([*common, "--json-schema", str(path), "--temperature", "0"]) == 0
+  record = json.loads(capsys.readouterr().out)
+  assert record["complete"] is True
+  jsonschema.validate(json.loads(record["text"]), schema)
+  assert main([*common, "--regex", r"[a-f0-9]{6}", "--seed", "2"]) == 0
+  record = json.loads(capsys.readouterr().out)
+  assert record["complete"] and re.fullmatch(r"[a-f0-9]{6}", record["text"])
+
+
+@pytest.mark.skipif(default_checkpoint() is None, reason="no bundled model")
+@pytest.mark.parametrize(
+  "flags,message",
+  [
+    (["--json-schema", '{"type": "integer", "multipleOf": 3}'], "--json-schema at multipleOf: "),
+    (["--json-schema", "{not json"], "--json-schema: neither a JSON Schema file nor JSON text"),
+    (["--regex", "[a-"], "--regex: "),
+  ],
+)
+def test_command_line_bad_constraints_are_one_line_and_exit_code_2(flags, message, capsys):
+  with pytest.raises(SystemExit) as exit_info:
+    main(["--prompt", "x = ", "--no-compile-cache", *flags])
+  assert exit_info.value.code == 2
+  err = capsys.readouterr().err
+  assert err.startswith(f"mercury_jax.sample: error: {message}") and err.count("\n") == 1, err
+
+
+def test_a_constraint_above_the_limits_is_refused_with_the_remedy_given(data_dir):
+  from mercury_jax.constrain.automaton import Compiler, ConstraintError
+  from mercury_jax.data.tokenizer import Tokenizer
+
+  remedy = "start the server with a larger --constraint-capacity"
+  compiler = Compiler(Tokenizer.load(data_dir / "tokenizer.model"), max_states=12, remedy=remedy)
+  with pytest.raises(ConstraintError, match=f"more than max_states=12; .* or {remedy}"):
+    compiler.json_schema(SCHEMAS["invoice"])
