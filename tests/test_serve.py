@@ -1,12 +1,16 @@
 """The OpenAI-compatible server, live: a subprocess on a free port, spoken to over real sockets by the `openai` client.
 
 The model is a tiny block-diffusion model fine-tuned (SFT) in the module fixture to sort digits behind a chat
-template stored in its config, so chat answers can be checked for being right, not only well formed.
+template stored in its config, so chat answers can be checked for being right, not only well formed. Structured
+output (``response_format``, tool calls) is checked for being valid against its schema; tool calls, longer than the
+model's context, go to the same weights served with a longer one (``tool_server``).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+import dataclasses
 import json
 import os
 import random
@@ -18,15 +22,21 @@ import sys
 import time
 
 import httpx
+import jsonschema
 import openai
 import pytest
 
+from mercury_jax.checkpoint import export_params, find_tokenizer, restore_params
 from mercury_jax.config import load_config
 from mercury_jax.prepare import main as prepare_main
 from mercury_jax.train import train
 
 TEMPLATE = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant:"
 CONTEXT = 24
+# A tool call is JSON, about a token a character (a call of SORT: up to 66 tokens), more than CONTEXT holds; the
+# tool_server's context holds the prompt of SORT_ME (13 tokens) and CALL_TOKENS.
+TOOL_CONTEXT = 96
+CALL_TOKENS = 80
 TRAIN = {
   "model.max_length": str(CONTEXT),
   "model.vocab_size": "400",
@@ -287,6 +297,198 @@ def test_sixty_four_concurrent_requests_equal_their_solo_results_without_compili
   )  # none lost or answered twice
   assert server.metric("mercury_compilations_total") == compiled
   assert len({text for text, _ in solo}) > 10  # the knobs and seeds really differ
+
+
+# ------------------------------------------------------------------------------------------ structured output
+
+# '{"u":"c","d":5}' is 15 tokens: it fits into CONTEXT after a chat prompt of one short message (8 tokens).
+READING = {
+  "type": "object",
+  "properties": {
+    "u": {"type": "string", "enum": ["c", "f"]},
+    "d": {"type": "integer", "minimum": 0, "maximum": 9},
+  },
+  "required": ["u", "d"],
+  "additionalProperties": False,
+}
+READING_FORMAT = {"type": "json_schema", "json_schema": {"name": "reading", "schema": READING, "strict": True}}
+SORT = {
+  "type": "function",
+  "function": {
+    "name": "sort",
+    "description": "Sorts digits.",
+    "parameters": {
+      "type": "object",
+      "properties": {
+        "order": {"type": "string", "enum": ["up", "down"]},
+        "limit": {"type": "integer", "minimum": 1, "maximum": 3},
+        "digits": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "maxItems": 3},
+      },
+      "required": ["order", "limit", "digits"],
+      "additionalProperties": False,
+    },
+  },
+}
+WEATHER = {
+  "type": "function",
+  "function": {
+    "name": "weather",
+    "parameters": {
+      "type": "object",
+      "properties": {"city": {"type": "string", "enum": ["paris", "rome"]}, "days": {"type": "integer", "minimum": 1}},
+      "required": ["city"],
+    },
+  },
+}
+TOOLS = [SORT, WEATHER]
+PARAMETERS = {tool["function"]["name"]: tool["function"]["parameters"] for tool in TOOLS}
+SORT_ME = [{"role": "user", "content": "sort 3 1 2"}]
+
+
+@pytest.fixture(scope="module")
+def tool_server(checkpoint, tmp_path_factory):
+  """The fixture's model served with a context of TOOL_CONTEXT tokens, room for a tool call.
+
+  The same weights, exported with a longer ``model.max_length``: rotary position embeddings have no parameters that
+  depend on it. Beyond the CONTEXT positions it was trained on the model writes poor text, which the constraint keeps
+  valid.
+  """
+  params, cfg = restore_params(checkpoint)
+  cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, max_length=TOOL_CONTEXT))
+  folder = tmp_path_factory.mktemp("tools")
+  export_params(folder, params, cfg, find_tokenizer(checkpoint))
+  srv = Server(folder, "--slots", "8")
+  yield srv
+  srv.stop()
+
+
+@contextlib.contextmanager
+def _compiles_nothing(srv: Server):
+  """Asserts that the requests made inside compile no program: a constraint is traced arrays of a fixed capacity."""
+  compiled = srv.metric("mercury_compilations_total")
+  yield
+  assert srv.metric("mercury_compilations_total") == compiled
+
+
+def _concurrently(fn, requests: list[dict]) -> list:
+  """``fn(**request)`` of every request, all sent at once; the results in the requests' order."""
+  with concurrent.futures.ThreadPoolExecutor(len(requests)) as pool:
+    return list(pool.map(lambda kw: fn(**kw), requests))
+
+
+def _called(choice) -> str:
+  """The name of the function a finished choice called; its arguments are checked against that tool's parameters."""
+  assert choice.finish_reason == "tool_calls" and choice.message.content is None, choice
+  (call,) = choice.message.tool_calls
+  assert call.type == "function" and call.id.startswith("call_")
+  jsonschema.validate(json.loads(call.function.arguments), PARAMETERS[call.function.name])
+  return call.function.name
+
+
+def test_required_and_named_tool_calls_complete_and_validate(tool_server):
+  client = tool_server.client(timeout=120)
+  named = {"type": "function", "function": {"name": "weather"}}
+  requests = [{"tool_choice": choice, "seed": seed} for choice in ("required", named, "auto") for seed in range(4)]
+  requests.append({"tool_choice": "required", "seed": 0, "max_tokens": 12})  # cut short
+  with _compiles_nothing(tool_server):
+    outs = _concurrently(
+      lambda **kw: client.chat.completions.create(
+        model="tiny", messages=SORT_ME, tools=TOOLS, **{"max_tokens": CALL_TOKENS, **kw}
+      ),
+      requests,
+    )
+  for out in outs[:4]:
+    _called(out.choices[0])
+  assert [_called(out.choices[0]) for out in outs[4:8]] == ["weather"] * 4
+  for out in outs[8:12]:  # "auto": a call, or text that does not start with "{"
+    choice = out.choices[0]
+    if choice.message.tool_calls:
+      _called(choice)
+    else:
+      assert choice.finish_reason in ("stop", "length") and not choice.message.content.startswith("{"), choice
+  short = outs[12].choices[0]
+  assert short.finish_reason == "length" and short.message.tool_calls is None
+  assert short.message.content.startswith('{"name":"') and outs[12].usage.completion_tokens == 12
+
+
+def test_a_streamed_tool_call_arrives_whole_in_delta_tool_calls(tool_server):
+  client = tool_server.client(timeout=120)
+
+  def stream(**kw) -> list:
+    kw |= {"model": "tiny", "messages": SORT_ME, "tools": TOOLS, "max_tokens": CALL_TOKENS, "stream": True}
+    return list(client.chat.completions.create(**kw))
+
+  named = {"type": "function", "function": {"name": "sort"}}
+  with _compiles_nothing(tool_server):
+    streams = _concurrently(stream, [{"tool_choice": "required", "seed": 1}, {"tool_choice": named, "seed": 2}])
+  for chunks, name in zip(streams, (None, "sort"), strict=True):
+    deltas = [chunk.choices[0].delta for chunk in chunks if chunk.choices]
+    assert deltas[0].role == "assistant" and not any(delta.content for delta in deltas)
+    (call,) = [call for delta in deltas for call in delta.tool_calls or ()]
+    assert call.index == 0 and call.id.startswith("call_") and call.type == "function"
+    assert name is None or call.function.name == name
+    jsonschema.validate(json.loads(call.function.arguments), PARAMETERS[call.function.name])
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_json_schema_answers_validate_and_too_few_tokens_finish_with_length(server):
+  client = server.client(timeout=60)
+
+  def chat(**kw):
+    out = client.chat.completions.create(
+      model="tiny", messages=[{"role": "user", "content": "x"}], response_format=READING_FORMAT, **kw
+    )
+    return [(c.message.content, c.finish_reason) for c in out.choices]
+
+  def complete(**kw):
+    out = client.completions.create(model="tiny", prompt="sort", extra_body={"response_format": READING_FORMAT}, **kw)
+    return [(c.text, c.finish_reason) for c in out.choices]
+
+  requests = [{"seed": seed, "max_tokens": 16} for seed in range(3)]
+  with _compiles_nothing(server):
+    answers = _concurrently(chat, requests)
+    answers += _concurrently(lambda **kw: complete(n=2, **kw), requests)
+    short = chat(max_tokens=6) + complete(max_tokens=6)
+  for text, reason in (pair for choices in answers for pair in choices):
+    assert reason == "stop", text
+    jsonschema.validate(json.loads(text), READING)
+  for text, reason in short:  # A valid prefix that ran out of room.
+    assert reason == "length" and text.startswith('{"u":'), text
+    with pytest.raises(json.JSONDecodeError):
+      json.loads(text)
+
+
+def test_json_object_answers_parse_to_objects(server):
+  client = server.client(timeout=60)
+  json_object = {"type": "json_object"}
+  with _compiles_nothing(server):
+    chat = _concurrently(
+      lambda **kw: client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "x"}], response_format=json_object, **kw
+      ).choices[0],
+      [{"seed": seed} for seed in range(3)],
+    )
+    completions = client.completions.create(
+      model="tiny", prompt="sort", n=3, seed=0, extra_body={"response_format": json_object}
+    ).choices
+  texts = [c.message.content for c in chat] + [c.text for c in completions]
+  assert [c.finish_reason for c in [*chat, *completions]] == ["stop"] * 6, texts
+  assert all(isinstance(json.loads(text), dict) for text in texts), texts
+
+
+def test_an_unsupported_schema_keyword_answers_400_naming_it(server):
+  client = server.client()
+  unique = {"type": "object", "properties": {"xs": {"type": "array", "uniqueItems": True}}}
+  response_format = {"type": "json_schema", "json_schema": {"name": "xs", "schema": unique}}
+  with pytest.raises(openai.BadRequestError) as e:
+    client.chat.completions.create(model="tiny", messages=SORT_ME, response_format=response_format)
+  assert e.value.body["param"] == "response_format.json_schema.schema.properties.xs.uniqueItems"
+  assert e.value.code == "invalid_schema" and "uniqueItems" in e.value.body["message"]
+  tool = {"type": "function", "function": {"name": "f", "parameters": unique}}
+  with pytest.raises(openai.BadRequestError) as e:
+    client.chat.completions.create(model="tiny", messages=SORT_ME, tools=[SORT, tool], tool_choice="required")
+  assert e.value.body["param"] == "tools[1].function.parameters.properties.xs.uniqueItems"
+  assert e.value.code == "invalid_schema" and "uniqueItems" in e.value.body["message"]
 
 
 # ---------------------------------------------------------------------------------------------- bad input

@@ -1,16 +1,19 @@
 """The HTTP layer of ``python -m mercury_jax.serve`` over a fake scheduler: parsing, validation, errors, chat
-templates, stop strings, the SSE event format, usage and metrics (no model runs)."""
+templates, stop strings, the SSE event format, usage and metrics, structured output and tool calls (no model runs)."""
 
 import asyncio
 import json
+from typing import Any, NamedTuple
 
 import pytest
 from fastapi.testclient import TestClient
 
 from mercury_jax.config import Config, DataConfig, ObjectiveConfig
+from mercury_jax.constrain.automaton import ConstraintError
+from mercury_jax.constrain.schema import tool_call_schema
 from mercury_jax.sampling.sampler import MASK_TEXT
 from mercury_jax.sampling.settings import SettingError
-from mercury_jax.serve import protocol as api
+from mercury_jax.serve import protocol as api, structured
 from mercury_jax.serve.chat import ChatTemplate, TemplateError
 from mercury_jax.serve.routes import _Choice, _events, _Shape, create_app
 from mercury_jax.serve.scheduler import QueueFull, Update
@@ -53,10 +56,52 @@ class FakeHandle:
     self._cancel.set()
 
 
+class FakeAutomaton(NamedTuple):
+  kind: str
+  source: Any  # The regex, the schema, or None for json_object.
+  regex: str
+
+
+def keyword_path(schema, keyword: str) -> str | None:
+  """The dotted path of the first ``keyword`` in ``schema`` (as the compiler names a keyword it refuses), or None."""
+  items = schema.items() if isinstance(schema, dict) else enumerate(schema) if isinstance(schema, list) else ()
+  for key, value in items:
+    if key == keyword:
+      return key
+    inner = keyword_path(value, keyword)
+    if inner is not None:
+      return f"{key}.{inner}"
+  return None
+
+
+class FakeCompiler:
+  """The compiler's interface: records what it compiles, and refuses ``multipleOf`` anywhere, naming its path."""
+
+  def __init__(self):
+    self.compiled: list[FakeAutomaton] = []
+
+  def _compile(self, kind: str, source, regex: str) -> FakeAutomaton:
+    self.compiled.append(FakeAutomaton(kind, source, regex))
+    return self.compiled[-1]
+
+  def regex(self, pattern: str) -> FakeAutomaton:
+    return self._compile("regex", pattern, pattern)
+
+  def json_schema(self, schema: dict) -> FakeAutomaton:
+    where = keyword_path(schema, "multipleOf")
+    if where is not None:
+      raise ConstraintError("multipleOf is not enforced by the automaton; drop it", param=where)
+    return self._compile("json_schema", schema, f"CALL{len(self.compiled)}")
+
+  def json_object(self) -> FakeAutomaton:
+    return self._compile("json_object", None, "OBJECT")
+
+
 class FakeScheduler:
   """Answers every request with ``reply`` (then EOS), one block of ``block`` characters per update.
 
-  ``n`` choices get ``reply`` with their stream index appended when ``per_stream``.
+  ``n`` choices get ``reply`` with their stream index appended when ``per_stream``. ``compiler`` is a
+  :class:`FakeCompiler` (None: structured output off); a constrained request is answered like any other.
   """
 
   def __init__(self, reply="Hello world", *, block=4, autoregressive=False, template="", context=64, **options):
@@ -67,6 +112,7 @@ class FakeScheduler:
     self.block_length_fixed, self.slots, self.mask_id, self.default_steps = True, 4, MASK, block
     self.queue_depth, self.busy_slots, self.compilations = 1, 2, 7
     self.error, self.queue_full_after, self.wait, self.per_stream = None, None, False, False
+    self.compiler = FakeCompiler()
     self.__dict__.update(options)
     self.requests, self.handles = [], []
 
@@ -141,9 +187,7 @@ def test_unknown_fields_are_ignored_and_neutral_values_of_unsupported_ones_accep
   assert response.status_code == 200, response.text
 
 
-@pytest.mark.parametrize(
-  "field,value", [("logprobs", 2), ("echo", True), ("best_of", 3), ("presence_penalty", 0.5), ("tools", [{}])]
-)
+@pytest.mark.parametrize("field,value", [("logprobs", 2), ("echo", True), ("best_of", 3), ("presence_penalty", 0.5)])
 def test_unsupported_fields_answer_400_naming_the_field(field, value):
   error = error_of(client_for(FakeScheduler()).post("/v1/completions", json={"prompt": "x", field: value}))
   assert error["param"] == field and error["message"].startswith(f"{field}=") and "not supported" in error["message"]
@@ -386,7 +430,7 @@ def test_chat_without_a_template_and_with_an_image_answer_400():
   assert error["message"] == "this model has no chat template (data.chat_template in its config); use /v1/completions"
   image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
   error = error_of(client_for(FakeScheduler(template=TEMPLATE)).post("/v1/chat/completions", json={"messages": image}))
-  assert error["param"] == "messages.0.content" and "text parts only" in error["message"]
+  assert error["param"] == "messages[0].content" and "text parts only" in error["message"]
 
 
 # ------------------------------------------------------------------------------------------------ failures
@@ -448,3 +492,268 @@ def test_metrics_read_the_scheduler_and_count_requests_tokens_and_forward_passes
     assert line in text, line
   scheduler.compilations = 9
   assert "mercury_compilations_total 9.0" in client.get("/metrics").text
+
+
+# ------------------------------------------------------------------------------------------------ structured output
+
+SCHEMA = {"type": "object", "properties": {"age": {"type": "integer"}}, "required": ["age"]}
+JSON_SCHEMA = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA, "strict": True}}
+WEATHER = {
+  "type": "function",
+  "function": {
+    "name": "get_weather",
+    "description": "The weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+  },
+}
+ADD = {"type": "function", "function": {"name": "add", "parameters": {"type": "object", "properties": {}}}}
+CALL = '{"name":"get_weather","arguments":{"city":"Paris"}}'
+ASK = [{"role": "user", "content": "weather in Paris?"}]
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_json_schema_reaches_every_choice_as_its_constraint_whatever_strict_says(strict):
+  scheduler = FakeScheduler('{"age":3}', template=TEMPLATE, context=256)
+  client = client_for(scheduler)
+  response_format = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA, "strict": strict}}
+  out = client.post("/v1/completions", json={"prompt": "x", "n": 2, "response_format": response_format}).json()
+  assert [c["text"] for c in out["choices"]] == ['{"age":3}'] * 2
+  first, second = scheduler.requests
+  assert first.constraint == second.constraint == FakeAutomaton("json_schema", SCHEMA, "CALL0")
+  body = {"messages": ASK, "response_format": response_format, "stream": True, "diffusing": True}
+  events = sse(client.post("/v1/chat/completions", json=body))
+  assert "".join(e["choices"][0]["delta"].get("content", "") for e in events[:-1] if e["choices"]) == '{"age":3}'
+  client.post("/v1/fim/completions", json={"prompt": "a", "suffix": "b", "response_format": response_format})
+  assert [r.constraint.kind for r in scheduler.requests[2:]] == ["json_schema", "json_schema"]
+  assert scheduler.requests[3].suffix == tuple(FakeTokenizer().encode("b"))
+
+
+def test_json_object_and_text_formats():
+  scheduler = FakeScheduler("{}")
+  client = client_for(scheduler)
+  client.post("/v1/completions", json={"prompt": "x", "response_format": {"type": "json_object"}})
+  client.post("/v1/completions", json={"prompt": "x", "response_format": {"type": "text"}, "stop": "z"})
+  client.post("/v1/completions", json={"prompt": "x"})
+  assert [r.constraint for r in scheduler.requests] == [FakeAutomaton("json_object", None, "OBJECT"), None, None]
+
+
+def test_a_structured_answer_cut_by_max_tokens_finishes_with_length():
+  out = client_for(FakeScheduler('{"age":31}')).post(
+    "/v1/completions", json={"prompt": "x", "max_tokens": 5, "response_format": JSON_SCHEMA}
+  )
+  assert out.json()["choices"][0]["text"] == '{"age' and out.json()["choices"][0]["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize(
+  "response_format,param,words",
+  [
+    ({"type": "json_schema"}, "response_format.json_schema", "is required"),
+    ({"type": "json_schema", "json_schema": {"name": "x"}}, "response_format.json_schema.schema", "is required"),
+    ({"type": "json_schema", "json_schema": {"schema": {}}}, "response_format.json_schema.name", "is required"),
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": 3}}, "response_format.json_schema.schema", "dict"),
+    (
+      {"type": "json_schema", "json_schema": {"name": "a b", "schema": {}}},
+      "response_format.json_schema.name",
+      "pattern",
+    ),
+    ({"type": "xml"}, "response_format.type", "'text', 'json_object' or 'json_schema'"),
+    ("json", "response_format", "valid dictionary"),
+  ],
+)
+def test_a_malformed_response_format_answers_400_naming_the_field(response_format, param, words):
+  scheduler = FakeScheduler()
+  error = error_of(
+    client_for(scheduler).post("/v1/completions", json={"prompt": "x", "response_format": response_format})
+  )
+  assert error["param"] == param and words in error["message"], error
+  assert not scheduler.requests
+
+
+def test_a_schema_the_compiler_refuses_answers_400_with_its_keyword_path():
+  schema = {"type": "object", "properties": {"age": {"type": "integer", "multipleOf": 2}}}
+  response_format = {"type": "json_schema", "json_schema": {"name": "p", "schema": schema}}
+  scheduler = FakeScheduler()
+  error = error_of(
+    client_for(scheduler).post("/v1/completions", json={"prompt": "x", "response_format": response_format})
+  )
+  assert error["param"] == "response_format.json_schema.schema.properties.age.multipleOf"
+  assert (
+    error["code"] == "invalid_schema" and error["message"] == "multipleOf is not enforced by the automaton; drop it"
+  )
+  assert not scheduler.requests
+
+
+def test_structured_output_off_answers_400():
+  client = client_for(FakeScheduler(template=TEMPLATE, context=256, compiler=None))
+  error = error_of(client.post("/v1/completions", json={"prompt": "x", "response_format": {"type": "json_object"}}))
+  assert error["param"] == "response_format" and "off on this server" in error["message"]
+  error = error_of(client.post("/v1/chat/completions", json={"messages": ASK, "tools": [WEATHER]}))
+  assert error["param"] == "tools" and "off on this server" in error["message"]
+  assert client.post("/v1/chat/completions", json={"messages": ASK, "tools": [WEATHER], "tool_choice": "none"}).json()
+
+
+@pytest.mark.parametrize(
+  "extra,param,words",
+  [
+    ({"response_format": {"type": "json_object"}, "stop": "}"}, "stop", "response_format json_object"),
+    ({"tools": [WEATHER], "tool_choice": "required", "stop": ["x"]}, "stop", "a required tool call"),
+    ({"tools": [WEATHER], "response_format": {"type": "json_object"}}, "response_format", "tool_choice 'auto'"),
+    ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools[0].function.name", "pattern"),
+    ({"tools": [WEATHER, {"type": "function", "function": {"name": "x" * 65}}]}, "tools[1].function.name", "pattern"),
+    ({"tools": [WEATHER, WEATHER]}, "tools[1].function.name", "repeats the name of tools[0]"),
+    ({"tools": [{"type": "retrieval", "function": {"name": "a"}}]}, "tools[0].type", "'function'"),
+    ({"tools": [{"type": "function"}]}, "tools[0].function", "is required"),
+    ({"tools": [{"type": "function", "function": {"name": "a", "parameters": 3}}]}, "tools[0].function.parameters", ""),
+    (
+      {"tools": [{"type": "function", "function": {"name": "a", "parameters": {"type": "string"}}}]},
+      "tools[0].function.parameters.type",
+      "must be 'object'",
+    ),
+    ({"tools": {"name": "a"}}, "tools", "valid list"),
+    ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice", 'must be "none", "auto", "required"'),
+    ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+    (
+      {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "add"}}},
+      "tool_choice",
+      "'add', which is not among the tools (get_weather)",
+    ),
+  ],
+)
+def test_bad_tools_and_combinations_answer_400_naming_the_field(extra, param, words):
+  scheduler = FakeScheduler(template=TEMPLATE, context=256)
+  error = error_of(client_for(scheduler).post("/v1/chat/completions", json={"messages": ASK, **extra}))
+  assert error["param"] == param and words in error["message"], error
+  assert not scheduler.requests and not scheduler.compiler.compiled
+
+
+@pytest.mark.parametrize("field,value", [("tools", [WEATHER]), ("tool_choice", "required")])
+def test_tools_on_completions_answer_400_naming_the_field(field, value):
+  error = error_of(client_for(FakeScheduler()).post("/v1/completions", json={"prompt": "x", field: value}))
+  assert error["param"] == field and "/v1/chat/completions only" in error["message"]
+
+
+def test_tool_parameters_the_compiler_refuses_answer_400_naming_the_tool():
+  bad = {"type": "function", "function": {"name": "half", "parameters": {"properties": {"x": {"multipleOf": 0.5}}}}}
+  client = client_for(FakeScheduler(template=TEMPLATE, context=256))
+  for tool_choice in ("auto", {"type": "function", "function": {"name": "half"}}):
+    body = {"messages": ASK, "tools": [WEATHER, bad], "tool_choice": tool_choice}
+    error = error_of(client.post("/v1/chat/completions", json=body))
+    assert error["param"] == "tools[1].function.parameters.properties.x.multipleOf", error
+    assert error["code"] == "invalid_schema"
+
+
+def tool_call_of(message: dict) -> dict:
+  """The one call of a chat message, checked for OpenAI's shape."""
+  assert message["role"] == "assistant" and message["content"] is None
+  (call,) = message["tool_calls"]
+  assert set(call) == {"id", "type", "function"} and call["type"] == "function" and call["id"].startswith("call_")
+  return call["function"]
+
+
+@pytest.mark.parametrize(
+  "tool_choice,name", [("required", None), ({"type": "function", "function": {"name": "get_weather"}}, "get_weather")]
+)
+def test_required_and_named_tool_choice_constrain_the_reply_to_a_call(tool_choice, name):
+  scheduler = FakeScheduler(CALL, template=TEMPLATE, block=8, context=256)
+  body = {"messages": ASK, "tools": [WEATHER, ADD], "tool_choice": tool_choice, "parallel_tool_calls": True}
+  out = client_for(scheduler).post("/v1/chat/completions", json=body).json()
+  assert tool_call_of(out["choices"][0]["message"]) == {"name": "get_weather", "arguments": '{"city":"Paris"}'}
+  assert out["choices"][0]["finish_reason"] == "tool_calls"
+  assert out["usage"]["completion_tokens"] == len(CALL)
+  (request,) = scheduler.requests
+  assert request.constraint == FakeAutomaton("json_schema", tool_call_schema([WEATHER, ADD], name), "CALL0")
+
+
+def test_auto_tool_choice_answers_a_call_or_text_and_stop_applies_to_text_only():
+  scheduler = FakeScheduler(CALL, template=TEMPLATE, context=256)
+  client = client_for(scheduler)
+  body = {"messages": ASK, "tools": [WEATHER, ADD], "stop": ["Paris"]}  # tool_choice defaults to "auto".
+  out = client.post("/v1/chat/completions", json=body).json()
+  assert tool_call_of(out["choices"][0]["message"])["arguments"] == '{"city":"Paris"}'
+  assert out["choices"][0]["finish_reason"] == "tool_calls"
+  call_schema, auto = scheduler.compiler.compiled
+  assert call_schema == FakeAutomaton("json_schema", tool_call_schema([WEATHER, ADD]), "CALL0")
+  regex = f"(?:CALL0)|{structured.TEXT_REPLY}"
+  assert scheduler.requests[0].constraint == auto == FakeAutomaton("regex", regex, auto.source)
+
+  scheduler.reply = "Sunny in Paris, 20 C."
+  out = client.post("/v1/chat/completions", json={**body, "tool_choice": "auto"}).json()
+  assert out["choices"][0]["message"] == {"role": "assistant", "content": "Sunny in "}
+  assert out["choices"][0]["finish_reason"] == "stop"
+
+
+def test_tool_choice_none_decodes_plain_text_but_the_template_sees_the_tools():
+  template = "{% if tools %}[{{ tools | map(attribute='function.name') | join(',') }}]{% endif %}" + TEMPLATE
+  scheduler = FakeScheduler("{not a call}", template=template, context=256)
+  body = {"messages": ASK, "tools": [WEATHER, ADD], "tool_choice": "none"}
+  out = client_for(scheduler).post("/v1/chat/completions", json=body).json()
+  assert out["choices"][0]["message"] == {"role": "assistant", "content": "{not a call}"}
+  (request,) = scheduler.requests
+  assert request.constraint is None and not scheduler.compiler.compiled
+  assert FakeTokenizer().decode(request.prompt[1:]).startswith("[get_weather,add]<user>")
+
+
+def test_an_incomplete_call_is_answered_as_content_with_length():
+  scheduler = FakeScheduler(CALL, template=TEMPLATE, context=256)
+  client = client_for(scheduler)
+  body = {"messages": ASK, "tools": [WEATHER], "tool_choice": "required", "max_tokens": 12}
+  out = client.post("/v1/chat/completions", json=body).json()
+  assert out["choices"][0]["message"] == {"role": "assistant", "content": CALL[:12]}
+  assert out["choices"][0]["finish_reason"] == "length"
+  events = sse(client.post("/v1/chat/completions", json={**body, "stream": True}))[:-1]
+  assert [e["choices"][0]["delta"] for e in events] == [{"role": "assistant"}, {"content": CALL[:12]}]
+  assert events[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_a_streamed_call_is_one_tool_calls_delta_then_the_finish():
+  scheduler = FakeScheduler(CALL, template=TEMPLATE, block=4, context=256)
+  client = client_for(scheduler)
+  body = {"messages": ASK, "tools": [WEATHER, ADD], "stream": True, "stream_options": {"include_usage": True}}
+  events = sse(client.post("/v1/chat/completions", json=body))
+  assert (
+    events[-1] == "[DONE]" and events[-2]["choices"] == [] and events[-2]["usage"]["completion_tokens"] == len(CALL)
+  )
+  chunks = [e["choices"][0] for e in events[:-2]]
+  assert [c["delta"] for c in chunks[::2]] == [{"role": "assistant"}, {}]
+  assert [c["finish_reason"] for c in chunks] == [None, None, "tool_calls"]
+  (call,) = chunks[1]["delta"]["tool_calls"]
+  assert call["index"] == 0 and call["id"].startswith("call_") and call["type"] == "function"
+  assert call["function"] == {"name": "get_weather", "arguments": '{"city":"Paris"}'}
+  assert set(chunks[1]["delta"]) == {"tool_calls"}
+
+  scheduler.reply = "No call here."
+  events = sse(client.post("/v1/chat/completions", json=body))[:-2]
+  assert "".join(e["choices"][0]["delta"].get("content", "") for e in events) == "No call here."
+  assert len(events) == 1 + 4 and events[-1]["choices"][0]["finish_reason"] == "stop"  # Streamed as it comes.
+
+
+def test_earlier_tool_calls_and_tool_results_reach_the_template():
+  template = (
+    "{% for m in messages %}<{{ m.role }}>{{ m.content }}"
+    "{% for c in m.tool_calls or [] %}{{ c.id }}:{{ c.function.name }}({{ c.function.arguments.city }}){% endfor %}"
+    "{% if m.tool_call_id %}@{{ m.tool_call_id }}{% endif %}|{% endfor %}<assistant>"
+  )
+  scheduler = FakeScheduler("It is sunny.", template=template, context=256)
+  call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'}}
+  messages = [
+    *ASK,
+    {"role": "assistant", "content": None, "tool_calls": [call]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+  ]
+  out = client_for(scheduler).post("/v1/chat/completions", json={"messages": messages, "tools": [WEATHER]}).json()
+  assert out["choices"][0]["message"]["content"] == "It is sunny."
+  prompt = FakeTokenizer().decode(scheduler.requests[0].prompt[1:])
+  assert prompt == "<user>weather in Paris?|<assistant>call_1:get_weather(Paris)|<tool>sunny@call_1|<assistant>"
+
+
+def test_parse_tool_call_reads_only_a_call_object():
+  call = structured.parse_tool_call('{"name":"f","arguments":{"x":"é","y":[1,2]}}')
+  assert (call.function.name, call.function.arguments) == ("f", '{"x":"é","y":[1,2]}') and call.id.startswith("call_")
+  for text in (
+    '{"name":"f"}',
+    '{"name":"f","arguments":[]}',
+    '{"name":"f","arguments":{}',
+    "hi",
+    '{"name":1,"arguments":{}}',
+  ):
+    assert structured.parse_tool_call(text) is None, text

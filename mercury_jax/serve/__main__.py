@@ -56,6 +56,12 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument(
     "--grace", type=float, default=30.0, help="seconds running requests get to finish on shutdown (default 30)"
   )
+  p.add_argument(
+    "--constraint-capacity",
+    default="512,256,16384",
+    help="STATES,CLASSES,EDGES of the largest automaton a slot holds for structured output (response_format, "
+    "tools); larger schemas get 400 (default 512,256,16384); 0: structured output off",
+  )
   from mercury_jax import distributed
 
   distributed.add_arguments(p)
@@ -77,6 +83,19 @@ def _check_args(args: argparse.Namespace) -> None:
     _fail("--model-name is empty; give the name clients should send, or leave the flag out")
   if args.checkpoint is not None and not Path(args.checkpoint).exists():
     _fail(f"--checkpoint {args.checkpoint!r} does not exist")
+  args.capacity = _capacity(args.constraint_capacity)
+
+
+def _capacity(flag: str):
+  """``--constraint-capacity``: a ``Capacity``, or None for 0."""
+  from mercury_jax.constrain.device import Capacity
+
+  if flag.strip() == "0":
+    return None
+  parts = flag.split(",")
+  if len(parts) != 3 or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
+    _fail(f"--constraint-capacity={flag!r} must be three positive integers STATES,CLASSES,EDGES (or 0: off)")
+  return Capacity(*(int(p) for p in parts))
 
 
 def _load(args: argparse.Namespace):
@@ -105,7 +124,9 @@ def _load(args: argparse.Namespace):
   except (FileNotFoundError, ConfigError, ValueError) as e:
     _fail(f"--checkpoint {str(path)!r}: {e}")
   try:
-    scheduler = Scheduler(sampler, slots=args.slots, max_queue=args.max_queue, block_length=args.block_length)
+    scheduler = Scheduler(
+      sampler, slots=args.slots, max_queue=args.max_queue, block_length=args.block_length, capacity=args.capacity
+    )
   except SettingError as e:
     _fail(e.named("--block-length" if e.field == "block_length" else e.field))
   except ValueError as e:

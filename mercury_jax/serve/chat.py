@@ -3,8 +3,12 @@
 The template is the checkpoint config's ``data.chat_template``, a Jinja2 template in Hugging Face's format, run in
 Jinja's ``ImmutableSandboxedEnvironment`` as ``transformers`` does (``trim_blocks``, ``lstrip_blocks``, the
 ``loopcontrols`` extension, a ``tojson`` filter that keeps non-ASCII text, a ``raise_exception`` global). It sees
-``messages`` (a list of ``{"role", "content"}`` dicts, content as a string) and ``add_generation_prompt=True``,
-and renders the text that ``python -m mercury_jax.prepare`` stored as an SFT example's ``prompt``. The special
+``messages`` (a list of ``{"role", "content"}`` dicts, content as a string), ``tools`` and
+``add_generation_prompt=True``, and renders the text that ``python -m mercury_jax.prepare`` stored as an SFT
+example's ``prompt``. As in ``transformers``, ``tools`` is the request's list of ``{"type": "function", "function":
+{"name", "description", "parameters"}}`` dicts, or None without tools; an assistant message that called tools has
+``tool_calls`` (``[{"id", "type", "function": {"name", "arguments"}}]``, arguments as a dict when they are a JSON
+object) and a ``tool`` message has ``tool_call_id``. A template that ignores ``tools`` still renders. The special
 tokens are ids, not text, so ``bos_token`` and ``eos_token`` render as "": the server puts the BOS id in front of
 the encoded text itself, as SFT records do (``[BOS] + prompt``), and the model ends its answer with EOS.
 
@@ -56,11 +60,15 @@ class ChatTemplate:
     except jinja2.TemplateSyntaxError as e:
       raise TemplateError(f"data.chat_template does not compile: {e.message} (line {e.lineno})") from None
 
-  def render(self, messages: Sequence[dict], *, add_generation_prompt: bool = True) -> str:
+  def render(
+    self, messages: Sequence[dict], *, tools: Sequence[dict] | None = None, add_generation_prompt: bool = True
+  ) -> str:
     """The prompt text of ``messages``.
 
     Args:
-      messages: ``{"role": str, "content": str}`` dicts, oldest first (other keys, like ``name``, pass through).
+      messages: ``{"role": str, "content": str}`` dicts, oldest first (other keys, like ``name``, ``tool_calls`` and
+        ``tool_call_id``, pass through).
+      tools: The tools the model may call (the template's ``tools``); None: no tools.
       add_generation_prompt: End with the header that opens the assistant's turn.
 
     Raises:
@@ -68,7 +76,11 @@ class ChatTemplate:
     """
     try:
       return self._template.render(
-        messages=list(messages), add_generation_prompt=add_generation_prompt, bos_token="", eos_token=""
+        messages=list(messages),
+        tools=list(tools) if tools else None,
+        add_generation_prompt=add_generation_prompt,
+        bos_token="",
+        eos_token="",
       )
     except TemplateError:
       raise

@@ -2,23 +2,31 @@
 
 Requests ignore fields they do not know (``extra="ignore"``). The fields in :data:`UNSUPPORTED` are known but not
 implemented: a request that sets one to anything but its neutral value answers 400 naming it (see
-:func:`check_supported`). Beyond OpenAI's fields, a request may carry the diffusion knobs ``steps``, ``threshold``,
-``top_k``, ``block_length``, ``diffusing`` and ``reasoning_effort`` (:data:`REASONING_EFFORT`), and ``usage`` has
-two extra fields: ``nfe`` (forward passes, summed over the choices) and ``tokens_per_forward``.
+:func:`check_supported`); so do ``tools`` and ``tool_choice`` on ``/v1/completions`` (:data:`CHAT_ONLY`). Beyond
+OpenAI's fields, a request may carry the diffusion knobs ``steps``, ``threshold``, ``top_k``, ``block_length``,
+``diffusing`` and ``reasoning_effort`` (:data:`REASONING_EFFORT`), and ``usage`` has two extra fields: ``nfe``
+(forward passes, summed over the choices) and ``tokens_per_forward``.
 
 ``stop`` strings end a choice where the first of them begins (:func:`find_stop`); a stream holds back the text that
 could still become one (:func:`held_back`). Errors have OpenAI's body ``{"error": {"message", "type", "param",
-"code"}}`` (:class:`APIError`); a request FastAPI cannot parse answers 400, not 422 (:func:`validation_error`).
+"code"}}`` (:class:`APIError`); a request FastAPI cannot parse answers 400, not 422 (:func:`validation_error`), its
+``param`` the path of the bad field (``tools[1].function.name``).
+
+Structured output: ``response_format`` (both endpoints), ``tools``, ``tool_choice`` and ``parallel_tool_calls``
+(chat) are parsed here (:class:`ResponseFormat`, :class:`Tool`, :class:`NamedToolChoice`); what they ask for, the
+checks that span fields and the constraint they compile to are in :mod:`mercury_jax.serve.structured`. A reply that
+calls a tool is answered as OpenAI's ``tool_calls`` (:class:`ToolCall`, streamed as :class:`ToolCallDelta`).
 """
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from fastapi.exceptions import RequestValidationError
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 MAX_CHOICES = 16  # The most choices ``n`` one request may ask for.
 MAX_STOPS = 4  # The most stop strings one request may give, as OpenAI allows.
@@ -34,17 +42,21 @@ REASONING_EFFORT: dict[str, tuple[float, float]] = {
 }
 # Known request fields the server does not implement: field -> (the values that mean "off" and are accepted, why).
 UNSUPPORTED: dict[str, tuple[tuple, str]] = {
-  "logprobs": ((None, False), "is not supported"),
-  "top_logprobs": ((None, 0), "is not supported"),
-  "echo": ((None, False), "is not supported"),
-  "best_of": ((None, 1), "is not supported (use n)"),
-  "logit_bias": ((None, {}), "is not supported"),
-  "presence_penalty": ((None, 0), "is not supported"),
-  "frequency_penalty": ((None, 0), "is not supported"),
-  "tools": ((None, []), "is not supported yet"),
-  "tool_choice": ((None, "none", "auto"), "is not supported yet"),
-  "response_format": ((None, {"type": "text"}), "is not supported yet"),
+  "logprobs": ((None, False), "is not supported by this server"),
+  "top_logprobs": ((None, 0), "is not supported by this server"),
+  "echo": ((None, False), "is not supported by this server"),
+  "best_of": ((None, 1), "is not supported by this server (use n)"),
+  "logit_bias": ((None, {}), "is not supported by this server"),
+  "presence_penalty": ((None, 0), "is not supported by this server"),
+  "frequency_penalty": ((None, 0), "is not supported by this server"),
 }
+# Chat fields that /v1/completions refuses the same way (a completion has no tool calls).
+CHAT_ONLY: dict[str, tuple[tuple, str]] = {
+  "tools": ((None, []), "applies to /v1/chat/completions only"),
+  "tool_choice": ((None, "none", "auto"), "applies to /v1/chat/completions only"),
+}
+NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's rule for function and response_format names.
+TOOL_CHOICES = ("none", "auto", "required")
 # How pydantic names the members of a union it tried, at the end of an error's location.
 UNION_MEMBERS = ("str", "int", "float", "bool", "none", "list[str]", "list[ContentPart]")
 # The request fields that only a diffusion model has; an autoregressive model answers 400 naming them.
@@ -96,10 +108,27 @@ class StreamOptions(BaseModel):
   include_usage: bool = False
 
 
+class JSONSchemaFormat(BaseModel):
+  """``response_format.json_schema``. The server always enforces ``schema``, whether ``strict`` is true or false."""
+
+  model_config = ConfigDict(extra="ignore", populate_by_name=True)
+  name: str = Field(pattern=NAME_PATTERN)
+  description: str | None = None
+  schema_: dict[str, Any] = Field(alias="schema")
+  strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+  model_config = ConfigDict(extra="ignore")
+  type: Literal["text", "json_object", "json_schema"]
+  json_schema: JSONSchemaFormat | None = None  # Required with type "json_schema" (structured.structure).
+
+
 class GenerationRequest(BaseModel):
   """The fields every generating endpoint shares."""
 
   model_config = ConfigDict(extra="ignore")
+  refused: ClassVar[dict[str, tuple[tuple, str]]] = UNSUPPORTED  # Fields accepted with their neutral values only.
 
   model: str | None = None  # Any name is accepted; responses carry the server's model name.
   max_tokens: int | None = Field(None, ge=1)
@@ -111,6 +140,7 @@ class GenerationRequest(BaseModel):
   stream: bool | None = None
   stream_options: StreamOptions | None = None
   user: str | None = None
+  response_format: ResponseFormat | None = None
   # Diffusion knobs.
   steps: int | None = Field(None, ge=1)
   reasoning_effort: Literal["instant", "low", "medium", "high"] | None = None
@@ -126,9 +156,6 @@ class GenerationRequest(BaseModel):
   logit_bias: Any = None
   presence_penalty: Any = None
   frequency_penalty: Any = None
-  tools: Any = None
-  tool_choice: Any = None
-  response_format: Any = None
 
   @field_validator("stop")
   @classmethod
@@ -152,8 +179,12 @@ class GenerationRequest(BaseModel):
 class CompletionRequest(GenerationRequest):
   """``POST /v1/completions`` (with ``suffix``: fill in the middle) and ``POST /v1/fim/completions``."""
 
+  refused: ClassVar[dict[str, tuple[tuple, str]]] = {**UNSUPPORTED, **CHAT_ONLY}
+
   prompt: str | list[str]
   suffix: str | None = None
+  tools: Any = None  # CHAT_ONLY
+  tool_choice: Any = None  # CHAT_ONLY
 
   @field_validator("prompt")
   @classmethod
@@ -167,6 +198,60 @@ class CompletionRequest(GenerationRequest):
     return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
 
 
+class FunctionSpec(BaseModel):
+  """``tools[i].function``: ``parameters`` is the JSON Schema of the arguments (absent: none), always enforced."""
+
+  model_config = ConfigDict(extra="ignore")
+  name: str = Field(pattern=NAME_PATTERN)
+  description: str | None = None
+  parameters: dict[str, Any] | None = None
+  strict: bool | None = None
+
+
+class Tool(BaseModel):
+  model_config = ConfigDict(extra="ignore")
+  type: Literal["function"]
+  function: FunctionSpec
+
+
+class FunctionName(BaseModel):
+  model_config = ConfigDict(extra="ignore")
+  name: str
+
+
+class NamedToolChoice(BaseModel):
+  """``tool_choice`` naming one function: the reply is a call of it."""
+
+  model_config = ConfigDict(extra="ignore")
+  type: Literal["function"]
+  function: FunctionName
+
+
+class FunctionCall(BaseModel):
+  model_config = ConfigDict(extra="ignore")
+  name: str
+  arguments: str  # JSON text of an object.
+
+
+class ToolCall(BaseModel):
+  """A call the assistant made: in a response's ``message.tool_calls``, and in earlier assistant messages."""
+
+  model_config = ConfigDict(extra="ignore")
+  id: str
+  type: Literal["function"] = "function"
+  function: FunctionCall
+
+  def as_dict(self) -> dict:
+    """The call for the chat template: ``arguments`` as a dict when it is a JSON object (as HF templates expect)."""
+    try:
+      arguments = json.loads(self.function.arguments)
+    except json.JSONDecodeError:
+      arguments = None
+    if not isinstance(arguments, dict):
+      arguments = self.function.arguments
+    return {"id": self.id, "type": self.type, "function": {"name": self.function.name, "arguments": arguments}}
+
+
 class ContentPart(BaseModel):
   model_config = ConfigDict(extra="ignore")
   type: str
@@ -178,6 +263,8 @@ class ChatMessage(BaseModel):
   role: str
   content: str | list[ContentPart] | None = None
   name: str | None = None
+  tool_calls: list[ToolCall] | None = None  # An assistant message's calls.
+  tool_call_id: str | None = None  # A "tool" message: the call it answers.
 
   @field_validator("content")
   @classmethod
@@ -188,10 +275,17 @@ class ChatMessage(BaseModel):
     return content
 
   def as_dict(self) -> dict:
-    """The message for the chat template: content as one string."""
+    """The message for the chat template: content as one string; ``name``, ``tool_calls`` and ``tool_call_id`` when
+    given (see :meth:`ToolCall.as_dict`)."""
     content = self.content if not isinstance(self.content, list) else "".join(p.text for p in self.content)
     message = {"role": self.role, "content": content or ""}
-    return message if self.name is None else {**message, "name": self.name}
+    if self.name is not None:
+      message["name"] = self.name
+    if self.tool_calls is not None:
+      message["tool_calls"] = [call.as_dict() for call in self.tool_calls]
+    if self.tool_call_id is not None:
+      message["tool_call_id"] = self.tool_call_id
+    return message
 
 
 class ChatRequest(GenerationRequest):
@@ -199,17 +293,35 @@ class ChatRequest(GenerationRequest):
 
   messages: list[ChatMessage] = Field(min_length=1)
   max_completion_tokens: int | None = Field(None, ge=1)
+  tools: list[Tool] | None = None
+  tool_choice: Any = None  # None, one of TOOL_CHOICES, or a NamedToolChoice.
+  parallel_tool_calls: bool | None = None  # Accepted; a reply holds at most one call either way.
+
+  @field_validator("tool_choice")
+  @classmethod
+  def _tool_choice(cls, choice):
+    if choice is None or (isinstance(choice, str) and choice in TOOL_CHOICES):
+      return choice
+    try:
+      return NamedToolChoice.model_validate(choice)
+    except ValidationError:
+      raise ValueError(
+        'must be "none", "auto", "required" or {"type": "function", "function": {"name": NAME}}'
+      ) from None
+
+  def tool_dicts(self) -> list[dict]:
+    """The tools as plain dicts (what the chat template and the call schema read); [] without tools."""
+    return [tool.model_dump(exclude_none=True) for tool in self.tools or ()]
 
 
 def check_supported(request: GenerationRequest) -> None:
-  """Raises a 400 :class:`APIError` for a field of :data:`UNSUPPORTED` set to a value that is not "off"."""
-  for field, (neutral, why) in UNSUPPORTED.items():
+  """Raises a 400 :class:`APIError` for a field the request refuses (:data:`UNSUPPORTED`, :data:`CHAT_ONLY`) set to a
+  value that is not "off"."""
+  for field, (neutral, why) in request.refused.items():
     value = getattr(request, field)
     if value not in neutral:
       allowed = " or ".join(repr(v) for v in neutral if v is not None)
-      raise APIError(
-        400, f"{field}={value!r} {why} by this server; omit it (or send {allowed})", param=field, code="unsupported"
-      )
+      raise APIError(400, f"{field}={value!r} {why}; omit it (or send {allowed})", param=field, code="unsupported")
 
 
 def find_stop(text: str, stops: tuple[str, ...], start: int = 0) -> int | None:
@@ -223,17 +335,25 @@ def held_back(text: str, stops: tuple[str, ...]) -> int:
   return max((k for stop in stops for k in range(1, len(stop)) if text.endswith(stop[:k])), default=0)
 
 
+def _dotted(path: list) -> str:
+  """A field's path as a param: ``["tools", 1, "function", "name"]`` -> ``tools[1].function.name``."""
+  text = ""
+  for part in path:
+    text += f"[{part}]" if isinstance(part, int) else f".{part}" if text else str(part)
+  return text
+
+
 def validation_error(error: RequestValidationError) -> APIError:
   """A 400 naming the first bad field of a request FastAPI could not parse, with its value and what is wanted."""
   errors = error.errors()
   first = errors[0]
   if first["type"] == "json_invalid":
     return APIError(400, f"the request body is not valid JSON ({first.get('ctx', {}).get('error', '')})")
-  where = lambda e: [str(p) for p in e["loc"] if p != "body"]
+  where = lambda e: [p for p in e["loc"] if p != "body"]
   path = where(first)
   if len(path) > 1 and path[-1] in UNION_MEMBERS:  # The message below covers every member tried.
     path = path[:-1]
-  param, value = ".".join(path), first.get("input")
+  param, value = _dotted(path), first.get("input")
   if not path:
     return APIError(400, f"the request body must be a JSON object, not {value!r}")
   if first["type"] == "missing":
@@ -286,7 +406,8 @@ class CompletionChoice(BaseModel):
 
 class ChatMessageOut(BaseModel):
   role: Literal["assistant"] = "assistant"
-  content: str
+  content: str | None  # None when the reply is a tool call.
+  tool_calls: list[ToolCall] | None = Field(None, exclude_if=_absent_if_none)
 
 
 class ChatChoice(BaseModel):
@@ -296,9 +417,19 @@ class ChatChoice(BaseModel):
   finish_reason: str | None = None
 
 
+class ToolCallDelta(BaseModel):
+  """A streamed call: sent once, complete (its whole ``arguments``), as the first and only piece of call ``index``."""
+
+  index: int
+  id: str
+  type: Literal["function"] = "function"
+  function: FunctionCall
+
+
 class ChatDelta(BaseModel):
   role: Literal["assistant"] | None = Field(None, exclude_if=_absent_if_none)
   content: str | None = Field(None, exclude_if=_absent_if_none)
+  tool_calls: list[ToolCallDelta] | None = Field(None, exclude_if=_absent_if_none)
   diffusing: Diffusing | None = Field(None, exclude_if=_absent_if_none)
 
 

@@ -31,6 +31,26 @@ Streaming (``stream: true``) answers Server-Sent Events, one ``data: {json}`` pe
 * Choices of an ``n > 1`` request interleave, told apart by ``index``. An engine error ends the stream with
   ``data: {"error": {...}}`` then ``data: [DONE]``.
 
+Structured output (``response_format``, ``tools``, ``tool_choice``): :mod:`mercury_jax.serve.structured` reads and
+checks the request and compiles its constraint (off the event loop, cached); every choice's engine request carries
+the same automaton, so ``n``, ``diffusing``, ``suffix`` and FIM work as without one. The answers:
+
+* ``response_format`` ``json_object`` or ``json_schema`` (both endpoints): the answer is compact JSON.
+  ``finish_reason`` is "stop" when the text is complete and "length" when ``max_tokens`` ran out first (the text is
+  then a valid prefix, not valid JSON).
+* A reply that is a tool call (``tool_choice`` ``"required"``, a named function, or ``"auto"`` when the reply starts
+  with ``{``) is answered as OpenAI does: ``message: {"role": "assistant", "content": null, "tool_calls": [{"id":
+  "call_...", "type": "function", "function": {"name", "arguments": JSON text}}]}`` and ``finish_reason``
+  "tool_calls". A call cut short by ``max_tokens`` is answered as its text in ``content`` with ``finish_reason``
+  "length" and no ``tool_calls``. ``stop`` strings apply to a text reply only.
+* With any ``tool_choice`` the template sees ``tools`` (see :mod:`mercury_jax.serve.chat`), and input messages may
+  carry ``tool_calls`` (assistant) and ``tool_call_id`` (``role: "tool"``). A reply makes at most one call, whatever
+  ``parallel_tool_calls`` says.
+* Streaming: a call is never streamed as ``content``. Once complete it is one chunk whose ``delta`` is
+  ``{"tool_calls": [{"index": 0, "id", "type": "function", "function": {"name", "arguments"}}]}`` (the whole
+  arguments text), then a chunk with an empty ``delta`` and ``finish_reason`` "tool_calls". A call cut short ends
+  with one chunk carrying its text as ``content`` and ``finish_reason`` "length". Drafts (``diffusing``) still come.
+
 A client that goes away (streaming or not) cancels its requests, freeing their slots.
 """
 
@@ -50,7 +70,7 @@ from sse_starlette import EventSourceResponse
 
 from mercury_jax.sampling.sampler import MASK_TEXT
 from mercury_jax.sampling.settings import SettingError
-from mercury_jax.serve import protocol as api
+from mercury_jax.serve import protocol as api, structured
 from mercury_jax.serve.chat import ChatTemplate, TemplateError
 from mercury_jax.serve.metrics import Metrics
 from mercury_jax.serve.scheduler import Knobs, QueueFull, Request as EngineRequest, ShuttingDown
@@ -72,14 +92,21 @@ def objective_name(scheduler) -> str:
 
 
 class _Choice:
-  """One choice of a request: its handle, and its text as the updates come (decoded, cut at a stop string)."""
+  """One choice of a request: its handle, and its text as the updates come (decoded, cut at a stop string).
 
-  def __init__(self, index: int, handle, tokenizer, stops: tuple[str, ...], metrics: Metrics):
+  ``calls`` is the request's :attr:`Structure.calls <mercury_jax.serve.structured.Structure.calls>`: a reply that is
+  a tool call is held back whole, and becomes :attr:`tool_call` when it finishes complete.
+  """
+
+  def __init__(self, index: int, handle, tokenizer, stops: tuple[str, ...], metrics: Metrics, calls: str = "none"):
     self.index, self.handle, self.tokenizer, self.stops, self.metrics = index, handle, tokenizer, stops, metrics
-    self.text = ""  # released so far
+    self.text = ""  # final so far (released, unless the reply is a call)
     self.tokens = 0
     self.nfe = 0
     self.finish_reason: str | None = None
+    # Whether the reply is a call: None until the first character of an "auto" reply says ("{" opens one).
+    self.calling: bool | None = {"none": False, "required": True}.get(calls)
+    self.tool_call: api.ToolCall | None = None
 
   def advance(self, update) -> tuple[str, str | None]:
     """Takes an update; returns the text released by it and the choice's new draft (None without one)."""
@@ -97,6 +124,10 @@ class _Choice:
       text = text[:-1]
     if not text.startswith(self.text):  # Earlier text never changes; wait for the decoding to agree again.
       text = self.text
+    if self.calling is None and text:
+      self.calling = text.startswith("{")
+      if self.calling:  # Stop strings apply to text replies only: a cut call would be invalid.
+        self.stops = ()
     cut = api.find_stop(text, self.stops, start=len(self.text))
     if cut is not None:
       text, self.finish_reason = text[:cut], "stop"
@@ -106,14 +137,28 @@ class _Choice:
     else:
       text = text[: len(text) - api.held_back(text, self.stops)]
     released, self.text = text[len(self.text) :], text
+    if self.calling:
+      released = ""  # A call is answered whole once it finishes.
     if self.finish_reason is not None:
       self.metrics.choice_done(self.tokens, self.nfe)
+      if self.calling:
+        self.tool_call = structured.parse_tool_call(text) if self.finish_reason == "stop" else None
+        if self.tool_call is not None:
+          self.finish_reason = "tool_calls"
+        else:  # Cut short by max_tokens (or not a call after all): the text, as content.
+          released = text
       return released, None
     draft = None
     if update.draft is not None:
       draft = self.tokenizer.decode(update.draft, mask_text=MASK_TEXT)
       draft = draft[: api.find_stop(draft, self.stops)]
     return released, draft
+
+  def message(self) -> api.ChatMessageOut:
+    """The finished choice as a chat message: its call, or its text."""
+    if self.tool_call is not None:
+      return api.ChatMessageOut(content=None, tool_calls=[self.tool_call])
+    return api.ChatMessageOut(content=self.text)
 
 
 async def _run(choices: list[_Choice]) -> AsyncIterator[tuple[_Choice, str, str | None]]:
@@ -240,26 +285,39 @@ def create_app(scheduler, *, model_name: str, grace: float = 30.0) -> FastAPI:
   async def failed(request: Request, error: Exception):
     return answer(api.APIError(500, f"internal error: {type(error).__name__}: {error}"), request.url.path)
 
-  async def generate(request: Request, body, *, chat: bool, prompt: list[int], suffix: list[int], max_tokens: int):
+  async def generate(
+    request: Request,
+    body,
+    *,
+    chat: bool,
+    prompt: list[int],
+    suffix: list[int],
+    max_tokens: int,
+    shape: structured.Structure,
+    tools: list[dict],
+  ):
     """Submits the request's choices and answers: one JSON body, or the event stream."""
     if app.state.draining:
       raise api.APIError(503, "the server is shutting down; send the request elsewhere", code="draining")
     knobs = _knobs(body, scheduler)
+    constraint = await structured.constraint(shape, tools, scheduler.compiler)
     seed = body.seed if body.seed is not None else secrets.randbelow(api.MAX_SEED + 1)
+    diffusing = bool(body.diffusing and body.stream)
     requests = [
-      EngineRequest(tuple(prompt), max_tokens, tuple(suffix), knobs, seed, i, bool(body.diffusing and body.stream))
+      EngineRequest(tuple(prompt), max_tokens, tuple(suffix), knobs, seed, i, diffusing, constraint=constraint)
       for i in range(body.n or 1)
     ]
     try:
       scheduler.check(requests[0])
     except SettingError as e:
       raise api.APIError(400, str(e), param=e.field) from None
-    except ValueError as e:
-      raise api.APIError(400, str(e)) from None
+    except ValueError as e:  # From the HTTP layer, only a constraint the slots cannot hold gets here.
+      raise api.APIError(400, str(e), param=shape.field) from None
     choices, loop = [], asyncio.get_running_loop()
     try:
       for i, engine_request in enumerate(requests):
-        choices.append(_Choice(i, scheduler.submit(engine_request, loop), tokenizer, body.stops, metrics))
+        handle = scheduler.submit(engine_request, loop)
+        choices.append(_Choice(i, handle, tokenizer, body.stops, metrics, shape.calls))
     except QueueFull as e:
       for choice in choices:
         choice.handle.cancel()
@@ -293,10 +351,13 @@ def create_app(scheduler, *, model_name: str, grace: float = 30.0) -> FastAPI:
 
   async def complete(request: Request, body: api.CompletionRequest, default_max_tokens: int):
     api.check_supported(body)
+    shape = structured.structure(body)
     prompt = tokenizer.encode(body.text) or [tokenizer.bos_id]
     suffix = tokenizer.encode(body.suffix) if body.suffix else []
     max_tokens = _max_tokens(body.max_tokens, default_max_tokens, len(prompt), len(suffix), context, "max_tokens")
-    return await generate(request, body, chat=False, prompt=prompt, suffix=suffix, max_tokens=max_tokens)
+    return await generate(
+      request, body, chat=False, prompt=prompt, suffix=suffix, max_tokens=max_tokens, shape=shape, tools=[]
+    )
 
   @app.post("/v1/completions")
   async def completions(body: api.CompletionRequest, request: Request):
@@ -309,11 +370,13 @@ def create_app(scheduler, *, model_name: str, grace: float = 30.0) -> FastAPI:
   @app.post("/v1/chat/completions")
   async def chat(body: api.ChatRequest, request: Request):
     api.check_supported(body)
+    shape = structured.structure(body)
     if template is None:
       message = "this model has no chat template (data.chat_template in its config); use /v1/completions"
       raise api.APIError(400, message, param="messages", code="no_chat_template")
+    tools = body.tool_dicts()
     try:
-      text = template.render([m.as_dict() for m in body.messages])
+      text = template.render([m.as_dict() for m in body.messages], tools=tools)
     except TemplateError as e:
       raise api.APIError(400, str(e), param="messages") from None
     prompt = [tokenizer.bos_id, *tokenizer.encode(text)]
@@ -324,7 +387,9 @@ def create_app(scheduler, *, model_name: str, grace: float = 30.0) -> FastAPI:
         raise api.APIError(400, message, param="max_completion_tokens")
       field, given = "max_completion_tokens", body.max_completion_tokens
     max_tokens = _max_tokens(given, CHAT_MAX_TOKENS, len(prompt), 0, context, field)
-    return await generate(request, body, chat=True, prompt=prompt, suffix=[], max_tokens=max_tokens)
+    return await generate(
+      request, body, chat=True, prompt=prompt, suffix=[], max_tokens=max_tokens, shape=shape, tools=tools
+    )
 
   @app.get("/v1/models")
   async def models():
@@ -363,19 +428,19 @@ class _Shape:
     cls = api.ChatCompletionChunk if self.chat else api.Completion
     return cls(id=self.id, model=self.model, choices=choices, usage=usage).model_dump_json()
 
-  def delta(self, index: int, text: str | None, finish_reason: str | None = None, draft: str | None = None, role=None):
+  def delta(
+    self, index: int, text: str | None, finish_reason: str | None = None, draft: str | None = None, role=None, call=None
+  ):
     diffusing = api.Diffusing(text=draft) if draft is not None else None
     if self.chat:
-      delta = api.ChatDelta(role=role, content=text, diffusing=diffusing)
+      calls = [api.ToolCallDelta(index=0, id=call.id, function=call.function)] if call is not None else None
+      delta = api.ChatDelta(role=role, content=text, tool_calls=calls, diffusing=diffusing)
       return api.ChatChunkChoice(index=index, delta=delta, finish_reason=finish_reason)
     return api.CompletionChoice(index=index, text=text or "", finish_reason=finish_reason, diffusing=diffusing)
 
   def whole(self, choices: list[_Choice], usage: api.Usage):
     if self.chat:
-      items = [
-        api.ChatChoice(index=c.index, message=api.ChatMessageOut(content=c.text), finish_reason=c.finish_reason)
-        for c in choices
-      ]
+      items = [api.ChatChoice(index=c.index, message=c.message(), finish_reason=c.finish_reason) for c in choices]
       return api.ChatCompletion(id=self.id, model=self.model, choices=items, usage=usage)
     items = [api.CompletionChoice(index=c.index, text=c.text, finish_reason=c.finish_reason) for c in choices]
     return api.Completion(id=self.id, model=self.model, choices=items, usage=usage)
@@ -397,7 +462,10 @@ async def _events(choices: list[_Choice], shape: _Shape, usage, metrics: Metrics
     try:
       async with contextlib.aclosing(_run(choices)) as updates:
         async for choice, released, draft in updates:
-          if released or choice.finish_reason is not None:
+          if choice.tool_call is not None:
+            yield {"data": shape.chunk([shape.delta(choice.index, None, call=choice.tool_call)])}
+            yield {"data": shape.chunk([shape.delta(choice.index, None, choice.finish_reason)])}
+          elif released or choice.finish_reason is not None:
             yield {"data": shape.chunk([shape.delta(choice.index, released or None, choice.finish_reason)])}
           if draft is not None:
             yield {"data": shape.chunk([shape.delta(choice.index, None, draft=draft)])}

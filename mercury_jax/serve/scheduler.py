@@ -24,9 +24,10 @@ from collections.abc import AsyncIterator
 import jax
 import numpy as np
 
+from mercury_jax.constrain import device as constrained
 from mercury_jax.sampling.sampler import Sampler
 from mercury_jax.sampling.settings import SettingError
-from mercury_jax.serve.slots import Knobs, Request, SlotEngine, View
+from mercury_jax.serve.slots import DEFAULT_CAPACITY, Knobs, Request, SlotEngine, View
 
 __all__ = ["Handle", "Knobs", "QueueFull", "Request", "Scheduler", "ShuttingDown", "Update", "lowerings"]
 IDLE_TICK = 1.0  # Seconds between the no-op commands an idle multi-host leader sends, so followers never time out.
@@ -139,6 +140,8 @@ class Scheduler:
     block_length: The block of a whole-sequence checkpoint (decoded without a cache, through the same engine);
       block-diffusion checkpoints use their trained block and the twin blocks of one token.
     default_steps: Steps per block when a request gives none; default the block (one token per step).
+    capacity: The automaton sizes each slot holds for structured output (``slots.DEFAULT_CAPACITY``); None turns
+      structured output off.
   """
 
   def __init__(
@@ -149,11 +152,15 @@ class Scheduler:
     max_queue: int = 256,
     block_length: int = 0,
     default_steps: int | None = None,
+    capacity: constrained.Capacity | None = DEFAULT_CAPACITY,
   ):
     if max_queue < 0:
       raise ValueError(f"max_queue={max_queue} must be >= 0")
     lowerings()  # Count from before the first compilation.
-    self.engine = SlotEngine(sampler, slots=slots, block_length=block_length, default_steps=default_steps)
+    self.engine = SlotEngine(
+      sampler, slots=slots, block_length=block_length, default_steps=default_steps, capacity=capacity
+    )
+    self.compiler = self.engine.compiler  # structured output: regex / JSON Schema -> automaton (None: off)
     self.sampler, self.tokenizer, self.cfg = sampler, sampler.tokenizer, sampler.cfg
     self.autoregressive, self.block, self.slots = self.engine.autoregressive, self.engine.block, slots
     self.block_length_fixed = not self.engine.whole_sequence
@@ -198,6 +205,12 @@ class Scheduler:
       raise ValueError(f"token ids must lie in [0, {vocab})")
     if self.autoregressive and not request.prompt:
       raise ValueError("the autoregressive model needs a prompt of at least one token (e.g. BOS)")
+    if request.constraint is not None:
+      if self.engine.capacity is None:
+        raise ValueError("structured output is off on this server (started without a constraint capacity)")
+      problem = constrained.fits(request.constraint, self.engine.capacity)
+      if problem:
+        raise ValueError(f"{problem}; start the server with a larger --constraint-capacity")
     used = len(request.prompt) + request.max_tokens + len(request.suffix)
     if used > self.max_length:
       what = f"prompt has {len(request.prompt)} tokens"
@@ -350,6 +363,9 @@ class Scheduler:
       whole[undecided] = view.proposal[slot][slots[undecided] - open_start]
       draft = tuple(int(t) for t in whole)
     if done:
+      constraint = active.handle.request.constraint
+      if constraint is not None:  # Complete structured text stops; a valid but unfinished prefix ran out of room.
+        stopped = constraint.accepts([int(t) for t in region if t != self.pad_id])
       self._finish(slot, Update(tokens, None, True, "stop" if stopped else "length", nfe, time=now))
     elif len(tokens) != active.sent or draft is not None:
       active.sent = len(tokens)

@@ -34,12 +34,17 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from mercury_jax import kinds as K, sharding as sh
+from mercury_jax.constrain import device as constrained
+from mercury_jax.constrain.automaton import Automaton, Compiler
 from mercury_jax.sampling.blocks import BlockEngine, BlockPlan, State
 from mercury_jax.sampling.canvas import Canvas
 from mercury_jax.sampling.proposal import Knobs as RowKnobs
 from mercury_jax.sampling.sampler import APPROXIMATE_BLOCK, Sampler
 
 MIN_BUCKET = 32  # The smallest prefill bucket, in slots; buckets double up to the whole context.
+# The automaton sizes every slot can hold (structured output): states, token classes, transitions. A constraint that
+# compiles to more is refused (HTTP 400); ``--constraint-capacity`` changes it.
+DEFAULT_CAPACITY = constrained.Capacity(states=512, classes=256, edges=16384)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +78,7 @@ class Request:
   seed: int = 0
   stream: int = 0  # The random stream within the seed (the choice index of an n > 1 request).
   diffusing: bool = False  # Also deliver the draft after every step.
+  constraint: Automaton | None = None  # The hole's text must be accepted by it (structured output).
 
 
 class Command(NamedTuple):
@@ -88,6 +94,7 @@ class Command(NamedTuple):
   keys: np.ndarray  # [slots, 2] uint32: PRNG key data of the requests' seeds
   steps: np.ndarray  # [slots] int32: steps per block
   knobs: RowKnobs  # [slots] each
+  constraint: np.ndarray  # [slots] int32: bytes of an admitted request's constraint spec (0: none; see ``_specs``)
 
 
 class View(NamedTuple):
@@ -110,12 +117,32 @@ class SlotEngine:
     block_length: The block of a whole-sequence checkpoint (decoded without a cache); block-diffusion checkpoints
       use their trained block (a different one is an error) and the autoregressive twin blocks of one token.
     default_steps: Steps per block when a request gives none; default the block (one token per step).
+    capacity: The automaton sizes each slot holds for structured output (:data:`DEFAULT_CAPACITY`); None: no
+      structured output (a request with a constraint fails).
   """
 
-  def __init__(self, sampler: Sampler, *, slots: int, block_length: int = 0, default_steps: int | None = None):
+  def __init__(
+    self,
+    sampler: Sampler,
+    *,
+    slots: int,
+    block_length: int = 0,
+    default_steps: int | None = None,
+    capacity: constrained.Capacity | None = DEFAULT_CAPACITY,
+  ):
     if slots < 1:
       raise ValueError(f"slots={slots} must be >= 1")
-    self.sampler, self.slots = sampler, slots
+    self.sampler, self.slots, self.capacity = sampler, slots, capacity
+    self.compiler = None
+    if capacity is not None:
+      self.compiler = Compiler(
+        sampler.tokenizer,
+        max_states=capacity.states,
+        max_classes=capacity.classes,
+        max_edges=capacity.edges,
+        remedy="start the server with a larger --constraint-capacity (STATES,CLASSES,EDGES)",
+      )
+    self._automata: dict[int, Automaton] = {}  # admitted requests' constraints, until their prefill
     self.autoregressive = sampler.autoregressive
     self.whole_sequence = not (sampler.autoregressive or sampler.block_size)
     if self.whole_sequence:
@@ -139,8 +166,8 @@ class SlotEngine:
       return st, View(st.z, engine.starts(st), engine.unfinished(st), st.nfe, st.proposal, st.fresh)
 
     def prefill(size: int):
-      fn = lambda p, c, k, n, kn: engine.init(p, c, k, n, kn, prefill=size)  # noqa: E731
-      return sh.MeshJit(fn, mesh, rules, in_shardings=(params, None, None, None, None))
+      fn = lambda p, c, k, n, kn, t: engine.init(p, c, k, n, kn, prefill=size, tables=t)  # noqa: E731
+      return sh.MeshJit(fn, mesh, rules, in_shardings=(params, None, None, None, None, None))
 
     self._prefill = [prefill(size) for size in self.buckets]
     self._insert = sh.MeshJit(engine.insert, mesh, rules, donate_argnums=(0,))
@@ -176,6 +203,7 @@ class SlotEngine:
       keys=np.zeros((n, 2), np.uint32),
       steps=np.ones((n,), np.int32),
       knobs=RowKnobs.of(self.settings, n),
+      constraint=zeros(np.int32),
     )
 
   def admit(self, command: Command, slot: int, request: Request) -> None:
@@ -196,6 +224,31 @@ class SlotEngine:
     values = (knobs.temperature, knobs.top_k, knobs.top_p, knobs.threshold)
     for field, value in zip(RowKnobs._fields, values, strict=True):
       getattr(command.knobs, field)[slot] = value
+    command.constraint[slot] = 0
+    self._automata.pop(slot, None)
+    if request.constraint is not None:
+      if self.capacity is None:
+        raise ValueError("this engine has no structured output (capacity None)")
+      command.constraint[slot] = len(_spec(request.constraint))
+      self._automata[slot] = request.constraint
+
+  def _specs(self, command: Command) -> None:
+    """Every process's automata of the command's admissions: process 0 broadcasts their specs (kind and source,
+    which compile to the same automaton everywhere), the others compile them (cached)."""
+    longest = int(command.constraint.max(initial=0))
+    if not self.multiprocess or not longest:
+      return
+    data = np.zeros((self.slots, longest), np.uint8)
+    for slot, automaton in self._automata.items():
+      spec = _spec(automaton)
+      data[slot, : len(spec)] = np.frombuffer(spec, np.uint8)
+    data = np.asarray(multihost_utils.broadcast_one_to_all(data))
+    if jax.process_index() == 0:
+      return
+    for slot in np.flatnonzero(command.constraint):
+      kind, _, source = bytes(data[slot, : command.constraint[slot]]).decode().partition("\n")
+      compile_ = {"regex": self.compiler.regex, "json_schema": self.compiler.json_schema}.get(kind)
+      self._automata[int(slot)] = compile_(source) if compile_ else self.compiler.json_object()
 
   # ------------------------------------------------------------------------------------------- programs
 
@@ -214,7 +267,14 @@ class SlotEngine:
     canvas = Canvas(place(command.tokens[row]), place(command.kinds[row]), place(command.streams[row]))
     knobs = RowKnobs(*(place(k[row]) for k in command.knobs))
     fn = self._prefill[int(command.bucket[slot])]
-    return fn(self.sampler.params, canvas, place(command.keys[slot]), place(command.steps[row]), knobs)
+    tables = self._tables([self._automata.pop(slot, None)])
+    return fn(self.sampler.params, canvas, place(command.keys[slot]), place(command.steps[row]), knobs, tables)
+
+  def _tables(self, automata: list[Automaton | None]) -> constrained.Tables | None:
+    if self.capacity is None:
+      return None
+    tables = constrained.tables(automata, self.capacity, self.sampler.cfg.model.vocab_size)
+    return jax.tree.map(self._place, tables)
 
   def run(self, command: Command, *, received: bool = False) -> tuple[View | None, dict[int, str]]:
     """Carries ``command`` out on this process: process 0's command, on every process of a multi-host mesh (it is
@@ -228,6 +288,7 @@ class SlotEngine:
       command = multihost_utils.broadcast_one_to_all(command)
     if bool(command.stop):
       return None, {}
+    self._specs(command)
     for slot in np.flatnonzero(command.release):
       self.state = self._sync(self._release(self.state, self._place(np.int32(slot))))
     failures = {}
@@ -279,11 +340,17 @@ class SlotEngine:
         place = lambda a: self._place(a)  # noqa: E731
         knobs = RowKnobs(*(place(k) for k in command.knobs))
         args = (place(full.tokens), place(full.kinds), place(full.streams))
-        init = self._prefill[bucket]
-        self.state = init(self.sampler.params, Canvas(*args), place(command.keys[0]), place(command.steps), knobs)
+        init, tables = self._prefill[bucket], self._tables([None] * self.slots)
+        key = place(command.keys[0])
+        self.state = init(self.sampler.params, Canvas(*args), key, place(command.steps), knobs, tables)
         self._sync(self.state)
       row = self._sync(self.prefill(command, 0))
       self.state = self._sync(self._insert(self.state, row, self._place(np.int32(0))))
     self.state, _ = self._sync(self._step(self.sampler.params, self.state))
     for slot in range(self.slots):
       self.state = self._sync(self._release(self.state, self._place(np.int32(slot))))
+
+
+def _spec(automaton: Automaton) -> bytes:
+  """What compiles to ``automaton`` again (with the same tokenizer): its kind and source."""
+  return f"{automaton.kind}\n{automaton.source}".encode()
