@@ -387,7 +387,7 @@ def _constraint(sampler, args: argparse.Namespace):
       _fail(f"--json-schema: neither a JSON Schema file nor JSON text ({e.msg} at character {e.pos})")
     return sampler.constraint(json_schema=schema)
   except ConstraintError as e:
-    where = f" at {e.param}" if e.param else ""
+    where = f" at {e.param}" if e.param and args.json_schema is not None else ""
     _fail(f"--{'regex' if args.regex is not None else 'json-schema'}{where}: {e}")
 
 

@@ -587,8 +587,16 @@ def test_full_queue_answers_429_and_sigterm_drains_then_exits_0(checkpoint):
 
 def test_a_multi_host_server_answers_as_one_process_with_as_many_devices(checkpoint):
   """Two processes of one device each (process 0 serves HTTP) against one process of two devices: same mesh shape,
-  same tokens."""
-  requests = _mixed_requests(12)
+  same tokens; the followers compile the structured requests' constraints from process 0's broadcast specs."""
+  schema = {"type": "object", "properties": {"d": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["d"]}
+  structured = [
+    {"response_format": {"type": "json_schema", "json_schema": {"name": "digit", "schema": schema}}},
+    {"response_format": {"type": "json_object"}},
+  ]
+  prompt = "user: sort 3 1 2\nassistant:"
+  requests = _mixed_requests(12) + [
+    dict(prompt=prompt, max_tokens=10, seed=7, temperature=1.0, extra_body=extra) for extra in structured
+  ]
   results = []
   for devices, processes in ((2, 1), (1, 2)):
     srv = Server(checkpoint, "--slots", "4", devices=devices, processes=processes)
@@ -603,3 +611,4 @@ def test_a_multi_host_server_answers_as_one_process_with_as_many_devices(checkpo
     finally:
       srv.kill()
   assert results[0] == results[1]
+  assert json.loads(results[0][-2][0])["d"] in range(10) and results[0][-2][1] == "stop"

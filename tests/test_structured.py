@@ -189,3 +189,16 @@ def test_a_constraint_above_the_limits_is_refused_with_the_remedy_given(data_dir
   compiler = Compiler(Tokenizer.load(data_dir / "tokenizer.model"), max_states=12, remedy=remedy)
   with pytest.raises(ConstraintError, match=f"more than max_states=12; .* or {remedy}"):
     compiler.json_schema(SCHEMAS["invoice"])
+
+
+def test_stream_gives_the_constrained_text_generate_gives(tmp_path, data_dir):
+  sampler = Sampler.from_checkpoint(_random_checkpoint(tmp_path, "block_diffusion", data_dir / "tokenizer.model"))
+  automaton = sampler.constraint(json_schema=SCHEMAS["geo_point"])
+  kw = dict(length=48, constraint=[automaton, None], temperature=1.0, seed=4)
+  generated = sampler.generate(["x = ", "y = "], **kw)
+  streamed = ["", ""]
+  for event in sampler.stream(["x = ", "y = "], **kw):
+    streamed[event.index] += event.text
+  assert streamed == [s.text for s in generated]
+  assert generated[0].complete and generated[1].complete is None
+  jsonschema.validate(json.loads(streamed[0]), SCHEMAS["geo_point"])
