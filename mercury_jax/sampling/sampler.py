@@ -372,11 +372,8 @@ class Sampler:
     if plan is not None:  # The block engine takes the sampling knobs as traced scalars: they never recompile.
       args, cache_key = (*args, self._place_knobs(settings)), (without_knobs(settings), *cache_key[1:])
     tables = None
-    if constrained_rows:  # Each row's automaton, padded to the batch's capacity (one compilation per capacity).
-      rows = np.shape(canvas.tokens)[0]
-      capacity = constrained.capacity_of(automata)
-      host = constrained.tables([*automata, *[None] * (rows - len(automata))], capacity, self.cfg.model.vocab_size)
-      tables = jax.tree.map(lambda a: self._place(a, sh.batch_sharding(self.mesh, self.rules, a.ndim)), host)
+    if constrained_rows:
+      tables, capacity = self._place_tables(automata, np.shape(canvas.tokens)[0])
       args, cache_key = (*args, tables), (*cache_key, capacity)
     compile_time = 0.0
     if cache_key not in self._compiled:
@@ -423,6 +420,13 @@ class Sampler:
     values = (settings.temperature, settings.top_k, settings.top_p, settings.threshold)
     dtypes = (np.float32, np.int32, np.float32, np.float32)
     return Knobs(*(self._place(np.asarray(v, t), replicated) for v, t in zip(values, dtypes, strict=True)))
+
+  def _place_tables(self, automata, rows: int) -> tuple[constrained.Tables, constrained.Capacity]:
+    """The rows' automata (padding rows unconstrained) padded to the batch's capacity, split over the batch axes:
+    ``(tables, capacity)``; each capacity is one compilation."""
+    capacity = constrained.capacity_of(automata)
+    host = constrained.tables([*automata, *[None] * (rows - len(automata))], capacity, self.cfg.model.vocab_size)
+    return jax.tree.map(lambda a: self._place(a, sh.batch_sharding(self.mesh, self.rules, a.ndim)), host), capacity
 
   def _place_key(self, seed: int) -> jax.Array:
     return self._place(np.asarray(jax.random.key_data(jax.random.key(seed))), NamedSharding(self.mesh, P()))
@@ -642,10 +646,7 @@ class Sampler:
     placed = self._place_batch(canvas, settings.pad_id)
     tables, capacity = None, None
     if automata is not None:
-      capacity = constrained.capacity_of(automata)
-      rows = np.shape(placed.tokens)[0]
-      host = constrained.tables([*automata, *[None] * (rows - batch)], capacity, self.cfg.model.vocab_size)
-      tables = jax.tree.map(lambda a: self._place(a, sh.batch_sharding(self.mesh, self.rules, a.ndim)), host)
+      tables, capacity = self._place_tables(automata, np.shape(placed.tokens)[0])
     cache_key = (without_knobs(settings), plan, np.shape(canvas.tokens), "stream", capacity)
     if cache_key not in self._compiled:
       engine = BlockEngine(self.cfg.model, without_knobs(settings), plan)

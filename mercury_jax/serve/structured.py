@@ -51,8 +51,8 @@ from mercury_jax.constrain.automaton import Automaton, ConstraintError
 from mercury_jax.constrain.schema import tool_call_schema
 from mercury_jax.serve.protocol import APIError, ChatRequest, FunctionCall, GenerationRequest, NamedToolChoice, ToolCall
 
-# The text branch of a tool_choice "auto" reply: text that does not start with "{", which opens a call. Not empty:
-# outlines-core 0.2.14 loses the paths out of a start state that is also accepting, here the whole call branch.
+# The text branch of a tool_choice "auto" reply: text that does not start with "{", which opens a call. Not empty, so
+# the first character always says which branch a reply took.
 TEXT_REPLY = r"[^{][\s\S]*"
 
 
