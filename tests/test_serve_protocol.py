@@ -757,3 +757,22 @@ def test_parse_tool_call_reads_only_a_call_object():
     '{"name":1,"arguments":{}}',
   ):
     assert structured.parse_tool_call(text) is None, text
+
+
+@pytest.mark.parametrize(
+  "flags,message",
+  [
+    (["--constraint-capacity", "5,5"], "--constraint-capacity='5,5' must be three positive integers"),
+    (["--constraint-capacity", "0,1,1"], "--constraint-capacity='0,1,1' must be three positive integers"),
+    (["--slots", "0"], "--slots=0 must be >= 1"),
+    (["--port", "70000"], "--port=70000 must lie in [0, 65535]"),
+  ],
+)
+def test_bad_server_flags_are_one_line_and_exit_code_2(flags, message, capsys):
+  from mercury_jax.serve.__main__ import main
+
+  with pytest.raises(SystemExit) as exit_info:
+    main(flags)
+  assert exit_info.value.code == 2
+  err = capsys.readouterr().err
+  assert err.startswith(f"mercury_jax.serve: error: {message}") and err.count("\n") == 1, err

@@ -65,11 +65,15 @@ def _suite(sampler: Sampler):
   return rows, automata
 
 
-@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("kind", [*KINDS, "whole_sequence_dual_cache"])
 def test_random_weights_give_valid_output_for_every_schema_and_regex(kind, tmp_path, data_dir):
+  dual = kind.endswith("_dual_cache")
+  kind = kind.removesuffix("_dual_cache")
   sampler = Sampler.from_checkpoint(_random_checkpoint(tmp_path, kind, data_dir / "tokenizer.model"))
   rows, automata = _suite(sampler)
   knobs = {} if kind == "autoregressive" else {"block_length": 8} if kind == "whole_sequence" else {}
+  if dual:  # Fast-dLLM's approximate cache: blocks in lockstep
+    knobs["cache"] = "dual"
   for temperature in (0.0, 1.0):
     samples = sampler.generate(
       ["x = "] * len(rows), length=LENGTH, constraint=automata, temperature=temperature, seed=3, **knobs
