@@ -56,10 +56,18 @@ End of sequence. When a block is finished, an EOS in it ends its own hole (``can
 positions become padding, are never generated and are never attended to; generation stops once no row has a masked
 position left, so open-ended generation ends at EOS.
 
+Structured output. With ``tables`` (``mercury_jax.constrain.device``), a constrained row carries its automaton's
+state from block to block (``State.dfa``, the state before its step block). At every step its proposals become the
+most probable valid string of the block (a dynamic program over positions × states), which the step rule then
+commits from as usual; tokens that are the only one their state allows are committed without the model, when the
+row enters a block and after every commit, so a block of fixed text costs at most its fused commit pass. Rows
+without a constraint are untouched, and nothing of this runs when no row is constrained.
+
 Randomness. Example ``i`` draws from ``key_i = fold_in(key, streams[i])``; step ``j`` of the block starting at
 canvas position ``p`` uses the key ``k = fold_in(key_i, p)`` (``j = 0``) or ``fold_in(fold_in(key_i, p), j)``: the
 proposals' Gumbel noise is ``B`` rows drawn from ``k`` (only when some row samples: a row at temperature 0 ignores
-it), the ancestral rule's uniforms come from ``fold_in(k, RULE_NOISE)``. So the twin draws exactly as the
+it), the ancestral rule's uniforms come from ``fold_in(k, RULE_NOISE)``, a constrained row's class noise from
+``fold_in(k, CLASS_NOISE)``. So the twin draws exactly as the
 stand-alone decoder it replaced did (kept as the tests' reference), and a row's draws do not depend on its batch.
 
 The loop runs in chunks (:meth:`BlockEngine.advance`, a budget of blocks and steps): the state goes in and out of
