@@ -204,41 +204,56 @@ def best_classes(
     mask_id: The mask token.
 
   Returns:
-    ``(classes, found)``: int32 [b, B] (-1 outside the hole) and bool [b].
+    ``(classes, found)``: int32 [b, B] (-1 outside the hole and before the batch's first masked position) and
+    bool [b].
   """
+  b, length = z.shape
   S, C, E = tables.table.shape[1], tables.table.shape[2], tables.src.shape[1]
   # Per row: the edges' best score into each state (``dst`` is sorted), and the first edge that reaches it.
   best_into = jax.vmap(lambda c, d: jax.ops.segment_max(c, d, S, indices_are_sorted=True))
   first_into = jax.vmap(lambda e, d: jax.ops.segment_min(e, d, S, indices_are_sorted=True))
   committed_cls = jnp.take_along_axis(tables.classes, jnp.maximum(z, 0), axis=1)  # [b, B]
-  best0 = jnp.where(jnp.arange(S)[None, :] == state[:, None], 0.0, -jnp.inf)  # [b, S]
+  # The program starts at the batch's first masked position: before it every row's tokens are decided, and a plain
+  # walk gives their states (a block fills mostly left to right, so later steps run fewer positions).
+  masked = hole & (z == mask_id)
+  first = jnp.where(jnp.any(masked, axis=1), jnp.argmax(masked, axis=1), length)
+  lo = jnp.min(jnp.where(tables.on, first, length))
 
-  def visit(best, inputs):
-    scores_i, z_i, cls_i, hole_i, remaining_i = inputs
-    one_hot = jnp.where(jnp.arange(C)[None, :] == cls_i[:, None], 0.0, -jnp.inf)
-    cs = jnp.where((z_i == mask_id)[:, None], scores_i, one_hot)  # [b, C]
+  def walk(i, s):
+    return jnp.where(hole[:, i], _step(tables, s, jnp.maximum(z[:, i], 0)), s)
+
+  start = jax.lax.fori_loop(0, lo, walk, state)
+  best0 = jnp.where(jnp.arange(S)[None, :] == start[:, None], 0.0, -jnp.inf)  # [b, S]
+
+  def visit(i, carry):
+    best, args = carry
+    one_hot = jnp.where(jnp.arange(C)[None, :] == committed_cls[:, i, None], 0.0, -jnp.inf)
+    cs = jnp.where((z[:, i] == mask_id)[:, None], scores[:, i], one_hot)  # [b, C]
     cand = jnp.take_along_axis(best, tables.src, 1) + jnp.take_along_axis(cs, tables.cls, 1)  # [b, E]
     cand = jnp.where(tables.edge_ok, cand, -jnp.inf)
     new = best_into(cand, tables.dst)  # [b, S]
     won = (cand == jnp.take_along_axis(new, tables.dst, 1)) & (cand > -jnp.inf)
     arg = first_into(jnp.where(won, jnp.arange(E)[None, :], E), tables.dst)  # [b, S]
-    within = tables.distance <= remaining_i[:, None]
+    within = tables.distance <= remaining[:, i, None]
     new = jnp.where(tables.budgeted[:, None] & ~within, -jnp.inf, new)
-    new = jnp.where(hole_i[:, None], new, best)
-    return new, jnp.where(hole_i[:, None], arg, -1)
+    inside = hole[:, i, None]
+    return jnp.where(inside, new, best), args.at[i].set(jnp.where(inside, arg, -1))
 
-  inputs = (jnp.swapaxes(scores, 0, 1), z.T, committed_cls.T, hole.T, remaining.T)
-  best, args = jax.lax.scan(visit, best0, inputs)  # args [B, b, S]
+  no_args = jnp.full((length, b, S), -1, jnp.int32)
+  best, args = jax.lax.fori_loop(lo, length, visit, (best0, no_args))  # args [B, b, S]
   end = jnp.argmax(best, axis=-1).astype(jnp.int32)
   found = jnp.max(best, axis=-1) > -jnp.inf
 
-  def back(s, arg_i):
-    edge = _per_row(arg_i, s)
+  def back(k, carry):
+    s, classes = carry
+    i = length - 1 - k
+    edge = _per_row(args[i], s)
     inside, e = edge >= 0, jnp.clip(edge, 0, E - 1)
-    return jnp.where(inside, _per_row(tables.src, e), s), jnp.where(inside, _per_row(tables.cls, e), -1)
+    cls = jnp.where(inside, _per_row(tables.cls, e), -1)
+    return jnp.where(inside, _per_row(tables.src, e), s), classes.at[:, i].set(cls)
 
-  _, classes = jax.lax.scan(back, end, args, reverse=True)
-  return classes.T, found
+  _, classes = jax.lax.fori_loop(0, length - lo, back, (end, jnp.full((b, length), -1, jnp.int32)))
+  return classes, found
 
 
 def _class_scores(logits: jax.Array, classes: jax.Array, num_classes: int, lse: bool = False):
