@@ -5,10 +5,17 @@ Usage::
   python -m mercury_jax.prepare --corpus python-stdlib --out data/stdlib
   python -m mercury_jax.prepare --corpus 'texts/**/*.txt' --out data/texts --vocab-size 2048 --seq-len 512
   python -m mercury_jax.prepare --corpus sft.jsonl --out data/sft --tokenizer data/stdlib/tokenizer.model
+  python -m mercury_jax.prepare --corpus python-stdlib@2 --corpus site-packages:numpy,jax --out data/code
 
-``--corpus`` is ``python-stdlib``, a path or glob ending in ``.jsonl`` (lines ``{"text": ...}`` for language
-modelling, or ``{"prompt": ..., "response": ...}``, which selects SFT mode), or any other glob of UTF-8 text files.
-The mode follows from the data, so there is no ``--sft`` flag.
+``--corpus`` is ``python-stdlib``, ``site-packages`` (the Python sources of every installed distribution with a
+permissive licence) or ``site-packages:NAME,...`` (those distributions), a path or glob ending in ``.jsonl`` (lines
+``{"text": ...}`` for language modelling, or ``{"prompt": ..., "response": ...}``, which selects SFT mode), or any
+other glob of UTF-8 text files. The mode follows from the data, so there is no ``--sft`` flag.
+
+``--corpus`` may be repeated to mix corpora of one mode, each as ``SPEC@W`` with an integer weight ``W >= 1`` (default
+1): each of its train documents is packed ``W`` times (validation documents once), and documents are deduplicated by
+content across the corpora (``mercury_jax.data.mixture``). One ``--corpus`` of weight 1 is prepared exactly as it
+always was. A path whose last component holds ``@`` needs an explicit ``@1``.
 
 DATA_DIR receives ``tokenizer.model``, ``manifest.json`` (what went in), ``metadata.json`` (what came out, read by
 ``mercury_jax.data.pipeline``) and ``{train,validation}-NNNNN-of-NNNNN.array_record``. It is built in a temporary
@@ -27,12 +34,12 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from mercury_jax import kinds
-from mercury_jax.data import corpus as corpus_lib, pipeline, records
+from mercury_jax.data import corpus as corpus_lib, mixture as mixture_lib, pipeline, records
 from mercury_jax.data.tokenizer import MIN_VOCAB_SIZE, Tokenizer, train_tokenizer
 
 MIN_SEQ_LEN = 8
@@ -43,7 +50,10 @@ def build_parser() -> argparse.ArgumentParser:
   parser.add_argument(
     "--corpus",
     required=True,
-    help="python-stdlib, FILE.jsonl or a *.jsonl glob, or a glob of text files ('**' recurses)",
+    action="append",
+    metavar="SPEC[@W]",
+    help="python-stdlib, site-packages[:NAME,...], FILE.jsonl or a *.jsonl glob, or a glob of text files ('**' "
+    "recurses); repeat to mix corpora, each train document packed W times (default 1)",
   )
   parser.add_argument("--out", required=True, help="the data directory to create")
   parser.add_argument("--tokenizer", help="reuse this tokenizer.model instead of training one")
@@ -55,23 +65,33 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _encode_split(
-  docs: list[corpus_lib.Document], tokenizer: Tokenizer, mode: str, seq_len: int
-) -> tuple[Any, dict[str, int]]:
-  """Packs one split; returns the records and its metadata counts (characters only of what went in)."""
+  docs: list[corpus_lib.Document], tokenizer: Tokenizer, mode: str, seq_len: int, parts: list[int], num_parts: int
+) -> tuple[Any, dict[str, int], list[dict[str, int]]]:
+  """Packs one split; returns the records, its metadata counts, and the counts of each of the ``num_parts`` corpora.
+
+  Characters count only what went in; ``parts[i]`` is the corpus of ``docs[i]``.
+  """
   if mode == "lm":
-    packed = records.pack_lm(
-      tokenizer.encode_batch([d.text for d in docs]), seq_len, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id
-    )
-    kept = docs
+    ids = tokenizer.encode_batch([d.text for d in docs])
+    packed = records.pack_lm(ids, seq_len, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id)
+    targets = [len(x) + 1 for x in ids]  # Target tokens of each document: its text and its EOS.
+    kept_index = range(len(docs))
   else:
-    examples = zip(
-      tokenizer.encode_batch([d.prompt or "" for d in docs]),
-      tokenizer.encode_batch([d.text for d in docs]),
-      strict=True,
-    )
+    targets = [0] * len(docs)
+    prompts = tokenizer.encode_batch([d.prompt or "" for d in docs])
+    examples = zip(prompts, tokenizer.encode_batch([d.text for d in docs]), strict=True)
     packed, skipped = records.pack_sft(examples, seq_len, bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id)
     skipped_set = set(skipped)
-    kept = [d for i, d in enumerate(docs) if i not in skipped_set]
+    kept_index = [i for i in range(len(docs)) if i not in skipped_set]
+    for i in kept_index:
+      targets[i] = seq_len - 1 - len(prompts[i])  # After [BOS] + prompt, the record is target to its end.
+  kept = [docs[i] for i in kept_index]
+  per_part = [{"documents": 0, "characters": 0, "target_tokens": 0} for _ in range(num_parts)]
+  for i in kept_index:
+    counts = per_part[parts[i]]
+    counts["documents"] += 1
+    counts["characters"] += len(docs[i].text)
+    counts["target_tokens"] += targets[i]
   stats = {
     "documents": len(kept),
     "skipped_documents": len(docs) - len(kept),
@@ -79,7 +99,7 @@ def _encode_split(
     "characters": sum(len(d.text) for d in kept),
     "prompt_characters": sum(len(d.prompt or "") for d in kept),
   }
-  return packed, stats
+  return packed, stats, per_part
 
 
 def _sha256(path: Path) -> str:
@@ -105,7 +125,7 @@ def _move_into_place(tmp: Path, out: Path) -> None:
 
 
 def prepare(
-  corpus: str,
+  corpus: str | Sequence[str],
   out: str | os.PathLike,
   *,
   tokenizer_path: str | None = None,
@@ -118,7 +138,8 @@ def prepare(
   """Writes a prepared data directory and returns its metadata.
 
   Args:
-    corpus: ``python-stdlib``, a ``.jsonl`` path or glob, or a glob of text files.
+    corpus: ``python-stdlib``, ``site-packages[:NAME,...]``, a ``.jsonl`` path or glob, or a glob of text files; or
+      a list of such specs, each optionally weighted with ``@W``, to mix (see the module docstring).
     out: The directory to create (its parent is created if needed).
     tokenizer_path: Reuse this ``tokenizer.model`` instead of training one on the train split.
     vocab_size: Target vocabulary of a newly trained tokenizer.
@@ -143,26 +164,31 @@ def prepare(
   out = Path(out)
   _check_destination(out, force)
   tokenizer = Tokenizer.load(tokenizer_path) if tokenizer_path else None
-  source = corpus_lib.load_corpus(corpus)
-  splits = {name: source.split(name) for name in corpus_lib.SPLITS}
+  specs = [corpus] if isinstance(corpus, str) else list(corpus)
+  source = mixture_lib.load_mixture(specs)
+  single = source.parts[0].corpus if source.single else None
+  splits = {name: source.packed(name) for name in corpus_lib.SPLITS}
   if not splits[corpus_lib.TRAIN]:
-    raise ValueError(f"--corpus {corpus!r} has no documents in the train split")
-  if tokenizer is None:
-    texts = [t for d in splits[corpus_lib.TRAIN] for t in (d.prompt, d.text) if t]
+    raise ValueError(f"--corpus {' --corpus '.join(map(repr, specs))} has no documents in the train split")
+  if tokenizer is None:  # Trained on each distinct train document once, whatever the weights.
+    texts = [t for d in source.split(corpus_lib.TRAIN) for t in (d.prompt, d.text) if t]
     tokenizer = train_tokenizer(texts, vocab_size)
 
   out.parent.mkdir(parents=True, exist_ok=True)
   tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
   tmp.mkdir()  # Unlike tempfile.mkdtemp, this keeps the umask's permissions for the final directory.
   try:
-    split_meta = {}
-    for name, docs in splits.items():
-      packed, stats = _encode_split(docs, tokenizer, source.mode, seq_len)
+    split_meta, part_meta = {}, [{"spec": p.spec, "kind": p.corpus.kind, "weight": p.weight} for p in source.parts]
+    for name, pairs in splits.items():
+      docs, parts = [d for d, _ in pairs], [i for _, i in pairs]
+      packed, stats, per_part = _encode_split(docs, tokenizer, source.mode, seq_len, parts, len(source.parts))
       if name == corpus_lib.TRAIN and not stats["records"]:
         raise ValueError(
           f"no train example fits in --seq-len {seq_len} ({stats['skipped_documents']} skipped); use a larger --seq-len"
         )
       split_meta[name] = {**stats, "shards": records.write_shards(packed, tmp, name, num_shards)}
+      for meta, counts in zip(part_meta, per_part, strict=True):
+        meta.setdefault("splits", {})[name] = counts
     tokenizer.save(tmp / pipeline.TOKENIZER_FILE)
     manifest = source.manifest()
     (tmp / pipeline.MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
@@ -178,7 +204,8 @@ def prepare(
       "mask_id": tokenizer.mask_id,
       "record": {"dtype": "int32", "shape": [2, seq_len], "rows": ["tokens", "kinds"]},
       "kinds": {"padding": kinds.PAD, "prompt": kinds.FIXED, "target": kinds.TARGET},
-      "corpus": source.source,
+      "corpus": single.source if single else specs,
+      **({} if single else {"corpora": part_meta}),
       "python_version": manifest.get("python_version"),
       "tokenizer": {
         "file": pipeline.TOKENIZER_FILE,
@@ -200,8 +227,9 @@ def prepare(
 
 def _summarise(out: Path, metadata: dict[str, Any], seconds: float, log: Callable[[str], None]) -> None:
   python = f" (Python {metadata['python_version']})" if metadata["python_version"] else ""
+  corpus = metadata["corpus"] if isinstance(metadata["corpus"], str) else " + ".join(metadata["corpus"])
   log(
-    f"prepared {out} in {seconds:.1f} s: corpus {metadata['corpus']}{python}, mode {metadata['mode']}, "
+    f"prepared {out} in {seconds:.1f} s: corpus {corpus}{python}, mode {metadata['mode']}, "
     f"vocab {metadata['vocab_size']}, seq_len {metadata['seq_len']}"
   )
   for name, s in metadata["splits"].items():
@@ -214,6 +242,14 @@ def _summarise(out: Path, metadata: dict[str, Any], seconds: float, log: Callabl
       f"  {name}: {s['documents']:,} docs{skipped}, {s['characters']:,} chars, {s['target_tokens']:,} target tokens"
       f"{padding} ({ratio:.2f} chars/token of text), {s['records']:,} records in {len(s['shards'])} shards"
     )
+    for part in metadata.get("corpora", []):
+      c = part["splits"][name]
+      weight = part["weight"] if name == corpus_lib.TRAIN else 1
+      repeats = f" ({c['documents'] // weight:,} x{weight})" if weight > 1 else ""
+      log(
+        f"    {part['spec']}: {c['documents']:,} docs{repeats}, {c['characters']:,} chars, "
+        f"{c['target_tokens']:,} target tokens"
+      )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,14 +1,18 @@
-"""Document sources: the Python standard library, a glob of text files, or JSONL.
+"""Document sources: the Python standard library, installed packages, a glob of text files, JSONL, and mixtures.
 
 Every source yields ``Document``s already assigned to the ``train`` or ``validation`` split by a stable hash, so the
 split never depends on file order, the machine, or how many files there are:
 
-* files (stdlib and text globs): validation iff ``int(sha1(relative_posix_path).hexdigest(), 16) % 20 == 0``;
+* files (stdlib, site-packages and text globs): validation iff
+  ``int(sha1(relative_posix_path).hexdigest(), 16) % 20 == 0``;
 * JSONL lines: the same rule applied to the line's 0-based index within its file, as a decimal string (``"0"``,
   ``"1"``, ...). With several JSONL files, lines with equal indices land in the same split.
 
 A corpus also describes itself in a manifest (source, Python version for the stdlib, per-file sha256 and character
-count, per-split document and character counts), because the stdlib corpus drifts with the interpreter.
+count, per-split document and character counts), because the stdlib corpus drifts with the interpreter. The
+``site-packages`` corpus lives in ``site_packages``.
+
+Several corpora read together, each with a weight, are a ``mixture.Mixture``.
 """
 
 from __future__ import annotations
@@ -21,8 +25,13 @@ import json
 import os
 import platform
 import sysconfig
+import warnings
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+  from mercury_jax.data import mixture
 
 TRAIN = "train"
 VALIDATION = "validation"
@@ -30,6 +39,7 @@ SPLITS = (TRAIN, VALIDATION)
 VALIDATION_MODULUS = 20  # One key in 20 goes to validation.
 
 STDLIB = "python-stdlib"
+SITE_PACKAGES = "site-packages"
 STDLIB_SKIP_DIRS = frozenset(
   {
     "test",
@@ -81,20 +91,22 @@ class Corpus:
   """Documents of one source, in a deterministic order, with what is needed for the manifest.
 
   Attributes:
-    kind: ``"python-stdlib"``, ``"text"`` or ``"jsonl"``.
+    kind: ``"python-stdlib"``, ``"site-packages"``, ``"text"`` or ``"jsonl"``.
     source: What was read, e.g. ``"python-stdlib"`` or the glob as given.
     root: The directory that file keys are relative to.
     mode: ``"lm"`` (language modelling) or ``"sft"`` (prompt/response).
     documents: All documents, sorted by file then line.
     files: Every file read.
+    info: More manifest entries (site-packages: the distributions read and skipped, and the duplicates dropped).
   """
 
-  kind: Literal["python-stdlib", "text", "jsonl"]
+  kind: Literal["python-stdlib", "site-packages", "text", "jsonl"]
   source: str
   root: str
   mode: Literal["lm", "sft"]
   documents: tuple[Document, ...]
   files: tuple[SourceFile, ...]
+  info: dict[str, Any] = dataclasses.field(default_factory=dict, hash=False)
 
   def split(self, name: str) -> list[Document]:
     """The documents of split ``name`` (``"train"`` or ``"validation"``), in corpus order."""
@@ -114,11 +126,12 @@ class Corpus:
       }
     key = "str(0-based line index in its file)" if self.kind == "jsonl" else "relative posix path"
     manifest: dict[str, Any] = {"kind": self.kind, "source": self.source, "root": self.root, "mode": self.mode}
-    if self.kind == STDLIB:
+    if self.kind in (STDLIB, SITE_PACKAGES):  # Both are filtered by this interpreter's parser.
       manifest["python_version"] = platform.python_version()
       manifest["python_implementation"] = platform.python_implementation()
     manifest["split_rule"] = f"validation iff int(sha1(key).hexdigest(), 16) % {VALIDATION_MODULUS} == 0, key = {key}"
     manifest["splits"] = splits
+    manifest.update(self.info)
     manifest["files"] = [dataclasses.asdict(f) for f in self.files]
     return manifest
 
@@ -134,14 +147,26 @@ def is_jsonl_spec(spec: str) -> bool:
   return spec.endswith(".jsonl")
 
 
-def load_corpus(spec: str) -> Corpus:
-  """Loads ``python-stdlib``, a ``*.jsonl`` path or glob, or any other glob of text files.
+def load_corpus(spec: str | Sequence[str]) -> Corpus | mixture.Mixture:
+  """Loads ``python-stdlib``, ``site-packages[:NAME,...]``, a ``*.jsonl`` path or glob, or another glob of text files.
+
+  A list of specs (as a mixture's ``metadata.json`` names its corpora) loads their ``Mixture``.
 
   Raises:
-    ValueError: No file matches, a file is unreadable or not UTF-8, or a JSONL line is malformed.
+    ValueError: No file matches, a file is unreadable or not UTF-8, a JSONL line is malformed, or a distribution is
+      not installed or not permissively licensed.
   """
+  # Both modules build on this one, so they are imported on use.
+  if not isinstance(spec, str):
+    from mercury_jax.data import mixture
+
+    return mixture.load_mixture(spec)
   if spec == STDLIB:
     return stdlib_corpus()
+  if spec.split(":", 1)[0] == SITE_PACKAGES:
+    from mercury_jax.data import site_packages
+
+    return site_packages.site_packages_corpus(spec)
   if is_jsonl_spec(spec):
     return jsonl_corpus(spec)
   return text_corpus(spec)
@@ -150,18 +175,25 @@ def load_corpus(spec: str) -> Corpus:
 # ----------------------------------------------------------------------------------------------- python-stdlib
 
 
-def keep_stdlib_file(rel_path: str, data: bytes) -> bool:
-  """The corpora.md filter: outside skipped folders, not ``test_*``, non-empty ASCII under 200 KB that parses."""
-  parts = rel_path.split("/")
-  if any(p in STDLIB_SKIP_DIRS for p in parts[:-1]) or parts[-1].startswith("test_"):
-    return False
+def keep_python_source(data: bytes) -> bool:
+  """The content filter of the Python corpora: non-empty ASCII under 200 KB that ``ast.parse`` accepts."""
   if not data or len(data) >= STDLIB_MAX_BYTES or not data.isascii():
     return False
   try:
-    ast.parse(data.decode("ascii"))
-  except (SyntaxError, ValueError):
+    with warnings.catch_warnings():  # Invalid escapes in old code warn (Python 3.12+); they still parse.
+      warnings.simplefilter("ignore")
+      ast.parse(data.decode("ascii"))
+  except (SyntaxError, ValueError, RecursionError):
     return False
   return True
+
+
+def keep_stdlib_file(rel_path: str, data: bytes) -> bool:
+  """The corpora.md filter: outside skipped folders, not ``test_*``, and ``keep_python_source``."""
+  parts = rel_path.split("/")
+  if any(p in STDLIB_SKIP_DIRS for p in parts[:-1]) or parts[-1].startswith("test_"):
+    return False
+  return keep_python_source(data)
 
 
 def stdlib_corpus(root: str | os.PathLike | None = None) -> Corpus:
@@ -301,3 +333,34 @@ def jsonl_corpus(pattern: str) -> Corpus:
   if mode is None:
     raise ValueError(f"--corpus {pattern!r}: the JSONL files hold no lines")
   return Corpus("jsonl", pattern, str(root), mode, tuple(docs), tuple(files))
+
+
+# ----------------------------------------------------------------------------------------------- deduplication
+
+
+def deduplicate(sources: Sequence[tuple[str, Sequence[Document]]]) -> tuple[list[list[Document]], list[dict[str, str]]]:
+  """Keeps the first document of each content (sha256 of its text, and prompt for SFT), in the order given.
+
+  Args:
+    sources: ``(corpus spec, documents)`` pairs.
+
+  Returns:
+    The kept documents of each source, and one ``{"sha256", "corpus", "key", "kept_corpus", "kept_key"}`` entry
+    per dropped copy.
+  """
+  first: dict[str, tuple[str, str]] = {}
+  kept, duplicates = [], []
+  for spec, docs in sources:
+    kept.append([])
+    for doc in docs:
+      content = doc.text if doc.prompt is None else json.dumps([doc.prompt, doc.text])
+      digest = hashlib.sha256(content.encode("utf-8")).hexdigest()
+      if digest in first:
+        kept_spec, kept_key = first[digest]
+        duplicates.append(
+          {"sha256": digest, "corpus": spec, "key": doc.key, "kept_corpus": kept_spec, "kept_key": kept_key}
+        )
+      else:
+        first[digest] = (spec, doc.key)
+        kept[-1].append(doc)
+  return kept, duplicates
