@@ -27,6 +27,7 @@ from pathlib import Path
 DTYPES = ("float32", "bfloat16")
 CARD_FILE = "MODEL_CARD.md"
 MANIFEST_FILE = "manifest.json"
+METADATA_FILE = "metadata.json"
 ORBAX_COMMIT_MARKER = "commit_success.txt"
 
 
@@ -92,6 +93,9 @@ def export(
       marker.unlink()  # restore does not read it (Orbax's rename is the commit there).
     if manifest is not None:
       (staging / MANIFEST_FILE).write_text(json.dumps(portable_manifest(manifest), indent=2) + "\n")
+      metadata = Path(data) / METADATA_FILE  # The corpus spec and splits: `bench` reads its prompts from it.
+      if metadata.is_file():
+        (staging / METADATA_FILE).write_text(json.dumps(portable_metadata(metadata), indent=2) + "\n")
     if card is not None:
       shutil.copyfile(card, staging / CARD_FILE)
     if out.exists():
@@ -105,6 +109,19 @@ def export(
     shutil.rmtree(staging, ignore_errors=True)
     raise
   return out
+
+
+def portable_metadata(path: str | Path) -> dict:
+  """A prepared folder's ``metadata.json`` with corpus globs and paths cut to their names (a named corpus such as
+  ``python-stdlib`` or ``site-packages:...`` is kept: it means the same on every machine)."""
+  metadata = json.loads(Path(path).read_text())
+  corpus = metadata.get("corpus")
+  cut = lambda spec: Path(spec).name if os.path.isabs(spec) else spec  # noqa: E731
+  if isinstance(corpus, str):
+    metadata["corpus"] = cut(corpus)
+  elif isinstance(corpus, list):
+    metadata["corpus"] = [cut(spec) for spec in corpus]
+  return metadata
 
 
 def portable_manifest(path: str | Path) -> dict:

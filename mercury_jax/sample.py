@@ -66,7 +66,7 @@ file may be empty) and prints only its own samples (--json lines carry "process"
 process given all the files' prompts in process order."""
 
 NO_DEFAULT_MODEL = (
-  "no --checkpoint given and the bundled default model is missing from mercury_jax/assets/default/ (reinstall the "
+  "no --checkpoint given and the bundled model {name!r} is missing from mercury_jax/assets/{name}/ (reinstall the "
   "package, or train a model with `python -m mercury_jax.prepare --corpus python-stdlib --out data/stdlib` and "
   "`python -m mercury_jax.train --config tiny --workdir runs/tiny --set data.path=data/stdlib`, "
   "then pass --checkpoint runs/tiny)"
@@ -94,7 +94,14 @@ def build_parser() -> argparse.ArgumentParser:
     epilog=EPILOG,
     formatter_class=argparse.RawDescriptionHelpFormatter,
   )
-  p.add_argument("--checkpoint", help="train workdir, checkpoints folder, step folder or exported checkpoint")
+  which = p.add_mutually_exclusive_group()
+  which.add_argument("--checkpoint", help="train workdir, checkpoints folder, step folder or exported checkpoint")
+  which.add_argument(
+    "--model",
+    default="default",
+    help="a bundled model, without --checkpoint: default (block diffusion, the default) or default_ar (its "
+    "autoregressive twin, trained on the same data)",
+  )
   source = p.add_mutually_exclusive_group()
   source.add_argument("--prompt", help="text to continue (or to put before --template)")
   source.add_argument(
@@ -135,6 +142,13 @@ def build_parser() -> argparse.ArgumentParser:
   )
   p.add_argument("--min-length", type=int, default=0, help="no end-of-sequence among the first N generated tokens")
   p.add_argument("--bos", action="store_true", help="start prompts with BOS, as SFT data does")
+  p.add_argument(
+    "--no-token-healing",
+    dest="token_healing",
+    action="store_false",
+    help="keep the prompt's last token as tokenised (default: re-generate it, constrained to start with its "
+    "characters, so a prompt ending in ':' or half a word continues as the training text would)",
+  )
   p.add_argument("--num-samples", type=int, default=1, help="samples per prompt")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--mesh", help="DATA,FSDP,TENSOR sizes (default: every device on the data axis)")
@@ -289,9 +303,12 @@ def main(argv: list[str] | None = None, *, compile_cache: bool = False) -> int:
 
   path = args.checkpoint
   if path is None:
-    path = default_checkpoint()
+    try:
+      path = default_checkpoint(args.model)
+    except ValueError as e:
+      _fail(f"--model: {e}")
     if path is None:
-      _fail(NO_DEFAULT_MODEL)
+      _fail(NO_DEFAULT_MODEL.format(name=args.model))
   elif not Path(path).exists():
     _fail(f"--checkpoint {path!r} does not exist")
   from mercury_jax import sharding as sh
@@ -320,6 +337,7 @@ def main(argv: list[str] | None = None, *, compile_cache: bool = False) -> int:
       per_process=per_process,
       cache=args.cache,
       constraint=constraint,
+      token_healing=args.token_healing,
       **knobs,
     )
   except SettingError as e:
@@ -345,6 +363,8 @@ def main(argv: list[str] | None = None, *, compile_cache: bool = False) -> int:
       }
       if s.complete is not None:
         record["complete"] = s.complete
+      if s.healed:
+        record["healed"] = s.healed
       if process is not None:
         record["process"] = process
       if s.steps is not None:
@@ -406,6 +426,7 @@ def _stream(sampler, prompts, args: argparse.Namespace, knobs: dict, flags: dict
     bos=args.bos,
     cache=args.cache,
     constraint=constraint,
+    token_healing=args.token_healing,
     **knobs,
   )
   texts, done, nfe = [[] for _ in heads], [False] * len(heads), [0] * len(heads)

@@ -14,6 +14,7 @@ import pytest
 from mercury_jax.bench import cli as bench, prompts as bench_prompts, report as bench_report
 from mercury_jax.config import load_config
 from mercury_jax.data.corpus import VALIDATION, split_of
+from mercury_jax.export import export
 from mercury_jax.prepare import main as prepare_main
 from mercury_jax.train import train
 
@@ -247,6 +248,22 @@ def test_smoke_bench_writes_every_row_with_sane_numbers(models, capsys):
     assert "matplotlib is not installed" in printed
   else:
     assert (out / "quality_vs_speed.png").stat().st_size > 0 and (out / "quality_vs_nfe.png").stat().st_size > 0
+
+
+def test_a_bundle_exported_with_its_data_needs_no_data_flag(models, capsys):
+  """``export --data`` ships the corpus metadata and the tokenizer, so ``bench`` reads its prompts and tokenizer from
+  the diffusion checkpoint (the bundled models run with no flag at all); one without them is a one-line error."""
+  bundle = export(models / "diffusion", models / "bundle", data=models / "data")
+  glob = str(models / "corpus" / "**" / "*")  # The fixture's corpus is a glob: its metadata keeps only its name.
+  assert json.loads((bundle / "metadata.json").read_text())["corpus"] == "*"
+  out = models / "out_bundle"
+  bench.main(["--diffusion", str(bundle), "--autoregressive", str(models / "ar"), "--corpus", glob, "--out", str(out),
+              "--smoke"])  # fmt: skip
+  assert [p["key"] for p in json.loads((out / "results.json").read_text())["prompts"]] == [VALIDATION_FILE] * 2
+  with pytest.raises(SystemExit) as exit_info:
+    bench.main(["--diffusion", str(models / "diffusion"), "--autoregressive", str(models / "ar"), "--smoke"])
+  err = capsys.readouterr().err
+  assert exit_info.value.code == 2 and "carries no corpus metadata; pass --data DATA_DIR" in err
 
 
 @pytest.mark.parametrize("swap", ["missing", "swapped", "temperature"])

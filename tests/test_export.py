@@ -52,6 +52,22 @@ def test_bfloat16_export_halves_the_size_and_restores_as_float32(run, tmp_path):
   assert 1 <= len(sampler.generate(["def"], length=4, steps=2, seed=0)[0].tokens) <= 4
 
 
+@pytest.mark.parametrize(
+  "corpus,shipped",
+  [
+    ("/home/someone/src/**/*.py", "*.py"),
+    (["python-stdlib", "site-packages:numpy"], ["python-stdlib", "site-packages:numpy"]),
+  ],
+)
+def test_the_data_metadata_ships_without_machine_paths(run, tmp_path, corpus, shipped):
+  """``bench`` reads a bundle's corpus from its metadata.json: named corpora as they are, paths cut to their names."""
+  data = tmp_path / "data"
+  shutil.copytree(run["data"], data)
+  (data / "metadata.json").write_text(json.dumps({"corpus": corpus, "seq_len": 32}))
+  out = export(run["checkpoint"], tmp_path / "out", data=data)
+  assert json.loads((out / "metadata.json").read_text()) == {"corpus": shipped, "seq_len": 32}
+
+
 def test_existing_folder_is_replaced_only_with_force_and_keeps_its_card(run, tmp_path):
   out = export(run["checkpoint"], tmp_path / "out", card=run["card"])
   with pytest.raises(ValueError, match="not empty"):

@@ -123,6 +123,30 @@ def test_a_bad_sampler_setting_is_named_by_its_flag_before_the_checkpoint_is_rea
   assert capsys.readouterr().err.startswith(f"mercury_jax.sample: error: {message}")
 
 
+@pytest.mark.parametrize(
+  "flags,message",
+  [
+    (["--model", "gpt"], "--model: no bundled model is called 'gpt'; the bundled models are default, default_ar"),
+    (["--model", "default_ar", "--checkpoint", "runs/x"], "argument --checkpoint: not allowed with argument --model"),
+  ],
+)
+def test_bad_model_choice_is_one_line_and_exit_code_2(flags, message, capsys):
+  with pytest.raises(SystemExit) as exit_info:
+    main(["--prompt", "x", *flags])
+  assert exit_info.value.code == 2
+  err = capsys.readouterr().err.strip()
+  assert "\n" not in err and err.endswith(message), err
+
+
+def test_missing_twin_names_itself(tmp_path, monkeypatch, capsys):
+  monkeypatch.setattr("mercury_jax.sampling.sampler.ASSETS", tmp_path)
+  assert default_checkpoint("default_ar") is None
+  with pytest.raises(SystemExit) as exit_info:
+    main(["--prompt", "x", "--model", "default_ar"])
+  assert exit_info.value.code == 2
+  assert "the bundled model 'default_ar' is missing from mercury_jax/assets/default_ar/" in capsys.readouterr().err
+
+
 def test_missing_default_model_says_how_to_train_one(tmp_path, monkeypatch, capsys):
   monkeypatch.setattr("mercury_jax.sampling.sampler.DEFAULT_CHECKPOINT", tmp_path)
   assert default_checkpoint() is None

@@ -25,10 +25,12 @@ import httpx
 import jsonschema
 import openai
 import pytest
+from random_models import random_checkpoint
 
 from mercury_jax.checkpoint import export_params, find_tokenizer, restore_params
 from mercury_jax.config import load_config
 from mercury_jax.prepare import main as prepare_main
+from mercury_jax.sampling.sampler import Sampler
 from mercury_jax.train import train
 
 TEMPLATE = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant:"
@@ -186,6 +188,30 @@ def test_completion_streamed_equals_unstreamed_and_usage_counts_tokens(server):
   assert out.usage.total_tokens == out.usage.prompt_tokens + out.usage.completion_tokens
   assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == out.usage.completion_tokens
   assert len([c for c in chunks if c.choices and c.choices[0].text]) >= 1
+
+
+def test_completions_heal_a_prompt_cut_inside_a_token_as_the_python_sampler_does(tmp_path, data_dir):
+  """A language model (no chat template): the server backs the prompt's last token off and re-generates it, as
+  ``Sampler.generate`` does (greedy: the same text, which differs from the unhealed one); the reply starts after the
+  prompt and usage counts the prompt's tokens as sent."""
+  path = random_checkpoint(tmp_path, "block_diffusion", data_dir / "tokenizer.model")
+  sampler = Sampler.from_checkpoint(path)
+  srv = Server(path, "--slots", "2")
+  try:
+    client = srv.client()
+    changed = 0
+    for prompt in ("print(", "def fibon", "x = [1, 2,"):
+      out = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0)
+      knobs = dict(length=12, temperature=0.0, rule="threshold", threshold=0.9)  # the server's defaults
+      healed = sampler.generate(prompt, **knobs)[0]
+      plain = sampler.generate(prompt, token_healing=False, **knobs)[0]
+      assert healed.healed and out.choices[0].text == healed.text, (prompt, healed.healed)
+      assert out.usage.prompt_tokens == len(sampler.tokenizer.encode(prompt))
+      assert out.usage.completion_tokens == len(healed.tokens) - 1
+      changed += healed.text != plain.text
+    assert changed >= 1  # so an unhealed reply could not pass (this model changes all three)
+  finally:
+    srv.stop()
 
 
 def test_fim_fills_between_prompt_and_suffix(server):

@@ -7,40 +7,20 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-from pathlib import Path
 
-import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import jsonschema
 import numpy as np
 import pytest
+from random_models import KINDS, random_checkpoint
 
 from mercury_jax import sharding as sh
-from mercury_jax.checkpoint import export_params
-from mercury_jax.config import Config, MeshConfig, ModelConfig, ObjectiveConfig
+from mercury_jax.config import MeshConfig
 from mercury_jax.constrain.suite import REGEXES, SCHEMAS
-from mercury_jax.model import Transformer
 from mercury_jax.sample import main
 from mercury_jax.sampling.sampler import Sampler, default_checkpoint
 
-KINDS = {
-  "block_diffusion": (False, ObjectiveConfig(block_size=4)),
-  "autoregressive": (True, ObjectiveConfig(name="autoregressive")),
-  "whole_sequence": (False, ObjectiveConfig()),
-}
 LENGTH = 96  # generated tokens: room for every suite schema's shortest instance
-
-
-def _random_checkpoint(root: Path, kind: str, tokenizer: Path) -> Path:
-  causal, objective = KINDS[kind]
-  model = ModelConfig(
-    vocab_size=512, d_model=32, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16, mlp_dim=64,
-    max_length=128, causal=causal,
-  )  # fmt: skip
-  params = nn.meta.unbox(Transformer(model).init(jax.random.key(1), jnp.zeros((1, 8), jnp.int32)))["params"]
-  params = jax.tree.map(lambda p: p * 8.0, params)  # Sharp distributions: a random model with strong opinions.
-  return export_params(root / kind, params, Config(model=model, objective=objective, name=kind), tokenizer).parent
 
 
 def _check(samples, automata, kinds_of_rows, length):
@@ -69,7 +49,7 @@ def _suite(sampler: Sampler):
 def test_random_weights_give_valid_output_for_every_schema_and_regex(kind, tmp_path, data_dir):
   dual = kind.endswith("_dual_cache")
   kind = kind.removesuffix("_dual_cache")
-  sampler = Sampler.from_checkpoint(_random_checkpoint(tmp_path, kind, data_dir / "tokenizer.model"))
+  sampler = Sampler.from_checkpoint(random_checkpoint(tmp_path, kind, data_dir / "tokenizer.model"))
   rows, automata = _suite(sampler)
   knobs = {} if kind == "autoregressive" else {"block_length": 8} if kind == "whole_sequence" else {}
   if dual:  # Fast-dLLM's approximate cache: blocks in lockstep
@@ -107,7 +87,7 @@ def _bundled() -> Sampler:
 def test_forced_text_costs_no_forward_passes(tmp_path, data_dir):
   """A schema of long fixed keys: its keys are committed without the model, so block diffusion needs fewer forward
   passes than the same automaton with forcing turned off, and the text is the same valid JSON kind."""
-  sampler = Sampler.from_checkpoint(_random_checkpoint(tmp_path, "block_diffusion", data_dir / "tokenizer.model"))
+  sampler = Sampler.from_checkpoint(random_checkpoint(tmp_path, "block_diffusion", data_dir / "tokenizer.model"))
   schema = {
     "type": "object",
     "properties": {
@@ -128,7 +108,7 @@ def test_forced_text_costs_no_forward_passes(tmp_path, data_dir):
 
 
 def test_a_constrained_row_is_the_same_alone_in_a_batch_and_on_a_mesh(tmp_path, data_dir):
-  path = _random_checkpoint(tmp_path, "block_diffusion", data_dir / "tokenizer.model")
+  path = random_checkpoint(tmp_path, "block_diffusion", data_dir / "tokenizer.model")
   sampler = Sampler.from_checkpoint(path)
   small = sampler.constraint(regex=REGEXES[next(iter(REGEXES))])
   big = sampler.constraint(json_schema=SCHEMAS[next(iter(SCHEMAS))])
@@ -145,7 +125,7 @@ def test_a_constrained_row_is_the_same_alone_in_a_batch_and_on_a_mesh(tmp_path, 
 
 
 def test_room_too_small_ends_with_a_valid_unfinished_prefix(tmp_path, data_dir):
-  sampler = Sampler.from_checkpoint(_random_checkpoint(tmp_path, "block_diffusion", data_dir / "tokenizer.model"))
+  sampler = Sampler.from_checkpoint(random_checkpoint(tmp_path, "block_diffusion", data_dir / "tokenizer.model"))
   automaton = sampler.constraint(regex=r"\{\"alpha_beta_gamma\": [0-9]{6}\}")
   sample = sampler.generate("x = ", length=6, constraint=automaton, temperature=0.0)[0]
   assert sample.complete is False
@@ -196,7 +176,7 @@ def test_a_constraint_above_the_limits_is_refused_with_the_remedy_given(data_dir
 
 
 def test_stream_gives_the_constrained_text_generate_gives(tmp_path, data_dir):
-  sampler = Sampler.from_checkpoint(_random_checkpoint(tmp_path, "block_diffusion", data_dir / "tokenizer.model"))
+  sampler = Sampler.from_checkpoint(random_checkpoint(tmp_path, "block_diffusion", data_dir / "tokenizer.model"))
   automaton = sampler.constraint(json_schema=SCHEMAS["geo_point"])
   kw = dict(length=48, constraint=[automaton, None], temperature=1.0, seed=4)
   generated = sampler.generate(["x = ", "y = "], **kw)

@@ -55,7 +55,13 @@ from mercury_jax.data import pipeline
 from mercury_jax.data.tokenizer import Tokenizer
 from mercury_jax.sampling import canvas as cv
 from mercury_jax.sampling.canvas import SampleOutput
-from mercury_jax.sampling.sampler import Sampler, bucketed_length, check_compatible, is_autoregressive
+from mercury_jax.sampling.sampler import (
+  Sampler,
+  bucketed_length,
+  check_compatible,
+  default_checkpoint,
+  is_autoregressive,
+)
 from mercury_jax.sampling.settings import SamplerSettings
 
 STEPS = (4, 8, 16, 32, 64, 128, 256)
@@ -392,9 +398,18 @@ def _ints(text: str) -> tuple[int, ...]:
 
 def build_parser() -> argparse.ArgumentParser:
   p = _Parser(prog="python -m mercury_jax.bench", description=__doc__.splitlines()[0])
-  p.add_argument("--diffusion", required=True, help="the diffusion model: train workdir or exported checkpoint")
-  p.add_argument("--autoregressive", required=True, help="its autoregressive twin (same tokenizer and data)")
-  p.add_argument("--data", required=True, help="the prepared data directory both were trained on")
+  p.add_argument(
+    "--diffusion", help="the diffusion model: train workdir or exported checkpoint (default: the bundled default)"
+  )
+  p.add_argument(
+    "--autoregressive", help="its autoregressive twin, same tokenizer and data (default: the bundled default_ar)"
+  )
+  p.add_argument(
+    "--data",
+    help="the prepared data directory both were trained on (default: the --diffusion checkpoint's folder when it "
+    "carries the corpus's metadata.json, as the bundled models do: prompts then come from that corpus as installed "
+    "here)",
+  )
   p.add_argument("--out", default="runs/bench", help="where results.json, results.md and the plots go")
   p.add_argument("--corpus", help="read the prompts' corpus from here instead of the one named in DATA/metadata.json")
   p.add_argument("--smoke", action="store_true", help="a tiny grid for tests and CI (overrides the grid flags)")
@@ -422,8 +437,25 @@ def build_parser() -> argparse.ArgumentParser:
   return p
 
 
+def _bundled_defaults(args: argparse.Namespace) -> None:
+  """Fills ``--diffusion``/``--autoregressive`` with the bundled models and ``--data`` with the diffusion
+  checkpoint's folder (a bundle exported with ``--data`` carries the corpus metadata and the tokenizer)."""
+  for flag, name in (("diffusion", "default"), ("autoregressive", "default_ar")):
+    if getattr(args, flag) is None:
+      path = default_checkpoint(name)
+      if path is None:
+        _fail(f"no --{flag} given and the bundled model {name!r} is missing from mercury_jax/assets/{name}/")
+      setattr(args, flag, str(path))
+  if args.data is None:
+    folder = Path(args.diffusion)
+    if not (folder / pipeline.METADATA_FILE).is_file() or not (folder / "tokenizer.model").is_file():
+      _fail(f"no --data given and --diffusion {args.diffusion!r} carries no corpus metadata; pass --data DATA_DIR")
+    args.data = str(folder)
+
+
 def main(argv: list[str] | None = None) -> None:
   args = build_parser().parse_args(argv)
+  _bundled_defaults(args)
   if args.smoke:
     args.prompts, args.length, args.steps, args.taus, args.batch_sizes, args.repeats = 2, 16, (4,), (0.9,), (1, 2), 1
     args.ar_temperatures = (1.0,)

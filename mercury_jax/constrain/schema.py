@@ -247,7 +247,7 @@ def _dumps(value) -> str:
   return json.dumps(value, separators=(",", ":"))
 
 
-def _escape(text: str) -> str:
+def escape(text: str) -> str:
   """``text`` as a regex literal (escapes that Python's and Rust's regex syntax both read)."""
   return re.sub(r"([\\.+*?()|\[\]{}^$#&~-])", r"\\\1", text)
 
@@ -390,7 +390,7 @@ class _Rewriter:
       self.fail(
         "no value of 'enum'/'const' satisfies the schema's other keywords", path, "const" if "const" in body else "enum"
       )
-    return self.placeholder("|".join(_escape(t) for t in dict.fromkeys(_dumps(v) for v in options)))
+    return self.placeholder("|".join(escape(t) for t in dict.fromkeys(_dumps(v) for v in options)))
 
   def check_exclusive(self, branches: list[dict], path: tuple) -> None:
     """``oneOf`` is ``anyOf`` only when no value can match two branches: distinct types, or a discriminator (a

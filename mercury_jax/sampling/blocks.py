@@ -61,7 +61,9 @@ state from block to block (``State.dfa``, the state before its step block). At e
 most probable valid string of the block (a dynamic program over positions × states), which the step rule then
 commits from as usual; tokens that are the only one their state allows are committed without the model, when the
 row enters a block and after every commit, so a block of fixed text costs at most its fused commit pass. Rows
-without a constraint are untouched, and nothing of this runs when no row is constrained.
+without a constraint are untouched, and nothing of this runs when no row is constrained. Token healing is a
+constraint too (``Automaton.free``): a healed row is let go (``tables.on`` cleared) at the end of the block where its
+prefix got written, and decodes unconstrained from then on.
 
 Randomness. Example ``i`` draws from ``key_i = fold_in(key, streams[i])``; step ``j`` of the block starting at
 canvas position ``p`` uses the key ``k = fold_in(key_i, p)`` (``j = 0``) or ``fold_in(fold_in(key_i, p), j)``: the
@@ -375,7 +377,7 @@ class BlockEngine:
       room = target.sum(axis=1, dtype=jnp.int32)
       least = jnp.take_along_axis(tables.distance, tables.start[:, None], axis=1)[:, 0]
       tables = tables._replace(budgeted=tables.on & (least <= room))
-      eos_banned &= ~tables.on[:, None]
+      eos_banned &= ~(tables.on & ~tables.free.any(axis=1))[:, None]  # A healed row keeps min_length.
       dfa = jnp.where(tables.on, tables.start, 0)
       z = self._force(tables, dfa, z, target, first * block)[0]
     segments = (kinds != K.PAD).astype(jnp.int32)
@@ -598,12 +600,17 @@ class BlockEngine:
     advance = finished
     if plan.cache in ("dual", "prefix"):  # The approximate caches refresh every row at once: blocks in lockstep.
       advance = jnp.broadcast_to(jnp.all(finished), finished.shape)
-    dfa = st.dfa
-    if st.tables is not None:  # The next block starts where this one ended; its forced tokens go in now.
-      dfa = jnp.where(advance & st.tables.on, end_state, st.dfa)
+    dfa, tables = st.dfa, st.tables
+    if tables is not None:  # The next block starts where this one ended; its forced tokens go in now.
+      dfa = jnp.where(advance & tables.on, end_state, st.dfa)
+      # A healed row whose prefix is written is let go: from its next block on it decodes unconstrained.
+      free = jnp.take_along_axis(tables.free, jnp.maximum(dfa, 0)[:, None], axis=1)[:, 0] & (dfa >= 0)
+      released = advance & tables.on & free
+      tables = tables._replace(on=tables.on & ~released)
+      dfa = jnp.where(released, 0, dfa)
       upcoming = jnp.minimum(st.first + st.block + advance.astype(jnp.int32), st.last) * block
       forced_z = jax.lax.cond(
-        jnp.any(st.tables.on & advance), lambda: self._force(st.tables, dfa, z, st.target, upcoming)[0], lambda: z
+        jnp.any(tables.on & advance), lambda: self._force(tables, dfa, z, st.target, upcoming)[0], lambda: z
       )
       score = jnp.where(advance[:, None] & (forced_z != z), 1.0, score)
       z = jnp.where(advance[:, None], forced_z, z)
@@ -625,6 +632,7 @@ class BlockEngine:
       iterations=st.iterations + 1,
       recorded=st.recorded + has_open.astype(jnp.int32),
       trace=trace,
+      tables=tables,
       dfa=dfa,
     )
 

@@ -50,7 +50,7 @@ from mercury_jax.constrain import device as constrained
 from mercury_jax.constrain.automaton import Automaton, Compiler
 from mercury_jax.data.tokenizer import Tokenizer
 from mercury_jax.model import Transformer
-from mercury_jax.sampling import canvas as cv
+from mercury_jax.sampling import canvas as cv, healing
 from mercury_jax.sampling.blocks import BlockEngine, BlockPlan, plan_blocks
 from mercury_jax.sampling.canvas import SampleOutput
 from mercury_jax.sampling.loop import jit_sample, model_denoise_fn
@@ -59,8 +59,10 @@ from mercury_jax.sampling.proposal import Knobs
 from mercury_jax.sampling.settings import SamplerSettings, SettingError, check_knobs_for_model
 from mercury_jax.trainer import param_shardings
 
-# A later release drops a params-only checkpoint (``export_params``) plus ``tokenizer.model`` here.
-DEFAULT_CHECKPOINT = Path(__file__).resolve().parent.parent / "assets" / "default"
+# The models shipped in the package: params-only checkpoints (``export_params``) with their ``tokenizer.model``.
+ASSETS = Path(__file__).resolve().parent.parent / "assets"
+DEFAULT_CHECKPOINT = ASSETS / "default"
+BUNDLED_MODELS = {"default": "the block-diffusion code model", "default_ar": "its autoregressive twin"}
 LENGTH_BUCKET = 64
 MASK_TEXT = "░"  # How an undecided position looks in a step-by-step trace.
 DEFAULT_STEPS = 32
@@ -74,10 +76,17 @@ def bucketed_length(length: int, context: int) -> int:
   return min(-(-length // LENGTH_BUCKET) * LENGTH_BUCKET, max(context, length))
 
 
-def default_checkpoint() -> Path | None:
-  """The model shipped inside the package, or None while there is none."""
-  has_steps = DEFAULT_CHECKPOINT.is_dir() and any(p.name.isdigit() for p in DEFAULT_CHECKPOINT.iterdir())
-  return DEFAULT_CHECKPOINT if has_steps and (DEFAULT_CHECKPOINT / "tokenizer.model").is_file() else None
+def default_checkpoint(name: str = "default") -> Path | None:
+  """The bundled model ``name`` (a key of :data:`BUNDLED_MODELS`), or None when the package lacks it.
+
+  Raises:
+    ValueError: ``name`` is not a bundled model.
+  """
+  if name not in BUNDLED_MODELS:
+    raise ValueError(f"no bundled model is called {name!r}; the bundled models are {', '.join(BUNDLED_MODELS)}")
+  path = DEFAULT_CHECKPOINT if name == "default" else ASSETS / name
+  has_steps = path.is_dir() and any(p.name.isdigit() for p in path.iterdir())
+  return path if has_steps and (path / "tokenizer.model").is_file() else None
 
 
 def is_autoregressive(cfg: Config) -> bool:
@@ -129,6 +138,8 @@ class Sample:
       token), undecided positions as ``MASK_TEXT``.
     complete: With a ``constraint``: whether the text is a whole sentence of it (False: ``length`` ran out first and
       the text is a valid prefix); None without one.
+    healed: The prompt's last characters that token healing re-generated (:mod:`~mercury_jax.sampling.healing`;
+      "" when none): ``tokens`` starts with their token(s), ``text`` does not repeat them.
   """
 
   prompt: str
@@ -141,6 +152,7 @@ class Sample:
   steps: list[str] | None = None
   tokens_per_forward: float = 0.0
   complete: bool | None = None
+  healed: str = ""
 
 
 class Sampler:
@@ -165,6 +177,7 @@ class Sampler:
     self.denoise_fn = model_denoise_fn(cfg.model)
     self._compiled: dict[tuple, Any] = {}
     self._compiler: Compiler | None = None  # structured output's constraint compiler, made on first use
+    self._healer: Compiler | None = None  # token healing's (its own cache: prompts' ends are many)
 
   @classmethod
   def from_checkpoint(cls, path: str | Path | None = None, *, mesh: Mesh | None = None, step: int | None = None):
@@ -476,6 +489,7 @@ class Sampler:
     per_process: bool = False,
     cache: str = "auto",
     constraint: Automaton | Sequence[Automaton | None] | None = None,
+    token_healing: bool = True,
     **knobs,
   ) -> list[Sample]:
     """Generates text for each prompt (``num_samples`` each), in one batch.
@@ -487,7 +501,8 @@ class Sampler:
     Args:
       prompts: One prompt or several (of any lengths). With ``template``, each prompt precedes the template.
       template: A string with ``<mask:N>`` holes; its text is kept and its holes filled.
-      length: Tokens to generate after each prompt (prompt mode only).
+      length: Tokens to generate after each prompt (prompt mode only); token healing generates one position more,
+        the prompt's backed-off last token.
       steps: Step budget of a diffusion model for the generated length (>= 1; default 32 for the whole-canvas loop,
         one token per step on the block engine). Not for an autoregressive model.
       seed: The PRNG seed.
@@ -508,6 +523,11 @@ class Sampler:
         a valid prefix of the automaton's language, and complete (``Sample.complete``) when ``length`` leaves room
         for it; fixed text of the automaton (a schema's keys and punctuation) is committed without the model. A
         whole-sequence checkpoint runs it through the block engine without a cache.
+      token_healing: Re-generate the prompt's last token under the constraint that its characters come first
+        (:mod:`~mercury_jax.sampling.healing`), so a prompt that ends inside a token (``:``, ``(``, an indent, half
+        an identifier) continues as the training data would. Block engine, prompt mode, no ``constraint``, no
+        ``per_process``, no ``bos`` (an SFT prompt is tokenised on its own, so its end is a real boundary); ignored
+        otherwise.
       **knobs: ``SamplerSettings`` fields: temperature, top_k, top_p, min_length, eos_to_pad, and for diffusion
         models rule, confidence, threshold, block_length, revision.
 
@@ -517,13 +537,14 @@ class Sampler:
       ValueError: An empty prompt without a template, a template without holes, or a canvas beyond the model's
         context; a constraint for another tokenizer or a canvas with more than one hole.
     """
+    heal = token_healing and constraint is None and not per_process and not bos
     prepared = self._prepare(
-      prompts, template, length, steps, seed, num_samples, streams, show_steps, bos, per_process, cache, knobs
+      prompts, template, length, steps, seed, num_samples, streams, show_steps, bos, per_process, cache, knobs, heal
     )
     if prepared is None:
       return []
-    settings, canvas, prompts, prompt_lengths, layout = prepared
-    automata = self._row_constraints(constraint, canvas, num_samples)
+    settings, canvas, prompts, prompt_lengths, layout, healed = prepared
+    automata = self._row_constraints(constraint, canvas, num_samples) or self._healing(healed)
     if steps is None and self._kind(cache, knobs)[0] == "loop" and automata is None:
       steps = DEFAULT_STEPS
     out, wall, compile_time = self.run(canvas, steps, seed, settings, layout=layout, cache=cache, automata=automata)
@@ -540,7 +561,7 @@ class Sampler:
       samples.append(
         Sample(
           prompt=prompt,
-          text=self.tokenizer.decode(region),
+          text=healing.strip(self.tokenizer.decode(region), healed[row]),
           tokens=tokens,
           nfe=int(out.nfe[row]),
           wall_time=wall,
@@ -549,6 +570,7 @@ class Sampler:
           steps=trace,
           tokens_per_forward=len(tokens) / max(int(out.nfe[row]), 1),
           complete=None if automata is None else self._accepted(automata[row], out.tokens, kinds, row),
+          healed=healed[row],
         )
       )
     return samples
@@ -565,6 +587,14 @@ class Sampler:
     if self._compiler is None:
       self._compiler = Compiler(self.tokenizer)
     return self._compiler.regex(regex) if regex is not None else self._compiler.json_schema(json_schema)
+
+  def _healing(self, healed: list[str]) -> list[Automaton | None] | None:
+    """Each row's token-healing constraint (None where nothing was backed off), or None when no row has one."""
+    if not any(healed):
+      return None
+    if self._healer is None:
+      self._healer = Compiler(self.tokenizer)
+    return [self._healer.heal(text) if text else None for text in healed]
 
   def _row_constraints(self, constraint, canvas: cv.Canvas, num_samples: int) -> list[Automaton | None] | None:
     """Each row's automaton (a prompt's samples share its own), checked against the tokenizer and the canvas."""
@@ -595,7 +625,7 @@ class Sampler:
   def _accepted(self, automaton: Automaton | None, tokens: np.ndarray, kinds: np.ndarray, row: int) -> bool | None:
     """Whether a row's hole (its generated tokens, padding after EOS dropped) is a whole sentence of ``automaton``
     (None without one)."""
-    if automaton is None:
+    if automaton is None or automaton.kind == "heal":
       return None
     hole = tokens[row, : kinds.shape[1]][kinds[row] == K.TARGET]
     return automaton.accepts([int(t) for t in hole if t != self.tokenizer.pad_id])
@@ -614,6 +644,7 @@ class Sampler:
     drafts: bool = False,
     cache: str = "auto",
     constraint: Automaton | Sequence[Automaton | None] | None = None,
+    token_healing: bool = True,
     **knobs,
   ) -> Iterator[StreamEvent]:
     """Generates like :meth:`generate` (same arguments, same tokens) and yields text as blocks are committed.
@@ -636,11 +667,12 @@ class Sampler:
     kind, block = self._kind(cache, knobs)
     if kind == "loop":
       kind, block = "none", knobs.get("block_length") or APPROXIMATE_BLOCK
+    heal = token_healing and constraint is None and not bos
     prepared = self._prepare(
-      prompts, template, length, steps, seed, num_samples, streams, False, bos, False, cache, knobs
+      prompts, template, length, steps, seed, num_samples, streams, False, bos, False, cache, knobs, heal
     )
-    settings, canvas, prompts, prompt_lengths, _ = prepared
-    automata = self._row_constraints(constraint, canvas, num_samples)
+    settings, canvas, prompts, prompt_lengths, _, healed = prepared
+    automata = self._row_constraints(constraint, canvas, num_samples) or self._healing(healed)
     batch, length = np.shape(canvas.tokens)
     canvas, plan, per_block = self.engine_layout(canvas, length, kind, block, steps, settings)
     placed = self._place_batch(canvas, settings.pad_id)
@@ -680,6 +712,7 @@ class Sampler:
         committed = row_block * block - block  # the canvas positions before the row's block are final
         final_end = ends[row] if row_done else max(committed, prompt_lengths[row])
         text = self.tokenizer.decode(tokens[prompt_lengths[row] : min(final_end, ends[row])])
+        text = healing.strip(text, healed[row])
         if not row_done and text.endswith("\ufffd"):  # A character split between blocks waits for its bytes.
           text = text[:-1]
         delta = text[len(sent[row]) :] if text.startswith(sent[row]) else ""
@@ -698,15 +731,28 @@ class Sampler:
     return self.decoder(cache, knobs.get("block_length") or 0)
 
   def _prepare(
-    self, prompts, template, length, steps, seed, num_samples, streams, show_steps, bos, per_process, cache, knobs
+    self,
+    prompts,
+    template,
+    length,
+    steps,
+    seed,
+    num_samples,
+    streams,
+    show_steps,
+    bos,
+    per_process,
+    cache,
+    knobs,
+    heal=False,
   ):
-    """Checks ``generate``'s arguments and builds ``(settings, canvas, prompts, prompt lengths, layout)``, or None
-    when no process has a prompt (``per_process``)."""
+    """Checks ``generate``'s arguments and builds ``(settings, canvas, prompts, prompt lengths, layout, healed)``,
+    or None when no process has a prompt (``per_process``)."""
     spread = per_process and jax.process_count() > 1
     try:
       kind, block = self._kind(cache, knobs)
-      settings, examples, prompts, prompt_lengths = self._examples(
-        prompts, template, length, steps, num_samples, show_steps, bos, per_process, knobs, kind, block
+      settings, examples, prompts, prompt_lengths, healed = self._examples(
+        prompts, template, length, steps, num_samples, show_steps, bos, per_process, knobs, kind, block, heal
       )
     except ValueError:
       if spread:  # Tell the other processes, which would otherwise wait for this one.
@@ -725,12 +771,25 @@ class Sampler:
     if streams is None:
       streams = range(offset, offset + len(examples))
     canvas = cv.make_canvas(examples, streams=streams, pad_id=settings.pad_id)
-    return settings, canvas, prompts, prompt_lengths, layout
+    return settings, canvas, prompts, prompt_lengths, layout, healed
 
   def _examples(
-    self, prompts, template, length, steps, num_samples, show_steps, bos, per_process, knobs, kind="loop", block=0
+    self,
+    prompts,
+    template,
+    length,
+    steps,
+    num_samples,
+    show_steps,
+    bos,
+    per_process,
+    knobs,
+    kind="loop",
+    block=0,
+    heal=False,
   ):
-    """Checks ``generate``'s arguments and builds ``(settings, examples, prompt of each row, prompt lengths)``."""
+    """Checks ``generate``'s arguments and builds ``(settings, examples, prompt of each row, prompt lengths, healed
+    characters of each row)``; ``heal``: token healing where the decoder and the canvas allow it."""
     check_knobs_for_model({"steps": steps, **knobs}, self.autoregressive)
     if not self.autoregressive and steps is not None and steps < 1:
       raise SettingError("steps", steps, "must be >= 1")
@@ -747,21 +806,25 @@ class Sampler:
     if template is None and length < 1:
       raise ValueError(f"length={length} must be >= 1")
     tail = cv.parse_template(template, self.tokenizer.encode) if template is not None else None
+    heal = heal and tail is None and kind != "loop"
     trace = 0
     if show_steps and not self.autoregressive:
       trace = steps or DEFAULT_STEPS
       if kind != "loop":  # The block engine: steps per block times the blocks a row spans.
-        holes = sum(p.length for p in tail if isinstance(p, cv.Hole)) if tail is not None else length
-        span = sum(p.length if isinstance(p, cv.Hole) else len(p) for p in tail) if tail is not None else length
+        holes = sum(p.length for p in tail if isinstance(p, cv.Hole)) if tail is not None else length + heal
+        span = sum(p.length if isinstance(p, cv.Hole) else len(p) for p in tail) if tail is not None else length + heal
         trace = self.block_steps(steps, block, holes) * (-(-span // block) + 1)
     settings = self.settings(trace=trace, **knobs)
-    examples, prompt_lengths = [], []
+    examples, prompt_lengths, healed = [], [], []
     for i, prompt in enumerate(prompts):
       if not prompt and template is None:
         raise ValueError(f"prompt {i} is empty; give text to continue, or a template with <mask:N> holes")
       ids = ([self.tokenizer.bos_id] if bos else []) + self.tokenizer.encode(prompt)
       if self.autoregressive and not ids and (tail is None or isinstance(tail[0], cv.Hole)):
         ids = [self.tokenizer.bos_id]  # The decoder needs a known first token.
+      removed = ""
+      if heal:
+        kept, removed = healing.back_off(self.tokenizer, prompt, ids)
       pieces = [ids, *tail] if tail is not None else cv.prefix(ids, length)
       size = sum(p.length if isinstance(p, cv.Hole) else len(p) for p in pieces)
       if size > self.max_length:
@@ -770,9 +833,12 @@ class Sampler:
           f"prompt {i} ({len(ids)} tokens) plus {what} needs {size} positions but the model's context is "
           f"{self.max_length} tokens"
         )
+      if removed:  # The same positions, one more of them generated.
+        ids, pieces = kept, cv.prefix(kept, length + len(ids) - len(kept))
       examples += [pieces] * num_samples
       prompt_lengths += [len(ids)] * num_samples
-    return settings, examples, [p for p in prompts for _ in range(num_samples)], prompt_lengths
+      healed += [removed] * num_samples
+    return settings, examples, [p for p in prompts for _ in range(num_samples)], prompt_lengths, healed
 
   def _frames(self, out: SampleOutput, kinds: np.ndarray, row: int, end: int, settings: SamplerSettings) -> list[str]:
     """The canvas text of one row after each step (diffusion) or each generated token (autoregressive)."""

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from mercury_jax import usage
 
-BUNDLED_NAME = "mercury_jax-default"  # The model name of the bundled checkpoint.
+BUNDLED_NAME = "mercury_jax-{model}"  # The model name of a bundled checkpoint (--model).
 
 
 _Parser = functools.partial(usage.Parser, command="mercury_jax.serve")  # usage errors: one line, exit code 2
@@ -38,8 +38,14 @@ _fail = functools.partial(usage.fail, "mercury_jax.serve")
 
 def build_parser() -> argparse.ArgumentParser:
   p = _Parser(prog="python -m mercury_jax.serve", description=__doc__.splitlines()[0])
-  p.add_argument(
+  which = p.add_mutually_exclusive_group()
+  which.add_argument(
     "--checkpoint", help="train workdir, checkpoints folder, step folder or exported checkpoint (default: bundled)"
+  )
+  which.add_argument(
+    "--model",
+    default="default",
+    help="a bundled model, without --checkpoint: default (block diffusion) or default_ar (its autoregressive twin)",
   )
   p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0: every one)")
   p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000; 0: a free one)")
@@ -61,6 +67,13 @@ def build_parser() -> argparse.ArgumentParser:
     default="512,256,16384",
     help="STATES,CLASSES,EDGES of the largest automaton a slot holds for structured output (response_format, "
     "tools); larger schemas get 400 (default 512,256,16384); 0: structured output off",
+  )
+  p.add_argument(
+    "--no-token-healing",
+    dest="token_healing",
+    action="store_false",
+    help="keep a completion prompt's last token as tokenised (default: re-generate it, constrained to start with its "
+    "characters; plain-text /v1/completions only, and off with --constraint-capacity 0)",
   )
   from mercury_jax import distributed
 
@@ -110,9 +123,14 @@ def _load(args: argparse.Namespace):
 
   if not jax.config.jax_compilation_cache_dir:
     jax.config.update("jax_compilation_cache_dir", str(compile_cache_dir()))
-  path = args.checkpoint if args.checkpoint is not None else default_checkpoint()
+  path = args.checkpoint
   if path is None:
-    _fail(NO_DEFAULT_MODEL)
+    try:
+      path = default_checkpoint(args.model)
+    except ValueError as e:
+      _fail(f"--model: {e}")
+    if path is None:
+      _fail(NO_DEFAULT_MODEL.format(name=args.model))
   from mercury_jax import sharding as sh
 
   try:
@@ -131,7 +149,9 @@ def _load(args: argparse.Namespace):
     _fail(e.named("--block-length" if e.field == "block_length" else e.field))
   except ValueError as e:
     _fail(str(e))
-  name = args.model_name or (BUNDLED_NAME if args.checkpoint is None else Path(path).resolve().name)
+  name = args.model_name or (
+    BUNDLED_NAME.format(model=args.model) if args.checkpoint is None else Path(path).resolve().name
+  )
   return scheduler, name
 
 
@@ -172,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
   from mercury_jax.serve.routes import create_app
 
   try:
-    app = create_app(scheduler, model_name=name, grace=args.grace)
+    app = create_app(scheduler, model_name=name, grace=args.grace, token_healing=args.token_healing)
   except TemplateError as e:
     _fail(f"--checkpoint: {e}")
 

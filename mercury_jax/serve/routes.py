@@ -68,6 +68,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from sse_starlette import EventSourceResponse
 
+from mercury_jax.sampling import healing
 from mercury_jax.sampling.sampler import MASK_TEXT
 from mercury_jax.sampling.settings import SettingError
 from mercury_jax.serve import protocol as api, structured
@@ -98,8 +99,18 @@ class _Choice:
   a tool call is held back whole, and becomes :attr:`tool_call` when it finishes complete.
   """
 
-  def __init__(self, index: int, handle, tokenizer, stops: tuple[str, ...], metrics: Metrics, calls: str = "none"):
+  def __init__(
+    self,
+    index: int,
+    handle,
+    tokenizer,
+    stops: tuple[str, ...],
+    metrics: Metrics,
+    calls: str = "none",
+    healed: str = "",
+  ):
     self.index, self.handle, self.tokenizer, self.stops, self.metrics = index, handle, tokenizer, stops, metrics
+    self.healed = healed  # the prompt's characters its first token(s) re-generate (token healing); not released
     self.text = ""  # final so far (released, unless the reply is a call)
     self.tokens = 0
     self.nfe = 0
@@ -119,7 +130,7 @@ class _Choice:
         self.metrics.first_token(update.time - self.handle.submitted)
       self.metrics.add_tokens(len(update.tokens) - self.tokens, update.time)
     self.tokens, self.nfe = len(update.tokens), update.nfe
-    text = self.tokenizer.decode(update.tokens)
+    text = healing.strip(self.tokenizer.decode(update.tokens), self.healed)
     if not update.done and text.endswith("\ufffd"):  # A character split between blocks waits for its bytes.
       text = text[:-1]
     if not text.startswith(self.text):  # Earlier text never changes; wait for the decoding to agree again.
@@ -248,13 +259,16 @@ def _knobs(body: api.GenerationRequest, scheduler) -> Knobs:
   return Knobs(**{name: value for name, value in given.items() if value is not None})
 
 
-def create_app(scheduler, *, model_name: str, grace: float = 30.0) -> FastAPI:
+def create_app(scheduler, *, model_name: str, grace: float = 30.0, token_healing: bool = True) -> FastAPI:
   """The FastAPI app serving ``scheduler``'s model.
 
   Args:
     scheduler: A started :class:`~mercury_jax.serve.scheduler.Scheduler` (or an object with its interface).
     model_name: The name ``/v1/models`` lists and every response carries.
     grace: The server's graceful-shutdown timeout: a stream may go on for about this long after shutdown begins.
+    token_healing: Re-generate the last token of a plain-text completion's prompt, constrained to start with its
+      characters (:mod:`~mercury_jax.sampling.healing`): not for FIM, structured output, or a model with a chat
+      template (SFT: its prompts end at a boundary it learned); needs a constraint capacity.
 
   Raises:
     TemplateError: The checkpoint's ``data.chat_template`` does not compile.
@@ -295,12 +309,16 @@ def create_app(scheduler, *, model_name: str, grace: float = 30.0) -> FastAPI:
     max_tokens: int,
     shape: structured.Structure,
     tools: list[dict],
+    healed: str = "",
   ):
-    """Submits the request's choices and answers: one JSON body, or the event stream."""
+    """Submits the request's choices and answers: one JSON body, or the event stream. ``healed``: characters backed
+    off the prompt (token healing), which the reply writes first and does not show."""
     if app.state.draining:
       raise api.APIError(503, "the server is shutting down; send the request elsewhere", code="draining")
     knobs = _knobs(body, scheduler)
     constraint = await structured.constraint(shape, tools, scheduler.compiler)
+    if healed:
+      constraint = scheduler.compiler.heal(healed)
     seed = body.seed if body.seed is not None else secrets.randbelow(api.MAX_SEED + 1)
     diffusing = bool(body.diffusing and body.stream)
     requests = [
@@ -317,7 +335,7 @@ def create_app(scheduler, *, model_name: str, grace: float = 30.0) -> FastAPI:
     try:
       for i, engine_request in enumerate(requests):
         handle = scheduler.submit(engine_request, loop)
-        choices.append(_Choice(i, handle, tokenizer, body.stops, metrics, shape.calls))
+        choices.append(_Choice(i, handle, tokenizer, body.stops, metrics, shape.calls, healed))
     except QueueFull as e:
       for choice in choices:
         choice.handle.cancel()
@@ -329,8 +347,11 @@ def create_app(scheduler, *, model_name: str, grace: float = 30.0) -> FastAPI:
       raise api.APIError(503, str(e), code="draining") from None
     shape = _Shape(api.new_id("chatcmpl" if chat else "cmpl"), model_name, chat)
 
+    backed = 1 if healed else 0  # token healing's backed-off token: the client sent it, as part of the prompt
+
     def usage() -> api.Usage:
-      return api.Usage.of(len(prompt) + len(suffix), sum(c.tokens for c in choices), sum(c.nfe for c in choices))
+      completion = sum(max(c.tokens - backed, 0) for c in choices)
+      return api.Usage.of(len(prompt) + backed + len(suffix), completion, sum(c.nfe for c in choices))
 
     path = request.url.path
     if body.stream:
@@ -355,8 +376,21 @@ def create_app(scheduler, *, model_name: str, grace: float = 30.0) -> FastAPI:
     prompt = tokenizer.encode(body.text) or [tokenizer.bos_id]
     suffix = tokenizer.encode(body.suffix) if body.suffix else []
     max_tokens = _max_tokens(body.max_tokens, default_max_tokens, len(prompt), len(suffix), context, "max_tokens")
+    healed = ""
+    if token_healing and template is None and not suffix and shape.field is None and scheduler.compiler is not None:
+      kept, healed = healing.back_off(tokenizer, body.text, prompt)
+      max_tokens += len(prompt) - len(kept)  # the same positions, one more of them generated
+      prompt = kept
     return await generate(
-      request, body, chat=False, prompt=prompt, suffix=suffix, max_tokens=max_tokens, shape=shape, tools=[]
+      request,
+      body,
+      chat=False,
+      prompt=prompt,
+      suffix=suffix,
+      max_tokens=max_tokens,
+      shape=shape,
+      tools=[],
+      healed=healed,
     )
 
   @app.post("/v1/completions")

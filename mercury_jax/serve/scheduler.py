@@ -364,7 +364,8 @@ class Scheduler:
       draft = tuple(int(t) for t in whole)
     if done:
       constraint = active.handle.request.constraint
-      if constraint is not None:  # Complete structured text stops; a valid but unfinished prefix ran out of room.
+      if constraint is not None and constraint.kind != "heal":  # Complete structured text stops; a valid but
+        # unfinished prefix ran out of room. (Token healing's constraint ends with its prefix: EOS decides.)
         stopped = constraint.accepts([int(t) for t in region if t != self.pad_id])
       self._finish(slot, Update(tokens, None, True, "stop" if stopped else "length", nfe, time=now))
     elif len(tokens) != active.sent or draft is not None:

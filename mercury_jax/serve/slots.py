@@ -247,7 +247,8 @@ class SlotEngine:
       return
     for slot in np.flatnonzero(command.constraint):
       kind, _, source = bytes(data[slot, : command.constraint[slot]]).decode().partition("\n")
-      compile_ = {"regex": self.compiler.regex, "json_schema": self.compiler.json_schema}.get(kind)
+      compile_ = {"regex": self.compiler.regex, "json_schema": self.compiler.json_schema, "heal": self.compiler.heal}
+      compile_ = compile_.get(kind)
       self._automata[int(slot)] = compile_(source) if compile_ else self.compiler.json_object()
 
   # ------------------------------------------------------------------------------------------- programs

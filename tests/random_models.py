@@ -1,0 +1,31 @@
+"""Small random-weight checkpoints of every kind, with sharp distributions (a random model with strong opinions)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from mercury_jax.checkpoint import export_params
+from mercury_jax.config import Config, ModelConfig, ObjectiveConfig
+from mercury_jax.model import Transformer
+
+KINDS = {
+  "block_diffusion": (False, ObjectiveConfig(block_size=4)),
+  "autoregressive": (True, ObjectiveConfig(name="autoregressive")),
+  "whole_sequence": (False, ObjectiveConfig()),
+}
+
+
+def random_checkpoint(root: Path, kind: str, tokenizer: Path, vocab_size: int = 512) -> Path:
+  """An exported checkpoint of ``kind`` (a key of :data:`KINDS`) under ``root / kind``."""
+  causal, objective = KINDS[kind]
+  model = ModelConfig(
+    vocab_size=vocab_size, d_model=32, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16, mlp_dim=64,
+    max_length=128, causal=causal,
+  )  # fmt: skip
+  params = nn.meta.unbox(Transformer(model).init(jax.random.key(1), jnp.zeros((1, 8), jnp.int32)))["params"]
+  params = jax.tree.map(lambda p: p * 8.0, params)
+  return export_params(root / kind, params, Config(model=model, objective=objective, name=kind), tokenizer).parent

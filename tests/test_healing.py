@@ -1,0 +1,163 @@
+"""Token healing: a prompt that ends inside a token gets its last token re-generated, constrained to start with its
+characters, by the block-diffusion engine and the autoregressive twin alike; the reply never repeats them."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from random_models import random_checkpoint
+
+from mercury_jax import sharding as sh
+from mercury_jax.config import MeshConfig
+from mercury_jax.constrain.automaton import Compiler
+from mercury_jax.data.tokenizer import NUM_SPECIAL
+from mercury_jax.model import Transformer
+from mercury_jax.sample import main
+from mercury_jax.sampling import healing
+from mercury_jax.sampling.sampler import Sampler
+
+# A prompt ending in ':' (the data writes ':' and the newline as one token), in '(', in an indent, inside a word.
+PROMPTS = ["def area(width, height):", "print(", "class Box:\n    def size(self):\n    ", "def fibon"]
+
+
+@pytest.fixture(scope="module")
+def samplers(tmp_path_factory, data_dir):
+  root = tmp_path_factory.mktemp("healing")
+  tokenizer = data_dir / "tokenizer.model"
+  return {kind: Sampler.from_checkpoint(random_checkpoint(root, kind, tokenizer)) for kind in ("block_diffusion",
+          "autoregressive", "whole_sequence")}  # fmt: skip
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_back_off_removes_the_last_token_and_exactly_its_characters(prompt, samplers):
+  tokenizer = samplers["block_diffusion"].tokenizer
+  ids = tokenizer.encode(prompt)
+  kept, removed = healing.back_off(tokenizer, prompt, ids)
+  assert kept == ids[:-1] and removed
+  assert tokenizer.decode(kept) + removed == prompt
+
+
+def test_nothing_is_backed_off_a_prompt_of_one_token(samplers):
+  tokenizer = samplers["block_diffusion"].tokenizer
+  one = next(p for p in ("(", "d", "x") if len(tokenizer.encode(p)) == 1)
+  assert healing.back_off(tokenizer, one, tokenizer.encode(one)) == (tokenizer.encode(one), "")
+
+
+@pytest.mark.parametrize("prefix", [":", "(", "    ", "on", "):"])
+def test_the_healing_automaton_allows_exactly_the_tokens_that_agree_with_the_characters(prefix, samplers):
+  """At the start: every token whose text starts with the characters or is a non-empty start of them (the merged
+  token and the split ones); once they are written the row is free (and let go by the engine)."""
+  tokenizer = samplers["block_diffusion"].tokenizer
+  automaton = Compiler(tokenizer).heal(prefix)
+  texts = {i: tokenizer.decode([i]) for i in range(NUM_SPECIAL, tokenizer.vocab_size)}
+  texts = {i: t for i, t in texts.items() if t and t.isascii()}  # byte pieces of UTF-8 halves are never allowed
+  expected = sorted(i for i, t in texts.items() if t.startswith(prefix) or prefix.startswith(t))
+  assert sorted(automaton.allowed(automaton.start).tolist()) == expected
+  after = automaton.walk(tokenizer.encode(prefix + "x = 1\n"))
+  assert automaton.free[after] and not automaton.free[automaton.start]
+  assert automaton.walk(tokenizer.encode("#" + prefix)) == -1
+
+
+@pytest.mark.parametrize("kind", ["block_diffusion", "autoregressive"])
+def test_the_reply_keeps_the_prompt_and_does_not_repeat_its_end(kind, samplers):
+  sampler = samplers[kind]
+  tokenizer = sampler.tokenizer
+  for temperature in (0.0, 1.0):
+    samples = sampler.generate(PROMPTS, length=24, temperature=temperature, seed=2)
+    for prompt, sample in zip(PROMPTS, samples, strict=True):
+      kept, removed = healing.back_off(tokenizer, prompt, tokenizer.encode(prompt))
+      assert sample.healed == removed
+      written = tokenizer.decode(sample.tokens)
+      assert written.startswith(removed), (prompt, written)
+      assert sample.text == written[len(removed) :]
+      assert len(sample.tokens) <= 25  # the backed-off position plus the 24 asked for
+
+
+def test_the_greedy_healed_token_is_the_twins_best_one_that_keeps_the_prompt(samplers):
+  """The autoregressive twin at temperature 0: the first token is the argmax of the model's next-token distribution
+  over the tokens the characters allow, and without healing over every token (EOS aside)."""
+  sampler = samplers["autoregressive"]
+  model = Transformer(sampler.cfg.model)
+  for prompt in PROMPTS:
+    ids = sampler.tokenizer.encode(prompt)
+    kept, removed = healing.back_off(sampler.tokenizer, prompt, ids)
+    automaton = Compiler(sampler.tokenizer).heal(removed)
+    logits = np.asarray(model.apply({"params": sampler.params}, jnp.asarray([kept]))[0, -1])
+    allowed = automaton.allowed(automaton.start)
+    first = sampler.generate(prompt, length=4, temperature=0.0)[0].tokens[0]
+    assert first == allowed[np.argmax(logits[allowed])], prompt
+    logits = np.asarray(model.apply({"params": sampler.params}, jnp.asarray([ids]))[0, -1])
+    plain = sampler.generate(prompt, length=4, temperature=0.0, token_healing=False, min_length=4)[0].tokens[0]
+    assert plain == NUM_SPECIAL + np.argmax(logits[NUM_SPECIAL : sampler.tokenizer.vocab_size])
+
+
+def test_a_healed_row_is_let_go_after_the_block_that_writes_the_characters(samplers):
+  """Inside its first block a healed row writes only what the automaton allows (ASCII text pieces); after that block
+  it decodes unconstrained, so this sharp random model writes the byte pieces it favours, which the automaton
+  forbids."""
+  sampler = samplers["block_diffusion"]
+  prompt = "def fibon"
+  kept, removed = healing.back_off(sampler.tokenizer, prompt, sampler.tokenizer.encode(prompt))
+  automaton = Compiler(sampler.tokenizer).heal(removed)
+  loop = int(np.flatnonzero(automaton.free)[0])
+  sample = sampler.generate(prompt, length=24, temperature=0.0)[0]
+  first = -len(kept) % sampler.block_size or sampler.block_size  # positions of the hole in its first block
+  assert automaton.walk(sample.tokens[:first]) >= 0
+  forbidden = [t for t in sample.tokens[first:] if automaton.table[loop, automaton.classes[t]] < 0]
+  assert forbidden, sample.tokens
+  plain = sampler.generate(prompt, length=24, temperature=0.0, token_healing=False)[0]
+  assert any(automaton.table[loop, automaton.classes[t]] < 0 for t in plain.tokens)  # what it writes when free
+
+
+@pytest.mark.parametrize("kind", ["block_diffusion", "autoregressive"])
+def test_stream_gives_the_healed_text_generate_gives(kind, samplers):
+  sampler = samplers[kind]
+  kw = dict(length=20, temperature=1.0, seed=3)
+  generated = sampler.generate(PROMPTS, **kw)
+  streamed = [""] * len(PROMPTS)
+  for event in sampler.stream(PROMPTS, **kw):
+    streamed[event.index] += event.text
+  assert streamed == [s.text for s in generated]
+
+
+def test_a_healed_row_is_the_same_alone_in_a_batch_and_on_a_mesh(samplers, tmp_path, data_dir):
+  sampler = samplers["block_diffusion"]
+  alone = sampler.generate(PROMPTS[0], length=24, temperature=1.0, seed=5)[0]
+  batch = ["x", PROMPTS[0], PROMPTS[3]]  # "x": one token, nothing to heal
+  batched = sampler.generate(batch, length=24, temperature=1.0, seed=5, streams=[1, 0, 2])
+  assert batched[1].tokens == alone.tokens and batched[0].healed == ""
+  path = random_checkpoint(tmp_path, "block_diffusion", data_dir / "tokenizer.model")
+  mesh = sh.make_mesh(MeshConfig(data=2, fsdp=2, tensor=1), devices=jax.devices()[:4])
+  sharded = Sampler.from_checkpoint(path, mesh=mesh).generate(
+    batch, length=24, temperature=1.0, seed=5, streams=[1, 0, 2]
+  )
+  assert [s.tokens for s in sharded] == [s.tokens for s in batched]
+
+
+def test_healing_stays_off_where_it_does_not_apply(samplers):
+  """Whole-sequence checkpoints (their refinement loop has no constraint), templates, structured output."""
+  prompt = PROMPTS[0]
+  assert samplers["whole_sequence"].generate(prompt, length=8, steps=4)[0].healed == ""
+  bd = samplers["block_diffusion"]
+  assert bd.generate(prompt, template=" = <mask:4>")[0].healed == ""
+  assert bd.generate(prompt, length=8, constraint=bd.constraint(regex="[a-z]+"))[0].healed == ""
+  off = bd.generate(prompt, length=8, token_healing=False, seed=1)[0]
+  assert off.healed == "" and len(off.tokens) <= 8
+
+
+def test_command_line_heals_by_default_and_not_with_the_flag(samplers, tmp_path, data_dir, capsys):
+  path = random_checkpoint(tmp_path, "block_diffusion", data_dir / "tokenizer.model")
+  args = ["--checkpoint", str(path), "--prompt", PROMPTS[0], "--length", "12", "--seed", "4", "--json"]
+  assert main(args) == 0
+  healed = json.loads(capsys.readouterr().out)
+  assert main([*args, "--no-token-healing"]) == 0
+  plain = json.loads(capsys.readouterr().out)
+  expected = samplers["block_diffusion"].generate(PROMPTS[0], length=12, seed=4)[0]
+  assert healed["healed"] == expected.healed and expected.healed.endswith(":")
+  assert healed["text"] == expected.text and healed["tokens"] == expected.tokens
+  unhealed = samplers["block_diffusion"].generate(PROMPTS[0], length=12, seed=4, token_healing=False)[0]
+  assert "healed" not in plain and plain["tokens"] == unhealed.tokens
