@@ -28,6 +28,7 @@ def tiny_automaton(table: np.ndarray, accepting: np.ndarray, start: int):
     accepting=accepting,
     distance=distance,
     forced=forced,
+    free=np.zeros(states, bool),
     start=start,
     num_states=states,
     num_classes=vocab,

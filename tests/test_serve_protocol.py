@@ -96,6 +96,9 @@ class FakeCompiler:
   def json_object(self) -> FakeAutomaton:
     return self._compile("json_object", None, "OBJECT")
 
+  def heal(self, prefix: str) -> FakeAutomaton:
+    return self._compile("heal", prefix, prefix)
+
 
 class FakeScheduler:
   """Answers every request with ``reply`` (then EOS), one block of ``block`` characters per update.
@@ -124,6 +127,8 @@ class FakeScheduler:
     if self.error:
       return [Update((), None, True, "error", 0, error=self.error)]
     reply = self.reply + (str(request.stream) if self.per_stream else "")
+    if request.constraint is not None and request.constraint.kind == "heal":  # A healed prompt's end comes first.
+      reply = request.constraint.source + reply
     ids = self.tokenizer.encode(reply)[: request.max_tokens]
     reason = "stop" if len(ids) < request.max_tokens else "length"
     updates = []
@@ -175,8 +180,21 @@ def test_completion_answers_text_finish_reason_and_usage():
     "nfe": 3,
     "tokens_per_forward": round(11 / 3, 3),
   }
+  # Token healing: the prompt's last token goes to the engine as one more position to generate, under the automaton
+  # of texts that start with its characters; the reply does not repeat them and usage counts them as the prompt's.
+  (request,) = scheduler.requests
+  assert request.prompt == tuple(FakeTokenizer().encode("H")) and request.max_tokens == 21
+  assert request.constraint.kind == "heal" and request.constraint.source == "i"
+
+
+def test_no_token_healing_sends_the_prompt_as_tokenised():
+  scheduler = FakeScheduler("Hello world")
+  client = TestClient(create_app(scheduler, model_name="fake-model", token_healing=False))
+  out = client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 20}).json()
+  assert out["choices"][0]["text"] == "Hello world" and out["usage"]["prompt_tokens"] == 2
   (request,) = scheduler.requests
   assert request.prompt == tuple(FakeTokenizer().encode("Hi")) and request.max_tokens == 20
+  assert request.constraint is None
 
 
 def test_unknown_fields_are_ignored_and_neutral_values_of_unsupported_ones_accepted():

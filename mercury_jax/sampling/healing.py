@@ -10,7 +10,8 @@ the diffusion model and its autoregressive twin get the same treatment; the engi
 block that wrote the characters (``Automaton.free``), so later blocks decode exactly as without it.
 
 The removed characters are part of the prompt, not of the completion: :func:`strip` takes them off the generated
-text. Off for whole-sequence checkpoints (their refinement loop has no constraint), for templates, alongside a
+text. Off for whole-sequence checkpoints (their refinement loop has no constraint; with an approximate cache too,
+so one checkpoint decodes one way), for templates, alongside a
 structured-output constraint, for per-process prompts, and for SFT-style prompts (``bos``; on the server, models with
 a chat template): SFT records tokenise the prompt on its own, so its end is a boundary the model learned, and it was
 never trained to write a prompt token.

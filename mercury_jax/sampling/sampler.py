@@ -525,8 +525,9 @@ class Sampler:
         whole-sequence checkpoint runs it through the block engine without a cache.
       token_healing: Re-generate the prompt's last token under the constraint that its characters come first
         (:mod:`~mercury_jax.sampling.healing`), so a prompt that ends inside a token (``:``, ``(``, an indent, half
-        an identifier) continues as the training data would. Block engine, prompt mode, no ``constraint``, no
-        ``per_process``, no ``bos`` (an SFT prompt is tokenised on its own, so its end is a real boundary); ignored
+        an identifier) continues as the training data would. Block-diffusion and autoregressive checkpoints, prompt
+        mode, no ``constraint``, no ``per_process`` (to reproduce per-process samples in one process, pass False),
+        no ``bos`` (an SFT prompt is tokenised on its own, so its end is a real boundary); ignored
         otherwise.
       **knobs: ``SamplerSettings`` fields: temperature, top_k, top_p, min_length, eos_to_pad, and for diffusion
         models rule, confidence, threshold, block_length, revision.
@@ -806,7 +807,7 @@ class Sampler:
     if template is None and length < 1:
       raise ValueError(f"length={length} must be >= 1")
     tail = cv.parse_template(template, self.tokenizer.encode) if template is not None else None
-    heal = heal and tail is None and kind != "loop"
+    heal = heal and tail is None and (self.autoregressive or self.block_size > 0)  # not whole-sequence models
     trace = 0
     if show_steps and not self.autoregressive:
       trace = steps or DEFAULT_STEPS

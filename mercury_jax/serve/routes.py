@@ -377,7 +377,8 @@ def create_app(scheduler, *, model_name: str, grace: float = 30.0, token_healing
     suffix = tokenizer.encode(body.suffix) if body.suffix else []
     max_tokens = _max_tokens(body.max_tokens, default_max_tokens, len(prompt), len(suffix), context, "max_tokens")
     healed = ""
-    if token_healing and template is None and not suffix and shape.field is None and scheduler.compiler is not None:
+    heals = token_healing and (scheduler.autoregressive or scheduler.cfg.objective.block_size > 0)
+    if heals and template is None and not suffix and shape.field is None and scheduler.compiler is not None:
       kept, healed = healing.back_off(tokenizer, body.text, prompt)
       max_tokens += len(prompt) - len(kept)  # the same positions, one more of them generated
       prompt = kept
