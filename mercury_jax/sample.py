@@ -73,6 +73,19 @@ NO_DEFAULT_MODEL = (
 )
 
 
+def bundled_model(name: str, fail) -> Path:
+  """The folder of the bundled model ``name`` (``--model``); ``fail`` gets the one-line error when there is none."""
+  from mercury_jax.sampling.sampler import default_checkpoint
+
+  try:
+    path = default_checkpoint(name)
+  except ValueError as e:
+    fail(f"--model: {e}")
+  if path is None:
+    fail(NO_DEFAULT_MODEL.format(name=name))
+  return path
+
+
 _Parser = functools.partial(usage.Parser, command="mercury_jax.sample")  # usage errors: one line, exit code 2
 _fail = functools.partial(usage.fail, "mercury_jax.sample")
 
@@ -299,16 +312,11 @@ def main(argv: list[str] | None = None, *, compile_cache: bool = False) -> int:
     prompts = _own_prompts(args)
 
   from mercury_jax.config import ConfigError
-  from mercury_jax.sampling.sampler import Sampler, default_checkpoint
+  from mercury_jax.sampling.sampler import Sampler
 
   path = args.checkpoint
   if path is None:
-    try:
-      path = default_checkpoint(args.model)
-    except ValueError as e:
-      _fail(f"--model: {e}")
-    if path is None:
-      _fail(NO_DEFAULT_MODEL.format(name=args.model))
+    path = bundled_model(args.model, _fail)
   elif not Path(path).exists():
     _fail(f"--checkpoint {path!r} does not exist")
   from mercury_jax import sharding as sh

@@ -116,21 +116,14 @@ def _load(args: argparse.Namespace):
   import jax
 
   from mercury_jax.config import ConfigError
-  from mercury_jax.sample import NO_DEFAULT_MODEL, compile_cache_dir
-  from mercury_jax.sampling.sampler import Sampler, default_checkpoint
+  from mercury_jax.sample import bundled_model, compile_cache_dir
+  from mercury_jax.sampling.sampler import Sampler
   from mercury_jax.sampling.settings import SettingError
   from mercury_jax.serve.scheduler import Scheduler
 
   if not jax.config.jax_compilation_cache_dir:
     jax.config.update("jax_compilation_cache_dir", str(compile_cache_dir()))
-  path = args.checkpoint
-  if path is None:
-    try:
-      path = default_checkpoint(args.model)
-    except ValueError as e:
-      _fail(f"--model: {e}")
-    if path is None:
-      _fail(NO_DEFAULT_MODEL.format(name=args.model))
+  path = args.checkpoint if args.checkpoint is not None else bundled_model(args.model, _fail)
   from mercury_jax import sharding as sh
 
   try:
