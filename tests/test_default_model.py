@@ -1,5 +1,7 @@
-"""The model bundled in the package (``mercury_jax/assets/default``): complete, small, trained, and the CLI default."""
+"""The models bundled in the package (``mercury_jax/assets/default`` and its autoregressive twin
+``mercury_jax/assets/default_ar``): complete, small, trained on the permissive code corpus, and the CLI's choices."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -14,10 +16,11 @@ import pytest
 from mercury_jax import sharding as sh
 from mercury_jax.config import MeshConfig, load_config
 from mercury_jax.data.records import TARGET
+from mercury_jax.data.site_packages import parse_expression
 from mercury_jax.export import folder_bytes
 from mercury_jax.model import Transformer
 from mercury_jax.sample import main
-from mercury_jax.sampling.sampler import Sampler, default_checkpoint
+from mercury_jax.sampling.sampler import BUNDLED_MODELS, Sampler, default_checkpoint
 from mercury_jax.trainer import loss_terms
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -29,21 +32,33 @@ def sampler() -> Sampler:
   return Sampler.from_checkpoint(mesh=sh.make_mesh(MeshConfig(data=1), jax.devices()[:1]))
 
 
-def test_bundle_is_complete_and_fits_the_size_limit():
-  path = default_checkpoint()
-  assert path is not None, "mercury_jax/assets/default holds no model"
-  assert folder_bytes(path) <= 30_000_000
-  for name in ("MODEL_CARD.md", "manifest.json", "tokenizer.model"):
-    assert (path / name).is_file(), name
-  manifest = json.loads((path / "manifest.json").read_text())
-  assert manifest["kind"] == "python-stdlib" and manifest["splits"]["train"]["documents"] > 100
+def test_bundles_are_complete_and_fit_the_size_limit_together():
+  paths = [default_checkpoint(name) for name in BUNDLED_MODELS]
+  assert None not in paths, f"a bundled model is missing: {dict(zip(BUNDLED_MODELS, paths))}"
+  assert sum(folder_bytes(path) for path in paths) <= 30_000_000
+  for path in paths:
+    for name in ("MODEL_CARD.md", "manifest.json", "metadata.json", "tokenizer.model"):
+      assert (path / name).is_file(), (path, name)
+    manifest = json.loads((path / "manifest.json").read_text())
+    assert manifest["kind"] == "mixture" and manifest["splits"]["train"]["documents"] > 5000
+    stdlib, packages = manifest["corpora"]
+    assert stdlib["kind"] == "python-stdlib" and packages["kind"] == "site-packages"
+    licences = {d["name"]: d["license"] for d in packages["distributions"]}
+    assert len(licences) >= 20 and all(parse_expression(e)[1] for e in licences.values()), licences
+  # Both were trained on the same data with the same tokenizer.
+  assert len({(path / "tokenizer.model").read_bytes() for path in paths}) == 1
 
 
-def test_bundled_model_is_the_default_preset_diffusion_model(sampler):
-  assert not sampler.autoregressive
-  shipped, preset = sampler.cfg.model, load_config("default").model
-  assert shipped == preset, "the bundled model no longer matches configs/default.toml"
-  assert sampler.tokenizer.vocab_size <= shipped.vocab_size
+def test_bundled_models_are_the_default_presets(sampler):
+  """The diffusion bundle is configs/default.toml's block-diffusion model, the twin configs/default_ar.toml's."""
+  twin = Sampler.from_checkpoint(default_checkpoint("default_ar"))
+  for model, preset in ((sampler, load_config("default")), (twin, load_config("default_ar"))):
+    # The sampler runs the layer stack as a loop whatever training chose (same parameters).
+    assert model.cfg.model == dataclasses.replace(preset.model, unroll_layers=False)
+    assert model.cfg.objective.name == preset.objective.name
+    assert model.cfg.objective.block_size == preset.objective.block_size
+    assert model.tokenizer.vocab_size <= model.cfg.model.vocab_size
+  assert not sampler.autoregressive and sampler.block_size == 8 and twin.autoregressive
 
 
 def _nats_per_token(sampler: Sampler, tokens: np.ndarray, draws: int = 4) -> float:
@@ -62,7 +77,7 @@ def test_bundled_weights_are_trained_on_python(sampler):
   rows = ids[: (ids.size // length) * length].reshape(-1, length)  # [batch, length]
   shuffled = np.random.default_rng(0).permutation(rows.reshape(-1)).reshape(rows.shape)
   real, noise = _nats_per_token(sampler, rows), _nats_per_token(sampler, shuffled)
-  # Shipped model: about 4.75 vs 7.5 nats per token; random weights score both near ln(4096) = 8.3.
+  # Random weights score both near ln(4096) = 8.3 nats per token; the trained model separates them.
   assert real < 0.75 * noise and real < 5.5, (real, noise)
 
 
@@ -82,4 +97,17 @@ def test_sample_without_checkpoint_uses_the_bundle_and_matches_one_device(tmp_pa
   (single,) = [json.loads(line) for line in done.stdout.splitlines()]
   assert single["tokens"] == sharded["tokens"] and single["text"] == sharded["text"]
   assert any((tmp_path / "mercury_jax" / "xla").iterdir())
-  assert sharded["prompt"] == PROMPT and 1 <= len(sharded["tokens"]) <= 32 and sharded["nfe"] <= 16
+  # Token healing backs off the prompt's last token (``):``), so the tokens are the 32 asked for plus that one.
+  assert sharded["prompt"] == PROMPT and sharded["healed"] == "):" and 1 <= len(sharded["tokens"]) <= 33
+  assert sharded["nfe"] <= 16 + 1, sharded["nfe"]
+
+
+def test_model_default_ar_samples_the_bundled_twin(capsys):
+  """``--model default_ar`` decodes the twin, token for token, with the same seed and knobs as the Python API."""
+  argv = ["--model", "default_ar", "--prompt", PROMPT, "--length", "24", "--seed", "5", "--temperature", "0.8"]
+  assert main([*argv, "--json"]) == 0
+  (cli,) = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+  twin = Sampler.from_checkpoint(default_checkpoint("default_ar"))
+  (sample,) = twin.generate(PROMPT, length=24, seed=5, temperature=0.8)
+  assert cli["tokens"] == [int(t) for t in sample.tokens] and cli["text"] == sample.text
+  assert cli["nfe"] == len(sample.tokens)  # one token per forward pass: the twin, not the diffusion model

@@ -62,15 +62,14 @@ def test_random_weights_give_valid_output_for_every_schema_and_regex(kind, tmp_p
 
 
 @pytest.mark.skipif(default_checkpoint() is None, reason="no bundled model")
-@pytest.mark.parametrize("part,block_length,steps", [(0, 8, None), (1, 16, 48), (2, 32, 24)])
-def test_the_trained_model_gives_valid_output_at_several_budgets_and_blocks(part, block_length, steps):
-  """The bundled model (trained), a third of the suite per step budget and block length: all of it across the three."""
-  sampler = _bundled()
+@pytest.mark.parametrize("part,model,steps", [(0, "default", None), (1, "default", 24), (2, "default_ar", None)])
+def test_the_trained_models_give_valid_output_at_several_budgets(part, model, steps):
+  """The bundled models (trained), a third of the suite each: the block-diffusion model at one token per step and at
+  three per step, and its autoregressive twin."""
+  sampler = _bundled(model)
   rows, automata = _suite(sampler)
   rows, automata = rows[part::3], automata[part::3]
-  samples = sampler.generate(
-    ["record = "] * len(rows), length=LENGTH, steps=steps, constraint=automata, block_length=block_length, seed=1
-  )
+  samples = sampler.generate(["record = "] * len(rows), length=LENGTH, steps=steps, constraint=automata, seed=1)
   _check(samples, automata, rows, LENGTH)
   assert sum(s.complete for s in samples) == len(samples)
 
@@ -78,10 +77,10 @@ def test_the_trained_model_gives_valid_output_at_several_budgets_and_blocks(part
 _BUNDLED = {}
 
 
-def _bundled() -> Sampler:
-  if "sampler" not in _BUNDLED:
-    _BUNDLED["sampler"] = Sampler.from_checkpoint(default_checkpoint())
-  return _BUNDLED["sampler"]
+def _bundled(name: str) -> Sampler:
+  if name not in _BUNDLED:
+    _BUNDLED[name] = Sampler.from_checkpoint(default_checkpoint(name))
+  return _BUNDLED[name]
 
 
 def test_forced_text_costs_no_forward_passes(tmp_path, data_dir):
@@ -138,7 +137,7 @@ def test_command_line_json_schema_and_regex(tmp_path, capsys):
   schema = SCHEMAS[next(iter(SCHEMAS))]
   path = tmp_path / "schema.json"
   path.write_text(json.dumps(schema))
-  common = ["--prompt", "x = ", "--length", str(LENGTH), "--block-length", "16", "--json", "--no-compile-cache"]
+  common = ["--prompt", "x = ", "--length", str(LENGTH), "--json", "--no-compile-cache"]
   assert main([*common, "--json-schema", str(path), "--temperature", "0"]) == 0
   record = json.loads(capsys.readouterr().out)
   assert record["complete"] is True
