@@ -34,7 +34,7 @@ def sampler() -> Sampler:
 
 def test_bundles_are_complete_and_fit_the_size_limit_together():
   paths = [default_checkpoint(name) for name in BUNDLED_MODELS]
-  assert None not in paths, f"a bundled model is missing: {dict(zip(BUNDLED_MODELS, paths))}"
+  assert None not in paths, f"a bundled model is missing: {dict(zip(BUNDLED_MODELS, paths, strict=True))}"
   assert sum(folder_bytes(path) for path in paths) <= 30_000_000
   for path in paths:
     for name in ("MODEL_CARD.md", "manifest.json", "metadata.json", "tokenizer.model"):
