@@ -112,7 +112,8 @@ def test_suite_examples_are_valid_and_accepted_in_the_tokenizers_own_tokenisatio
   jsonschema.validate(EXAMPLES[name], SCHEMAS[name], format_checker=FORMATS)
   automaton = compiler.json_schema(SCHEMAS[name])
   assert automaton.accepts(tokenizer.encode(compact(EXAMPLES[name])) + [tokenizer.eos_id])
-  assert automaton.num_states < 600 and automaton.distance[automaton.start] <= 80, automaton
+  # The shortest instance must fit the 96 tokens the structured-output tests generate (tests/test_structured.py).
+  assert automaton.num_states < 600 and automaton.distance[automaton.start] <= 88, automaton
 
 
 # ----------------------------------------------------------------------------------------------- forced text
