@@ -32,6 +32,11 @@ def sampler() -> Sampler:
   return Sampler.from_checkpoint(mesh=sh.make_mesh(MeshConfig(data=1), jax.devices()[:1]))
 
 
+@pytest.fixture(scope="module")
+def twin() -> Sampler:
+  return Sampler.from_checkpoint(default_checkpoint("default_ar"))
+
+
 def test_bundles_are_complete_and_fit_the_size_limit_together():
   paths = [default_checkpoint(name) for name in BUNDLED_MODELS]
   assert None not in paths, f"a bundled model is missing: {dict(zip(BUNDLED_MODELS, paths, strict=True))}"
@@ -49,9 +54,8 @@ def test_bundles_are_complete_and_fit_the_size_limit_together():
   assert len({(path / "tokenizer.model").read_bytes() for path in paths}) == 1
 
 
-def test_bundled_models_are_the_default_presets(sampler):
+def test_bundled_models_are_the_default_presets(sampler, twin):
   """The diffusion bundle is configs/default.toml's block-diffusion model, the twin configs/default_ar.toml's."""
-  twin = Sampler.from_checkpoint(default_checkpoint("default_ar"))
   for model, preset in ((sampler, load_config("default")), (twin, load_config("default_ar"))):
     # The sampler runs the layer stack as a loop whatever training chose (same parameters).
     assert model.cfg.model == dataclasses.replace(preset.model, unroll_layers=False)
@@ -102,12 +106,11 @@ def test_sample_without_checkpoint_uses_the_bundle_and_matches_one_device(tmp_pa
   assert sharded["nfe"] <= 16 + 1, sharded["nfe"]
 
 
-def test_model_default_ar_samples_the_bundled_twin(capsys):
+def test_model_default_ar_samples_the_bundled_twin(twin, capsys):
   """``--model default_ar`` decodes the twin, token for token, with the same seed and knobs as the Python API."""
   argv = ["--model", "default_ar", "--prompt", PROMPT, "--length", "24", "--seed", "5", "--temperature", "0.8"]
   assert main([*argv, "--json"]) == 0
   (cli,) = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-  twin = Sampler.from_checkpoint(default_checkpoint("default_ar"))
   (sample,) = twin.generate(PROMPT, length=24, seed=5, temperature=0.8)
   assert cli["tokens"] == [int(t) for t in sample.tokens] and cli["text"] == sample.text
   assert cli["nfe"] == len(sample.tokens)  # one token per forward pass: the twin, not the diffusion model
