@@ -145,3 +145,47 @@ def check_knobs_for_model(knobs: dict, autoregressive: bool) -> None:
         "applies to diffusion models only; this checkpoint is an autoregressive model (it decodes one token per "
         "forward pass)",
       )
+
+
+def blocks_spanned(first: int, count: int, block: int) -> int:
+  """How many engine blocks of ``block`` positions the ``count`` positions from canvas position ``first`` touch.
+
+  The engine's blocks are aligned to canvas positions (block ``k`` holds positions ``[(k - 1) B, k B)``), so a hole
+  that starts inside a block touches one block more than ``ceil(count / B)`` when it also ends inside one.
+  """
+  if count < 1:
+    return 0
+  return (first + count - 1) // block - first // block + 1
+
+
+def steps_per_block(steps: int | None, block: int, generated: int, blocks: int | None = None) -> int:
+  """The steps each engine block gets for a total budget of ``steps`` over ``generated`` positions.
+
+  Each block gets ``ceil(steps * block / generated)`` steps, the same tokens per step in every block; a partial first
+  or last block uses fewer (every step commits at least one position of its block). ``steps`` None means one token per
+  step (``block`` steps per block).
+
+  Args:
+    steps: The total budget (>= 1), or None.
+    block: The engine's block size.
+    generated: The positions to generate (the longest row's).
+    blocks: The blocks those positions span (:func:`blocks_spanned`); default ``ceil(generated / block)``.
+
+  Raises:
+    SettingError: ``steps`` is below 1, or below ``blocks``: every block needs a step of its own, so a smaller budget
+      cannot be honoured.
+  """
+  generated = max(generated, 1)
+  blocks = -(-generated // block) if blocks is None else blocks
+  if steps is None:
+    return block
+  if steps < 1:
+    raise SettingError("steps", steps, "must be >= 1")
+  if steps < blocks:
+    raise SettingError(
+      "steps",
+      steps,
+      f"is below the {blocks} blocks of {block} tokens the {generated} generated positions span; every block takes at "
+      f"least one step, so give steps >= {blocks} (or generate fewer tokens)",
+    )
+  return max(1, -(-steps * block // generated))
