@@ -171,3 +171,105 @@ def attend(
   impl = resolve_implementation(implementation)
   fn = {"xla": _xla, "pallas": _pallas, "cudnn": _cudnn}[impl]
   return fn(q, k, v, segment_ids, mask, diffusion_block)
+
+
+def cached_visibility(
+  segments: jax.Array, cache_segments: jax.Array, starts: jax.Array, mask: str, diffusion_block: int | None
+) -> tuple[jax.Array, jax.Array]:
+  """``(cache part [batch, chunk, slots], chunk part [batch, chunk, chunk])`` bool: what each query of a chunk sees.
+
+  The query ``i`` of row ``b`` sits at slot ``p = starts[b] + i``. It sees the cached key at slot ``s`` when
+  ``mask`` allows ``(p, s)`` in slot space, ``s`` is not one of the chunk's own slots (the chunk brings those keys
+  itself) and the key shares its segment; and the chunk's key ``j`` when ``mask`` allows ``(p, starts[b] + j)`` and
+  it shares its segment. A padding query (segment 0) sees nothing.
+  """
+  chunk, slots = segments.shape[1], cache_segments.shape[1]
+  query_slots = starts[:, None] + jnp.arange(chunk)  # [b, chunk]
+  cache_slots = jnp.arange(slots)
+  own = (cache_slots[None] >= starts[:, None]) & (cache_slots[None] < starts[:, None] + chunk)  # [b, slots]
+  live = (segments != 0)[:, :, None]
+  in_cache = masks.visible(query_slots[:, :, None], cache_slots[None, None], mask, block=diffusion_block)
+  in_cache &= ~own[:, None, :] & (cache_segments[:, None, :] == segments[:, :, None]) & live
+  in_chunk = masks.visible(query_slots[:, :, None], query_slots[:, None, :], mask, block=diffusion_block)
+  in_chunk &= (segments[:, None, :] == segments[:, :, None]) & live
+  return in_cache, in_chunk
+
+
+def _cached_xla(q, k, v, segments, cache_k, cache_v, cache_segments, starts, mask, diffusion_block):
+  """Attention over ``[cache ; chunk]`` with two score blocks and one softmax, so the cache is never copied."""
+  batch, chunk, heads, head_dim = q.shape
+  kv_heads = k.shape[2]
+  groups = heads // kv_heads
+  in_cache, in_chunk = cached_visibility(segments, cache_segments, starts, mask, diffusion_block)
+  q = q.reshape(batch, chunk, kv_heads, groups, head_dim).astype(jnp.float32) * head_dim**-0.5
+  cached = jnp.einsum("bqkgd,bskd->bkgqs", q, cache_k.astype(jnp.float32))  # [b, kv, groups, chunk, slots]
+  own = jnp.einsum("bqkgd,bjkd->bkgqj", q, k.astype(jnp.float32))  # [b, kv, groups, chunk, chunk]
+  cached = jnp.where(in_cache[:, None, None], cached, -jnp.inf)
+  own = jnp.where(in_chunk[:, None, None], own, -jnp.inf)
+  top = jnp.maximum(jnp.max(cached, axis=-1), jnp.max(own, axis=-1))  # [b, kv, groups, chunk]
+  top = jnp.where(jnp.isfinite(top), top, 0.0)  # A query that sees nothing: every weight is 0.
+  cached, own = jnp.exp(cached - top[..., None]), jnp.exp(own - top[..., None])
+  total = jnp.sum(cached, axis=-1) + jnp.sum(own, axis=-1)
+  out = jnp.einsum("bkgqs,bskd->bqkgd", cached, cache_v.astype(jnp.float32))
+  out += jnp.einsum("bkgqj,bjkd->bqkgd", own, v.astype(jnp.float32))
+  total = jnp.moveaxis(total, -1, 1)[..., None]  # [b, chunk, kv, groups, 1]
+  out = jnp.where(total > 0, out / jnp.where(total > 0, total, 1.0), 0.0)
+  return out.reshape(batch, chunk, heads, head_dim).astype(v.dtype)
+
+
+def attend_cached(
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  segments: jax.Array,
+  cache_k: jax.Array,
+  cache_v: jax.Array,
+  cache_segments: jax.Array,
+  starts: jax.Array,
+  *,
+  mask: str,
+  diffusion_block: int | None = None,
+  implementation: str = "auto",
+) -> jax.Array:
+  """Attention of a chunk over a key-value cache and its own keys and values (:func:`cached_visibility`).
+
+  Args:
+    q: ``[batch, chunk, heads, head_dim]``, the chunk's queries.
+    k: ``[batch, chunk, kv_heads, head_dim]``, the chunk's keys.
+    v: like ``k``.
+    segments: ``[batch, chunk]`` int32, the chunk's segments (0: padding, whose output is zeros).
+    cache_k: ``[batch, slots, kv_heads, head_dim]``, the cached keys.
+    cache_v: like ``cache_k``.
+    cache_segments: ``[batch, slots]`` int32.
+    starts: ``[batch]`` int32, each row's first slot of the chunk.
+    mask: ``causal``, ``block_causal`` or ``bidirectional``, in slot space.
+    diffusion_block: the block of ``block_causal``.
+    implementation: ``auto``, ``xla``, ``pallas`` or ``cudnn`` (``cudnn`` runs the XLA path: cuDNN has no mask for a
+      cache with per-row chunk positions).
+
+  Returns:
+    ``[batch, chunk, heads, head_dim]`` in ``v``'s dtype.
+  """
+  if mask not in ("causal", "block_causal", "bidirectional"):
+    raise ValueError(f"{mask=} must be causal, block_causal or bidirectional for attention over a cache")
+  if (mask == "block_causal") != (diffusion_block is not None):
+    raise ValueError(f"{diffusion_block=} must be given exactly for mask='block_causal'")
+  starts = jnp.broadcast_to(jnp.asarray(starts, jnp.int32), q.shape[:1])
+  impl = resolve_implementation(implementation)
+  if impl == "pallas":
+    from mercury_jax.kernels import cached_attention as ca
+
+    return ca.cached_attention(
+      q,
+      k,
+      v,
+      segments,
+      cache_k,
+      cache_v,
+      cache_segments,
+      starts,
+      mask=mask,
+      diffusion_block=diffusion_block,
+      interpret=jax.default_backend() != "gpu",
+    )
+  return _cached_xla(q, k, v, segments, cache_k, cache_v, cache_segments, starts, mask, diffusion_block)

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
 from mercury_jax import sharding as sh
-from mercury_jax.attention import attend
+from mercury_jax.attention import attend, attend_cached
 from mercury_jax.config import ModelConfig, dtype_of
 from mercury_jax.kernels import masks
 
@@ -60,18 +61,68 @@ def rotary(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
   return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
+class KVCache(NamedTuple):
+  """Keys and values of every layer at every slot of a batch of rows: a plain pytree its owner carries and writes.
+
+  The model never writes it: a pass over a chunk returns the chunk's own keys and values (``return_kv``), and the
+  caller writes them with :meth:`write` where it wants them. A chunk's keys and values have the same layout, with the
+  chunk's length in place of ``slots``.
+  """
+
+  keys: jax.Array  # [layers, batch, slots, kv_heads, head_dim]
+  values: jax.Array  # [layers, batch, slots, kv_heads, head_dim]
+  segments: jax.Array  # [batch, slots] int32: each slot's segment (0: empty or padding, which nothing sees)
+
+  @classmethod
+  def empty(cls, cfg: ModelConfig, batch: int, slots: int) -> KVCache:
+    """An all-empty cache (every slot in segment 0)."""
+    shape = (cfg.num_layers, batch, slots, cfg.num_kv_heads, cfg.head_dim)
+    dtype = dtype_of(cfg.dtype)
+    return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch, slots), jnp.int32))
+
+  @property
+  def slots(self) -> int:
+    return self.segments.shape[1]
+
+  def write(self, chunk: KVCache, starts: jax.Array) -> KVCache:
+    """This cache with ``chunk`` written at slots ``starts[r] ...`` of every row ``r`` (``starts``: [] or [batch])."""
+    starts = jnp.broadcast_to(jnp.asarray(starts, jnp.int32), self.segments.shape[:1])
+    put = jax.vmap(lambda a, new, s: jax.lax.dynamic_update_slice_in_dim(a, new, s, axis=1), in_axes=(1, 1, 0))
+    return KVCache(
+      jnp.moveaxis(put(self.keys, chunk.keys.astype(self.keys.dtype), starts), 0, 1),
+      jnp.moveaxis(put(self.values, chunk.values.astype(self.values.dtype), starts), 0, 1),
+      jax.vmap(lambda a, new, s: jax.lax.dynamic_update_slice_in_dim(a, new, s, axis=0))(
+        self.segments, chunk.segments, starts
+      ),
+    )
+
+  def rows(self, starts: jax.Array, size: int) -> KVCache:
+    """The ``size`` slots from ``starts[r]`` of every row ``r``, as a chunk."""
+    take = jax.vmap(lambda a, s: jax.lax.dynamic_slice_in_dim(a, s, size, axis=1), in_axes=(1, 0), out_axes=1)
+    return KVCache(
+      take(self.keys, starts),
+      take(self.values, starts),
+      jax.vmap(lambda a, s: jax.lax.dynamic_slice_in_dim(a, s, size, axis=0))(self.segments, starts),
+    )
+
+
 class Attention(nn.Module):
-  """Multi-head / grouped-query self-attention under ``mask``; with ``decode=True``, over a key-value cache."""
+  """Multi-head / grouped-query self-attention under ``mask``; given a cache, over the cache and the chunk together."""
 
   config: ModelConfig
-  decode: bool = False
   mask: str = "bidirectional"
   diffusion_block: int | None = None
 
   @nn.compact
   def __call__(
-    self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None, cache_index: jax.Array | None
-  ) -> jax.Array:
+    self,
+    x: jax.Array,
+    positions: jax.Array,
+    segment_ids: jax.Array | None,
+    cache: tuple[jax.Array, jax.Array, jax.Array, jax.Array] | None,
+  ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    """``(output [batch, length, embed], (keys, values) of this chunk)``; ``cache``: this layer's cached keys and
+    values, the cache's segments and each row's first slot of the chunk (:class:`KVCache`)."""
     cfg, dtype = self.config, dtype_of(self.config.dtype)
     d, h, kv, hd = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     w_q = _param(self, "query", (d, h, hd), (sh.EMBED, sh.HEADS, sh.HEAD_DIM)).astype(dtype)
@@ -94,9 +145,7 @@ class Attention(nn.Module):
       rotary(k, positions, cfg.rope_theta), (sh.BATCH, sh.LENGTH, sh.ACT_KV_HEADS, sh.HEAD_DIM)
     )
     v = nn.with_logical_constraint(v, (sh.BATCH, sh.LENGTH, sh.ACT_KV_HEADS, sh.HEAD_DIM))
-    if self.decode:
-      out = self._cached_attention(q, k, v, positions, segment_ids, cache_index)
-    else:
+    if cache is None:
       out = attend(
         q,
         k,
@@ -106,41 +155,24 @@ class Attention(nn.Module):
         mask=self.mask,
         diffusion_block=self.diffusion_block,
       )
+    else:
+      cache_k, cache_v, cache_segments, starts = cache
+      segment_ids = jnp.ones(q.shape[:2], jnp.int32) if segment_ids is None else segment_ids
+      out = attend_cached(
+        q,
+        k,
+        v,
+        segment_ids,
+        cache_k,
+        cache_v,
+        cache_segments,
+        starts,
+        mask=self.mask,
+        diffusion_block=self.diffusion_block,
+        implementation=cfg.attention,
+      )
     out = nn.with_logical_constraint(out, (sh.BATCH, sh.LENGTH, sh.ACT_HEADS, sh.HEAD_DIM))
-    return dense(out, w_o, contract=2)  # [batch, length, embed]
-
-  def _cached_attention(self, q, k, v, positions, segment_ids, cache_index):
-    """Writes this chunk's keys and values at cache slots ``cache_index ...`` and attends over the whole cache.
-
-    The cache has as many slots as the tokens it was initialised with. The chunk (a prompt, a block, one token) sits
-    at slots ``cache_index ...``: one start for every row, or one per row (``[batch]``); default
-    ``positions[0, 0]``. A query sees the cached keys that
-    ``mask`` allows in slot space (``causal``, ``block_causal`` or ``bidirectional``) and that share its segment;
-    segment 0 is padding (e.g. the left padding of shorter prompts in a batch), which nothing sees.
-    """
-    cfg = self.config
-    batch, chunk = q.shape[:2]
-    initialising = not self.has_variable("cache", "key")
-    slots = q.shape[1] if initialising else self.get_variable("cache", "segment").shape[1]
-    shape = (batch, slots, cfg.num_kv_heads, cfg.head_dim)
-    cached_k = self.variable("cache", "key", jnp.zeros, shape, k.dtype)
-    cached_v = self.variable("cache", "value", jnp.zeros, shape, v.dtype)
-    cached_segments = self.variable("cache", "segment", jnp.zeros, (batch, slots), jnp.int32)
-    if initialising:
-      return jnp.zeros_like(q)
-    segment_ids = jnp.ones((batch, chunk), jnp.int32) if segment_ids is None else segment_ids
-    start = positions[0, 0] if cache_index is None else jnp.asarray(cache_index, jnp.int32)
-    start = jnp.broadcast_to(start, (batch,))  # Each row's first slot (one value for every row, or one per row).
-    write = jax.vmap(lambda cache, new, s: jax.lax.dynamic_update_slice_in_dim(cache, new, s, axis=0))
-    cached_k.value = write(cached_k.value, k, start)
-    cached_v.value = write(cached_v.value, v, start)
-    cached_segments.value = write(cached_segments.value, segment_ids, start)
-    query_slots = start[:, None] + jnp.arange(chunk)  # [batch, chunk]
-    visible = masks.visible(query_slots[:, :, None], jnp.arange(slots), self.mask, block=self.diffusion_block)
-    visible &= cached_segments.value[:, None, :] == segment_ids[:, :, None]  # [batch, chunk, slots]
-    visible &= (segment_ids != 0)[:, :, None]
-    out = jax.nn.dot_product_attention(q, cached_k.value, cached_v.value, mask=visible[:, None])
-    return jnp.where((segment_ids != 0)[:, :, None, None], out, jnp.zeros((), out.dtype))
+    return dense(out, w_o, contract=2), (k, v)  # [batch, length, embed]
 
 
 class SwiGLU(nn.Module):
@@ -164,22 +196,25 @@ class SwiGLU(nn.Module):
 
 
 class Block(nn.Module):
-  """One pre-norm transformer block; the signature fits ``nn.scan`` (carry in, carry out)."""
+  """One pre-norm transformer block; the signature fits ``nn.scan`` (carry in, carry and this layer's keys and values
+  out)."""
 
   config: ModelConfig
-  decode: bool = False
   mask: str = "bidirectional"
   diffusion_block: int | None = None
+  return_kv: bool = False
 
   @nn.compact
-  def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None, cache_index: jax.Array | None):
+  def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None, layer_cache, cache_rest):
     cfg, dtype = self.config, dtype_of(self.config.dtype)
     x = nn.with_logical_constraint(x, (sh.BATCH, sh.LENGTH, sh.ACT_EMBED))
-    x = x + Attention(cfg, self.decode, self.mask, self.diffusion_block, name="attention")(
-      RMSNorm(cfg.norm_eps, dtype, name="attention_norm")(x), positions, segment_ids, cache_index
+    cache = None if layer_cache is None else (*layer_cache, *cache_rest)
+    attended, kv = Attention(cfg, self.mask, self.diffusion_block, name="attention")(
+      RMSNorm(cfg.norm_eps, dtype, name="attention_norm")(x), positions, segment_ids, cache
     )
+    x = x + attended
     x = x + SwiGLU(cfg, name="mlp")(RMSNorm(cfg.norm_eps, dtype, name="mlp_norm")(x))
-    return nn.with_logical_constraint(x, (sh.BATCH, sh.LENGTH, sh.ACT_EMBED)), None
+    return nn.with_logical_constraint(x, (sh.BATCH, sh.LENGTH, sh.ACT_EMBED)), kv if self.return_kv else None
 
 
 def timestep_embedding(t: jax.Array, dim: int, max_period: float = 10_000.0) -> jax.Array:
@@ -203,12 +238,13 @@ class Transformer(nn.Module):
     *,
     segment_ids: jax.Array | None = None,
     positions: jax.Array | None = None,
-    decode: bool = False,
     mask: str | None = None,
     diffusion_block: int | None = None,
-    cache_index: jax.Array | None = None,
     logits_length: int | None = None,
-  ) -> jax.Array:
+    cache: KVCache | None = None,
+    cache_start: jax.Array | None = None,
+    return_kv: bool = False,
+  ) -> jax.Array | tuple[jax.Array, KVCache]:
     """Logits for ``tokens``.
 
     Args:
@@ -216,22 +252,24 @@ class Transformer(nn.Module):
       t: ``[batch]`` diffusion time, used only when ``config.time_conditioning``.
       segment_ids: ``[batch, length]`` int32; attention stays within a segment and segment 0 is padding.
       positions: ``[batch, length]`` rotary positions (default ``0 .. length-1``).
-      decode: attend over a key-value cache in the ``cache`` collection: call ``apply(..., mutable=["cache"])``
-        chunk by chunk with explicit ``positions``; each chunk's keys and values are written at the cache slots
-        ``cache_index ...`` first. Initialise the cache with ``init(key, tokens_of_the_cache_length,
-        decode=True)["cache"]``: it holds as many slots as those tokens.
       mask: the attention mask (:mod:`mercury_jax.kernels.masks`); default ``causal`` for a causal model and
         ``bidirectional`` otherwise. ``block_diffusion`` runs BD3-LM's vectorised training pass over
-        ``x_t ⊕ x_0`` (``tokens`` holds both halves); with ``decode``, the mask applies to cache slots.
+        ``x_t ⊕ x_0`` (``tokens`` holds both halves). With ``cache``, the mask applies to cache slots.
       diffusion_block: block size of the ``block_causal`` and ``block_diffusion`` masks.
-      cache_index: with ``decode``, the first cache slot of this chunk: an int32 scalar for every row, or ``[batch]``
-        (default ``positions[0, 0]``).
       logits_length: compute logits for the first ``logits_length`` positions only (the noisy half of a
         ``block_diffusion`` pass: the clean half's logits are never used, and the output head is most of a small
         model's compute).
+      cache: a :class:`KVCache` the chunk also attends to (decoding): the chunk sits at slots ``cache_start[r] ...``
+        of row ``r``; its queries see the cached keys that ``mask`` allows in slot space and that share their
+        segment, except the cache's own slots of the chunk, whose keys and values are the chunk's (the cache is read,
+        never written: :meth:`KVCache.write`).
+      cache_start: with ``cache``, ``[batch]`` (or ``[]``) int32: each row's first slot of the chunk.
+      return_kv: also return the chunk's keys and values (a :class:`KVCache` of ``length`` slots whose segments are
+        ``segment_ids``), e.g. to write them into a cache.
 
     Returns:
-      ``[batch, length, vocab]`` float32 logits (``[batch, logits_length, vocab]`` with ``logits_length``).
+      ``[batch, length, vocab]`` float32 logits (``[batch, logits_length, vocab]`` with ``logits_length``), and with
+      ``return_kv`` the chunk's :class:`KVCache`.
     """
     cfg, dtype = self.config, dtype_of(self.config.dtype)
     batch, length = tokens.shape
@@ -254,19 +292,25 @@ class Transformer(nn.Module):
 
     if mask is None:
       mask = "causal" if cfg.causal else "bidirectional"
+    layer_cache, cache_rest = None, None
+    if cache is not None:
+      if cache_start is None:
+        raise ValueError("a pass over a cache needs cache_start, each row's first slot of the chunk")
+      layer_cache = (cache.keys, cache.values)  # scanned over layers
+      cache_rest = (cache.segments, jnp.broadcast_to(jnp.asarray(cache_start, jnp.int32), (batch,)))
     block = Block
     if cfg.remat:
       block = nn.remat(block, prevent_cse=False, policy=jax.checkpoint_policies.nothing_saveable)
     stack = nn.scan(
-      functools.partial(block, decode=decode, mask=mask, diffusion_block=diffusion_block),
-      variable_axes={"params": 0, "cache": 0},
+      functools.partial(block, mask=mask, diffusion_block=diffusion_block, return_kv=return_kv),
+      variable_axes={"params": 0},
       split_rngs={"params": True},
-      in_axes=(nn.broadcast, nn.broadcast, nn.broadcast),
+      in_axes=(nn.broadcast, nn.broadcast, 0, nn.broadcast),
       length=cfg.num_layers,
       unroll=cfg.num_layers if cfg.unroll_layers else 1,
       metadata_params={nn.PARTITION_NAME: sh.LAYERS},
     )
-    x, _ = stack(cfg, name="blocks")(x, positions, segment_ids, cache_index)
+    x, kv = stack(cfg, name="blocks")(x, positions, segment_ids, layer_cache, cache_rest)
     if logits_length is not None:
       x = x[:, :logits_length]
     x = RMSNorm(cfg.norm_eps, dtype, name="final_norm")(x)
@@ -275,7 +319,11 @@ class Transformer(nn.Module):
     else:
       head = _param(self, "head", (cfg.d_model, cfg.vocab_size), (sh.EMBED, sh.VOCAB)).astype(dtype)
       logits = dense(x, head)  # [batch, length, vocab]
-    return nn.with_logical_constraint(logits.astype(jnp.float32), (sh.BATCH, sh.LENGTH, sh.ACT_VOCAB))
+    logits = nn.with_logical_constraint(logits.astype(jnp.float32), (sh.BATCH, sh.LENGTH, sh.ACT_VOCAB))
+    if not return_kv:
+      return logits
+    segments = jnp.ones((batch, length), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
+    return logits, KVCache(kv[0], kv[1], segments)  # keys and values [layers, batch, length, kv_heads, head_dim]
 
 
 def count_params(params) -> int:

@@ -1,7 +1,8 @@
 """The autoregressive twin's decoder as it was before the block engine: the reference the engine must reproduce.
 
-The package decodes the twin with the block engine (``mercury_jax.sampling.blocks``, blocks of one token); this
-stand-alone decoder is kept, unchanged, only so that the tests can check the engine against it token for token.
+The package decodes the twin with the engine (``mercury_jax.sampling.engine``, blocks of one token); this stand-alone
+decoder is kept only so that the tests can check the engine against it token for token (it follows the model's cache
+API: the model returns a chunk's keys and values, the decoder writes them).
 
 Key-value-cache decoding for the autoregressive twin: one jitted ``lax.while_loop``, one token per forward pass.
 
@@ -36,9 +37,8 @@ from jax.sharding import Mesh
 
 from mercury_jax import kinds as K
 from mercury_jax.config import ModelConfig
-from mercury_jax.model import Transformer
+from mercury_jax.model import KVCache, Transformer
 from mercury_jax.sampling.canvas import Canvas, SampleOutput, after_eos
-from mercury_jax.sampling.loop import pad_after_eos
 from mercury_jax.sampling.mesh import jit_on_mesh
 from mercury_jax.sampling.proposal import noise_width, propose, uniform_noise
 from mercury_jax.sampling.settings import SamplerSettings
@@ -92,17 +92,12 @@ def decode(
     return jnp.min(jnp.where(needed, slots, length)).astype(jnp.int32)
 
   # Generated positions wait in segment 0 until they are decided and fed.
-  cache = model.init(jax.random.key(0), z, decode=True)["cache"]
   positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
   prefill_segments = ((kinds != K.PAD) & ~generate).astype(jnp.int32)
-  logits, variables = model.apply(
-    {"params": params, "cache": cache},
-    z,
-    segment_ids=prefill_segments,
-    positions=positions,
-    decode=True,
-    mutable=["cache"],
+  logits, kv = model.apply(
+    {"params": params}, z, segment_ids=prefill_segments, positions=positions, return_kv=True
   )
+  prefilled = KVCache.empty(model_cfg, batch, length).write(kv, 0)
 
   def decide(z, i, logits):
     """Samples position ``i`` of the rows that generate there from ``logits`` [b, vocab]."""
@@ -121,21 +116,24 @@ def decode(
     i, z, cache, nfe = carry  # Feed the token at i - 1, read the distribution of position i.
     token = jax.lax.dynamic_index_in_dim(z, i - 1, axis=1, keepdims=True)
     segment = jax.lax.dynamic_index_in_dim(live(z, i)[0], i - 1, axis=1, keepdims=True).astype(jnp.int32)
-    logits, variables = model.apply(
-      {"params": params, "cache": cache},
+    logits, kv = model.apply(
+      {"params": params},
       token,
       segment_ids=segment,
       positions=jnp.full((batch, 1), i - 1, jnp.int32),
-      decode=True,
-      mutable=["cache"],
+      cache=cache,
+      cache_start=i - 1,
+      return_kv=True,
     )
     z = decide(z, i, logits[:, 0])
-    return next_position(z, i), z, variables["cache"], nfe + 1
+    return next_position(z, i), z, cache.write(kv, i - 1), nfe + 1
 
   z = decide(z, start, jax.lax.dynamic_index_in_dim(logits, start - 1, axis=1, keepdims=False))
-  init = (next_position(z, start), z, variables["cache"], jnp.ones((), jnp.int32))
+  init = (next_position(z, start), z, prefilled, jnp.ones((), jnp.int32))
   _, z, _, nfe = jax.lax.while_loop(cond, body, init)
-  return SampleOutput(pad_after_eos(z, generate, settings), jnp.broadcast_to(nfe, (batch,)), nfe)
+  if settings.eos_to_pad:
+    z = jnp.where(after_eos(z, generate, settings.eos_id), settings.pad_id, z)
+  return SampleOutput(z, jnp.broadcast_to(nfe, (batch,)), nfe)
 
 
 def jit_decode(
@@ -148,7 +146,7 @@ def jit_decode(
 ) -> Callable[[Any, Canvas, jax.Array], SampleOutput]:
   """``jax.jit`` of :func:`decode` for fixed settings: ``(params, canvas, key) -> SampleOutput``.
 
-  On a mesh the shardings are those of :func:`~mercury_jax.sampling.loop.jit_sample` (canvases over the batch axes,
+  On a mesh the shardings are those of :func:`~mercury_jax.sampling.mesh.jit_on_mesh` (canvases over the batch axes,
   see :func:`~mercury_jax.sampling.mesh.jit_on_mesh`).
 
   Args:

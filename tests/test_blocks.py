@@ -1,5 +1,5 @@
-"""The block engine: the exact cache reproduces the uncached engine, the cache holds clean keys and values, the twin
-decodes as the reference decoder does, and streaming gives the batch result (tiny random models, f32)."""
+"""The engine: the exact cache reproduces the uncached engine, the cache holds clean keys and values, the twin decodes
+as the reference decoder does, and streaming gives the batch result (tiny random models, f32)."""
 
 import json
 from pathlib import Path
@@ -16,8 +16,9 @@ from mercury_jax.checkpoint import export_params
 from mercury_jax.config import Config, MeshConfig, ModelConfig, ObjectiveConfig
 from mercury_jax.model import Transformer
 from mercury_jax.sampling import canvas as cv
-from mercury_jax.sampling.blocks import BlockEngine, plan_blocks
+from mercury_jax.sampling.engine import BlockEngine
 from mercury_jax.sampling.mesh import jit_on_mesh
+from mercury_jax.sampling.plan import plan_blocks
 from mercury_jax.sampling.sampler import Sampler
 from mercury_jax.sampling.settings import SamplerSettings, SettingError
 from mercury_jax.trainer import param_shardings
@@ -89,8 +90,10 @@ def test_exact_cache_gives_the_tokens_of_the_uncached_engine(knobs):
   tokens, kinds = np.asarray(cached.tokens), np.asarray(canvas.kinds)
   assert not (tokens == settings.mask_id).any()
   np.testing.assert_array_equal(tokens[kinds == cv.FIXED], np.asarray(canvas.tokens)[kinds == cv.FIXED])
-  # Both ran the same refinement steps; the cache costs one prefill, with which the first block's first pass is fused.
-  assert int(cached.steps) <= int(uncached.steps) + 1
+  # Both ran the same refinement steps; the cache adds a commit pass in steps where a row needed only its finished
+  # block written (a template's fixed text), at most one per block.
+  plan = plan_blocks(canvas.kinds, BLOCK, cache="exact")
+  assert int(uncached.forwards) <= int(cached.forwards) <= int(uncached.forwards) + plan.blocks
 
 
 def test_the_cache_holds_the_clean_keys_and_values_of_every_committed_block():
@@ -99,29 +102,25 @@ def test_the_cache_holds_the_clean_keys_and_values_of_every_committed_block():
   plan = plan_blocks(canvas.kinds, BLOCK, cache="exact")
   engine = BlockEngine(cfg, settings, plan)
   state = jax.jit(lambda p, c: engine.advance(p, engine.init(p, c, jax.random.key(3), jnp.int32(2))))(params, canvas)
-  # A full clean pass over the final tokens, block-causal, written into a fresh cache of the same slots.
+  # A full clean pass over the final tokens, block-causal: the keys and values a cache of committed blocks holds.
   model = Transformer(cfg)
-  empty = jax.tree.map(jnp.zeros_like, state.cache)
   _, clean = model.apply(
-    {"params": params, "cache": empty},
+    {"params": params},
     state.z,
     segment_ids=state.segments,
     positions=state.positions,
-    decode=True,
     mask="block_causal",
     diffusion_block=BLOCK,
-    cache_index=0,
-    mutable=["cache"],
+    return_kv=True,
   )
-  # Every block before a row's last one is committed and was written by the next block's fused first pass.
-  written = (jnp.arange(plan.slots)[None, :] < state.last[:, None] * BLOCK) & (state.segments != 0)
+  # Every block before a row's last one is committed and was written by the next block's commit pass.
+  written = np.asarray((jnp.arange(plan.slots)[None, :] < state.last[:, None] * BLOCK) & (state.segments != 0))
   assert int(written.sum()) > 20
-  for name in ("key", "value"):
-    got = state.cache["blocks"]["attention"][name]  # [layers, batch, slots, kv_heads, head_dim]
-    want = clean["cache"]["blocks"]["attention"][name]
-    np.testing.assert_allclose(
-      np.asarray(got)[:, np.asarray(written)], np.asarray(want)[:, np.asarray(written)], atol=2e-5, rtol=2e-5
-    )
+  np.testing.assert_array_equal(np.asarray(state.cache.segments)[written], np.asarray(state.segments)[written])
+  for got, want in ((state.cache.keys, clean.keys), (state.cache.values, clean.values)):  # [layers, b, slots, ...]
+    np.testing.assert_allclose(np.asarray(got)[:, written], np.asarray(want)[:, written], atol=2e-5, rtol=2e-5)
+  # A slot never committed (after an EOS, or still masked) is invisible: it waits in segment 0.
+  assert (np.asarray(state.cache.segments)[~written & (np.asarray(state.segments) == 0)] == 0).all()
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.0])
@@ -134,7 +133,8 @@ def test_the_twin_through_the_engine_decodes_like_the_reference_decoder(temperat
   for cache in ("exact", "none"):
     out = _sample(cfg, params, canvas, settings, cache, 1, block=1, seed=2)
     np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(reference.tokens))
-  # One pass per generated token and row (the prefill gives the first): the row with 9 to generate needs 9.
+  # One pass per generated token and row (the pass that feeds the token before it): the row with 9 to generate needs
+  # 9; the prefill is not a pass of the loop.
   cached = _sample(cfg, params, canvas, settings, "exact", 1, block=1, seed=2)
   np.testing.assert_array_equal(np.asarray(cached.nfe)[[0, 1, 3]], [13, 9, 11])
 
@@ -200,7 +200,7 @@ def test_generation_stops_at_eos_per_row_and_cache_and_no_cache_agree():
   np.testing.assert_array_equal(tokens[5][: 1 + 6 + 2 + 5], [7, 5, 5, 5, 5, 5, 5, 8, 8, EOS, 0, 0, 0, 0])
   # Rows that stop at EOS need fewer forward passes than the same rows generating all 24 tokens.
   assert (np.asarray(outputs[6].nfe)[:5] < np.asarray(outputs[24].nfe)[:5]).all()
-  assert int(outputs[6].steps) < int(outputs[24].steps)
+  assert int(outputs[6].forwards) < int(outputs[24].forwards)
 
 
 # ------------------------------------------------------------------------------------------ the Sampler
@@ -228,10 +228,9 @@ def test_sampler_cache_and_no_cache_agree_and_report_tokens_per_forward(sampler)
   assert [s.tokens for s in cached] == [s.tokens for s in uncached]
   for s in cached:
     assert s.tokens_per_forward == pytest.approx(len(s.tokens) / s.nfe)
-    # The budget of 12 steps for 24 tokens (25 with the token healing re-generates) gives each block of 4 two steps:
-    # the prefill (which runs the first block's first step) and at most 12 steps, so at least 24 / 13 tokens per
-    # forward pass.
-    assert len(s.tokens) == 24 + bool(s.healed) and 6 <= s.nfe <= 13
+    # The budget of 12 steps for 24 tokens (25 with the one token healing re-generates) gives each block of 4 two
+    # steps; the 25 positions lie in at most 8 blocks, so at most 16 passes and at least 25 / 16 tokens per pass.
+    assert len(s.tokens) == 24 + bool(s.healed) and 6 <= s.nfe <= 16
 
 
 def test_sampling_knobs_are_traced_so_new_values_reuse_the_compiled_engine(sampler):
@@ -289,7 +288,7 @@ def test_approximate_caches_of_a_whole_sequence_model(cache):
   assert not (tokens == settings.mask_id).any()
   np.testing.assert_array_equal(tokens[kinds == cv.FIXED], np.asarray(canvas.tokens)[kinds == cv.FIXED])
   np.testing.assert_array_equal(np.asarray(out.nfe), np.asarray(exact.nfe))  # One pass per step of each row.
-  assert int(out.steps) >= int(np.max(out.nfe))
+  assert int(out.forwards) >= int(np.max(out.nfe))
   with pytest.raises(ValueError, match="approximate cache of whole-sequence checkpoints"):
     plan_blocks(canvas.kinds, BLOCK, cache=cache)
   with pytest.raises(ValueError, match="no exact cache"):

@@ -9,7 +9,7 @@ import pytest
 
 from mercury_jax import kinds as K
 from mercury_jax.config import load_config
-from mercury_jax.model import Transformer
+from mercury_jax.model import KVCache, Transformer
 from mercury_jax.objectives import autoregressive, masked_diffusion
 
 CFG = load_config(
@@ -95,18 +95,25 @@ def test_pallas_model_equals_xla_model_for_loss_and_gradients(causal):
 def test_kv_cache_decoding_matches_the_full_forward_pass():
   model, params = _model(causal=True)
   full = model.apply({"params": params}, TOKENS)
-  cache = model.init(jax.random.key(0), TOKENS, decode=True)["cache"]
   positions = jnp.broadcast_to(jnp.arange(40), (2, 40))
-  logits, variables = model.apply(
-    {"params": params, "cache": cache}, TOKENS[:, :12], positions=positions[:, :12], decode=True, mutable=["cache"]
-  )
+  logits, kv = model.apply({"params": params}, TOKENS[:, :12], positions=positions[:, :12], return_kv=True)
+  cache = KVCache.empty(model.config, 2, 40).write(kv, 0)
   chunks = [logits]
   step = jax.jit(  # One compilation for the 28 one-token steps (eager, they took most of this test's 30 s).
-    lambda cache, tokens, positions: model.apply(
-      {"params": params, "cache": cache}, tokens, positions=positions, decode=True, mutable=["cache"]
+    lambda cache, tokens, positions, start: model.apply(
+      {"params": params}, tokens, positions=positions, cache=cache, cache_start=start, return_kv=True
     )
   )
   for i in range(12, 40):
-    logits, variables = step(variables["cache"], TOKENS[:, i : i + 1], positions[:, i : i + 1])
+    logits, kv = step(cache, TOKENS[:, i : i + 1], positions[:, i : i + 1], jnp.int32(i))
+    cache = cache.write(kv, i)
     chunks.append(logits)
   np.testing.assert_allclose(jnp.concatenate(chunks, axis=1), full, atol=2e-5)
+  # The cache is read, never written: a chunk over it sees its own keys, not the stale ones at its slots.
+  stale = KVCache(cache.keys * 0 + 7.0, cache.values * 0 - 3.0, cache.segments)
+  fresh, _ = step(cache, TOKENS[:, 20:21], positions[:, 20:21], jnp.int32(20))
+  mixed = KVCache(
+    cache.keys.at[:, :, 20:].set(stale.keys[:, :, 20:]), cache.values.at[:, :, 20:].set(stale.values[:, :, 20:]),
+    cache.segments,
+  )  # fmt: skip
+  np.testing.assert_allclose(step(mixed, TOKENS[:, 20:21], positions[:, 20:21], jnp.int32(20))[0], fresh, atol=1e-6)

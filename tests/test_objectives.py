@@ -207,21 +207,21 @@ def _bd_model_and_params():
 
 def _two_pass_logits(model, params, x_t, x, segment_ids, positions, block):
   """BD3-LM's definition: a clean pass over x_0 fills a key-value cache (block-causal); then each noisy block x_t^b
-  is run on its own over a copy of that cache, its keys and values in the slots of block b."""
-  cache = model.init(jax.random.key(0), x, decode=True)["cache"]
-  common = dict(decode=True, mask="block_causal", diffusion_block=block, mutable=["cache"])
+  is run on its own over that cache (its own keys and values in place of the cached ones at its slots)."""
+  common = dict(mask="block_causal", diffusion_block=block)
   _, clean = model.apply(
-    {"params": params, "cache": cache}, x, positions=positions, segment_ids=segment_ids, cache_index=0, **common
+    {"params": params}, x, positions=positions, segment_ids=segment_ids, return_kv=True, **common
   )
   out = []
   for start in range(0, x.shape[1], block):
     chunk = slice(start, start + block)
-    logits, _ = model.apply(
-      {"params": params, "cache": clean["cache"]},
+    logits = model.apply(
+      {"params": params},
       x_t[:, chunk],
       positions=positions[:, chunk],
       segment_ids=segment_ids[:, chunk],
-      cache_index=start,
+      cache=clean,
+      cache_start=start,
       **common,
     )
     out.append(logits)

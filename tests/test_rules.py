@@ -10,15 +10,20 @@ import pytest
 
 from mercury_jax.config import ObjectiveConfig
 from mercury_jax.sampling import canvas as cv
-from mercury_jax.sampling.loop import jit_sample
-from mercury_jax.sampling.settings import SamplerSettings
+from mercury_jax.sampling.engine import BlockEngine
+from mercury_jax.sampling.network import FunctionNetwork
+from mercury_jax.sampling.plan import BlockPlan
+from mercury_jax.sampling.settings import SamplerSettings, block_loads, commits_every_step, steps_per_block
 
 VOCAB, MASK = 16, 4
 LOGITS = np.linspace(-1.0, 1.0, VOCAB, dtype=np.float32)  # Any distribution: the transitions ignore the tokens.
 
 
-def constant_denoise(params, z, t, segment_ids):
+def constant_denoise(z, t):
   return jnp.broadcast_to(jnp.asarray(LOGITS), (*z.shape, VOCAB))
+
+
+NETWORK = FunctionNetwork(constant_denoise, VOCAB)
 
 
 def _settings(**kw) -> SamplerSettings:
@@ -26,13 +31,25 @@ def _settings(**kw) -> SamplerSettings:
 
 
 @functools.cache
-def _jitted(settings):
-  return jit_sample(constant_denoise, settings)
+def _jitted(settings, length):
+  block = settings.block_length or length
+  plan = BlockPlan(block, block + -(-length // block) * block, "none", whole_sequence=True)
+  return jax.jit(BlockEngine(NETWORK, settings, plan).sample), (settings.block_length if settings.block_length else 0)
 
 
 def _run(canvas, steps, settings):
-  out = _jitted(settings)(None, canvas, jax.random.key(0), jnp.int32(steps))
-  return jax.tree.map(np.asarray, out)
+  """The engine over whole canvases (blocks of ``block_length``) for a total budget of ``steps``; every frame of the
+  trace after a row's last step shows its final canvas (a finished block stays as it is)."""
+  fn, block = _jitted(settings, canvas.tokens.shape[1])
+  capped = commits_every_step(settings)
+  per_row = jnp.asarray(
+    [steps_per_block(steps, block_loads(row, block), capped=capped) for row in canvas.kinds], jnp.int32
+  )
+  out = jax.tree.map(np.asarray, fn(None, canvas, jax.random.key(0), per_row))
+  canvases = out.canvases.copy()
+  for row in range(canvases.shape[1]):
+    canvases[out.commits[:, row] < 0, row] = out.tokens[row]
+  return out._replace(canvases=canvases)
 
 
 def _alpha(t: float) -> float:
@@ -78,7 +95,7 @@ def test_ancestral_revision_follows_the_remdm_posterior_step_by_step():
   rows, length, steps, eta = 8192, 3, 4, 0.5
   canvas = cv.make_canvas([[cv.Hole(length)]] * rows)
   out = _run(canvas, steps, _settings(rule="ancestral", revision=eta, trace=steps))
-  assert int(out.steps) == steps
+  assert int(out.forwards) == steps
   masked = out.canvases == MASK  # [steps, rows, length]
   assert not np.isin(out.canvases, [0, 1, 2]).any()  # Committed tokens are proposals, never special ids.
 
@@ -134,12 +151,12 @@ def test_revision_spreads_commits_instead_of_piling_them_on_the_last_step():
 )
 def test_revision_never_remasks_a_finished_block(knobs):
   rows, block, blocks, steps = 64, 6, 3, 18
-  canvas = cv.make_canvas([[[5], cv.Hole(block * blocks)]] * rows)
+  canvas = cv.make_canvas([[cv.Hole(block * blocks)]] * rows)
   out = _run(canvas, steps, _settings(block_length=block, temperature=1.0, trace=steps, **knobs))
   assert out.remasks.sum() > 0  # Revision is at work.
-  used = int(out.steps)
+  used = int(out.forwards)
   for b in range(blocks):
-    span = slice(1 + b * block, 1 + (b + 1) * block)
+    span = slice(b * block, (b + 1) * block)
     for row in range(rows):
       frames = out.canvases[:used, row, span]  # [steps, block]
       done = np.flatnonzero((frames != MASK).all(axis=-1))

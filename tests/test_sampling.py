@@ -1,4 +1,5 @@
-"""The sampling loop and its step rules: invariants with a deterministic fake denoiser, the real model on a mesh."""
+"""The refinement loop (the engine decoding whole canvases without a cache) and its step rules: invariants with a
+deterministic fake denoiser, the real model on a mesh."""
 
 import dataclasses
 import functools
@@ -13,10 +14,12 @@ from mercury_jax import kinds as K, sharding as sh
 from mercury_jax.config import MeshConfig, ModelConfig, ObjectiveConfig
 from mercury_jax.model import Transformer
 from mercury_jax.sampling import canvas as cv
-from mercury_jax.sampling.loop import jit_sample, model_denoise_fn, sample
-from mercury_jax.sampling.mesh import mesh_context
+from mercury_jax.sampling.engine import BlockEngine
+from mercury_jax.sampling.mesh import jit_on_mesh, mesh_context
+from mercury_jax.sampling.network import FunctionNetwork, Network
+from mercury_jax.sampling.plan import BlockPlan
 from mercury_jax.sampling.proposal import filter_logits, noise_width, propose, sample_tokens, uniform_noise
-from mercury_jax.sampling.settings import SamplerSettings
+from mercury_jax.sampling.settings import SamplerSettings, block_loads, commits_every_step, steps_per_block
 from mercury_jax.trainer import param_shardings
 
 VOCAB, MASK, EOS, PAD_ID, UNK, BOS = 16, 4, 3, 0, 1, 2
@@ -24,7 +27,7 @@ _TABLE = np.asarray(jax.random.normal(jax.random.key(0), (64, VOCAB)), np.float3
 _MIX = np.asarray(jax.random.normal(jax.random.key(1), (VOCAB, VOCAB)), np.float32)
 
 
-def fake_denoise(params, z, t, segment_ids):
+def fake_denoise(z, t):
   """Deterministic logits from a position table and the left neighbour's token (so a row's content matters)."""
   left = jnp.pad(z, ((0, 0), (1, 0)))[:, :-1]  # [b, l]
   logits = jnp.asarray(_TABLE)[: z.shape[1]][None] + 0.5 * jnp.asarray(_MIX)[left]  # [b, l, vocab]
@@ -34,7 +37,7 @@ def fake_denoise(params, z, t, segment_ids):
 def tabled_denoise(table):
   """A denoiser whose logits are ``table`` [l, vocab] at every step: every output is chosen by the test."""
   table = jnp.asarray(table, jnp.float32)
-  return lambda params, z, t, segment_ids: jnp.broadcast_to(table[: z.shape[1]], (*z.shape, table.shape[-1]))
+  return lambda z, t: jnp.broadcast_to(table[: z.shape[1]], (*z.shape, table.shape[-1]))
 
 
 def mixed_canvas(streams=None) -> cv.Canvas:
@@ -49,14 +52,41 @@ def mixed_canvas(streams=None) -> cv.Canvas:
   return cv.make_canvas(examples, length=24, streams=streams)
 
 
+def _plan(length: int, settings) -> BlockPlan:
+  """A whole-sequence plan without a cache: the canvas as one block, or blocks of ``settings.block_length``."""
+  block = settings.block_length or length
+  return BlockPlan(block, block + -(-length // block) * block, "none", whole_sequence=True)
+
+
 @functools.cache
-def _jitted(denoise_fn, settings):
-  return jit_sample(denoise_fn, settings)
+def _jitted(network, settings, plan):
+  engine = BlockEngine(network, settings, plan)
+  return jax.jit(engine.sample)
 
 
-def _run(canvas, steps, settings, denoise_fn=fake_denoise, seed=0, params=None):
-  fn = _jitted(denoise_fn, settings)
-  return jax.tree.map(np.asarray, fn(params, canvas, jax.random.key(seed), jnp.int32(steps)))
+def _row_steps(canvas, steps, plan, settings=None) -> jnp.ndarray:
+  """Each row's steps per block for a total budget of ``steps`` (as ``Sampler.generate`` gives them)."""
+  block = plan.block if plan.block < plan.length else 0
+  capped = settings is None or commits_every_step(settings)
+  return jnp.asarray(
+    [steps_per_block(steps, block_loads(row, block), capped=capped) for row in canvas.kinds], jnp.int32
+  )
+
+
+_FAKES = {}
+
+
+def _network(denoise_fn):
+  if denoise_fn not in _FAKES:
+    _FAKES[denoise_fn] = FunctionNetwork(denoise_fn, VOCAB)
+  return _FAKES[denoise_fn]
+
+
+def _run(canvas, steps, settings, denoise_fn=fake_denoise, seed=0, params=None, network=None):
+  plan = _plan(canvas.tokens.shape[1], settings)
+  fn = _jitted(network or _network(denoise_fn), settings, plan)
+  out = fn(params, canvas, jax.random.key(seed), _row_steps(canvas, steps, plan, settings))
+  return jax.tree.map(np.asarray, out)
 
 
 def _settings(**kw):
@@ -64,16 +94,19 @@ def _settings(**kw):
 
 
 def test_one_while_loop_and_one_compilation_across_step_counts():
-  fn = jit_sample(fake_denoise, _settings())
-  args = (None, mixed_canvas(), jax.random.key(0))
-  assert _count_while(jax.make_jaxpr(fn)(*args, jnp.int32(4)).jaxpr) == 1
-  hlo = fn.lower(*args, jnp.int32(4)).as_text()
+  canvas, settings = mixed_canvas(), _settings()
+  plan = _plan(24, settings)
+  engine = BlockEngine(_network(fake_denoise), settings, plan)
+  fn = jax.jit(engine.sample)
+  args = (None, canvas, jax.random.key(0))
+  assert _count_while(jax.make_jaxpr(fn)(*args, _row_steps(canvas, 4, plan)).jaxpr) == 1
+  hlo = fn.lower(*args, _row_steps(canvas, 4, plan)).as_text()
   main = hlo[hlo.index("func.func public @main") :]
   main = main[: main.index("func.func private")]
   assert main.count("stablehlo.while") == 1  # Other whiles in the module are threefry's rounds, called from it.
-  outs = {n: fn(*args, jnp.int32(n)) for n in (1, 4, 16, 64)}
+  outs = {n: fn(*args, _row_steps(canvas, n, plan)) for n in (1, 4, 16, 64)}
   assert fn._cache_size() == 1
-  assert [int(outs[n].steps) for n in (1, 4, 16, 64)] == [1, 4, 14, 14]  # Stops once all 14 tokens are in.
+  assert [int(outs[n].forwards) for n in (1, 4, 16, 64)] == [1, 4, 14, 14]  # Stops once all 14 tokens are in.
   assert outs[1].nfe.tolist() == [1, 1, 1, 1]
   assert outs[64].nfe.tolist() == [9, 14, 5, 6]  # One token per step: each example's NFE is its own count.
 
@@ -97,11 +130,21 @@ def _count_while(jaxpr) -> int:
   return count
 
 
-def test_model_sampler_jaxpr_has_exactly_one_while_loop():
+@pytest.mark.parametrize("cache", ["none", "exact"])
+def test_model_sampler_jaxpr_has_exactly_one_while_loop(cache):
+  """The refinement is the engine's one while loop: ``advance`` holds it, ``init`` (the prefill) none."""
   cfg = _tiny_model()
   params = nn.meta.unbox(Transformer(cfg).init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32)))["params"]
-  fn = lambda p, c, k, n: sample(p, c, k, n, denoise_fn=model_denoise_fn(cfg), settings=_settings())
-  jaxpr = jax.make_jaxpr(fn)(params, mixed_canvas(), jax.random.key(0), jnp.int32(8))
+  canvas = mixed_canvas()
+  if cache == "none":
+    plan = _plan(24, _settings())
+  else:
+    plan = BlockPlan(4, 4 + 24, "exact")
+  engine = BlockEngine(cfg, _settings(), plan)
+  steps = jnp.full((4,), 8, jnp.int32)
+  state = jax.eval_shape(engine.init, params, canvas, jax.random.key(0), steps)
+  assert _count_while(jax.make_jaxpr(engine.init)(params, canvas, jax.random.key(0), steps).jaxpr) == 0
+  jaxpr = jax.make_jaxpr(lambda p, st: engine.advance(p, st, jnp.int32(1), jnp.int32(2)))(params, state)
   assert _count_while(jaxpr.jaxpr) == 1  # The layer stack is a scan; the refinement is the only while.
 
 
@@ -124,11 +167,13 @@ def test_every_mask_resolved_and_fixed_tokens_never_change(knobs):
   assert not (out.tokens == MASK).any()
   np.testing.assert_array_equal(out.tokens[fixed], canvas.tokens[fixed])
   np.testing.assert_array_equal(out.tokens[canvas.kinds == K.PAD], PAD_ID)
-  for step in out.canvases[: int(out.steps)]:  # Fixed tokens hold at every step, revision included.
-    np.testing.assert_array_equal(step[fixed], canvas.tokens[fixed])
-  assert (out.nfe <= 12).all() and int(out.steps) == out.nfe.max()
-  if knobs.get("revision"):  # Revision re-masks tokens, and its budget is 0 by the step that finishes.
-    assert out.remasks.sum() > 0 and (out.remasks[int(out.steps) - 1] == 0).all()
+  for row in range(canvas.tokens.shape[0]):  # Fixed tokens hold at every step, revision included.
+    for step in out.canvases[: int(out.nfe[row]), row]:
+      np.testing.assert_array_equal(step[fixed[row]], canvas.tokens[row][fixed[row]])
+  assert (out.nfe <= 12).all() and int(out.forwards) >= out.nfe.max()
+  if knobs.get("revision"):  # Revision re-masks tokens, and its budget is 0 by the step that finishes a block.
+    last = out.nfe - 1
+    assert out.remasks.sum() > 0 and (out.remasks[last, np.arange(last.size)] == 0).all()
 
 
 def test_confidence_rule_commits_k_most_confident_per_step():
@@ -140,8 +185,10 @@ def test_confidence_rule_commits_k_most_confident_per_step():
   first = out.canvases[0, 0] != MASK
   assert first.tolist() == [True] + [False] * 7 + [True] * 3  # The 3 most confident: the last three positions.
   blocks = _run(canvas, 6, _settings(rule="confidence", block_length=4, trace=6), tabled_denoise(table))
-  assert blocks.commits[:, 0].tolist() == [2, 2, 2, 2, 1, 1]  # Blocks of 4, 4, 2 tokens, 2 steps each.
-  block_of_step = [int(np.flatnonzero(blocks.canvases[j, 0] != MASK).max() - 1) // 4 for j in range(6)]
+  # Engine blocks are canvas positions [0, 4), [4, 8), [8, 12): they hold 3, 4 and 3 of the 10 positions, and the
+  # budget of 6 gives each 2 steps.
+  assert blocks.commits[:, 0].tolist() == [2, 1, 2, 2, 2, 1]
+  block_of_step = [int(np.flatnonzero(blocks.canvases[j, 0] != MASK).max()) // 4 for j in range(6)]
   assert block_of_step == [0, 0, 1, 1, 2, 2]  # Left to right, one block after the other.
 
 
@@ -151,7 +198,7 @@ def test_threshold_rule_commits_all_confident_and_at_least_one():
   canvas = cv.make_canvas([cv.prefix([6], 12)])
   settings = _settings(rule="threshold", threshold=0.9, temperature=0.0, trace=12)
   out = _run(canvas, 12, settings, tabled_denoise(table))
-  used = int(out.steps)
+  used = int(out.forwards)
   first = out.canvases[0, 0, 1:] != MASK
   assert first.tolist() == [True, False] * 6  # Every confident position in step one, nothing else.
   assert (out.commits[:used, 0] >= 1).all()
@@ -249,7 +296,7 @@ def test_confidence_is_measured_on_the_cleaned_distribution():
   canvas = cv.make_canvas([cv.prefix([6], 8)])
   settings = _settings(rule="threshold", threshold=0.9, temperature=0.0, num_tokens=14)
   out = _run(canvas, 8, settings, tabled_denoise(table))
-  assert int(out.steps) == 1 and out.tokens[0, 1:].tolist() == [7] * 8  # Every position is sure at once.
+  assert int(out.forwards) == 1 and out.tokens[0, 1:].tolist() == [7] * 8  # Every position is sure at once.
 
   logits = jnp.asarray(np.random.default_rng(0).normal(size=(2, 3, VOCAB)) + 30.0 * np.isin(np.arange(16), [0, 15]))
   p = np.exp(np.where(np.isin(np.arange(16), SPECIAL_IDS), -np.inf, np.asarray(logits, np.float64)))
@@ -290,10 +337,10 @@ def test_real_model_batch_invariance_and_mesh_equals_one_device():
   examples = [cv.prefix(rng.integers(5, 64, size=1 + i).tolist(), 12 + i) for i in range(8)]
   canvas = cv.make_canvas(examples, length=32)
   settings = _settings(rule="confidence", block_length=8, revision=0.2)
-  denoise = model_denoise_fn(cfg)
-  single = _run(canvas, 8, settings, denoise, params=params)
+  network = Network(cfg)
+  single = _run(canvas, 8, settings, params=params, network=network)
   assert not (single.tokens == MASK).any()
-  alone = _run(cv.make_canvas(examples[5:6], streams=[5]), 8, settings, denoise, params=params)
+  alone = _run(cv.make_canvas(examples[5:6], streams=[5]), 8, settings, params=params, network=network)
   np.testing.assert_array_equal(alone.tokens[0], single.tokens[5, : alone.tokens.shape[1]])
 
   mesh = sh.make_mesh(MeshConfig(data=4, fsdp=1, tensor=2))
@@ -302,9 +349,11 @@ def test_real_model_batch_invariance_and_mesh_equals_one_device():
   assert any(
     len(leaf.sharding.device_set) == 8 and not leaf.sharding.is_fully_replicated for leaf in jax.tree.leaves(sharded)
   )
-  fn = jit_sample(denoise, settings, mesh=mesh, rules=sh.RULES, param_shardings=shardings)
+  plan = _plan(32, settings)
+  engine = BlockEngine(network, settings, plan)
+  fn = jit_on_mesh(engine.sample, mesh, sh.RULES, shardings, batched=jnp.zeros((8,), jnp.int32))
   with mesh_context(mesh, sh.RULES):
-    out = fn(sharded, canvas, jax.random.key(0), jnp.int32(8))
+    out = fn(sharded, canvas, jax.random.key(0), np.asarray(_row_steps(canvas, 8, plan, settings)))
   assert out.tokens.sharding.spec == sh.batch_spec(sh.RULES, 2)
   np.testing.assert_array_equal(np.asarray(out.tokens), single.tokens)
   np.testing.assert_array_equal(np.asarray(out.nfe), single.nfe)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import warnings
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
@@ -186,8 +187,8 @@ class SampleOutput(NamedTuple):
   Attributes:
     tokens: int32 [batch, length]: the finished canvases (no mask left; after a generated EOS, the rest of its hole
       is padding).
-    nfe: int32 [batch]: forward passes each example needed (steps in which it still had masked positions).
-    steps: int32 []: forward passes the batch used (the loop's iterations, ``max(nfe)``).
+    nfe: int32 [batch]: forward passes each example needed (steps in which it needed the network).
+    forwards: int32 []: steps in which the batch ran the network (``steps`` until this release).
     canvases: int32 [trace, batch, length]: the canvas after each step, when ``settings.trace`` > 0.
     commits: int32 [trace, batch]: tokens committed at each step, when traced.
     remasks: int32 [trace, batch]: tokens re-masked at each step (revision), when traced.
@@ -195,7 +196,13 @@ class SampleOutput(NamedTuple):
 
   tokens: jax.Array
   nfe: jax.Array
-  steps: jax.Array
+  forwards: jax.Array
   canvases: jax.Array | None = None
   commits: jax.Array | None = None
   remasks: jax.Array | None = None
+
+  @property
+  def steps(self) -> jax.Array:
+    """Deprecated: :attr:`forwards` (it counts forward passes, not refinement steps)."""
+    warnings.warn("SampleOutput.steps is deprecated; it is SampleOutput.forwards", DeprecationWarning, stacklevel=2)
+    return self.forwards

@@ -4,22 +4,30 @@ Tokenizers merge across the boundary a prompt draws: the training data writes ``
 and ``fib`` then ``onacci`` as ``fibonacci``, but a prompt that stops at ``:`` or ``fibon`` is tokenised without the
 merge, so the model sees a token sequence it rarely saw and continues it badly (on the prompt's own line, or with a
 broken identifier). Healing backs the prompt's last token off and re-generates it: its position becomes one more
-masked position of the hole, constrained to texts that start with the removed characters
-(:meth:`~mercury_jax.constrain.automaton.Compiler.heal`). The constraint runs in the block engine like any other, so
-the diffusion model and its autoregressive twin get the same treatment; the engine lets the row go at the end of the
-block that wrote the characters (``Automaton.free``), so later blocks decode exactly as without it.
+masked position of the hole, which may only take the tokens whose text starts with the removed characters
+(:func:`allowed_tokens`, a one-position token mask of the engine: ``State.healing``, no automaton to compile and no
+dynamic program to run). The prompt's own token is always among them, and so are the merges the training data wrote
+(``):\n``, ``fibonacci``). The diffusion model and its autoregressive twin get the same treatment, and every other
+position decodes exactly as without healing.
 
 The removed characters are part of the prompt, not of the completion: :func:`strip` takes them off the generated
-text. Off for whole-sequence checkpoints (their refinement loop has no constraint; with an approximate cache too,
-so one checkpoint decodes one way), for templates, alongside a
-structured-output constraint, for per-process prompts, and for SFT-style prompts (``bos``; on the server, models with
-a chat template): SFT records tokenise the prompt on its own, so its end is a boundary the model learned, and it was
-never trained to write a prompt token.
+text. Off for whole-sequence checkpoints (so one checkpoint decodes one way whatever its cache), for templates,
+alongside a structured-output constraint, for per-process prompts, and for SFT-style prompts (``bos``; on the server,
+models with a chat template): SFT records tokenise the prompt on its own, so its end is a boundary the model learned,
+and it was never trained to write a prompt token.
 """
 
 from __future__ import annotations
 
-from mercury_jax.data.tokenizer import Tokenizer
+import functools
+import re
+
+import numpy as np
+
+from mercury_jax.data.tokenizer import NUM_SPECIAL, Tokenizer
+
+_BYTE_PIECE = re.compile(r"<0x([0-9A-F]{2})>")
+CACHE_SIZE = 1024  # Masks kept per tokenizer: a prompt's last token is one of a few thousand.
 
 
 def back_off(tokenizer: Tokenizer, prompt: str, ids: list[int]) -> tuple[list[int], str]:
@@ -40,3 +48,46 @@ def strip(text: str, healed: str) -> str:
   if not healed:
     return text
   return text[len(healed) :] if text.startswith(healed) else ""
+
+
+@functools.lru_cache(maxsize=8)
+def token_texts(tokenizer: Tokenizer) -> tuple[str | None, ...]:
+  """Each id's text as decoding writes it (``▁`` a space, a byte piece below 0x80 its character); None for the special
+  ids, unknown and control ids and bytes of multi-byte characters, which healing never proposes."""
+  texts: list[str | None] = [None] * tokenizer.vocab_size
+  sizes = tokenizer.characters_per_token()
+  for token_id in range(NUM_SPECIAL, tokenizer.vocab_size):
+    piece = tokenizer.id_to_piece(token_id)
+    byte = _BYTE_PIECE.fullmatch(piece)
+    if byte and sizes[token_id] <= 1:
+      value = int(byte.group(1), 16)
+      texts[token_id] = chr(value) if value < 0x80 else None
+    elif piece and sizes[token_id]:
+      texts[token_id] = piece.replace("\u2581", " ")
+  return tuple(texts)
+
+
+def allowed_tokens(tokenizer: Tokenizer, healed: str, vocab_size: int) -> np.ndarray:
+  """bool [vocab_size]: the tokens whose text starts with ``healed`` (ids beyond the tokenizer: never).
+
+  Cached per tokenizer and text (:data:`CACHE_SIZE` entries), so a server's prompts ending alike cost one scan of the
+  vocabulary.
+
+  Raises:
+    ValueError: ``healed`` is empty or no token starts with it.
+  """
+  mask = _allowed(tokenizer, healed)
+  if vocab_size < mask.size:
+    raise ValueError(f"vocab_size={vocab_size} is smaller than the tokenizer's {mask.size}")
+  return np.pad(mask, (0, vocab_size - mask.size))
+
+
+@functools.lru_cache(maxsize=CACHE_SIZE)
+def _allowed(tokenizer: Tokenizer, healed: str) -> np.ndarray:
+  if not healed:
+    raise ValueError("the healed text is empty; there is nothing to heal")
+  mask = np.fromiter((t is not None and t.startswith(healed) for t in token_texts(tokenizer)), bool)
+  if not mask.any():
+    raise ValueError(f"no token of the tokenizer starts with {healed!r}")
+  mask.flags.writeable = False
+  return mask

@@ -1,31 +1,24 @@
 """Text in, text out: ``Sampler.from_checkpoint(dir, mesh=...)`` once, then ``.generate(prompts, steps=...)``.
 
-The tokenizer, the params-only restore, the mesh and the compiled loops are set up once and reused; each
-(settings, batch, length) combination compiles once, whatever the step count, and on the block engine whatever the
-temperature, top-k, top-p and threshold too (they are traced: :func:`without_knobs`). Batches are padded to the mesh's
-data-parallel size and canvases to a multiple of ``LENGTH_BUCKET`` tokens (padding never changes an example's
-output), so varying prompt lengths share compilations.
+The tokenizer, the params-only restore, the mesh and the compiled engine programs are set up once and reused; each
+(settings, batch, length) combination compiles once, whatever the step budget, temperature, top-k, top-p and threshold
+(they are traced). Batches are padded to the mesh's data-parallel size and canvases to the engine's block (a
+whole-canvas decode: to a multiple of ``LENGTH_BUCKET`` tokens); padding never changes an example's output.
 
-Which decoder runs (``generate(..., cache=...)``, one of :data:`CACHES`):
+Every checkpoint decodes through the one engine (:mod:`~mercury_jax.sampling.engine`); which cache and block it runs
+is :func:`~mercury_jax.sampling.decoders.choose`'s answer to ``generate(..., cache=...)``. ``generate`` runs the
+engine's two programs, ``init`` and ``advance`` to the end; ``stream`` runs the same two, ``advance`` a block (or a
+step) at a time, so both give the same tokens.
 
-- block-diffusion checkpoints (``objective.block_size > 0``) and the autoregressive twin run the block engine
-  (:mod:`~mercury_jax.sampling.blocks`) with its exact key-value cache (``auto``/``exact``), or without a cache
-  (``none``, the reference the cache reproduces); the twin is the engine with blocks of one token;
-- whole-sequence diffusion checkpoints run the whole-canvas refinement loop
-  (:func:`~mercury_jax.sampling.loop.jit_sample`; ``auto``/``none``), or the block engine with Fast-dLLM's
-  approximate ``dual`` or ``prefix`` cache over blocks of ``block_length`` tokens (default
-  ``APPROXIMATE_BLOCK``).
-
-On the block engine ``steps`` stays the step budget for the generated length: each block gets
-``ceil(steps * block / generated)`` steps (at least 1), so the same ``steps`` means about the same tokens per step
-with and without a cache. :meth:`Sampler.stream` yields each block as it is committed (and, optionally, the draft
-after every step).
+Step budgets: ``steps`` is the refinement budget of each sample's generated positions. A row's blocks all get the
+same steps, the most that keep its total within ``steps`` (``settings.steps_per_block``; a block never takes more
+steps than it has positions), and a budget below one step per block is an error. ``steps_per_block`` sets the
+engine's steps per block directly. Neither: one token per step. A row's budget depends on its own canvas only.
 
 Several processes (a multi-host mesh) either all pass the same prompts and all get every sample, or, with
-``generate(..., per_process=True)``, each passes its own prompts and gets only its own samples: the processes agree
-on one batch shape, each places its rows on its own devices and reads back only those rows, and row ``i`` of process
-``p`` draws from stream ``(rows of processes 0 .. p-1) + i``, so the tokens equal those of one process given all the
-prompts in process order.
+``generate(..., per_process=True)``, each passes its own prompts and gets only its own samples; row ``i`` of process
+``p`` then draws from stream ``(rows of processes 0 .. p-1) + i``, so the tokens equal those of one process given all
+the prompts in process order.
 """
 
 from __future__ import annotations
@@ -36,12 +29,12 @@ import time
 import zlib
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh
 
 from mercury_jax import kinds as K, sharding as sh
 from mercury_jax.checkpoint import find_tokenizer, restore_params
@@ -49,44 +42,50 @@ from mercury_jax.config import Config, MeshConfig
 from mercury_jax.constrain import device as constrained
 from mercury_jax.constrain.automaton import Automaton, Compiler
 from mercury_jax.data.tokenizer import Tokenizer
-from mercury_jax.model import Transformer
 from mercury_jax.sampling import canvas as cv, healing
-from mercury_jax.sampling.blocks import BlockEngine, BlockPlan, plan_blocks
 from mercury_jax.sampling.canvas import SampleOutput
-from mercury_jax.sampling.loop import jit_sample, model_denoise_fn
-from mercury_jax.sampling.mesh import jit_on_mesh
+from mercury_jax.sampling.decoders import (
+  APPROXIMATE_BLOCK,
+  CACHE_CHOICES,
+  LENGTH_BUCKET,
+  Decoder,
+  ProgramKey,
+  Programs,
+  bucketed_length,
+  choose,
+  without_knobs,
+)
+from mercury_jax.sampling.network import Network
+from mercury_jax.sampling.placement import BatchLayout, Placement, own_rows, pad_rows
+from mercury_jax.sampling.plan import BlockPlan, plan_blocks
 from mercury_jax.sampling.proposal import Knobs
-from mercury_jax.sampling.settings import SamplerSettings, SettingError, check_knobs_for_model
+from mercury_jax.sampling.registry import BUNDLED_MODELS, DEFAULT_CHECKPOINT, default_checkpoint
+from mercury_jax.sampling.settings import (
+  SamplerSettings,
+  SettingError,
+  block_loads,
+  check_knobs_for_model,
+  commits_every_step,
+  steps_per_block as per_block_of,
+)
+from mercury_jax.sampling.state import Healing
+from mercury_jax.sampling.text import MASK_TEXT, Request, Rows, Sample, StreamEvent, build_rows, frames
 from mercury_jax.trainer import param_shardings
 
-# The models shipped in the package: params-only checkpoints (``export_params``) with their ``tokenizer.model``.
-ASSETS = Path(__file__).resolve().parent.parent / "assets"
-DEFAULT_CHECKPOINT = ASSETS / "default"
-BUNDLED_MODELS = {"default": "the block-diffusion code model", "default_ar": "its autoregressive twin"}
-LENGTH_BUCKET = 64
-MASK_TEXT = "░"  # How an undecided position looks in a step-by-step trace.
-DEFAULT_STEPS = 32
-CACHES = ("auto", "exact", "none", "dual", "prefix")
-APPROXIMATE_BLOCK = 32  # Block of the approximate caches of whole-sequence checkpoints when block_length is 0.
-
-
-def bucketed_length(length: int, context: int) -> int:
-  """The canvas length a sampler runs ``length`` positions at: rounded up to ``LENGTH_BUCKET``, at most ``context``
-  (unless ``length`` itself is longer), so varying prompt lengths share compilations."""
-  return min(-(-length // LENGTH_BUCKET) * LENGTH_BUCKET, max(context, length))
-
-
-def default_checkpoint(name: str = "default") -> Path | None:
-  """The bundled model ``name`` (a key of :data:`BUNDLED_MODELS`), or None when the package lacks it.
-
-  Raises:
-    ValueError: ``name`` is not a bundled model.
-  """
-  if name not in BUNDLED_MODELS:
-    raise ValueError(f"no bundled model is called {name!r}; the bundled models are {', '.join(BUNDLED_MODELS)}")
-  path = DEFAULT_CHECKPOINT if name == "default" else ASSETS / name
-  has_steps = path.is_dir() and any(p.name.isdigit() for p in path.iterdir())
-  return path if has_steps and (path / "tokenizer.model").is_file() else None
+__all__ = [
+  "APPROXIMATE_BLOCK",
+  "BUNDLED_MODELS",
+  "CACHE_CHOICES",
+  "DEFAULT_CHECKPOINT",
+  "LENGTH_BUCKET",
+  "MASK_TEXT",
+  "BatchLayout",
+  "Sample",
+  "Sampler",
+  "StreamEvent",
+  "default_checkpoint",
+]
+_UNBOUNDED = np.iinfo(np.int32).max  # An ``advance`` budget that never ends a chunk.
 
 
 def is_autoregressive(cfg: Config) -> bool:
@@ -110,49 +109,19 @@ def check_compatible(cfg: Config, tokenizer: Tokenizer) -> None:
     raise ValueError(f"the tokenizer's mask id {tokenizer.mask_id} differs from the model's {cfg.objective.mask_id}")
 
 
-class BatchLayout(NamedTuple):
-  """How the processes of a ``per_process`` call share one batch (the same on every process)."""
-
-  rows: np.ndarray  # int [processes]: each process's real rows
-  length: int  # the longest canvas of any process
-  local_rows: int  # rows each process contributes (its own, then padding)
-  own_devices: bool  # each process's devices hold rows no other process holds
-  generated: int = 0  # the most positions any row of any process generates (the block engine's step share)
-
-
 @dataclasses.dataclass
-class Sample:
-  """One generated sample.
+class Job:
+  """A request made ready for the engine (this process's rows)."""
 
-  Attributes:
-    prompt: The prompt text ("" for a template alone).
-    text: The completion after the prompt: generated text, with a template's fixed text in place.
-    tokens: Token ids of that completion (padding dropped).
-    nfe: Forward passes this sample needed (autoregressive: those of its batch, prefill included).
-    wall_time: Seconds the batch it belongs to took (compilation excluded).
-    tokens_per_s: Generated tokens of the whole batch (with ``per_process``: of this process's rows) per second of
-      ``wall_time``.
-    tokens_per_forward: Generated tokens of this sample per forward pass it needed (TPF, ``len(tokens) / nfe``).
-    compile_time: Seconds spent compiling for this batch (0 when a compilation was reused).
-    steps: With ``show_steps``, the canvas text after each refinement step (autoregressive: after each generated
-      token), undecided positions as ``MASK_TEXT``.
-    complete: With a ``constraint``: whether the text is a whole sentence of it (False: ``length`` ran out first and
-      the text is a valid prefix); None without one.
-    healed: The prompt's last characters that token healing re-generated (:mod:`~mercury_jax.sampling.healing`;
-      "" when none): ``tokens`` starts with their token(s), ``text`` does not repeat them.
-  """
-
-  prompt: str
-  text: str
-  tokens: list[int]
-  nfe: int
-  wall_time: float
-  tokens_per_s: float
-  compile_time: float = 0.0
-  steps: list[str] | None = None
-  tokens_per_forward: float = 0.0
-  complete: bool | None = None
-  healed: str = ""
+  settings: SamplerSettings
+  canvas: cv.Canvas  # numpy, padded to the plan's length
+  plan: BlockPlan
+  steps_per_block: np.ndarray  # int32 [rows]
+  seed: int
+  rows: Rows | None = None
+  layout: BatchLayout | None = None
+  automata: list[Automaton | None] | None = None
+  healing: Healing | None = None  # numpy, this process's rows
 
 
 class Sampler:
@@ -168,21 +137,19 @@ class Sampler:
   def __init__(self, params: Any, cfg: Config, tokenizer: Tokenizer, *, mesh: Mesh | None = None):
     check_compatible(cfg, tokenizer)
     # Sampling runs the layer stack as a loop whatever the training chose: an unrolled stack speeds up the backward
-    # pass on XLA:CPU, but here it mostly adds compile time (the bundled models: about 30 % less compilation as a
-    # loop; the diffusion model samples as fast, the twin up to 10 % slower; BUILD_NOTES.md). The parameters are the
-    # same stacked arrays either way.
+    # pass on XLA:CPU, but here it mostly adds compile time (BUILD_NOTES.md). The parameters are the same arrays.
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, unroll_layers=False))
     self.cfg, self.tokenizer = cfg, tokenizer
     self.autoregressive = is_autoregressive(cfg)
     self.block_size = cfg.objective.block_size  # 0: a whole-sequence diffusion model (or the twin)
     self.mesh = mesh if mesh is not None else sh.make_mesh(MeshConfig(data=1), jax.devices()[:1])
     self.rules = sh.axis_rules(cfg.mesh)
-    self.param_shardings = param_shardings(Transformer(cfg.model), self.mesh, self.rules)
+    self.network = Network(cfg.model)
+    self.param_shardings = param_shardings(self.network.model, self.mesh, self.rules)
     self.params = jax.device_put(params, self.param_shardings)
-    self.denoise_fn = model_denoise_fn(cfg.model)
-    self._compiled: dict[tuple, Any] = {}
+    self.placement = Placement(self.mesh, self.rules)
+    self.programs = Programs(self.network, self.mesh, self.rules, self.param_shardings)
     self._compiler: Compiler | None = None  # structured output's constraint compiler, made on first use
-    self._healer: Compiler | None = None  # token healing's (its own cache: prompts' ends are many)
 
   @classmethod
   def from_checkpoint(cls, path: str | Path | None = None, *, mesh: Mesh | None = None, step: int | None = None):
@@ -224,101 +191,51 @@ class Sampler:
       **knobs,
     ).validate()
 
-  # ------------------------------------------------------------------------------------------- arrays
+  def decoder(self, cache: str = "auto", block_length: int = 0) -> Decoder:
+    """The engine's cache and block for this model (:func:`~mercury_jax.sampling.decoders.choose`)."""
+    return choose(self.cfg, cache, block_length)
 
-  def _place(self, array: np.ndarray, sharding: NamedSharding) -> jax.Array:
-    return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
+  # ------------------------------------------------------------------------------------------- canvases
 
-  def _gather(self, array: jax.Array) -> np.ndarray:
-    if jax.process_count() > 1:
-      return np.asarray(multihost_utils.process_allgather(array, tiled=True))
-    return np.asarray(array)
+  def plan(self, canvas: cv.Canvas, decoder: Decoder, length: int | None = None) -> tuple[cv.Canvas, BlockPlan]:
+    """``(canvas padded to the plan, plan)``: a whole-canvas decode (``decoder.block`` 0) runs one block of the
+    canvas rounded up to ``LENGTH_BUCKET``; the others the decoder's block. ``length``: the canvas length every row
+    shares (default this canvas's)."""
+    length = np.shape(canvas.tokens)[1] if length is None else length
+    block = decoder.block or bucketed_length(length, self.max_length)
+    canvas = _pad_length(canvas, -(-length // block) * block, self.tokenizer.pad_id)
+    plan = plan_blocks(
+      canvas.kinds,
+      block,
+      cache=decoder.cache,
+      autoregressive=self.autoregressive,
+      whole_sequence=not (self.autoregressive or self.block_size),
+    )
+    return canvas, plan
 
-  def _local_slices(self) -> int:
-    """How many distinct slices of a batch split over the data axes this process's devices hold."""
-    shards = sh.data_parallel_size(self.mesh, self.rules)
-    indices = sh.batch_sharding(self.mesh, self.rules, 1).addressable_devices_indices_map((shards,))
-    return len({index[0].start for index in indices.values()})
-
-  def agree_on_batch(
-    self,
-    rows: int,
-    length: int,
-    *,
-    digest: int = 0,
-    failed: bool = False,
-    generated: int = 0,
-  ) -> BatchLayout:
-    """Agrees with every other process on the batch of a ``per_process`` call (collective: all processes call it).
-
-    Args:
-      rows: This process's canvas rows (may be 0).
-      length: This process's canvas length.
-      digest: A number that must be equal on every process (e.g. of the settings and seed).
-      failed: This process could not build its rows; every process then raises.
-      generated: The most positions a row of this process generates.
+  def steps_per_block(
+    self, steps: int | None, steps_per_block: int | None, kinds, block: int, settings: SamplerSettings
+  ) -> np.ndarray:
+    """Each row's steps per block (int32 [rows]) for a total budget ``steps`` or an explicit ``steps_per_block``
+    (module docstring; ``settings.steps_per_block``): a row's budget depends on its own canvas only. The twin always
+    takes one.
 
     Raises:
-      ValueError: Some process failed, or the processes' ``digest`` differ.
+      SettingError: Both given, one below 1, or ``steps`` below the blocks a row's generated positions lie in.
     """
-    mine = np.asarray([rows, length, int(failed), self._local_slices(), digest & 0x7FFFFFFF, generated], np.int32)
-    table = np.asarray(multihost_utils.process_allgather(mine)).reshape(jax.process_count(), mine.size)
-    failures = [int(p) for p in np.flatnonzero(table[:, 2])]
-    if failures:
-      raise ValueError(f"process(es) {failures} could not build their prompts (see their error); nothing was sampled")
-    if len(set(table[:, 4].tolist())) > 1:
-      raise ValueError(
-        "the processes were given different sampler settings, steps or seeds; per-process sampling needs the same "
-        "ones everywhere (only the prompts differ)"
-      )
-    processes, shards, slices = jax.process_count(), sh.data_parallel_size(self.mesh, self.rules), table[:, 3]
-    own = shards % processes == 0 and bool((slices == shards // processes).all())
-    most = max(int(table[:, 0].max()), 1)
-    local_rows = -(-most // (shards // processes)) * (shards // processes) if own else most
-    return BatchLayout(table[:, 0], int(table[:, 1].max()), local_rows, own, int(table[:, 5].max()))
-
-  # ------------------------------------------------------------------------------------------- decoders
-
-  def decoder(self, cache: str = "auto", block_length: int = 0) -> tuple[str, int]:
-    """``(cache, block)`` of the decoder this model runs: ``("loop", 0)`` for the whole-canvas refinement loop, else
-    the block engine's cache (``exact``, ``none``, ``dual``, ``prefix``) and block size.
-
-    Raises:
-      SettingError: A cache this model does not have, or a block length that contradicts its training.
-    """
-    if cache not in CACHES:
-      raise SettingError("cache", cache, f"is unknown; choose one of {', '.join(CACHES)}")
-    if self.autoregressive or self.block_size:
-      if cache in ("dual", "prefix"):
-        raise SettingError(
-          "cache", cache, "is the approximate cache of whole-sequence checkpoints; this model has an exact cache"
-        )
-      block = 1 if self.autoregressive else self.block_size
-      if block_length and not self.autoregressive and block_length != block:
-        raise SettingError(
-          "block_length", block_length, f"must be {block} (or 0): the block size this model was trained with"
-        )
-      return ("none" if cache == "none" else "exact"), block
-    if cache == "exact":
-      raise SettingError(
-        "cache",
-        cache,
-        "needs a block-diffusion checkpoint (objective.block_size > 0); this whole-sequence model has the "
-        "approximate caches 'dual' and 'prefix'",
-      )
-    if cache in ("auto", "none"):
-      return "loop", 0
-    return cache, block_length or APPROXIMATE_BLOCK
-
-  def block_steps(self, steps: int | None, block: int, generated: int) -> int:
-    """Steps per block for a budget of ``steps`` over ``generated`` positions (the longest row's; module docstring);
-    default one token per step (the twin: always 1)."""
+    rows = np.shape(kinds)[0]
     if self.autoregressive:
-      return 1
-    generated = max(generated, 1)
-    if steps is None:
-      return block
-    return max(1, -(-steps * block // generated))
+      return np.ones((rows,), np.int32)
+    if steps is not None and steps_per_block is not None:
+      raise SettingError("steps_per_block", steps_per_block, "and steps are two budgets; give one of them")
+    if steps_per_block is not None:
+      if steps_per_block < 1:
+        raise SettingError("steps_per_block", steps_per_block, "must be >= 1")
+      return np.full((rows,), steps_per_block, np.int32)
+    capped = commits_every_step(settings)
+    return np.asarray(
+      [per_block_of(steps, block_loads(row, block), capped=capped) for row in np.asarray(kinds)], np.int32
+    )
 
   def run(
     self,
@@ -329,153 +246,120 @@ class Sampler:
     *,
     layout: BatchLayout | None = None,
     cache: str = "auto",
+    steps_per_block: int | None = None,
     automata: Sequence[Automaton | None] | None = None,
   ) -> tuple[SampleOutput, float, float]:
-    """Runs the compiled decoder (:meth:`decoder`) on a canvas batch.
-
-    Args:
-      canvas: The rows to fill (numpy). With ``layout``, this process's rows only.
-      steps: Step budget of a diffusion model (>= 1; None: the block engine's default); unused by the twin.
-      seed: The PRNG seed (the same on every process).
-      settings: Sampler settings.
-      layout: For per-process rows, the batch every process agreed on (:meth:`agree_on_batch`).
-      cache: See :data:`CACHES`.
-      automata: Each row's constraint (structured output; None: free), on the block engine (a whole-sequence
-        checkpoint without a cache runs it uncached, in blocks of ``settings.block_length`` or
-        ``APPROXIMATE_BLOCK``); not with ``layout``.
+    """Decodes a canvas batch (numpy; with ``layout``, this process's rows) with ``settings``.
 
     Returns:
-      ``(output as numpy arrays, wall seconds, compile seconds)``; the batch is padded to the mesh's data size and
-      the canvas to ``LENGTH_BUCKET`` (the whole-canvas loop) or to the block (the block engine), and the output is
-      cut back to the rows given (its canvases keep the padded length: the first ``canvas.tokens.shape[1]``
-      positions are the given ones).
+      ``(output as numpy arrays, wall seconds, compile seconds)``; the output's canvases keep the padded length (the
+      first ``canvas.tokens.shape[1]`` positions are the given ones) and its rows are the given ones.
     """
-    kind, block = self.decoder(cache, settings.block_length)
+    job = self._job(canvas, steps, steps_per_block, seed, settings, cache, layout, automata, None)
+    program, state, compile_time, wall = self._start(job)
+    start = time.perf_counter()
+    before = program.compile_time
+    state = jax.block_until_ready(program.advance(self.params, state, *self._budget(_UNBOUNDED, _UNBOUNDED)))
+    compile_time += program.compile_time - before
+    wall += time.perf_counter() - start - (program.compile_time - before)
+    return self._output(job, state, program.engine), wall, compile_time
+
+  def _job(self, canvas, steps, steps_per_block, seed, settings, cache, layout, automata, healing_rows) -> Job:
+    decoder = self.decoder(cache, settings.block_length)
     constrained_rows = automata is not None and any(a is not None for a in automata)
-    if constrained_rows and kind == "loop":
-      kind, block = "none", settings.block_length or APPROXIMATE_BLOCK
+    if constrained_rows and decoder.block == 0:  # The constrained program walks blocks, not a whole canvas.
+      decoder = Decoder(decoder.cache, APPROXIMATE_BLOCK)
     if constrained_rows and layout is not None:
       raise SettingError("constraint", "per_process", "is not supported with per-process prompts; pass every prompt")
-    if not self.autoregressive and steps is not None and steps < 1:
-      raise SettingError("steps", steps, "must be >= 1")
-    if kind == "loop" and steps is None:
-      raise SettingError("steps", steps, "must be >= 1")
-    batch, length = np.shape(canvas.tokens)
-    length = length if layout is None else layout.length
-    plan = None
-    if kind == "loop":
-      canvas = self._pad_length(canvas, bucketed_length(length, self.max_length), settings.pad_id)
-    else:
-      generated = None if layout is None else layout.generated
-      canvas, plan, steps = self.engine_layout(canvas, length, kind, block, steps, settings, generated)
-    first = 0  # This process's first row in the gathered output.
+    length = np.shape(canvas.tokens)[1] if layout is None else layout.length
+    canvas, plan = self.plan(canvas, decoder, length)
+    whole = plan.block if plan.block < plan.length or not plan.whole_sequence else 0
+    per_block = self.steps_per_block(steps, steps_per_block, canvas.kinds, whole, settings)
+    return Job(settings, canvas, plan, per_block, seed, None, layout, list(automata) if constrained_rows else None,
+               healing_rows)  # fmt: skip
+
+  def _budget(self, max_blocks: int, max_steps: int):
+    return self.placement.put(np.int32(max_blocks)), self.placement.put(np.int32(max_steps))
+
+  def _start(self, job: Job):
+    """Places a job and runs its prefill: ``(program, state, compile seconds, wall seconds)``."""
+    settings, layout, place = job.settings, job.layout, self.placement
+    canvas = job.canvas
     if layout is not None and layout.own_devices:  # Each process places its rows on its devices.
-      rows, vectors = sh.batch_sharding(self.mesh, self.rules, 2), sh.batch_sharding(self.mesh, self.rules, 1)
-      canvas = _pad_rows(canvas, layout.local_rows, settings.pad_id)
-      total = jax.process_count() * layout.local_rows
-      canvas = cv.Canvas(
-        *(
-          jax.make_array_from_process_local_data(s, a, (total, *a.shape[1:]))
-          for s, a in zip((rows, rows, vectors), canvas, strict=True)
-        )
-      )
+      placed = place.own_canvas(canvas, layout, settings.pad_id)
     else:
       if layout is not None:  # Processes share batch rows: every process builds the whole batch, in process order.
-        canvas = _pad_rows(canvas, layout.local_rows, settings.pad_id)
+        canvas = pad_rows(canvas, layout.local_rows, settings.pad_id)
         canvas = cv.Canvas(*(np.asarray(multihost_utils.process_allgather(a, tiled=True)) for a in canvas))
-        first = jax.process_index() * layout.local_rows
-      canvas = self._place_batch(canvas, settings.pad_id)
-    args = (self.params, canvas, self._place_key(seed), self._place_scalar(1 if steps is None else steps))
-    cache_key = (settings, plan, np.shape(canvas.tokens))
-    if plan is not None:  # The block engine takes the sampling knobs as traced scalars: they never recompile.
-      args, cache_key = (*args, self._place_knobs(settings)), (without_knobs(settings), *cache_key[1:])
-    tables = None
-    if constrained_rows:
-      tables, capacity = self._place_tables(automata, np.shape(canvas.tokens)[0])
-      args, cache_key = (*args, tables), (*cache_key, capacity)
-    compile_time = 0.0
-    if cache_key not in self._compiled:
-      start = time.perf_counter()
-      shardings = dict(mesh=self.mesh, rules=self.rules, param_shardings=self.param_shardings)
-      if plan is None:
-        fn = jit_sample(self.denoise_fn, settings, **shardings)
-      else:
-        engine = BlockEngine(self.cfg.model, without_knobs(settings), plan)
-        fn = jit_on_mesh(
-          engine.sample, scalars=2, trace=settings.trace, batched=tables, name="the block engine", **shardings
+      placed = place.canvas(canvas, settings.pad_id)
+    batch = np.shape(placed.tokens)[0]
+    tables, capacity = None, None
+    if job.automata is not None:
+      capacity = constrained.capacity_of(job.automata)
+      padded = [*job.automata, *[None] * (batch - len(job.automata))]
+      tables = place.put_rows(constrained.tables(padded, capacity, self.cfg.model.vocab_size))
+    heal = None
+    if job.healing is not None:
+      extra = batch - job.healing.slot.shape[0]
+      heal = place.put_rows(
+        Healing(
+          np.pad(job.healing.allowed, ((0, extra), (0, 0))), np.pad(job.healing.slot, (0, extra), constant_values=-1)
         )
-      self._compiled[cache_key] = fn.lower(*args).compile()
-      compile_time = time.perf_counter() - start
-    start = time.perf_counter()
-    out = jax.block_until_ready(self._compiled[cache_key](*args))
-    wall = time.perf_counter() - start
-    if layout is not None and layout.own_devices:
-      out = SampleOutput(
-        *(None if x is None else _own_rows(x, axis) for x, axis in zip(out, (0, 0, None, 1, 1, 1), strict=True))
       )
-    else:
-      out = jax.tree.map(self._gather, out)
-    cut = slice(first, first + batch)
-    if settings.trace:
+    key = ProgramKey(without_knobs(settings), job.plan, batch, capacity, heal is not None)
+    program = self.programs.get(key)
+    knobs = Knobs(
+      *(
+        place.put(np.asarray(v, t))
+        for v, t in zip(
+          (settings.temperature, settings.top_k, settings.top_p, settings.threshold),
+          (np.float32, np.int32, np.float32, np.float32),
+          strict=True,
+        )
+      )
+    )
+    before = program.compile_time
+    start = time.perf_counter()
+    steps_placed = self._row_steps(job, batch)
+    state = program.init(self.params, placed, place.key(job.seed), steps_placed, knobs, tables, heal)
+    state = jax.block_until_ready(state)
+    compile_time = program.compile_time - before
+    return program, state, compile_time, time.perf_counter() - start - compile_time
+
+  def _row_steps(self, job: Job, batch: int) -> jax.Array:
+    """Each row's steps per block placed like the canvas rows (padding rows take 1)."""
+    layout, place = job.layout, self.placement
+    pad = lambda a, n: np.pad(a, (0, n - a.shape[0]), constant_values=1)  # noqa: E731
+    if layout is None:
+      return place.put(pad(job.steps_per_block, batch), place.batched(1))
+    local = pad(job.steps_per_block, layout.local_rows)
+    if layout.own_devices:
+      return jax.make_array_from_process_local_data(place.batched(1), local, (batch,))
+    every = np.asarray(multihost_utils.process_allgather(local, tiled=True))
+    return place.put(pad(every, batch), place.batched(1))
+
+  def _output(self, job: Job, state, engine) -> SampleOutput:
+    """The finished canvases (numpy) of this process's rows."""
+    length = np.shape(job.canvas.tokens)[1]
+    layout = job.layout
+    own = layout is not None and layout.own_devices
+    fetch = (lambda x, axis: own_rows(x, axis)) if own else (lambda x, axis: self.placement.gather(x))
+    tokens = engine.to_canvas(fetch(state.z, 0), length)
+    nfe = fetch(state.nfe, 0)
+    forwards = fetch(state.forwards, None)
+    trace = ()
+    if state.trace:
+      canvases, commits, remasks = state.trace
+      trace = (engine.to_canvas(fetch(canvases, 1), length), fetch(commits, 1), fetch(remasks, 1))
+    first = 0
+    if layout is not None and not own:
+      first = jax.process_index() * layout.local_rows
+    rows = np.shape(job.canvas.tokens)[0]
+    cut = slice(first, first + rows)
+    out = SampleOutput(tokens[cut], nfe[cut], forwards, *trace)
+    if trace:
       out = out._replace(canvases=out.canvases[:, cut], commits=out.commits[:, cut], remasks=out.remasks[:, cut])
-    return out._replace(tokens=out.tokens[cut], nfe=out.nfe[cut]), wall, compile_time
-
-  def _place_batch(self, canvas: cv.Canvas, pad_id: int) -> cv.Canvas:
-    """The whole batch (the same on every process), padded to the data-parallel size and split over it."""
-    canvas = cv.pad_batch(canvas, sh.data_parallel_size(self.mesh, self.rules), pad_id)
-    rows, vectors = sh.batch_sharding(self.mesh, self.rules, 2), sh.batch_sharding(self.mesh, self.rules, 1)
-    return cv.Canvas(
-      self._place(canvas.tokens, rows), self._place(canvas.kinds, rows), self._place(canvas.streams, vectors)
-    )
-
-  # Host values placed by callback, so every process of a multi-host mesh builds the same global arrays.
-  def _place_scalar(self, value: int) -> jax.Array:
-    return self._place(np.asarray(value, np.int32), NamedSharding(self.mesh, P()))
-
-  def _place_knobs(self, settings: SamplerSettings) -> Knobs:
-    """``settings``' sampling knobs as replicated scalars (the block engine broadcasts them to every row)."""
-    replicated = NamedSharding(self.mesh, P())
-    values = (settings.temperature, settings.top_k, settings.top_p, settings.threshold)
-    dtypes = (np.float32, np.int32, np.float32, np.float32)
-    return Knobs(*(self._place(np.asarray(v, t), replicated) for v, t in zip(values, dtypes, strict=True)))
-
-  def _place_tables(self, automata, rows: int) -> tuple[constrained.Tables, constrained.Capacity]:
-    """The rows' automata (padding rows unconstrained) padded to the batch's capacity, split over the batch axes:
-    ``(tables, capacity)``; each capacity is one compilation."""
-    capacity = constrained.capacity_of(automata)
-    host = constrained.tables([*automata, *[None] * (rows - len(automata))], capacity, self.cfg.model.vocab_size)
-    return jax.tree.map(lambda a: self._place(a, sh.batch_sharding(self.mesh, self.rules, a.ndim)), host), capacity
-
-  def _place_key(self, seed: int) -> jax.Array:
-    return self._place(np.asarray(jax.random.key_data(jax.random.key(seed))), NamedSharding(self.mesh, P()))
-
-  def engine_layout(self, canvas, length, kind, block, steps, settings, generated=None):
-    """``(canvas, plan, steps per block)`` for the block engine: the canvas padded to the block (not to
-    ``LENGTH_BUCKET``); ``generated`` (default: this canvas's) sets each block's share of ``steps``."""
-    generated = _generated(canvas.kinds) if generated is None else generated
-    canvas = self._pad_length(canvas, -(-length // block) * block, settings.pad_id)
-    return canvas, self.plan(canvas.kinds, kind, block), self.block_steps(steps, block, generated)
-
-  def plan(self, kinds: np.ndarray, cache: str, block: int) -> BlockPlan:
-    """The block engine's :class:`~mercury_jax.sampling.blocks.BlockPlan` for these canvases."""
-    return plan_blocks(
-      kinds,
-      block,
-      cache=cache,
-      autoregressive=self.autoregressive,
-      whole_sequence=not (self.autoregressive or self.block_size),
-    )
-
-  def _pad_length(self, canvas: cv.Canvas, length: int, pad_id: int) -> cv.Canvas:
-    """Right-pads canvases to ``length`` positions."""
-    extra = length - np.shape(canvas.tokens)[1]
-    if extra <= 0:
-      return canvas
-    return cv.Canvas(
-      np.pad(np.asarray(canvas.tokens), ((0, 0), (0, extra)), constant_values=pad_id),
-      np.pad(np.asarray(canvas.kinds), ((0, 0), (0, extra)), constant_values=K.PAD),
-      canvas.streams,
-    )
+    return out
 
   # --------------------------------------------------------------------------------------------- text
 
@@ -486,6 +370,7 @@ class Sampler:
     template: str | None = None,
     length: int = 64,
     steps: int | None = None,
+    steps_per_block: int | None = None,
     seed: int = 0,
     num_samples: int = 1,
     streams: Sequence[int] | None = None,
@@ -508,8 +393,9 @@ class Sampler:
       template: A string with ``<mask:N>`` holes; its text is kept and its holes filled.
       length: Tokens to generate after each prompt (prompt mode only); token healing generates one position more,
         the prompt's backed-off last token.
-      steps: Step budget of a diffusion model for the generated length (>= 1; default 32 for the whole-canvas loop,
-        one token per step on the block engine). Not for an autoregressive model.
+      steps: The refinement budget of a diffusion model for the generated length (>= the blocks it spans; default:
+        one token per step). Not for an autoregressive model.
+      steps_per_block: The engine's steps per block instead of ``steps`` (>= 1).
       seed: The PRNG seed.
       num_samples: Samples per prompt.
       streams: Each row's random stream (default: its row index; with ``per_process``, its row index in the batch
@@ -521,53 +407,58 @@ class Sampler:
         process must call ``generate`` with the same other arguments (it is collective). The tokens equal those of
         one process given every process's prompts, in process order. Without it, every process passes the same
         prompts and gets every sample.
-      cache: The decoder's key-value cache (:data:`CACHES`, module docstring): ``auto`` (the model's best exact
-        decoder), ``exact``, ``none``, or for whole-sequence checkpoints the approximate ``dual`` and ``prefix``.
+      cache: The decoder's key-value cache (:data:`~mercury_jax.sampling.decoders.CACHE_CHOICES`): ``auto`` (the
+        model's best exact decoder), ``exact``, ``none``, or for whole-sequence checkpoints the approximate ``dual``
+        and ``prefix``.
       constraint: Structured output: an :class:`~mercury_jax.constrain.automaton.Automaton` (:meth:`constraint`)
         for every prompt, or one per prompt (None: free). A constrained sample's hole (it must have exactly one) is
         a valid prefix of the automaton's language, and complete (``Sample.complete``) when ``length`` leaves room
-        for it; fixed text of the automaton (a schema's keys and punctuation) is committed without the model. A
-        whole-sequence checkpoint runs it through the block engine without a cache.
-      token_healing: Re-generate the prompt's last token under the constraint that its characters come first
-        (:mod:`~mercury_jax.sampling.healing`), so a prompt that ends inside a token (``:``, ``(``, an indent, half
-        an identifier) continues as the training data would. Block-diffusion and autoregressive checkpoints, prompt
-        mode, no ``constraint``, no ``per_process`` (to reproduce per-process samples in one process, pass False),
-        no ``bos`` (an SFT prompt is tokenised on its own, so its end is a real boundary); ignored
-        otherwise.
+        for it; fixed text of the automaton (a schema's keys and punctuation) is committed without the model.
+      token_healing: Re-generate the prompt's last token, restricted to the tokens whose text starts with its
+        characters (:mod:`~mercury_jax.sampling.healing`), so a prompt that ends inside a token (``:``, ``(``, an
+        indent, half an identifier) continues as the training data would. Block-diffusion and autoregressive
+        checkpoints, prompt mode, no ``constraint``, no ``per_process``, no ``bos``; ignored otherwise.
       **knobs: ``SamplerSettings`` fields: temperature, top_k, top_p, min_length, eos_to_pad, and for diffusion
         models rule, confidence, threshold, block_length, revision.
 
     Raises:
-      SettingError: A bad setting or step count, or a diffusion-only one (``DIFFUSION_ONLY`` of
+      SettingError: A bad setting or step budget, or a diffusion-only one (``DIFFUSION_ONLY`` of
         :mod:`~mercury_jax.sampling.settings`) for an autoregressive model; ``.field`` names the argument.
       ValueError: An empty prompt without a template, a template without holes, or a canvas beyond the model's
         context; a constraint for another tokenizer or a canvas with more than one hole.
     """
-    heal = token_healing and constraint is None and not per_process and not bos
-    prepared = self._prepare(
-      prompts, template, length, steps, seed, num_samples, streams, show_steps, bos, per_process, cache, knobs, heal
-    )
-    if prepared is None:
+    request = Request(
+      prompts, template, length, steps, steps_per_block, seed, num_samples, streams, show_steps, bos, per_process,
+      cache, token_healing, knobs,
+    )  # fmt: skip
+    job = self._prepare(request, constraint)
+    if job is None:
       return []
-    settings, canvas, prompts, prompt_lengths, layout, healed = prepared
-    automata = self._row_constraints(constraint, canvas, num_samples) or self._healing(healed)
-    if steps is None and self._kind(cache, knobs)[0] == "loop" and automata is None:
-      steps = DEFAULT_STEPS
-    out, wall, compile_time = self.run(canvas, steps, seed, settings, layout=layout, cache=cache, automata=automata)
-    kinds = np.asarray(canvas.kinds)
-    generated = int(((kinds == K.TARGET) & (out.tokens[:, : kinds.shape[1]] != settings.pad_id)).sum())
+    program, state, compile_time, wall = self._start(job)
+    before = program.compile_time
+    start = time.perf_counter()
+    state = jax.block_until_ready(program.advance(self.params, state, *self._budget(_UNBOUNDED, _UNBOUNDED)))
+    compile_time += program.compile_time - before
+    wall += time.perf_counter() - start - (program.compile_time - before)
+    out = self._output(job, state, program.engine)
+    return self._samples(job, out, wall, compile_time, show_steps)
+
+  def _samples(self, job: Job, out: SampleOutput, wall: float, compile_time: float, show_steps: bool) -> list[Sample]:
+    rows, settings = job.rows, job.settings
+    kinds = np.asarray(job.canvas.kinds)
+    generated = int(((kinds == K.TARGET) & (out.tokens != settings.pad_id)).sum())
     samples = []
-    for row, prompt in enumerate(prompts):
+    for row, prompt in enumerate(rows.prompts):
       end = int((kinds[row] != K.PAD).sum())
-      region = out.tokens[row, prompt_lengths[row] : end]
+      region = out.tokens[row, rows.prompt_lengths[row] : end]
       tokens = [int(t) for t in region if t != settings.pad_id]
       trace = None
       if show_steps:
-        trace = self._frames(out, kinds, row, end, settings)
+        trace = frames(self.tokenizer, out, kinds, row, end, settings, self.autoregressive)
       samples.append(
         Sample(
           prompt=prompt,
-          text=healing.strip(self.tokenizer.decode(region), healed[row]),
+          text=healing.strip(self.tokenizer.decode(region), rows.healed[row]),
           tokens=tokens,
           nfe=int(out.nfe[row]),
           wall_time=wall,
@@ -575,8 +466,8 @@ class Sampler:
           compile_time=compile_time,
           steps=trace,
           tokens_per_forward=len(tokens) / max(int(out.nfe[row]), 1),
-          complete=None if automata is None else self._accepted(automata[row], out.tokens, kinds, row),
-          healed=healed[row],
+          complete=None if job.automata is None else self._accepted(job.automata[row], out.tokens, kinds, row),
+          healed=rows.healed[row],
         )
       )
     return samples
@@ -593,14 +484,6 @@ class Sampler:
     if self._compiler is None:
       self._compiler = Compiler(self.tokenizer)
     return self._compiler.regex(regex) if regex is not None else self._compiler.json_schema(json_schema)
-
-  def _healing(self, healed: list[str]) -> list[Automaton | None] | None:
-    """Each row's token-healing constraint (None where nothing was backed off), or None when no row has one."""
-    if not any(healed):
-      return None
-    if self._healer is None:
-      self._healer = Compiler(self.tokenizer)
-    return [self._healer.heal(text) if text else None for text in healed]
 
   def _row_constraints(self, constraint, canvas: cv.Canvas, num_samples: int) -> list[Automaton | None] | None:
     """Each row's automaton (a prompt's samples share its own), checked against the tokenizer and the canvas."""
@@ -643,6 +526,7 @@ class Sampler:
     template: str | None = None,
     length: int = 64,
     steps: int | None = None,
+    steps_per_block: int | None = None,
     seed: int = 0,
     num_samples: int = 1,
     streams: Sequence[int] | None = None,
@@ -655,11 +539,8 @@ class Sampler:
   ) -> Iterator[StreamEvent]:
     """Generates like :meth:`generate` (same arguments, same tokens) and yields text as blocks are committed.
 
-    The block engine runs in chunks of one block (with ``drafts``, one step): each chunk is one call of a compiled
-    program that takes and returns the loop state, so streaming compiles once per batch shape. A whole-sequence
-    checkpoint without a cache streams through the engine's uncached blocks of ``block_length`` tokens (default
-    ``APPROXIMATE_BLOCK``), the same decoding as ``generate(..., cache="none")`` with that block only when
-    ``generate`` runs on the engine too.
+    The engine's ``advance`` runs a block at a time (with ``drafts``, a step at a time): rows with nothing left never
+    end a chunk, so a batch of mixed lengths syncs with the host once per block.
 
     Args:
       drafts: Also yield, after every step, each unfinished sample's draft: its committed tokens with the step's
@@ -670,251 +551,127 @@ class Sampler:
       :class:`StreamEvent` per sample and chunk that has news: the newly committed text, the draft, and a last event
       with ``done=True``. Concatenating a sample's ``text`` gives its ``generate`` text.
     """
-    kind, block = self._kind(cache, knobs)
-    if kind == "loop":
-      kind, block = "none", knobs.get("block_length") or APPROXIMATE_BLOCK
-    heal = token_healing and constraint is None and not bos
-    prepared = self._prepare(
-      prompts, template, length, steps, seed, num_samples, streams, False, bos, False, cache, knobs, heal
-    )
-    settings, canvas, prompts, prompt_lengths, _, healed = prepared
-    automata = self._row_constraints(constraint, canvas, num_samples) or self._healing(healed)
-    batch, length = np.shape(canvas.tokens)
-    canvas, plan, per_block = self.engine_layout(canvas, length, kind, block, steps, settings)
-    placed = self._place_batch(canvas, settings.pad_id)
-    tables, capacity = None, None
-    if automata is not None:
-      tables, capacity = self._place_tables(automata, np.shape(placed.tokens)[0])
-    cache_key = (without_knobs(settings), plan, np.shape(canvas.tokens), "stream", capacity)
-    if cache_key not in self._compiled:
-      engine = BlockEngine(self.cfg.model, without_knobs(settings), plan)
-      shardings = (self.param_shardings, None, None, None, None, None)
-      fn = lambda p, c, k, n, kn, t: engine.init(p, c, k, n, kn, tables=t)  # noqa: E731
-      init = sh.MeshJit(fn, self.mesh, self.rules, in_shardings=shardings)
-      advance = sh.MeshJit(engine.advance, self.mesh, self.rules, donate_argnums=(1,))
-      self._compiled[cache_key] = (engine, init, advance)
-    engine, init, advance = self._compiled[cache_key]
-    one = self._place_scalar(1)
-    knobs_placed = self._place_knobs(settings)
-    state = init(self.params, placed, self._place_key(seed), self._place_scalar(per_block), knobs_placed, tables)
-    kinds = np.asarray(canvas.kinds)
+    request = Request(
+      prompts, template, length, steps, steps_per_block, seed, num_samples, streams, False, bos, False, cache,
+      token_healing, knobs,
+    )  # fmt: skip
+    job = self._prepare(request, constraint)
+    program, state, _, _ = self._start(job)
+    engine, block, settings, rows = program.engine, job.plan.block, job.settings, job.rows
+    budget = self._budget(_UNBOUNDED, 1) if drafts else self._budget(1, _UNBOUNDED)
+    batch, length = len(rows.prompts), np.shape(job.canvas.tokens)[1]
+    kinds = np.asarray(job.canvas.kinds)
     ends = [int((kinds[row] != K.PAD).sum()) for row in range(batch)]
     sent, finished = [""] * batch, [False] * batch
     decode = lambda ids: self.tokenizer.decode(ids, mask_text=MASK_TEXT)  # noqa: E731
+    gather = self.placement.gather
     while not all(finished):
-      state = advance(self.params, state, None, one) if drafts else advance(self.params, state, one, None)
-      z, first, last, current, fresh, proposal, nfe = (
-        self._gather(x) for x in (state.z, state.first, state.last, state.block, state.fresh, state.proposal, state.nfe)
+      state = program.advance(self.params, state, *budget)
+      z, generate, first, last, current, fresh, proposal, nfe = (
+        gather(x)
+        for x in (state.z, state.generate, state.first, state.last, state.block, state.fresh, state.proposal, state.nfe)
       )
-      done_all = bool(np.asarray(jax.device_get(engine.done(state))))
+      pending = (generate & (z == settings.mask_id)).any(axis=1)
       for row in range(batch):
         if finished[row]:
           continue
         row_block = min(int(first[row]) + int(current[row]), int(last[row]))  # the row's next (or open) block
         open_block = row_block - 1 if bool(fresh[row]) else row_block  # the block the last step worked on
-        slots = np.arange(length) + block
         tokens = z[row, block : block + length]
-        row_done = done_all or not (tokens[: ends[row]] == settings.mask_id).any()
+        row_done = not bool(pending[row])
         committed = row_block * block - block  # the canvas positions before the row's block are final
-        final_end = ends[row] if row_done else max(committed, prompt_lengths[row])
-        text = self.tokenizer.decode(tokens[prompt_lengths[row] : min(final_end, ends[row])])
-        text = healing.strip(text, healed[row])
+        final_end = ends[row] if row_done else max(committed, rows.prompt_lengths[row])
+        text = self.tokenizer.decode(tokens[rows.prompt_lengths[row] : min(final_end, ends[row])])
+        text = healing.strip(text, rows.healed[row])
         if not row_done and text.endswith("\ufffd"):  # A character split between blocks waits for its bytes.
           text = text[:-1]
         delta = text[len(sent[row]) :] if text.startswith(sent[row]) else ""
         draft = None
         if drafts and not row_done:
+          slots = np.arange(length) + block
           undecided = (tokens == settings.mask_id) & ((slots // block) == open_block)
           guess = tokens.copy()
           guess[undecided] = proposal[row, (slots[undecided] % block)]
-          draft = decode(guess[prompt_lengths[row] : ends[row]])
+          draft = decode(guess[rows.prompt_lengths[row] : ends[row]])
         if delta or draft is not None or row_done:
           sent[row] += delta
           finished[row] = row_done
           yield StreamEvent(index=row, text=delta, draft=draft, done=row_done, nfe=int(nfe[row]))
 
-  def _kind(self, cache: str, knobs: dict) -> tuple[str, int]:
-    return self.decoder(cache, knobs.get("block_length") or 0)
-
-  def _prepare(
-    self,
-    prompts,
-    template,
-    length,
-    steps,
-    seed,
-    num_samples,
-    streams,
-    show_steps,
-    bos,
-    per_process,
-    cache,
-    knobs,
-    heal=False,
-  ):
-    """Checks ``generate``'s arguments and builds ``(settings, canvas, prompts, prompt lengths, layout, healed)``,
-    or None when no process has a prompt (``per_process``)."""
-    spread = per_process and jax.process_count() > 1
+  def _prepare(self, request: Request, constraint) -> Job | None:
+    """Checks a request and builds its :class:`Job`, or None when no process has a prompt (``per_process``)."""
+    spread = request.per_process and jax.process_count() > 1
     try:
-      kind, block = self._kind(cache, knobs)
-      settings, examples, prompts, prompt_lengths, healed = self._examples(
-        prompts, template, length, steps, num_samples, show_steps, bos, per_process, knobs, kind, block, heal
+      check_knobs_for_model(
+        {"steps": request.steps, "steps_per_block": request.steps_per_block, **request.knobs}, self.autoregressive
+      )
+      decoder = self.decoder(request.cache, request.knobs.get("block_length") or 0)
+      heal = (
+        request.token_healing
+        and constraint is None
+        and not request.per_process
+        and not request.bos
+        and (self.autoregressive or self.block_size > 0)
+      )
+      rows, _ = build_rows(
+        request, self.tokenizer, max_length=self.max_length, autoregressive=self.autoregressive, heal=heal
       )
     except ValueError:
       if spread:  # Tell the other processes, which would otherwise wait for this one.
         with contextlib.suppress(ValueError):
-          self.agree_on_batch(0, 0, failed=True)
+          self.placement.agree_on_batch(0, 0, failed=True)
       raise
     offset, layout = 0, None
+    examples = rows.examples
     if spread:
       width = max((sum(p.length if isinstance(p, cv.Hole) else len(p) for p in e) for e in examples), default=0)
-      digest = zlib.crc32(repr((settings, steps, seed, cache)).encode())
-      generated = max((sum(p.length for p in e if isinstance(p, cv.Hole)) for e in examples), default=0)
-      layout = self.agree_on_batch(len(examples), width, digest=digest, generated=generated)
+      digest = zlib.crc32(repr((request.knobs, request.steps, request.steps_per_block, request.seed)).encode())
+      layout = self.placement.agree_on_batch(len(examples), width, digest=digest)
       offset = int(layout.rows[: jax.process_index()].sum())
     if not (examples if layout is None else layout.rows.any()):
       return None
-    if streams is None:
-      streams = range(offset, offset + len(examples))
-    canvas = cv.make_canvas(examples, streams=streams, pad_id=settings.pad_id)
-    return settings, canvas, prompts, prompt_lengths, layout, healed
+    streams = request.streams if request.streams is not None else range(offset, offset + len(examples))
+    pad_id = self.tokenizer.pad_id
+    canvas = cv.make_canvas(examples, streams=streams, pad_id=pad_id) if examples else _empty_canvas(layout.length)
+    automata = self._row_constraints(constraint, canvas, request.num_samples)
+    healing_rows = self._healing(rows)
+    settings = self.settings(**request.knobs)
+    job = self._job(
+      canvas, request.steps, request.steps_per_block, request.seed, settings, request.cache, layout, automata,
+      healing_rows,
+    )  # fmt: skip
+    job.rows = rows
+    if request.show_steps and not self.autoregressive:  # One frame per step: steps per block times the blocks.
+      blocks = max((len(block_loads(row, job.plan.block)) for row in np.asarray(job.canvas.kinds)), default=1)
+      job.settings = dataclasses.replace(settings, trace=int(job.steps_per_block.max(initial=1)) * max(blocks, 1))
+    return job
 
-  def _examples(
-    self,
-    prompts,
-    template,
-    length,
-    steps,
-    num_samples,
-    show_steps,
-    bos,
-    per_process,
-    knobs,
-    kind="loop",
-    block=0,
-    heal=False,
-  ):
-    """Checks ``generate``'s arguments and builds ``(settings, examples, prompt of each row, prompt lengths, healed
-    characters of each row)``; ``heal``: token healing where the decoder and the canvas allow it."""
-    check_knobs_for_model({"steps": steps, **knobs}, self.autoregressive)
-    if not self.autoregressive and steps is not None and steps < 1:
-      raise SettingError("steps", steps, "must be >= 1")
-    if isinstance(prompts, str):
-      prompts = [prompts]
-    elif per_process and prompts is not None:
-      prompts = list(prompts)  # This process may have none.
-    else:
-      prompts = list(prompts or ([""] if template is not None else []))
-      if not prompts:
-        raise ValueError("give a prompt or a template")
-    if num_samples < 1:
-      raise ValueError(f"num_samples={num_samples} must be >= 1")
-    if template is None and length < 1:
-      raise ValueError(f"length={length} must be >= 1")
-    tail = cv.parse_template(template, self.tokenizer.encode) if template is not None else None
-    heal = heal and tail is None and (self.autoregressive or self.block_size > 0)  # not whole-sequence models
-    trace = 0
-    if show_steps and not self.autoregressive:
-      trace = steps or DEFAULT_STEPS
-      if kind != "loop":  # The block engine: steps per block times the blocks a row spans.
-        holes = sum(p.length for p in tail if isinstance(p, cv.Hole)) if tail is not None else length + heal
-        span = sum(p.length if isinstance(p, cv.Hole) else len(p) for p in tail) if tail is not None else length + heal
-        trace = self.block_steps(steps, block, holes) * (-(-span // block) + 1)
-    settings = self.settings(trace=trace, **knobs)
-    examples, prompt_lengths, healed = [], [], []
-    for i, prompt in enumerate(prompts):
-      if not prompt and template is None:
-        raise ValueError(f"prompt {i} is empty; give text to continue, or a template with <mask:N> holes")
-      ids = ([self.tokenizer.bos_id] if bos else []) + self.tokenizer.encode(prompt)
-      if self.autoregressive and not ids and (tail is None or isinstance(tail[0], cv.Hole)):
-        ids = [self.tokenizer.bos_id]  # The decoder needs a known first token.
-      removed = ""
-      if heal:
-        kept, removed = healing.back_off(self.tokenizer, prompt, ids)
-      pieces = [ids, *tail] if tail is not None else cv.prefix(ids, length)
-      size = sum(p.length if isinstance(p, cv.Hole) else len(p) for p in pieces)
-      if size > self.max_length:
-        what = "the template" if tail is not None else f"length={length}"
-        raise ValueError(
-          f"prompt {i} ({len(ids)} tokens) plus {what} needs {size} positions but the model's context is "
-          f"{self.max_length} tokens"
-        )
-      if removed:  # The same positions, one more of them generated.
-        ids, pieces = kept, cv.prefix(kept, length + len(ids) - len(kept))
-      examples += [pieces] * num_samples
-      prompt_lengths += [len(ids)] * num_samples
-      healed += [removed] * num_samples
-    return settings, examples, [p for p in prompts for _ in range(num_samples)], prompt_lengths, healed
-
-  def _frames(self, out: SampleOutput, kinds: np.ndarray, row: int, end: int, settings: SamplerSettings) -> list[str]:
-    """The canvas text of one row after each step (diffusion) or each generated token (autoregressive)."""
-    decode = lambda ids: self.tokenizer.decode(ids, mask_text=MASK_TEXT)
-    if not self.autoregressive:
-      frames = min(int(out.nfe[row]), settings.trace)
-      if (out.commits < 0).any():  # The block engine marks frames past its last step with -1.
-        frames = int((out.commits[:, row] >= 0).sum())
-      return [decode(out.canvases[j, row, :end]) for j in range(frames)]
-    # The decoder commits one position per forward pass, left to right, and skips the rest of a hole after its EOS:
-    # frame k shows the first k decided positions.
-    final = out.tokens[row, :end]
-    generate = kinds[row, :end] == K.TARGET
-    skipped = np.asarray(cv.after_eos(final[None], generate[None], settings.eos_id))[0]
-    positions = np.flatnonzero(generate & ~skipped)
-    frames = []
-    for k in range(1, len(positions)):
-      canvas = final.copy()
-      canvas[positions[k:]] = settings.mask_id
-      frames.append(decode(canvas))
-    return [*frames, decode(final)]
+  def _healing(self, rows: Rows) -> Healing | None:
+    """Each row's healing mask and position (numpy), or None when no row heals."""
+    if not any(rows.healed):
+      return None
+    vocab = self.cfg.model.vocab_size
+    allowed = np.ones((len(rows.healed), vocab), bool)
+    slot = np.full((len(rows.healed),), -1, np.int32)
+    for row, text in enumerate(rows.healed):
+      if text:
+        allowed[row] = healing.allowed_tokens(self.tokenizer, text, vocab)
+        slot[row] = rows.prompt_lengths[row]
+    return Healing(allowed, slot)
 
 
-@dataclasses.dataclass
-class StreamEvent:
-  """One update of :meth:`Sampler.stream`.
-
-  Attributes:
-    index: The sample (its index in ``generate``'s output).
-    text: Text committed since this sample's previous event ("" when only the draft changed).
-    draft: With ``drafts``: the sample's whole completion now, committed tokens plus the current proposals, later
-      undecided positions as ``MASK_TEXT``; None otherwise and in the last event.
-    done: This is the sample's last event.
-    nfe: Forward passes the sample has needed so far (prefill included).
-  """
-
-  index: int
-  text: str
-  draft: str | None
-  done: bool
-  nfe: int
-
-
-def without_knobs(settings: SamplerSettings) -> SamplerSettings:
-  """``settings`` with the sampling knobs the block engine traces (temperature, top-k, top-p, threshold) at their
-  defaults: the engine's compilation key, so a new value of one of them reuses the compiled program."""
-  return dataclasses.replace(settings, temperature=1.0, top_k=0, top_p=1.0, threshold=0.9)
-
-
-def _generated(kinds: np.ndarray) -> int:
-  """The most positions a row of these canvases generates."""
-  return int((np.asarray(kinds) == K.TARGET).sum(axis=1).max(initial=0))
-
-
-def _pad_rows(canvas: cv.Canvas, rows: int, pad_id: int) -> cv.Canvas:
-  """Appends all-padding rows (nothing to generate) up to ``rows``."""
-  extra = rows - np.shape(canvas.tokens)[0]
-  length = np.shape(canvas.tokens)[1]
+def _pad_length(canvas: cv.Canvas, length: int, pad_id: int) -> cv.Canvas:
+  """Right-pads canvases to ``length`` positions."""
+  extra = length - np.shape(canvas.tokens)[1]
+  if extra <= 0:
+    return canvas
   return cv.Canvas(
-    np.concatenate([np.asarray(canvas.tokens, np.int32), np.full((extra, length), pad_id, np.int32)]),
-    np.concatenate([np.asarray(canvas.kinds, np.int32), np.full((extra, length), K.PAD, np.int32)]),
-    np.concatenate([np.asarray(canvas.streams, np.int32), np.zeros((extra,), np.int32)]),
+    np.pad(np.asarray(canvas.tokens), ((0, 0), (0, extra)), constant_values=pad_id),
+    np.pad(np.asarray(canvas.kinds), ((0, 0), (0, extra)), constant_values=K.PAD),
+    canvas.streams,
   )
 
 
-def _own_rows(x: jax.Array, axis: int | None) -> np.ndarray:
-  """This process's rows of a batch-sharded output (in the order ``make_array_from_process_local_data`` used)."""
-  if axis is None:  # Replicated.
-    return np.asarray(x.addressable_shards[0].data)
-  pieces = {}
-  for shard in x.addressable_shards:
-    pieces.setdefault(shard.index[axis].start or 0, shard.data)
-  return np.concatenate([np.asarray(pieces[start]) for start in sorted(pieces)], axis=axis)
+def _empty_canvas(length: int) -> cv.Canvas:
+  """No rows (a process without prompts of a per-process call)."""
+  return cv.Canvas(np.zeros((0, length), np.int32), np.zeros((0, length), np.int32), np.zeros((0,), np.int32))

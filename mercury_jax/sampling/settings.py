@@ -17,7 +17,7 @@ from mercury_jax.config import ObjectiveConfig
 SAMPLERS = ("ancestral", "confidence", "threshold")
 CONFIDENCES = ("prob", "margin", "entropy")
 # ``generate`` arguments that only the refinement loop has; an autoregressive model rejects them.
-DIFFUSION_ONLY = ("steps", "rule", "confidence", "threshold", "block_length", "revision")
+DIFFUSION_ONLY = ("steps", "steps_per_block", "rule", "confidence", "threshold", "block_length", "revision")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,45 +147,69 @@ def check_knobs_for_model(knobs: dict, autoregressive: bool) -> None:
       )
 
 
-def blocks_spanned(first: int, count: int, block: int) -> int:
-  """How many engine blocks of ``block`` positions the ``count`` positions from canvas position ``first`` touch.
+def block_loads(kinds_row, block: int) -> list[int]:
+  """How many positions to generate each engine block of ``block`` positions holds, for one canvas row (its kinds,
+  canvas positions; blocks without one are left out). The engine's blocks are aligned to canvas positions, so a hole
+  that starts inside a block makes a partial first block."""
+  import numpy as np
 
-  The engine's blocks are aligned to canvas positions (block ``k`` holds positions ``[(k - 1) B, k B)``), so a hole
-  that starts inside a block touches one block more than ``ceil(count / B)`` when it also ends inside one.
-  """
-  if count < 1:
-    return 0
-  return (first + count - 1) // block - first // block + 1
+  from mercury_jax import kinds as K
+
+  positions = np.flatnonzero(np.asarray(kinds_row) == K.TARGET)
+  if not block:  # The whole canvas is one block.
+    return [int(positions.size)] if positions.size else []
+  return np.bincount(positions // block)[np.unique(positions // block)].tolist()
 
 
-def steps_per_block(steps: int | None, block: int, generated: int, blocks: int | None = None) -> int:
-  """The steps each engine block gets for a total budget of ``steps`` over ``generated`` positions.
+def hole_loads(first: int, count: int, block: int) -> list[int]:
+  """:func:`block_loads` of a single hole of ``count`` positions from canvas position ``first``."""
+  loads, position = [], first
+  while position < first + count:
+    end = min((position // block + 1) * block, first + count)
+    loads.append(end - position)
+    position = end
+  return loads
 
-  Each block gets ``ceil(steps * block / generated)`` steps, the same tokens per step in every block; a partial first
-  or last block uses fewer (every step commits at least one position of its block). ``steps`` None means one token per
-  step (``block`` steps per block).
 
-  Args:
-    steps: The total budget (>= 1), or None.
-    block: The engine's block size.
-    generated: The positions to generate (the longest row's).
-    blocks: The blocks those positions span (:func:`blocks_spanned`); default ``ceil(generated / block)``.
+def steps_per_block(steps: int | None, loads, *, capped: bool = True) -> int:
+  """The engine's steps per block that honour a total budget of ``steps`` for a row whose blocks hold ``loads``
+  positions to generate (:func:`block_loads`).
+
+  With ``capped`` (rules that commit at least one position per step: confidence and threshold without revision) a
+  block never takes more steps than it has positions, so the answer is the most steps per block ``p`` whose total,
+  ``sum(min(p, n))`` over the blocks, stays within ``steps``. Otherwise (the ancestral rule, revision: a step may
+  commit nothing) every block takes its ``p`` steps, so ``p = steps // blocks``. ``steps`` None means one token per
+  step (``max(loads)``).
 
   Raises:
-    SettingError: ``steps`` is below 1, or below ``blocks``: every block needs a step of its own, so a smaller budget
-      cannot be honoured.
+    SettingError: ``steps`` is below 1, or below the number of blocks: every block takes at least one step, so a
+      smaller budget cannot be honoured.
   """
-  generated = max(generated, 1)
-  blocks = -(-generated // block) if blocks is None else blocks
+  loads = [n for n in loads if n > 0]
+  if not loads:
+    return 1
   if steps is None:
-    return block
+    return max(loads)
   if steps < 1:
     raise SettingError("steps", steps, "must be >= 1")
-  if steps < blocks:
+  if steps < len(loads):
     raise SettingError(
       "steps",
       steps,
-      f"is below the {blocks} blocks of {block} tokens the {generated} generated positions span; every block takes at "
-      f"least one step, so give steps >= {blocks} (or generate fewer tokens)",
+      f"is below the {len(loads)} blocks the {sum(loads)} generated positions lie in; every block takes at least one "
+      f"step, so give steps >= {len(loads)} (or generate fewer tokens)",
     )
-  return max(1, -(-steps * block // generated))
+  if not capped:
+    return steps // len(loads)
+  best = 1
+  for p in range(1, max(loads) + 1):
+    if sum(min(p, n) for n in loads) > steps:
+      break
+    best = p
+  return best
+
+
+def commits_every_step(settings: SamplerSettings) -> bool:
+  """Whether every step of ``settings``' rule commits at least one open position (confidence and threshold without
+  revision), so a block never takes more steps than it has positions."""
+  return settings.rule != "ancestral" and settings.revision == 0

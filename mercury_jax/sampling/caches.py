@@ -1,0 +1,242 @@
+"""The engine's key-value caches as small strategies: ``empty``, ``prefill``, ``forward``.
+
+A strategy turns the loop state into the logits of every row's step block. :meth:`forward` gets what the step needs
+(:class:`Needs`: which rows want logits, which want their finished block written into the cache) and returns the
+block's logits, the cache and whether it ran the network; it never puts a cache through a conditional it could
+avoid (on XLA:CPU a ``lax.cond`` whose branches both return the cache copied it at every step).
+
+* :class:`Exact` (block-diffusion and autoregressive models). The prefill writes the prompt's clean keys and values
+  (its masked slots wait in segment 0). A block's first step runs the *commit pass*: the finished block ``k - 1``
+  alone (``B`` tokens, block-causal over the cache), whose keys and values are written into the cache with one
+  dynamic update after the conditional; every step then runs the *block pass*: block ``k`` alone (``B`` tokens)
+  over the cache. So a block of ``s`` steps costs ``(s + 1) B`` tokens, and block ``k``'s logits always come from
+  the same program, whatever other rows need: a row's tokens do not depend on its batch. This is BD3-LM's sampling
+  (Arriola et al. 2025, arXiv 2503.09573): each block sees the clean keys and values of the blocks before it. The
+  autoregressive twin runs one pass per token: the last committed token, whose keys and values it writes and whose
+  output is the next token's distribution.
+* :class:`NoCache`: every pass runs the whole context: ``x_t ⊕ x_0`` through the ``block_diffusion`` mask, the
+  causal model over the canvas, a whole-sequence checkpoint over the canvas. The reference the exact cache
+  reproduces, and the whole-canvas refinement of whole-sequence checkpoints (one block the size of the canvas).
+* :class:`Dual` (bidirectional models; approximate): a block's first step runs the whole canvas and caches every
+  slot; its other steps run the block alone over that cache (Fast-dLLM's DualCache, Wu et al. 2025,
+  arXiv 2505.22618: prefix and suffix are both stale until the next block).
+* :class:`Prefix` (bidirectional models; approximate): like :class:`Dual`, but the later steps recompute the block
+  and everything after it (Fast-dLLM's PrefixCache); a ``lax.switch`` picks the shortest of a few chunk lengths that
+  covers every row's suffix.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from mercury_jax.sampling.network import Network
+from mercury_jax.sampling.plan import BlockPlan
+from mercury_jax.sampling.state import State, chunk, rows
+
+
+class Needs(NamedTuple):
+  """What one step asks of the network (per row)."""
+
+  starts: jax.Array  # [b] first slot of each row's step block
+  t: jax.Array  # [b] float32 diffusion time of the step
+  logits: jax.Array  # [b] bool: the row needs fresh logits of its block
+  commit: jax.Array  # [b] bool: the row's finished previous block must reach the cache (exact cache)
+
+
+class Forward(NamedTuple):
+  logits: jax.Array  # [b, B, vocab]
+  cache: object
+  ran: jax.Array  # [] bool: a pass that gives logits ran
+  committed: jax.Array  # [] bool: a commit pass ran
+
+
+class Strategy:
+  """The shared part of the caches: the plan and the network."""
+
+  def __init__(self, plan: BlockPlan, network: Network):
+    self.plan, self.network = plan, network
+
+  def empty(self, batch: int):
+    """The cache of ``batch`` rows before the prefill (``()`` without one)."""
+    return ()
+
+  def prefill(self, params, st: State, size: int):
+    """The cache after the prefill over slots ``[0, size)``."""
+    return st.cache
+
+  def forward(self, params, st: State, needs: Needs) -> Forward:
+    raise NotImplementedError
+
+
+class NoCache(Strategy):
+  def _full(self, params, st: State, needs: Needs) -> jax.Array:
+    plan, net, block = self.plan, self.network, self.plan.block
+    if plan.autoregressive:
+      logits = net.logits(params, st.z, segments=st.segments, positions=st.positions, mask="causal")
+      return rows(logits, needs.starts - 1, 1)
+    if plan.whole_sequence:  # The canvas alone: the padding block in front is never attended to.
+      canvas = lambda a: a[:, block:]  # noqa: E731
+      logits = net.logits(
+        params, canvas(st.z), needs.t, segments=canvas(st.segments), positions=canvas(st.positions), mask=None
+      )
+      return rows(logits, needs.starts - block, block)
+    twice = lambda a: jnp.concatenate([a, a], axis=1)  # noqa: E731  x_t ⊕ x_0
+    logits = net.logits(
+      params,
+      twice(st.z),
+      segments=twice(st.segments),
+      positions=twice(st.positions),
+      mask="block_diffusion",
+      diffusion_block=block,
+      logits_length=plan.slots,
+    )
+    return rows(logits, needs.starts, block)
+
+  def forward(self, params, st: State, needs: Needs) -> Forward:
+    run = jnp.any(needs.logits)
+    logits = jax.lax.cond(run, lambda: self._full(params, st, needs), lambda: st.logits)
+    return Forward(logits, st.cache, run, jnp.zeros((), bool))
+
+
+class Exact(Strategy):
+  def empty(self, batch: int):
+    return self.network.empty_cache(batch, self.plan.slots)
+
+  def _mask(self) -> tuple[str, int | None]:
+    return ("causal", None) if self.plan.autoregressive else ("block_causal", self.plan.block)
+
+  def prefill(self, params, st: State, size: int):
+    mask, block = self._mask()
+    cut = lambda a: a[:, :size]  # noqa: E731
+    waiting = jnp.where(st.target, 0, st.segments)  # Masked slots wait in segment 0 until they are committed.
+    _, kv = self.network.chunk(
+      params,
+      cut(st.z),
+      segments=cut(waiting),
+      positions=cut(st.positions),
+      mask=mask,
+      diffusion_block=block,
+      logits_length=0,
+    )
+    return st.cache.write(kv, 0)
+
+  def forward(self, params, st: State, needs: Needs) -> Forward:
+    net, block = self.network, self.plan.block
+    mask, diffusion_block = self._mask()
+
+    def over_cache(cache, at, size, t=None, **kw):
+      tokens, positions, segments = chunk(st, at, size)
+      return net.chunk(
+        params,
+        tokens,
+        t,
+        segments=segments,
+        positions=positions,
+        mask=mask,
+        diffusion_block=diffusion_block,
+        cache=cache,
+        starts=at,
+        **kw,
+      )
+
+    previous = needs.starts - block
+    if self.plan.autoregressive:  # One pass: the last committed token, written, gives the next distribution.
+      run = jnp.any(needs.logits | needs.commit)
+      logits, kv = jax.lax.cond(
+        run, lambda: over_cache(st.cache, previous, 1), lambda: (st.logits, st.cache.rows(previous, 1))
+      )
+      return Forward(logits, st.cache.write(kv, previous), run, run)
+    commit = jnp.any(needs.commit)
+    kv = jax.lax.cond(
+      commit,
+      lambda: over_cache(st.cache, previous, block, logits_length=0)[1],
+      lambda: st.cache.rows(previous, block),  # Writing back what is there: one program either way.
+    )
+    cache = st.cache.write(kv, previous)
+    run = jnp.any(needs.logits)
+    logits = jax.lax.cond(
+      run, lambda: over_cache(cache, needs.starts, block, needs.t, return_kv=False), lambda: st.logits
+    )
+    return Forward(logits, cache, run, commit)
+
+
+class Dual(Strategy):
+  def empty(self, batch: int):
+    return self.network.empty_cache(batch, self.plan.slots)
+
+  def _refresh(self, params, st: State, needs: Needs):
+    """The whole canvas, every slot's keys and values cached."""
+    logits, kv = self.network.chunk(
+      params, st.z, needs.t, segments=st.segments, positions=st.positions, mask="bidirectional"
+    )
+    return rows(logits, needs.starts, self.plan.block), kv
+
+  def _later(self, params, st: State, needs: Needs):
+    block = self.plan.block
+    tokens, positions, segments = chunk(st, needs.starts, block)
+    logits = self.network.chunk(
+      params,
+      tokens,
+      needs.t,
+      segments=segments,
+      positions=positions,
+      mask="bidirectional",
+      cache=st.cache,
+      starts=needs.starts,
+      return_kv=False,
+    )
+    return logits, st.cache
+
+  def forward(self, params, st: State, needs: Needs) -> Forward:
+    run = jnp.any(needs.logits)
+    refresh = jnp.any(st.fresh)  # The approximate caches keep the rows' blocks in lockstep.
+    branch = jnp.where(run, jnp.where(refresh, 1, 2), 0)
+    logits, cache = jax.lax.switch(
+      branch,
+      [
+        lambda: (st.logits, st.cache),
+        lambda: self._refresh(params, st, needs),
+        lambda: self._later(params, st, needs),
+      ],
+    )
+    return Forward(logits, cache, run, run & refresh)
+
+
+class Prefix(Dual):
+  def _later(self, params, st: State, needs: Needs):
+    plan = self.plan
+
+    def suffix(size: int):
+      def run():
+        tokens, positions, segments = chunk(st, needs.starts, size, pad=plan.tail)
+        logits = self.network.chunk(
+          params,
+          tokens,
+          needs.t,
+          segments=segments,
+          positions=positions,
+          mask="bidirectional",
+          cache=st.cache,
+          starts=needs.starts,
+          logits_length=plan.block,
+          return_kv=False,
+        )
+        return logits
+
+      return run
+
+    sizes = plan.suffix_sizes
+    need = jnp.max(plan.slots - needs.starts)
+    logits = jax.lax.switch(jnp.sum(jnp.asarray(sizes) >= need) - 1, [suffix(size) for size in sizes])
+    return logits, st.cache
+
+
+STRATEGIES = {"exact": Exact, "none": NoCache, "dual": Dual, "prefix": Prefix}
+
+
+def strategy(plan: BlockPlan, network: Network) -> Strategy:
+  """The cache strategy of ``plan``."""
+  return STRATEGIES[plan.cache](plan, network)

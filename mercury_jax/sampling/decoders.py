@@ -1,0 +1,166 @@
+"""Which decoder a checkpoint runs, and the compiled engine programs (one cache of them, one style).
+
+:func:`choose` maps a checkpoint and the ``cache`` / ``block_length`` a user asked for to the engine's cache and
+block (:class:`Decoder`):
+
+* block-diffusion checkpoints (``objective.block_size > 0``) and the autoregressive twin run the exact key-value
+  cache (``auto`` / ``exact``) over their trained block (1 for the twin), or no cache (``none``, the reference the
+  cache reproduces);
+* whole-sequence diffusion checkpoints refine their whole canvas as one block without a cache (``auto`` / ``none``),
+  or semi-autoregressive blocks of ``block_length`` tokens, or Fast-dLLM's approximate ``dual`` and ``prefix``
+  caches over blocks of ``block_length`` tokens (default :data:`APPROXIMATE_BLOCK`).
+
+:class:`Programs` compiles, once per (settings without the traced knobs, plan, batch, constraint capacity, healing),
+the two programs every decode runs: the engine's ``init`` (prefill) and ``advance`` (the refinement loop).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from mercury_jax import sharding as sh
+from mercury_jax.config import Config
+from mercury_jax.constrain import device as constrained
+from mercury_jax.sampling.engine import BlockEngine
+from mercury_jax.sampling.network import Network
+from mercury_jax.sampling.plan import CACHES, BlockPlan
+from mercury_jax.sampling.settings import SamplerSettings, SettingError
+
+CACHE_CHOICES = ("auto", *CACHES)  # What ``generate(cache=...)`` and ``--cache`` accept: auto picks the best exact one.
+APPROXIMATE_BLOCK = 32  # Block of the approximate caches of whole-sequence checkpoints when block_length is 0.
+LENGTH_BUCKET = 64  # Canvases are padded to a multiple of this, so varying prompt lengths share compilations.
+
+
+@dataclasses.dataclass(frozen=True)
+class Decoder:
+  """The engine's cache and block for one checkpoint and request.
+
+  Attributes:
+    cache: One of :data:`~mercury_jax.sampling.plan.CACHES`.
+    block: The block size; 0 for the whole canvas as one block (a whole-sequence checkpoint's refinement).
+  """
+
+  cache: str
+  block: int
+
+
+def choose(cfg: Config, cache: str = "auto", block_length: int = 0) -> Decoder:
+  """The decoder a checkpoint runs (module docstring).
+
+  Raises:
+    SettingError: A cache this model does not have, or a block length that contradicts its training.
+  """
+  if cache not in CACHE_CHOICES:
+    raise SettingError("cache", cache, f"is unknown; choose one of {', '.join(CACHE_CHOICES)}")
+  autoregressive, block_size = cfg.objective.autoregressive, cfg.objective.block_size
+  if autoregressive or block_size:
+    if cache in ("dual", "prefix"):
+      raise SettingError(
+        "cache", cache, "is the approximate cache of whole-sequence checkpoints; this model has an exact cache"
+      )
+    block = 1 if autoregressive else block_size
+    if block_length and not autoregressive and block_length != block:
+      raise SettingError(
+        "block_length", block_length, f"must be {block} (or 0): the block size this model was trained with"
+      )
+    return Decoder("none" if cache == "none" else "exact", block)
+  if cache == "exact":
+    raise SettingError(
+      "cache",
+      cache,
+      "needs a block-diffusion checkpoint (objective.block_size > 0); this whole-sequence model has the "
+      "approximate caches 'dual' and 'prefix'",
+    )
+  if cache in ("auto", "none"):
+    return Decoder("none", block_length)
+  return Decoder(cache, block_length or APPROXIMATE_BLOCK)
+
+
+def bucketed_length(length: int, context: int) -> int:
+  """The canvas length a whole-canvas decode runs ``length`` positions at: rounded up to ``LENGTH_BUCKET``, at most
+  ``context`` (unless ``length`` itself is longer), so varying prompt lengths share compilations."""
+  return min(-(-length // LENGTH_BUCKET) * LENGTH_BUCKET, max(context, length))
+
+
+def without_knobs(settings: SamplerSettings) -> SamplerSettings:
+  """``settings`` with the sampling knobs the engine traces (temperature, top-k, top-p, threshold) at their defaults:
+  the compilation key, so a new value of one of them reuses the compiled program."""
+  return dataclasses.replace(settings, temperature=1.0, top_k=0, top_p=1.0, threshold=0.9)
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgramKey:
+  """What one pair of compiled programs is for."""
+
+  settings: SamplerSettings  # without the traced knobs
+  plan: BlockPlan
+  batch: int
+  capacity: constrained.Capacity | None  # structured output's table sizes; None: no constraint
+  healing: bool  # some row heals its prompt's last token
+
+
+class Program:
+  """The compiled ``init`` and ``advance`` of one :class:`ProgramKey`, each compiled ahead of time on its first call.
+
+  ``advance`` takes and returns the state with the shardings ``init`` gave it, so one executable serves every chunk
+  of a decode (a stream's too).
+  """
+
+  def __init__(self, engine: BlockEngine, mesh: Mesh, rules, param_shardings):
+    self.engine, self.mesh, self.rules, self.param_shardings = engine, mesh, rules, param_shardings
+    self._init = None
+    self._advance = None
+    self.compile_time = 0.0  # seconds spent compiling this program's functions so far
+
+  def _compile(self, jitted: sh.MeshJit, *args):
+    start = time.perf_counter()
+    compiled = jitted.lower(*args).compile()
+    self.compile_time += time.perf_counter() - start
+    return compiled
+
+  def init(self, params, canvas, key, num_steps, knobs, tables, healing):
+    """The state before the first step (:meth:`BlockEngine.init`)."""
+    args = (params, canvas, key, num_steps, knobs, tables, healing)
+    if self._init is None:
+      engine = self.engine
+      fn = lambda p, c, k, n, kn, t, h: engine.init(p, c, k, n, kn, tables=t, healing=h)  # noqa: E731
+      jitted = sh.MeshJit(fn, self.mesh, self.rules, in_shardings=(self.param_shardings, *[None] * 6))
+      self._init = self._compile(jitted, *args)
+    return self._init(*args)
+
+  def advance(self, params, state, max_blocks, max_steps):
+    """The state after a chunk of steps (:meth:`BlockEngine.advance`; the state is donated)."""
+    args = (params, state, max_blocks, max_steps)
+    if self._advance is None:
+      shardings = jax.tree.map(lambda a: a.sharding, state)
+      scalar = NamedSharding(self.mesh, P())
+      jitted = sh.MeshJit(
+        self.engine.advance,
+        self.mesh,
+        self.rules,
+        in_shardings=(self.param_shardings, shardings, scalar, scalar),
+        out_shardings=shardings,
+        donate_argnums=(1,),
+      )
+      self._advance = self._compile(jitted, *args)
+    return self._advance(*args)
+
+
+class Programs:
+  """The compiled programs of one sampler, keyed by :class:`ProgramKey`."""
+
+  def __init__(self, network: Network, mesh: Mesh, rules, param_shardings):
+    self.network, self.mesh, self.rules, self.param_shardings = network, mesh, rules, param_shardings
+    self._programs: dict[ProgramKey, Program] = {}
+
+  def get(self, key: ProgramKey) -> Program:
+    if key not in self._programs:
+      engine = BlockEngine(self.network, key.settings, key.plan)
+      self._programs[key] = Program(engine, self.mesh, self.rules, self.param_shardings)
+    return self._programs[key]
+
+  def __len__(self) -> int:
+    return len(self._programs)

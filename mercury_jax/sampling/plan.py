@@ -1,0 +1,100 @@
+"""What is static about one engine run: the block size, the slot layout and the cache (:class:`BlockPlan`).
+
+Canvases (``mercury_jax.sampling.canvas``) are laid into *slots*: slot ``p + B`` holds canvas position ``p``, one
+block of padding in front so that every block has a block before it, and blocks are the slot ranges
+``[k B, (k + 1) B)``. A plan depends on the canvas length only, so it is a compilation key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+import numpy as np
+
+from mercury_jax import kinds as K
+
+# The engine's key-value caches (``mercury_jax.sampling.caches``): exact for block-diffusion and autoregressive
+# models, none (every pass over the whole context), and Fast-dLLM's approximate dual and prefix caches.
+CACHES = ("exact", "none", "dual", "prefix")
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockPlan:
+  """Everything static about one engine run (hashable: a compilation key).
+
+  Attributes:
+    block: Block size B (1 for the autoregressive twin; the whole canvas for whole-sequence decoding in one block).
+    slots: Slots per row: one block of padding, then the canvas rounded up to the block.
+    cache: One of :data:`CACHES`.
+    autoregressive: Decode a causal model: the distribution of block ``k`` comes from block ``k - 1``.
+    whole_sequence: A bidirectional checkpoint trained on whole sequences (no block mask): its caches are
+      approximate (``dual``, ``prefix``) and ``none`` runs the whole canvas bidirectionally at every step.
+  """
+
+  block: int
+  slots: int
+  cache: Literal["exact", "none", "dual", "prefix"] = "exact"
+  autoregressive: bool = False
+  whole_sequence: bool = False
+
+  def __post_init__(self):
+    if self.block < 1 or self.slots % self.block or self.slots < 2 * self.block:
+      raise ValueError(f"block={self.block} must be >= 1 and slots={self.slots} a multiple of it, >= 2 blocks")
+    if self.cache not in CACHES:
+      raise ValueError(f"cache={self.cache!r} must be one of {CACHES}")
+    if self.autoregressive and (self.block != 1 or self.cache not in ("exact", "none")):
+      raise ValueError("the autoregressive twin decodes blocks of 1 token with cache 'exact' or 'none'")
+    if self.whole_sequence and self.cache == "exact":
+      raise ValueError("a whole-sequence checkpoint has no exact cache; use 'dual' or 'prefix' (approximate) or 'none'")
+    if not self.whole_sequence and self.cache in ("dual", "prefix"):
+      raise ValueError(f"cache={self.cache!r} is the approximate cache of whole-sequence checkpoints")
+
+  @property
+  def blocks(self) -> int:
+    """Blocks per row, the padding block in front included."""
+    return self.slots // self.block
+
+  @property
+  def length(self) -> int:
+    """Canvas positions per row."""
+    return self.slots - self.block
+
+  @property
+  def tail(self) -> int:
+    """The prefix cache's longest chunk: from a block's start to the last slot, at most ``slots - block``."""
+    return self.slots - self.block
+
+  @property
+  def suffix_sizes(self) -> tuple[int, ...]:
+    """The prefix cache's chunk lengths, longest first: ``tail``, then halving, in whole blocks. A step runs the
+    shortest that covers every row's block and suffix, so later blocks cost less."""
+    sizes, size = [], self.tail
+    while size >= self.block and len(sizes) < 4:
+      sizes.append(-(-size // self.block) * self.block)
+      size //= 2
+    return tuple(sorted(set(sizes), reverse=True))
+
+
+def plan_blocks(
+  kinds: np.ndarray, block: int, *, cache: str = "exact", autoregressive: bool = False, whole_sequence: bool = False
+) -> BlockPlan:
+  """The :class:`BlockPlan` of a batch of canvases (host side: it is static under ``jax.jit``).
+
+  Args:
+    kinds: int [batch, length], the canvases' kinds (rows without a ``TARGET`` are batch padding).
+    block: Block size.
+    cache: See :data:`CACHES`.
+    autoregressive: Whether the model is the autoregressive twin.
+    whole_sequence: Whether the model is a bidirectional whole-sequence checkpoint.
+
+  Raises:
+    ValueError: A bad block size or cache, or an autoregressive row whose first position is to be generated.
+  """
+  kinds = np.asarray(kinds)
+  if block < 1:
+    raise ValueError(f"block={block} must be >= 1")
+  target = kinds == K.TARGET
+  if autoregressive and (target.any(axis=1) & (np.argmax(target, axis=1) == 0)).any():
+    raise ValueError("the autoregressive twin needs a known first token in every row (a prompt, or BOS)")
+  return BlockPlan(block, block + -(-kinds.shape[1] // block) * block, cache, autoregressive, whole_sequence)

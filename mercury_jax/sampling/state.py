@@ -1,0 +1,78 @@
+"""The decoding engine's loop state (:class:`State`) and the per-row slicing every part of the engine shares."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from mercury_jax.constrain import device as constrained
+from mercury_jax.sampling.proposal import Knobs
+
+
+class Constraint(NamedTuple):
+  """Structured output's part of the state (:mod:`mercury_jax.sampling.hooks`)."""
+
+  tables: constrained.Tables  # the rows' automata; ``tables.on`` [b] marks the constrained rows
+  dfa: jax.Array  # [b] the automaton state before the row's step block (0 for unconstrained rows)
+  end: jax.Array  # [b] the state after the step block's last commit (the next block's ``dfa`` once the row advances)
+  passes: jax.Array  # [] steps that ran the constrained proposals or the forced-token walk (a waste counter)
+
+
+class Healing(NamedTuple):
+  """Token healing's part of the state: one position of a row may only take some tokens."""
+
+  allowed: jax.Array  # [b, vocab] bool: the tokens the healed position may take
+  slot: jax.Array  # [b] int32: the healed position's slot; -1: the row heals nothing (or has written it)
+
+
+class State(NamedTuple):
+  """The loop state carried between chunks (a pytree; arrays are per row unless noted)."""
+
+  z: jax.Array  # [b, S] tokens in slots (the mask id at open positions)
+  target: jax.Array  # [b, S] the canvas's TARGET slots (holes)
+  generate: jax.Array  # [b, S] TARGET slots still to generate (not after an EOS of their hole)
+  segments: jax.Array  # [b, S] 1 for live slots, 0 for padding and positions after an EOS
+  positions: jax.Array  # [b, S] rotary positions (canvas positions)
+  eos_banned: jax.Array  # [b, S] min_length
+  score: jax.Array  # [b, S] confidence of each generated token when it was committed
+  first: jax.Array  # [b] the row's first block with a position to generate
+  last: jax.Array  # [b] its last one
+  example_keys: jax.Array  # [b] PRNG keys
+  block: jax.Array  # [b] the row's step block index ``j`` (it works on block ``min(first + j, last)``)
+  step: jax.Array  # [b] step within the block
+  fresh: jax.Array  # [b] bool: the block's first step is next
+  changed: jax.Array  # [b] bool: the block changed since its last forward pass
+  logits: jax.Array  # [b, B, vocab] the last forward pass's logits of the block
+  proposal: jax.Array  # [b, B] the last step's proposed tokens in its block (a draft's undecided positions)
+  cache: Any  # the key-value cache (``mercury_jax.model.KVCache``; ``()`` without one)
+  num_steps: jax.Array  # [b] steps per block
+  knobs: Knobs  # [b] each: temperature, top-k, top-p, threshold
+  nfe: jax.Array  # [b] steps in which the row needed a forward pass (a pass it ran while it had a masked position)
+  forwards: jax.Array  # [] steps that ran the network (prefill not included)
+  commit_passes: jax.Array  # [] of which ran the exact cache's commit pass of a finished block
+  iterations: jax.Array  # [] loop iterations (steps, forward or not)
+  recorded: jax.Array  # [b] steps in which the row had an open position (frames of its trace)
+  trace: tuple[jax.Array, ...]  # (canvases, commits, remasks) in slot space, or ()
+  constraint: Constraint | None  # structured output, or None: no row is constrained
+  healing: Healing | None  # token healing, or None: no row heals
+
+
+def rows(a: jax.Array, starts: jax.Array, size: int) -> jax.Array:
+  """``a[r, starts[r] : starts[r] + size]`` for every row ``r`` of ``a`` [b, S, ...]."""
+  return jax.vmap(lambda x, s: jax.lax.dynamic_slice_in_dim(x, s, size, axis=0))(a, starts)
+
+
+def put(a: jax.Array, starts: jax.Array, piece: jax.Array) -> jax.Array:
+  """``a`` with ``piece[r]`` written at ``starts[r]`` of every row ``r``."""
+  return jax.vmap(lambda x, s, p: jax.lax.dynamic_update_slice_in_dim(x, p, s, axis=0))(a, starts, piece)
+
+
+def chunk(st: State, starts: jax.Array, size: int, pad: int = 0) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """``(tokens, positions, segments)`` of slots ``[starts[r], starts[r] + size)`` of each row; ``pad`` padding slots
+  are appended first (a chunk that runs past the last slot reads padding there)."""
+  arrays = (st.z, st.positions, st.segments)
+  if pad:
+    arrays = tuple(jnp.pad(a, ((0, 0), (0, pad))) for a in arrays)
+  return tuple(rows(a, starts, size) for a in arrays)

@@ -1,0 +1,178 @@
+"""Text to canvases and back: what ``Sampler.generate`` and ``stream`` are asked (:class:`Request`), the rows they
+build from it (:func:`build_rows`), and what they give back (:class:`Sample`, :class:`StreamEvent`, :func:`frames`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+
+from mercury_jax import kinds as K
+from mercury_jax.data.tokenizer import Tokenizer
+from mercury_jax.sampling import canvas as cv, healing
+
+MASK_TEXT = "░"  # How an undecided position looks in a step-by-step trace and in a draft.
+
+
+@dataclasses.dataclass
+class Request:
+  """What to generate (``Sampler.generate``'s arguments; see there).
+
+  ``steps`` is the refinement budget for the generated length, ``steps_per_block`` the engine's steps per block
+  (give at most one; neither: one token per step).
+  """
+
+  prompts: str | Sequence[str] | None = None
+  template: str | None = None
+  length: int = 64
+  steps: int | None = None
+  steps_per_block: int | None = None
+  seed: int = 0
+  num_samples: int = 1
+  streams: Sequence[int] | None = None
+  show_steps: bool = False
+  bos: bool = False
+  per_process: bool = False
+  cache: str = "auto"
+  token_healing: bool = True
+  knobs: dict = dataclasses.field(default_factory=dict)  # ``SamplerSettings`` fields
+
+
+@dataclasses.dataclass
+class Rows:
+  """The canvas rows of a request, before padding and placement."""
+
+  examples: list  # each row's pieces (``canvas.Piece``)
+  prompts: list[str]  # the prompt of each row
+  prompt_lengths: list[int]  # its tokens (after token healing's back-off)
+  healed: list[str]  # the characters token healing backed off each row's prompt ("" for none)
+
+
+@dataclasses.dataclass
+class Sample:
+  """One generated sample.
+
+  Attributes:
+    prompt: The prompt text ("" for a template alone).
+    text: The completion after the prompt: generated text, with a template's fixed text in place.
+    tokens: Token ids of that completion (padding dropped).
+    nfe: Forward passes this sample needed.
+    wall_time: Seconds the batch it belongs to took (compilation excluded).
+    tokens_per_s: Generated tokens of the whole batch (with ``per_process``: of this process's rows) per second of
+      ``wall_time``.
+    tokens_per_forward: Generated tokens of this sample per forward pass it needed (TPF, ``len(tokens) / nfe``).
+    compile_time: Seconds spent compiling for this batch (0 when a compilation was reused).
+    steps: With ``show_steps``, the canvas text after each refinement step (autoregressive: after each generated
+      token), undecided positions as ``MASK_TEXT``.
+    complete: With a ``constraint``: whether the text is a whole sentence of it (False: ``length`` ran out first and
+      the text is a valid prefix); None without one.
+    healed: The prompt's last characters that token healing re-generated ("" when none): ``tokens`` starts with
+      their token, ``text`` does not repeat them.
+  """
+
+  prompt: str
+  text: str
+  tokens: list[int]
+  nfe: int
+  wall_time: float
+  tokens_per_s: float
+  compile_time: float = 0.0
+  steps: list[str] | None = None
+  tokens_per_forward: float = 0.0
+  complete: bool | None = None
+  healed: str = ""
+
+
+@dataclasses.dataclass
+class StreamEvent:
+  """One update of ``Sampler.stream``.
+
+  Attributes:
+    index: The sample (its index in ``generate``'s output).
+    text: Text committed since this sample's previous event ("" when only the draft changed).
+    draft: With ``drafts``: the sample's whole completion now, committed tokens plus the current proposals, later
+      undecided positions as ``MASK_TEXT``; None otherwise and in the last event.
+    done: This is the sample's last event.
+    nfe: Forward passes the sample has needed so far.
+  """
+
+  index: int
+  text: str
+  draft: str | None
+  done: bool
+  nfe: int
+
+
+def build_rows(
+  request: Request, tokenizer: Tokenizer, *, max_length: int, autoregressive: bool, heal: bool
+) -> tuple[Rows, list | None]:
+  """The rows of ``request`` (``num_samples`` per prompt) and the template's pieces (None in prompt mode).
+
+  ``heal``: back off each prompt's last token where token healing applies (prompt mode only).
+
+  Raises:
+    ValueError: An empty prompt without a template, a template without holes, a bad length or sample count, or a
+      canvas beyond ``max_length``.
+  """
+  prompts = request.prompts
+  if isinstance(prompts, str):
+    prompts = [prompts]
+  elif request.per_process and prompts is not None:
+    prompts = list(prompts)  # This process may have none.
+  else:
+    prompts = list(prompts or ([""] if request.template is not None else []))
+    if not prompts:
+      raise ValueError("give a prompt or a template")
+  if request.num_samples < 1:
+    raise ValueError(f"num_samples={request.num_samples} must be >= 1")
+  if request.template is None and request.length < 1:
+    raise ValueError(f"length={request.length} must be >= 1")
+  tail = cv.parse_template(request.template, tokenizer.encode) if request.template is not None else None
+  heal = heal and tail is None
+  rows = Rows([], [], [], [])
+  for i, prompt in enumerate(prompts):
+    if not prompt and tail is None:
+      raise ValueError(f"prompt {i} is empty; give text to continue, or a template with <mask:N> holes")
+    ids = ([tokenizer.bos_id] if request.bos else []) + tokenizer.encode(prompt)
+    if autoregressive and not ids and (tail is None or isinstance(tail[0], cv.Hole)):
+      ids = [tokenizer.bos_id]  # The decoder needs a known first token.
+    pieces = [ids, *tail] if tail is not None else cv.prefix(ids, request.length)
+    size = sum(p.length if isinstance(p, cv.Hole) else len(p) for p in pieces)
+    if size > max_length:
+      what = "the template" if tail is not None else f"length={request.length}"
+      raise ValueError(
+        f"prompt {i} ({len(ids)} tokens) plus {what} needs {size} positions but the model's context is "
+        f"{max_length} tokens"
+      )
+    removed = ""
+    if heal:
+      kept, removed = healing.back_off(tokenizer, prompt, ids)
+      if removed:  # The same positions, one more of them generated.
+        ids, pieces = kept, cv.prefix(kept, request.length + 1)
+    rows.examples += [pieces] * request.num_samples
+    rows.prompts += [prompt] * request.num_samples
+    rows.prompt_lengths += [len(ids)] * request.num_samples
+    rows.healed += [removed] * request.num_samples
+  return rows, tail
+
+
+def frames(tokenizer: Tokenizer, out, kinds: np.ndarray, row: int, end: int, settings, autoregressive: bool):
+  """The canvas text of one row after each step (diffusion) or each generated token (autoregressive)."""
+  decode = lambda ids: tokenizer.decode(ids, mask_text=MASK_TEXT)  # noqa: E731
+  if not autoregressive:
+    count = int((out.commits[:, row] >= 0).sum())  # The engine marks frames past its last step with -1.
+    return [decode(out.canvases[j, row, :end]) for j in range(count)]
+  # The decoder commits one position per forward pass, left to right, and skips the rest of a hole after its EOS:
+  # frame k shows the first k decided positions.
+  final = out.tokens[row, :end]
+  generate = kinds[row, :end] == K.TARGET
+  skipped = np.asarray(cv.after_eos(final[None], generate[None], settings.eos_id))[0] if settings.eos_to_pad else None
+  positions = np.flatnonzero(generate & (~skipped if skipped is not None else True))
+  shown = []
+  for k in range(1, len(positions)):
+    canvas = final.copy()
+    canvas[positions[k:]] = settings.mask_id
+    shown.append(decode(canvas))
+  return [*shown, decode(final)]
