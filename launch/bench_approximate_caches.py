@@ -2,7 +2,7 @@
 
     python launch/bench_approximate_caches.py [--checkpoint DIR] [--length 128] [--block 32] [--steps-per-block 16]
 
-Runs the block engine on each prompt at batch 1 with ``cache="none"`` (every step recomputes the canvas), ``dual``
+Runs the engine on each prompt at batch 1 with ``cache="none"`` (every step recomputes the canvas), ``dual``
 and ``prefix``, in rounds whose order rotates (so a change in the machine's capacity hits every cache alike), and
 prints each cache's median wall time over the rounds, its speed-up over ``none`` and the fraction of generated
 positions whose token equals the uncached run's (the approximation's effect; 1.0 would be exact).
@@ -19,7 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from mercury_jax.sampling import canvas as cv
-from mercury_jax.sampling.blocks import BlockEngine
+from mercury_jax.sampling.decoders import Decoder
+from mercury_jax.sampling.engine import BlockEngine
 from mercury_jax.sampling.sampler import Sampler
 
 PROMPTS = (
@@ -54,10 +55,11 @@ def main() -> None:
   compiled = {}
 
   def run(cache: str, canvas: cv.Canvas) -> np.ndarray:
-    plan = sampler.plan(canvas.kinds, cache, args.block)
+    canvas, plan = sampler.plan(canvas, Decoder(cache, args.block))
     if (cache, plan) not in compiled:
-      compiled[(cache, plan)] = jax.jit(BlockEngine(sampler.cfg.model, settings, plan).sample)
-    out = compiled[(cache, plan)](sampler.params, canvas, jax.random.key(0), jnp.int32(args.steps_per_block))
+      compiled[(cache, plan)] = jax.jit(BlockEngine(sampler.network, settings, plan).sample)
+    steps = jnp.full((1,), args.steps_per_block, jnp.int32)
+    out = compiled[(cache, plan)](sampler.params, canvas, jax.random.key(0), steps)
     return np.asarray(jax.block_until_ready(out).tokens)[0]
 
   for cache in CACHES:  # compile and warm up

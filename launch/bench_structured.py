@@ -31,9 +31,10 @@ import jsonschema
 from mercury_jax.constrain import device as constrained
 from mercury_jax.constrain.suite import SCHEMAS
 from mercury_jax.sampling import canvas as cv
-from mercury_jax.sampling.blocks import BlockEngine
+from mercury_jax.sampling.decoders import APPROXIMATE_BLOCK, Decoder, without_knobs
+from mercury_jax.sampling.engine import BlockEngine
 from mercury_jax.sampling.proposal import Knobs
-from mercury_jax.sampling.sampler import APPROXIMATE_BLOCK, Sampler, without_knobs
+from mercury_jax.sampling.sampler import Sampler
 
 BENCH_SCHEMAS = ("invoice", "person", "tool_call", "nested_config")  # part 1 at batch 1
 PROMPT = "record = "
@@ -46,17 +47,18 @@ def _per_step(sampler: Sampler, names: list[str], rounds: int, iterations: int, 
   automata = [sampler.constraint(json_schema=SCHEMAS[n]) for n in names]
   canvas = cv.make_canvas([cv.prefix(sampler.tokenizer.encode(PROMPT), LENGTH)] * len(names))
   settings = without_knobs(sampler.settings(rule="threshold", temperature=0.0))
-  kind, block = sampler.decoder("auto", block_length)
-  if kind == "loop":
-    kind, block = "none", block_length or APPROXIMATE_BLOCK
-  canvas, plan, steps = sampler.engine_layout(canvas, canvas.tokens.shape[1], kind, block, None, settings)
-  engine = BlockEngine(sampler.cfg.model, settings, plan)
+  decoder = sampler.decoder("auto", block_length)
+  if decoder.block == 0:  # A whole-sequence model's constrained decoding walks blocks.
+    decoder = Decoder("none", block_length or APPROXIMATE_BLOCK)
+  canvas, plan = sampler.plan(canvas, decoder)
+  steps = jnp.asarray(sampler.steps_per_block(None, None, canvas.kinds, plan.block, settings))
+  engine = BlockEngine(sampler.network, settings, plan)
   capacity = constrained.capacity_of(automata)
   tables = jax.tree.map(jnp.asarray, constrained.tables(automata, capacity, sampler.cfg.model.vocab_size))
   knobs = Knobs.of(sampler.settings(temperature=0.0), len(names))
   runs = {}
   for label, t in (("constrained", tables), ("free", None)):
-    init = jax.jit(lambda p, c, t: engine.init(p, c, jax.random.key(0), jnp.int32(steps), knobs, tables=t))
+    init = jax.jit(lambda p, c, t: engine.init(p, c, jax.random.key(0), steps, knobs, tables=t))
     state = jax.block_until_ready(init(sampler.params, canvas, t))
     advance = jax.jit(lambda p, st: engine.advance(p, st, max_steps=jnp.int32(iterations)))
     after = jax.block_until_ready(advance(sampler.params, state))  # compiles

@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from mercury_jax.sampling.sampler import default_checkpoint
+from mercury_jax.sampling.registry import default_checkpoint
 
 PROMPT = "def fibonacci(n):"
 

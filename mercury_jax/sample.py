@@ -15,14 +15,19 @@ faster. Bad input gets one line on stderr and exit code 2.
 
 Block-diffusion checkpoints (``objective.block_size > 0``) decode block by block against an exact key-value cache;
 the autoregressive twin is the same engine with blocks of one token. ``--cache none`` runs the same steps without a
-cache (every pass recomputes the whole context). Whole-sequence checkpoints refine the whole canvas (``--cache
-none``, the default) or use Fast-dLLM's *approximate* ``--cache dual`` / ``--cache prefix`` over blocks of
-``--block-length`` tokens. ``--stream`` prints text as each block is committed.
+cache (every pass recomputes the whole context). Whole-sequence checkpoints refine the whole canvas as one block
+(``--cache none``, the default; ``--block-length`` for semi-autoregressive blocks) or use Fast-dLLM's *approximate*
+``--cache dual`` / ``--cache prefix`` over blocks of ``--block-length`` tokens. ``--stream`` prints text as each
+block is committed; it gives the text the batch mode gives.
+
+``--steps`` is the refinement budget of each sample's generated tokens: its blocks share it evenly, one step each at
+least (a smaller budget is an error, not silently exceeded). ``--steps-per-block`` sets the engine's steps per block
+instead. Neither: one token per step. The default step rule is ``threshold`` (tau 0.9), as on the server.
 
 A checkpoint of the autoregressive twin (``objective.name = "autoregressive"``) is decoded token by token with
 a key-value cache, with the same prompts, templates, ``--length``, ``--temperature``/``--top-k``/``--top-p``,
 ``--min-length``, ``--num-samples``, ``--seed``, ``--json`` and ``--show-steps`` (one frame per token). The
-refinement flags (``--steps``, ``--sampler``, ``--confidence``, ``--threshold``, ``--block-length``, ``--revision``)
+refinement flags (``--steps``, ``--steps-per-block``, ``--sampler``, ``--confidence``, ``--threshold``, ``--block-length``, ``--revision``)
 are an error for it.
 
 Several processes (``--coordinator ...`` or a launcher) sample one batch together. By default every process reads the
@@ -57,7 +62,8 @@ KNOBS = ("rule", "confidence", "temperature", "top_k", "top_p", "threshold", "bl
 
 EPILOG = """\
 autoregressive checkpoints (objective.name = "autoregressive") are decoded token by token with a key-value
-cache; --steps, --sampler, --confidence, --threshold, --block-length and --revision apply to diffusion models only
+cache; --steps, --steps-per-block, --sampler, --confidence, --threshold, --block-length and --revision apply to
+diffusion models only
 and are an error for them. A canvas that starts with a hole gets BOS in front. --show-steps shows one frame per token.
 
 several processes: by default every process reads the same prompts and process 0 prints every sample. With
@@ -75,7 +81,7 @@ NO_DEFAULT_MODEL = (
 
 def bundled_model(name: str, fail) -> Path:
   """The folder of the bundled model ``name`` (``--model``); ``fail`` gets the one-line error when there is none."""
-  from mercury_jax.sampling.sampler import default_checkpoint
+  from mercury_jax.sampling.registry import default_checkpoint
 
   try:
     path = default_checkpoint(name)
@@ -127,8 +133,13 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument(
     "--steps",
     type=int,
-    help="refinement steps for the generated length, a budget: finished canvases stop early (default 32; block "
-    "engine: one token per step, each block getting its share)",
+    help="the refinement budget for each sample's generated tokens: every block gets the same share, at least one "
+    "step each (fewer steps than blocks is an error); finished blocks stop early (default: one token per step)",
+  )
+  p.add_argument(
+    "--steps-per-block",
+    type=int,
+    help="refinement steps per block instead of a total --steps budget (what the server's steps_per_block means)",
   )
   p.add_argument(
     "--cache",
@@ -139,7 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
   )
   p.add_argument("--stream", action="store_true", help="print text as each block is committed (block engine)")
   p.add_argument(
-    "--sampler", dest="rule", metavar="SAMPLER", help=f"step rule: {', '.join(SAMPLERS)} (default confidence)"
+    "--sampler", dest="rule", metavar="SAMPLER", help=f"step rule: {', '.join(SAMPLERS)} (default threshold)"
   )
   p.add_argument("--confidence", help=f"what ranks positions: {', '.join(CONFIDENCES)} (default prob)")
   p.add_argument("--temperature", type=float, default=1.0, help="0 is greedy")
@@ -243,6 +254,10 @@ def _check_args(args: argparse.Namespace, flags: dict[str, str]) -> dict:
   """Every check that needs no model, before a checkpoint is read; returns the sampler knobs given."""
   if args.steps is not None and args.steps < 1:
     _fail(f"--steps={args.steps} must be >= 1")
+  if args.steps_per_block is not None and args.steps_per_block < 1:
+    _fail(f"--steps-per-block={args.steps_per_block} must be >= 1")
+  if args.steps is not None and args.steps_per_block is not None:
+    _fail("--steps and --steps-per-block are two budgets; give one of them")
   if args.length is not None and args.length < 1:
     _fail(f"--length={args.length} must be >= 1")
   if args.length is not None and args.template is not None:
@@ -338,6 +353,7 @@ def main(argv: list[str] | None = None, *, compile_cache: bool = False) -> int:
       template=args.template,
       length=64 if args.length is None else args.length,
       steps=args.steps,
+      steps_per_block=args.steps_per_block,
       seed=args.seed,
       num_samples=args.num_samples,
       show_steps=args.show_steps,
@@ -429,6 +445,7 @@ def _stream(sampler, prompts, args: argparse.Namespace, knobs: dict, flags: dict
     template=args.template,
     length=64 if args.length is None else args.length,
     steps=args.steps,
+    steps_per_block=args.steps_per_block,
     seed=args.seed,
     num_samples=args.num_samples,
     bos=args.bos,

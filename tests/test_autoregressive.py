@@ -11,7 +11,8 @@ from flax import linen as nn
 from mercury_jax.config import ModelConfig, load_config
 from mercury_jax.kinds import TARGET as GENERATE
 from mercury_jax.model import Transformer
-from mercury_jax.sampling.blocks import BlockEngine, plan_blocks
+from mercury_jax.sampling.engine import BlockEngine
+from mercury_jax.sampling.plan import plan_blocks
 from mercury_jax.sampling.canvas import Hole, make_canvas, prefix
 from mercury_jax.sampling.settings import SamplerSettings
 
@@ -34,7 +35,7 @@ PROMPTS = [[2, 17, 33, 9], [2, 40], [2, 5, 6, 7, 8, 9, 10]]
 
 
 class jit_decode:  # noqa: N801  (reads like the function it stands for)
-  """``(params, canvas, key) -> SampleOutput`` of the twin on the block engine, one compilation per layout."""
+  """``(params, canvas, key) -> SampleOutput`` of the twin on the engine, one compilation per layout."""
 
   def __init__(self, cfg: ModelConfig, settings: SamplerSettings):
     self.cfg, self.settings, self.compiled = cfg, settings, {}
@@ -112,7 +113,7 @@ def test_sampling_is_batch_invariant_and_one_compile():
 def test_nfe_counts_prefill_and_decoding_passes():
   canvas = make_canvas([prefix([2, 9, 9], 6)], length=24)
   out = jit_decode(CFG, SamplerSettings(temperature=0.0, min_length=6))(PARAMS, canvas, jax.random.key(0))
-  assert int(out.steps) == 6  # Prefill gives the first token; five passes give the other five.
+  assert int(out.forwards) == 6  # One pass per token, the pass that feeds the token before it.
   with pytest.raises(ValueError, match="causal"):
     jit_decode(dataclasses.replace(CFG, causal=False), SamplerSettings())
 
@@ -163,8 +164,8 @@ def test_eos_ends_its_own_hole_and_later_holes_are_still_decoded():
   # The EOS ends the first hole (its last two positions are padding); the fixed text and the second hole stay.
   assert tokens[0].tolist() == [2, 11, 12, 3, 0, 0, 30, 31, 14, 15, 16, 0]
   assert tokens[1].tolist() == [2, 11, 12, 3, 0, 0] + [0] * 6  # One hole: the row ends at its EOS, as before.
-  # Prefill decides position 2; passes then feed 2, 3 (the EOS), 6, 7, 8 and 9: the cut hole costs no pass.
-  assert int(out.steps) == 7
+  # Passes feed 1, 2, 3 (the EOS, context of the second hole), 6, 7, 8 and 9: the cut hole costs no pass.
+  assert int(out.forwards) == 7
 
 
 def test_positions_after_an_eos_are_not_attended_to():

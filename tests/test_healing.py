@@ -1,5 +1,6 @@
-"""Token healing: a prompt that ends inside a token gets its last token re-generated, constrained to start with its
-characters, by the block-diffusion engine and the autoregressive twin alike; the reply never repeats them."""
+"""Token healing: a prompt that ends inside a token gets its last token re-generated, restricted to the tokens whose
+text starts with its characters, by the block-diffusion engine and the autoregressive twin alike; the reply never
+repeats them, and no other position is touched."""
 
 from __future__ import annotations
 
@@ -13,7 +14,6 @@ from random_models import random_checkpoint
 
 from mercury_jax import sharding as sh
 from mercury_jax.config import MeshConfig
-from mercury_jax.constrain.automaton import Compiler
 from mercury_jax.data.tokenizer import NUM_SPECIAL
 from mercury_jax.model import Transformer
 from mercury_jax.sample import main
@@ -48,18 +48,17 @@ def test_nothing_is_backed_off_a_prompt_of_one_token(samplers):
 
 
 @pytest.mark.parametrize("prefix", [":", "(", "    ", "on", "):"])
-def test_the_healing_automaton_allows_exactly_the_tokens_that_agree_with_the_characters(prefix, samplers):
-  """At the start: every token whose text starts with the characters or is a non-empty start of them (the merged
-  token and the split ones); once they are written the row is free (and let go by the engine)."""
+def test_the_healing_mask_allows_exactly_the_tokens_whose_text_starts_with_the_characters(prefix, samplers):
+  """Checked against every token's decoded text; ids past the tokenizer (a padded model vocabulary) never."""
   tokenizer = samplers["block_diffusion"].tokenizer
-  automaton = Compiler(tokenizer).heal(prefix)
+  allowed = healing.allowed_tokens(tokenizer, prefix, tokenizer.vocab_size + 7)
   texts = {i: tokenizer.decode([i]) for i in range(NUM_SPECIAL, tokenizer.vocab_size)}
-  texts = {i: t for i, t in texts.items() if t and t.isascii()}  # byte pieces of UTF-8 halves are never allowed
-  expected = sorted(i for i, t in texts.items() if t.startswith(prefix) or prefix.startswith(t))
-  assert sorted(automaton.allowed(automaton.start).tolist()) == expected
-  after = automaton.walk(tokenizer.encode(prefix + "x = 1\n"))
-  assert automaton.free[after] and not automaton.free[automaton.start]
-  assert automaton.walk(tokenizer.encode("#" + prefix)) == -1
+  expected = sorted(i for i, t in texts.items() if t.isascii() and t.startswith(prefix))
+  assert np.flatnonzero(allowed).tolist() == expected and expected
+  assert not allowed[tokenizer.vocab_size :].any()
+  assert allowed[tokenizer.encode(prefix)[0]] == (tokenizer.decode(tokenizer.encode(prefix)[:1]) == prefix)
+  with pytest.raises(ValueError, match="no token"):
+    healing.allowed_tokens(tokenizer, "\u2603", tokenizer.vocab_size)  # Only halves of it (byte pieces) exist.
 
 
 @pytest.mark.parametrize("kind", ["block_diffusion", "autoregressive"])
@@ -85,9 +84,8 @@ def test_the_greedy_healed_token_is_the_twins_best_one_that_keeps_the_prompt(sam
   for prompt in PROMPTS:
     ids = sampler.tokenizer.encode(prompt)
     kept, removed = healing.back_off(sampler.tokenizer, prompt, ids)
-    automaton = Compiler(sampler.tokenizer).heal(removed)
     logits = np.asarray(model.apply({"params": sampler.params}, jnp.asarray([kept]))[0, -1])
-    allowed = automaton.allowed(automaton.start)
+    allowed = np.flatnonzero(healing.allowed_tokens(sampler.tokenizer, removed, sampler.cfg.model.vocab_size))
     first = sampler.generate(prompt, length=4, temperature=0.0)[0].tokens[0]
     assert first == allowed[np.argmax(logits[allowed])], prompt
     logits = np.asarray(model.apply({"params": sampler.params}, jnp.asarray([ids]))[0, -1])
@@ -95,22 +93,17 @@ def test_the_greedy_healed_token_is_the_twins_best_one_that_keeps_the_prompt(sam
     assert plain == NUM_SPECIAL + np.argmax(logits[NUM_SPECIAL : sampler.tokenizer.vocab_size])
 
 
-def test_a_healed_row_is_let_go_after_the_block_that_writes_the_characters(samplers):
-  """Inside its first block a healed row writes only what the automaton allows (ASCII text pieces); after that block
-  it decodes unconstrained, so this sharp random model writes the byte pieces it favours, which the automaton
-  forbids."""
-  sampler = samplers["block_diffusion"]
+@pytest.mark.parametrize("kind", ["block_diffusion", "autoregressive"])
+def test_healing_restricts_the_backed_off_position_and_no_other(kind, samplers):
+  """The healed position takes an allowed token; every later one is free, so this sharp random model writes tokens
+  the mask forbids there (what it writes without healing too)."""
+  sampler = samplers[kind]
   prompt = "def fibon"
   kept, removed = healing.back_off(sampler.tokenizer, prompt, sampler.tokenizer.encode(prompt))
-  automaton = Compiler(sampler.tokenizer).heal(removed)
-  loop = int(np.flatnonzero(automaton.free)[0])
+  allowed = healing.allowed_tokens(sampler.tokenizer, removed, sampler.cfg.model.vocab_size)
   sample = sampler.generate(prompt, length=24, temperature=0.0)[0]
-  first = -len(kept) % sampler.block_size or sampler.block_size  # positions of the hole in its first block
-  assert automaton.walk(sample.tokens[:first]) >= 0
-  forbidden = [t for t in sample.tokens[first:] if automaton.table[loop, automaton.classes[t]] < 0]
-  assert forbidden, sample.tokens
-  plain = sampler.generate(prompt, length=24, temperature=0.0, token_healing=False)[0]
-  assert any(automaton.table[loop, automaton.classes[t]] < 0 for t in plain.tokens)  # what it writes when free
+  assert allowed[sample.tokens[0]]
+  assert not allowed[sample.tokens[1:]].all(), sample.tokens
 
 
 @pytest.mark.parametrize("kind", ["block_diffusion", "autoregressive"])
@@ -139,7 +132,7 @@ def test_a_healed_row_is_the_same_alone_in_a_batch_and_on_a_mesh(samplers, tmp_p
 
 
 def test_healing_stays_off_where_it_does_not_apply(samplers):
-  """Whole-sequence checkpoints (their refinement loop has no constraint), templates, structured output."""
+  """Whole-sequence checkpoints, templates, structured output, and on request."""
   prompt = PROMPTS[0]
   assert samplers["whole_sequence"].generate(prompt, length=8, steps=4)[0].healed == ""
   bd = samplers["block_diffusion"]

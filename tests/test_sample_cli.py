@@ -139,7 +139,7 @@ def test_bad_model_choice_is_one_line_and_exit_code_2(flags, message, capsys):
 
 
 def test_missing_twin_names_itself(tmp_path, monkeypatch, capsys):
-  monkeypatch.setattr("mercury_jax.sampling.sampler.ASSETS", tmp_path)
+  monkeypatch.setattr("mercury_jax.sampling.registry.ASSETS", tmp_path)
   assert default_checkpoint("default_ar") is None
   with pytest.raises(SystemExit) as exit_info:
     main(["--prompt", "x", "--model", "default_ar"])
@@ -148,7 +148,7 @@ def test_missing_twin_names_itself(tmp_path, monkeypatch, capsys):
 
 
 def test_missing_default_model_says_how_to_train_one(tmp_path, monkeypatch, capsys):
-  monkeypatch.setattr("mercury_jax.sampling.sampler.DEFAULT_CHECKPOINT", tmp_path)
+  monkeypatch.setattr("mercury_jax.sampling.registry.DEFAULT_CHECKPOINT", tmp_path)
   assert default_checkpoint() is None
   with pytest.raises(SystemExit) as exit_info:
     main(["--prompt", "x"])
@@ -218,7 +218,7 @@ def test_per_process_batch_layouts_give_the_tokens_of_the_plain_batch(checkpoint
   encode = sampler.tokenizer.encode
   canvas = cv.make_canvas([cv.prefix(encode(p), 6) for p in ("a", "def f(x):", "import")], streams=[4, 5, 6])
   plain = sampler.run(canvas, 4, 0, settings)[0]
-  own = sampler.agree_on_batch(3, canvas.tokens.shape[1])  # One process: its devices hold all 8 data shards.
+  own = sampler.placement.agree_on_batch(3, canvas.tokens.shape[1])  # One process: its devices hold all 8 data shards.
   assert own.own_devices and own.local_rows == 8 and own.rows.tolist() == [3]
   for layout in (own, own._replace(own_devices=False, local_rows=3)):  # Rows placed by this process, or gathered.
     out = sampler.run(canvas, 4, 0, settings, layout=layout)[0]

@@ -55,13 +55,9 @@ from mercury_jax.data import pipeline
 from mercury_jax.data.tokenizer import Tokenizer
 from mercury_jax.sampling import canvas as cv
 from mercury_jax.sampling.canvas import SampleOutput
-from mercury_jax.sampling.sampler import (
-  Sampler,
-  bucketed_length,
-  check_compatible,
-  default_checkpoint,
-  is_autoregressive,
-)
+from mercury_jax.sampling.decoders import bucketed_length
+from mercury_jax.sampling.registry import default_checkpoint
+from mercury_jax.sampling.sampler import Sampler, check_compatible, is_autoregressive
 from mercury_jax.sampling.settings import SamplerSettings
 
 STEPS = (4, 8, 16, 32, 64, 128, 256)
@@ -312,14 +308,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
       first_samples.setdefault(i, done)
       rows.append({**row, **quality_cache[cache_key], "same_samples_as_first_batch": done == first_samples[i]})
   _cache_speedups(rows, settings, calls, args.batch_sizes)
-  overhead = None
   diffusion = samplers["diffusion"]
-  if diffusion.decoder()[0] != "loop":
-    first = next(s for s in settings if s.model == "diffusion" and s.cache == "auto")
-    overhead = {
-      "setting": first.name,
-      **engine_overhead(diffusion, batches[min(args.batch_sizes)][0], first.steps, runner.settings(first)),
-    }
+  first = next(s for s in settings if s.model == "diffusion" and s.cache == "auto")
+  overhead = {
+    "setting": first.name,
+    **engine_overhead(diffusion, batches[min(args.batch_sizes)][0], first.steps, runner.settings(first)),
+  }
   tol = bench_report.Tolerances(args.ppl_tolerance, args.entropy_tolerance, args.parse_tolerance)
   result = {
     "machine": machine,

@@ -297,7 +297,7 @@ class BlockEngine:
         score=rows(st.score, starts, block),
         k=(open_.sum(axis=-1, dtype=jnp.int32) + steps_left - 1) // steps_left,
         steps_left=steps_left,
-        window_steps=st.num_steps,
+        block_steps=st.num_steps,
         t=t,
         s=s,
         u=u,

@@ -1,11 +1,11 @@
 """Step rules: small pure functions that decide, in one refinement step, which masked positions to commit.
 
-Every rule has the signature ``rule(StepInputs) -> StepOutput`` and is plugged into the one sampling loop
-(``mercury_jax.sampling.loop``). The loop computes everything a rule may need (proposals, confidences, the
+Every rule has the signature ``rule(StepInputs) -> StepOutput`` and is plugged into the one decoding loop
+(``mercury_jax.sampling.engine``). The loop computes everything a rule may need (proposals, confidences, the
 schedule's commit count and times) and enforces the invariants afterwards: only open positions are committed, only
-positions committed at earlier steps in blocks that are not finished are re-masked, and at the last step of a
-window everything open is committed and nothing re-masked. A rule therefore cannot break termination, touch fixed
-tokens or reopen a finished block.
+positions committed at earlier steps of the open block are re-masked, and at a block's last step everything open is
+committed and nothing re-masked. A rule therefore cannot break termination, touch fixed tokens or reopen a finished
+block.
 
 Revision (``settings.revision = eta > 0``) is ReMDM's re-masking posterior inside :func:`ancestral`, and a
 deterministic low-confidence re-masking (:func:`low_confidence_remasking`) around the confidence and threshold rules.
@@ -30,14 +30,14 @@ class StepInputs(NamedTuple):
   Attributes:
     x0: Proposed token at every position, int32 [batch, length].
     confidence: Its confidence (probability, margin or negative entropy), float32 [batch, length].
-    open: Masked positions inside the current block window: the only ones a rule may commit, bool [batch, length].
-    committed: Generated positions of the window's unfinished blocks (those with a masked position left) committed
+    open: Masked positions inside the current block: the only ones a rule may commit, bool [batch, length].
+    committed: Generated positions of the open block (while it has a masked position left) committed
       at earlier steps: the only ones a rule may re-mask, bool [batch, length].
     score: The confidence each committed position had when it was committed, float32 [batch, length].
     k: The confidence schedule's commit count, ``ceil(open / steps_left)``, int32 [batch].
-    steps_left: Steps left for the window, this one included (>= 1), int32 [batch].
-    window_steps: Steps the window has in all, int32 [batch].
-    t: The window's diffusion time now, in (0, 1], float32 [batch].
+    steps_left: Steps left for the block, this one included (>= 1), int32 [batch].
+    block_steps: Steps the block has in all, int32 [batch].
+    t: The block's diffusion time now, in (0, 1], float32 [batch].
     s: Its time after this step, ``0 <= s < t``, float32 [batch].
     u: Uniform noise in [0, 1) for the rule's own random decisions, float32 [batch, length].
     threshold: The threshold rule's bar per example, float32 [batch] (the block engine's per-row knob); None: the
@@ -51,7 +51,7 @@ class StepInputs(NamedTuple):
   score: jax.Array
   k: jax.Array
   steps_left: jax.Array
-  window_steps: jax.Array
+  block_steps: jax.Array
   t: jax.Array
   s: jax.Array
   u: jax.Array
@@ -99,7 +99,7 @@ def ancestral(schedule: ObjectiveConfig, eta: float = 0.0) -> Rule:
   ``1 - alpha_s`` (the marginals of MDLM, so the trained denoiser applies) and spreads re-masked tokens over the
   remaining steps instead of leaving them for the last. ``sigma_t`` is bounded by
   ``sigma_t^max = min(1, (1 - alpha_s) / alpha_t)`` (Eq. 7) and set by ReMDM-rescale (Sec. 4.1):
-  ``sigma_t = eta * sigma_t^max``. At the window's last step ``s = 0``, so ``alpha_s = 1``, ``sigma_t = 0`` and
+  ``sigma_t = eta * sigma_t^max``. At the block's last step ``s = 0``, so ``alpha_s = 1``, ``sigma_t = 0`` and
   everything still masked is unmasked. The loop restricts ``committed`` to unfinished blocks: a block whose
   positions are all committed is finished, and its chain stops there.
   """
@@ -145,16 +145,16 @@ def low_confidence_remasking(rule: Rule, eta: float) -> Rule:
   """Adds a deterministic low-confidence re-masking of strength ``eta`` to a confidence or threshold ``rule``.
 
   This is not ReMDM's randomised confidence schedule (ReMDM-conf); it is a deterministic cousin: each step re-masks
-  ``eta * committed * (steps_left - 1) / window_steps`` (rounded to the nearest whole number) of the committed tokens
+  ``eta * committed * (steps_left - 1) / block_steps`` (rounded to the nearest whole number) of the committed tokens
   of the unfinished blocks, those with the lowest commit-time confidence (a SUBS-trained denoiser is not trained to
   predict at unmasked positions, so the score recorded when a token was committed is the signal). The count decays
-  to 0 at the window's last step. The schedule's ``k`` grows by the re-masked count, so the window still finishes on
+  to 0 at the block's last step. The schedule's ``k`` grows by the re-masked count, so the block still finishes on
   time.
   """
 
   def revised(inputs: StepInputs) -> StepOutput:
     num_committed = inputs.committed.sum(axis=-1)
-    fraction = eta * (inputs.steps_left - 1) / inputs.window_steps
+    fraction = eta * (inputs.steps_left - 1) / inputs.block_steps
     n = jnp.floor(fraction * num_committed + 0.5).astype(jnp.int32)  # [batch]
     num_open = inputs.open.sum(axis=-1)
     k = jnp.minimum((num_open + n + inputs.steps_left - 1) // inputs.steps_left, num_open)

@@ -583,8 +583,8 @@ class Sampler:
         final_end = ends[row] if row_done else max(committed, rows.prompt_lengths[row])
         text = self.tokenizer.decode(tokens[rows.prompt_lengths[row] : min(final_end, ends[row])])
         text = healing.strip(text, rows.healed[row])
-        if not row_done and text.endswith("\ufffd"):  # A character split between blocks waits for its bytes.
-          text = text[:-1]
+        if not row_done:  # A character split between blocks waits for its bytes (each missing one decodes as U+FFFD).
+          text = text.rstrip("\ufffd")
         delta = text[len(sent[row]) :] if text.startswith(sent[row]) else ""
         draft = None
         if drafts and not row_done:

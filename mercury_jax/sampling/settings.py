@@ -27,28 +27,31 @@ class SamplerSettings:
   Attributes:
     rule: ``ancestral`` (the exact MDLM/MD4 reverse step of ``objective``'s schedule), ``confidence`` (LLaDA
       low-confidence remasking: the k most confident positions per step) or ``threshold`` (Fast-dLLM parallel
-      decoding: every position with confidence >= ``threshold``, never fewer than the confidence schedule's k).
+      decoding: every position with confidence >= ``threshold``, never fewer than the confidence schedule's k; the
+      default of the command line, the Python API and the server alike).
     confidence: What ranks positions: ``prob`` (probability of the proposed token), ``margin`` (top-1 minus top-2
       probability) or ``entropy`` (negative entropy of the position's distribution).
     temperature: Divides the logits before sampling a token; 0 picks the most likely token (greedy).
     top_k: Sample among the k most likely tokens only; 0 keeps all.
     top_p: Nucleus sampling: the smallest set of tokens whose probability reaches ``top_p``; 1 keeps all.
     threshold: The ``threshold`` rule's confidence bar tau.
-    block_length: Semi-autoregressive blocks of this many generated tokens, finished left to right; 0: one block.
+    block_length: The engine's block for a whole-sequence checkpoint: semi-autoregressive blocks of this many canvas
+      positions, finished left to right (0: the whole canvas is one block); a block-diffusion checkpoint's is its
+      trained block, the twin's 1.
     revision: Re-masking strength eta in [0, 1) (0: off): committed tokens are masked again so later steps can
       rewrite them. Only tokens of blocks that still have a masked position are ever re-masked: a finished block
       stays as it is. With ``rule="ancestral"`` this is ReMDM (Wang et al. 2025) with the ReMDM-rescale schedule:
       each step re-masks every committed token with probability ``sigma_t = eta * min(1, (1 - alpha_s) / alpha_t)``
       and unmasks masked ones with ReMDM's matching, higher probability (see ``rules.ancestral``). With the
       ``confidence`` and ``threshold`` rules it is a deterministic low-confidence re-masking, not ReMDM's randomised
-      schedule: each step re-masks the fraction ``eta * (steps left in the window - 1) / (steps of the window)`` of
+      schedule: each step re-masks the fraction ``eta * (steps left in the block - 1) / (steps of the block)`` of
       the committed tokens (rounded) with the lowest commit-time confidence (see ``rules.low_confidence_remasking``).
     min_length: No end-of-sequence token among a row's first ``min_length`` generated positions, counted over its
       holes in canvas order: with holes of 4 and 4 tokens, ``min_length=6`` keeps EOS out of the whole first hole
       and out of the first 2 positions of the second.
     eos_to_pad: An EOS ends its own hole only (a hole is a maximal run of consecutive generated positions): the
       positions after it in that hole become padding, while later fixed text and later holes stay and are still
-      generated. The autoregressive decoder always skips the rest of a hole after its EOS.
+      generated. False: an EOS is a token like any other and the whole hole is generated, for every model.
     trace: Record the canvas after each of the first ``trace`` steps (0: no trace). A static size, so each value
       compiles once.
     objective: The model's objective config: the schedule ``alpha(t)`` and the mask id.
@@ -59,7 +62,7 @@ class SamplerSettings:
     num_tokens: The tokenizer's size: ids at or above it (a padded vocabulary) are never proposed; 0: no limit.
   """
 
-  rule: Literal["ancestral", "confidence", "threshold"] = "confidence"
+  rule: Literal["ancestral", "confidence", "threshold"] = "threshold"
   confidence: Literal["prob", "margin", "entropy"] = "prob"
   temperature: float = 1.0
   top_k: int = 0

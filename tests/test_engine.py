@@ -340,3 +340,105 @@ def test_a_step_that_changed_nothing_reuses_the_last_logits():
   assert int(state.forwards) <= int(state.iterations) - 15
   uncached = _sample(cfg, params, canvas, settings, "none", 16, seed=5)
   np.testing.assert_array_equal(np.asarray(engine.output(state, canvas.tokens.shape[1]).tokens), uncached.tokens)
+
+
+def test_eos_to_pad_false_generates_every_position_of_the_hole_for_every_decoder():
+  """Without eos_to_pad an EOS is a token like any other: the hole is generated to its end (exact cache, no cache,
+  the twin, a whole-sequence model); with it, the rest of the hole is padding."""
+  cfg = _model_cfg(tie_embeddings=False)
+  params = _eos_model(cfg)
+  canvas = cv.make_canvas([cv.prefix([7], 10), cv.prefix([8, 9], 10)])
+  target = np.asarray(canvas.kinds) == cv.TARGET
+  for causal, cache, block, whole in ((False, "exact", BLOCK, False), (False, "none", BLOCK, False),
+                                      (True, "exact", 1, False), (False, "none", 12, True)):  # fmt: skip
+    cfg_kind = _model_cfg(tie_embeddings=False, causal=causal)
+    for eos_to_pad in (True, False):
+      settings = _settings(rule="confidence", temperature=0.0, min_length=3, eos_to_pad=eos_to_pad)
+      plan = plan_blocks(canvas.kinds, block, cache=cache, autoregressive=causal, whole_sequence=whole)
+      engine = BlockEngine(cfg_kind, settings, plan)
+      out = jax.jit(engine.sample)(params, canvas, jax.random.key(0), jnp.full((2,), block, jnp.int32))
+      generated = np.asarray(out.tokens)[target].reshape(2, -1)[:, :10]
+      assert (generated[:, :3] == 5).all() and (generated[:, 3] == EOS).all(), (cache, causal, generated)
+      if eos_to_pad:
+        assert (generated[:, 4:] == 0).all(), (cache, causal, generated)
+      else:  # Nothing after the EOS is padding: the model (EOS first, 5 second) writes EOS there again.
+        assert (generated[:, 4:] == EOS).all(), (cache, causal, generated)
+
+
+def test_a_budget_below_one_step_per_block_is_refused_and_steps_per_block_is_the_engines(sampler):
+  with pytest.raises(SettingError, match="steps=3 is below the 7 blocks"):
+    sampler.generate("def f(x):", length=24, steps=3, token_healing=False)
+  with pytest.raises(SettingError, match="give one of them"):
+    sampler.generate("x", length=8, steps=4, steps_per_block=2)
+  budget = sampler.generate(PROMPTS, length=24, steps_per_block=2, seed=1, token_healing=False)
+  same = sampler.generate(PROMPTS, length=24, steps=14, seed=1, token_healing=False)
+  # 24 positions after prompts of these lengths lie in 7 blocks of 4 (a partial first one): 14 steps are 2 a block.
+  assert [s.tokens for s in budget] == [s.tokens for s in same]
+  assert all(s.nfe <= 14 for s in budget)
+
+
+def test_a_chunk_of_blocks_ends_per_block_of_the_rows_with_something_left():
+  """``advance(max_blocks=1)``, as ``stream`` runs it: a row of 4 tokens and a row of 24 (same prompt) take about as
+  many chunks as the long row has blocks; before, the finished short row ended every later chunk after one step."""
+  cfg = _model_cfg()
+  params, settings = _params(cfg), _settings(rule="confidence")
+  canvas = cv.make_canvas([cv.prefix([5, 6, 7, 8], 4), cv.prefix([5, 6, 7, 8], 24)])
+  plan = plan_blocks(canvas.kinds, BLOCK, cache="exact")
+  engine = BlockEngine(cfg, settings, plan)
+  state = jax.jit(engine.init)(params, canvas, jax.random.key(0), jnp.full((2,), BLOCK, jnp.int32))
+  advance = jax.jit(lambda p, st: engine.advance(p, st, max_blocks=jnp.int32(1)))
+  chunks = 0
+  while not bool(engine.done(state)):
+    state = advance(params, state)
+    chunks += 1
+  assert chunks == 24 // BLOCK, chunks  # one per block of the long row
+  assert int(state.iterations) >= 24  # one token per step
+
+
+def test_stream_equals_generate_for_every_checkpoint_kind(tmp_path_factory, data_dir):
+  from random_models import random_checkpoint
+
+  root = tmp_path_factory.mktemp("kinds")
+  for kind in ("whole_sequence", "block_diffusion", "autoregressive"):
+    sampler = Sampler.from_checkpoint(random_checkpoint(root, kind, data_dir / "tokenizer.model"))
+    steps = {} if kind == "autoregressive" else {"steps": 12}
+    knobs = dict(length=20, seed=3, temperature=1.0, num_samples=2, **steps)
+    generated = sampler.generate(PROMPTS, **knobs)
+    streamed = [""] * len(generated)
+    for event in sampler.stream(PROMPTS, **knobs):
+      streamed[event.index] += event.text
+    assert streamed == [s.text for s in generated], kind
+
+
+def test_the_constraint_stops_running_once_its_row_is_released(tmp_path_factory, data_dir):
+  """The forced-token walk and the constrained proposals run while a constrained row is served and never after the
+  serving engine releases it (``Constraint.passes`` counts the steps that ran them)."""
+  from mercury_jax.constrain import device as constrained
+  from random_models import random_checkpoint
+
+  path = random_checkpoint(tmp_path_factory.mktemp("released"), "block_diffusion", data_dir / "tokenizer.model")
+  sampler = Sampler.from_checkpoint(path)
+  automaton = sampler.constraint(regex=r"[a-z]{30}")
+  canvas = cv.make_canvas([cv.prefix(sampler.tokenizer.encode("x = "), 40)] * 2)
+  canvas, plan = sampler.plan(canvas, sampler.decoder())
+  settings = sampler.settings(temperature=0.0)
+  engine = BlockEngine(sampler.network, settings, plan)
+  capacity = constrained.capacity_of([automaton, automaton])
+  tables = constrained.tables([automaton, None], capacity, sampler.cfg.model.vocab_size)
+  init = jax.jit(lambda p, c, t: engine.init(p, c, jax.random.key(0), jnp.full((2,), 4, jnp.int32), tables=t))
+  advance = jax.jit(lambda p, st, n: engine.advance(p, st, max_steps=n))
+  state = advance(sampler.params, init(sampler.params, canvas, tables), jnp.int32(3))
+  running = int(state.constraint.passes)
+  assert running > 0 and bool(state.constraint.tables.on[0])
+  state = jax.jit(engine.release)(state, jnp.int32(0))
+  assert not bool(state.constraint.tables.on[0]) and int(state.constraint.dfa[0]) == 0
+  state = advance(sampler.params, state, jnp.int32(6))
+  assert int(state.constraint.passes) == running  # nothing constrained ran after the release
+  assert bool(engine.unfinished(state)[1])  # the other row went on
+
+
+def test_sample_output_steps_is_deprecated_for_forwards(sampler):
+  canvas = cv.make_canvas([cv.prefix(sampler.tokenizer.encode("x"), 4)])
+  out = sampler.run(canvas, None, 0, sampler.settings())[0]
+  with pytest.warns(DeprecationWarning, match="forwards"):
+    assert int(out.steps) == int(out.forwards)
