@@ -2,7 +2,7 @@
 
     python launch/bench_serve.py --model diffusion=runs/bd --model twin=runs/ar \\
       [--concurrency 1,4,16,64] [--requests-per-level 64] [--max-tokens 64] [--slots 64] \\
-      [--extra '{"steps": 2, "threshold": 0.9}'] [--temperature 1.0] [--seed 0] [--prompts FILE] [--out bench_serve]
+      [--extra '{"steps_per_block": 2, "threshold": 0.9}'] [--temperature 1.0] [--seed 0] [--prompts FILE] [--out bench_serve]
 
 Needs ``httpx`` and ``matplotlib`` besides the server's own packages. For each ``--model NAME=CHECKPOINT`` the script
 starts a server (``sys.executable -m mercury_jax.serve --port 0``; its log goes to ``OUT/server-NAME.log``), waits for

@@ -256,7 +256,7 @@ def test_chat_streams_the_same_answer(server):
 
 def test_diffusing_streams_replacing_drafts_that_end_at_the_answer(server):
   body = {"prompt": "user: sort 3 8 1\nassistant:", "max_tokens": 8, "seed": 1, "stream": True}
-  body |= {"diffusing": True, "steps": 4, "threshold": 1.0}  # one token per step: several drafts per block
+  body |= {"diffusing": True, "steps_per_block": 4, "threshold": 1.0}  # one token per step: several drafts per block
   drafts, appended = [], ""
   with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as r:
     for line in r.iter_lines():
@@ -301,7 +301,7 @@ def _mixed_requests(count: int) -> list[dict]:
     kw = dict(prompt=f"user: sort {' '.join(map(str, digits))}\nassistant:", max_tokens=rng.randint(2, 10), seed=i)
     kw["temperature"] = rng.choice([0.0, 0.7, 1.0, 1.3])
     kw["top_p"] = rng.choice([1.0, 0.9, 0.5])
-    extra = {"steps": rng.choice([1, 2, 4]), "threshold": rng.choice([0.5, 0.9, 1.0])}
+    extra = {"steps_per_block": rng.choice([1, 2, 4]), "threshold": rng.choice([0.5, 0.9, 1.0])}
     if rng.random() < 0.3:
       extra["top_k"] = rng.choice([1, 5, 20])
     requests.append({**kw, "extra_body": extra})
@@ -560,7 +560,7 @@ def test_malformed_json_and_openai_client_errors(server):
 
 
 def test_disconnect_mid_stream_frees_the_slot_and_serving_goes_on(server):
-  body = {"prompt": "sort", "max_tokens": 20, "steps": 4, "stream": True, "diffusing": True}
+  body = {"prompt": "sort", "max_tokens": 20, "steps_per_block": 4, "stream": True, "diffusing": True}
   with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as r:
     next(line for line in r.iter_lines() if line.startswith("data: "))
   deadline = time.monotonic() + 30
@@ -592,7 +592,7 @@ def test_models_health_and_metrics(server):
 def test_full_queue_answers_429_and_sigterm_drains_then_exits_0(checkpoint):
   srv = Server(checkpoint, "--slots", "1", "--max-queue", "1", "--grace", "30")
   try:
-    body = {"prompt": "sort", "max_tokens": 20, "steps": 4, "threshold": 1.0}
+    body = {"prompt": "sort", "max_tokens": 20, "steps_per_block": 4, "threshold": 1.0}
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
       responses = list(pool.map(lambda _: httpx.post(f"{srv.url}/v1/completions", json=body, timeout=120), range(8)))
     codes = sorted(r.status_code for r in responses)

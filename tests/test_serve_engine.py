@@ -1,9 +1,11 @@
 """The serving engine in process: slots, continuous batching, per-slot knobs, cancellation and failures, for the three
-kinds of checkpoint (block diffusion, the autoregressive twin, whole-sequence diffusion) through the same engine."""
+kinds of checkpoint (block diffusion, the autoregressive twin, whole-sequence diffusion) through the same engine; and
+the engine thread surviving a failing step or admission, seen through the real HTTP routes."""
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import random
 from pathlib import Path
 
@@ -11,12 +13,16 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import pytest
+from fastapi.testclient import TestClient
 
 from mercury_jax.checkpoint import export_params
 from mercury_jax.config import Config, ModelConfig, ObjectiveConfig
 from mercury_jax.model import Transformer
+from mercury_jax.sampling.proposal import Knobs
 from mercury_jax.sampling.sampler import Sampler
-from mercury_jax.serve.scheduler import Knobs, QueueFull, Request, Scheduler
+from mercury_jax.sampling.settings import SettingError
+from mercury_jax.serve.routes import Options, create_app
+from mercury_jax.serve.scheduler import QueueFull, Request, Scheduler, Update
 
 KINDS = {
   "block_diffusion": (ModelConfig(causal=False), ObjectiveConfig(block_size=4)),
@@ -58,11 +64,17 @@ def _requests(scheduler: Scheduler, count: int) -> list[Request]:
       top_k=rng.choice([0, 0, 10]),
       top_p=rng.choice([1.0, 0.9]),
       threshold=rng.choice([0.6, 1.0]),
-      steps=rng.choice([None, 1, 2]),
     )
     suffix = tuple(encode(" return")) if rng.random() < 0.3 else ()
-    out.append(Request(prompt, rng.randint(1, 20), suffix, knobs, seed=i, stream=rng.randint(0, 3)))
+    per_block = rng.choice([None, 1, 2])
+    out.append(Request(prompt, rng.randint(1, 20), suffix, knobs, per_block, seed=i, stream=rng.randint(0, 3)))
   return out
+
+
+def _whole(updates: list[Update]) -> Update:
+  """The last update with every update's new tokens in it: what the request generated."""
+  last = updates[-1]
+  return Update(sum((u.tokens for u in updates), ()), last.draft, last.done, last.finish_reason, last.nfe, last.error)
 
 
 async def _run(scheduler: Scheduler, request: Request):
@@ -74,9 +86,9 @@ def test_every_request_equals_its_solo_run_whatever_runs_beside_it(scheduler):
   requests = _requests(scheduler, 24)
 
   async def main():
-    solo = [(await _run(scheduler, r))[-1] for r in requests]
+    solo = [_whole(await _run(scheduler, r)) for r in requests]
     compiled = scheduler.compilations
-    together = [u[-1] for u in await asyncio.gather(*(_run(scheduler, r) for r in requests))]
+    together = [_whole(u) for u in await asyncio.gather(*(_run(scheduler, r) for r in requests))]
     return solo, together, scheduler.compilations - compiled
 
   solo, together, compiled = asyncio.run(main())
@@ -90,14 +102,19 @@ def test_every_request_equals_its_solo_run_whatever_runs_beside_it(scheduler):
   assert scheduler.busy_slots == 0 and scheduler.queue_depth == 0
 
 
-def test_updates_grow_a_prefix_and_drafts_cover_the_hole(scheduler):
-  request = Request(tuple(scheduler.tokenizer.encode("def f(x):")), 16, knobs=Knobs(steps=2), diffusing=True)
+def test_updates_hand_out_new_tokens_and_drafts_cover_the_hole(scheduler):
+  """Each update carries the tokens that became final with it; a draft is the whole hole: the final tokens so far,
+  then the open block's proposals, then masks. The tokens equal the canvas the engine would have read back whole."""
+  request = Request(tuple(scheduler.tokenizer.encode("def f(x):")), 16, steps_per_block=2, diffusing=True)
   updates = asyncio.run(_run(scheduler, request))
-  final = updates[-1].tokens
+  so_far = ()
   for update in updates:
-    assert final[: len(update.tokens)] == update.tokens
+    so_far += update.tokens
     if update.draft is not None:
-      assert len(update.draft) == 16
+      assert len(update.draft) == 16 and update.draft[: len(so_far)] == so_far
+  assert so_far == _whole(updates).tokens and len(so_far) <= 16
+  plain = _whole(asyncio.run(_run(scheduler, Request(request.prompt, 16, steps_per_block=2))))
+  assert plain.tokens == so_far
   if not scheduler.autoregressive:
     assert sum(u.draft is not None for u in updates) >= 2
 
@@ -116,14 +133,14 @@ def test_cancelled_and_failing_requests_leave_alone_and_the_others_finish(schedu
 
   async def main():
     loop = asyncio.get_running_loop()
-    solo = [(await _run(scheduler, r))[-1] for r in good]
-    long = scheduler.submit(Request((5, 6), 30, knobs=Knobs(steps=8, threshold=1.0)), loop)
+    solo = [_whole(await _run(scheduler, r)) for r in good]
+    long = scheduler.submit(Request((5, 6), 30, knobs=Knobs(1.0, 0, 1.0, 1.0), steps_per_block=8), loop)
     failing = _run(scheduler, bad)
     tasks = [asyncio.ensure_future(_run(scheduler, r)) for r in good]
     long.cancel()
     failed = await failing
     long_updates = [u async for u in long.updates()]
-    return solo, [(await t)[-1] for t in tasks], failed[-1], long_updates[-1]
+    return solo, [_whole(await t) for t in tasks], failed[-1], long_updates[-1]
 
   solo, together, failed, cancelled = asyncio.run(main())
   assert failed.finish_reason == "error" and "boom" in failed.error
@@ -136,7 +153,20 @@ def test_bad_requests_and_a_full_queue(scheduler, monkeypatch):
   with pytest.raises(ValueError, match="context is 40 tokens"):
     scheduler.check(Request((5,) * 30, 20))
   with pytest.raises(ValueError, match="top_p=0.0 must lie in"):
-    scheduler.check(Request((5,), 4, knobs=Knobs(top_p=0.0)))
+    scheduler.check(Request((5,), 4, knobs=Knobs(1.0, 0, 0.0, 0.9)))
+  # Every number that reaches the engine's int32 and float32 arrays is bounded, so admission cannot overflow.
+  for request, field in [
+    (Request((5,), 4, knobs=Knobs(1.0, 2**31, 1.0, 0.9)), "top_k"),
+    (Request((5,), 4, knobs=Knobs(1.0, 2**63, 1.0, 0.9)), "top_k"),
+    (Request((5,), 4, knobs=Knobs(float("inf"), 0, 1.0, 0.9)), "temperature"),
+    (Request((5,), 4, knobs=Knobs(1.0, 0, 1.0, float("nan"))), "threshold"),
+    (Request((5,), 4, steps_per_block=2**31), "steps_per_block"),
+    (Request((5,), 4, seed=2**63), "seed"),
+    (Request((5,), 4, stream=-1), "stream"),
+  ]:
+    with pytest.raises(SettingError) as error:
+      scheduler.check(request)
+    assert error.value.field == field
   monkeypatch.setattr(scheduler, "max_queue", 0)
 
   async def submit():
@@ -144,3 +174,74 @@ def test_bad_requests_and_a_full_queue(scheduler, monkeypatch):
 
   with pytest.raises(QueueFull, match="at capacity"):
     asyncio.run(submit())
+
+
+# ------------------------------------------------------------------------------------------- failures over HTTP
+
+
+def _client(scheduler: Scheduler) -> TestClient:
+  return TestClient(create_app(scheduler, None, Options("m", token_healing=False)))
+
+
+def test_a_failing_step_answers_500_and_the_engine_serves_the_next_request(scheduler, monkeypatch, caplog):
+  """One jitted step raises: the requests it carried end with 500 (a request id, not the error), the engine starts
+  afresh, and the next request is served; /health stays ok."""
+  original, calls = scheduler.engine._step, []
+
+  def step(*args):
+    calls.append(1)
+    if len(calls) == 1:
+      raise RuntimeError("injected step failure")
+    return original(*args)
+
+  monkeypatch.setattr(scheduler.engine, "_step", step)
+  client = _client(scheduler)
+  failed = client.post("/v1/completions", json={"prompt": "def f(x):", "max_tokens": 6, "temperature": 0})
+  assert failed.status_code == 500 and "injected" not in failed.text
+  assert "request id cmpl-" in failed.json()["error"]["message"]
+  assert any("injected step failure" in str(r.exc_info) for r in caplog.records if r.exc_info)
+  served = client.post("/v1/completions", json={"prompt": "def f(x):", "max_tokens": 6, "temperature": 0})
+  assert served.status_code == 200 and served.json()["choices"][0]["finish_reason"] in ("stop", "length")
+  assert client.get("/health").json() == {"status": "ok"} and scheduler.healthy and scheduler.busy_slots == 0
+
+
+def test_a_failing_admission_fails_that_request_alone(scheduler, monkeypatch):
+  original = scheduler.engine.admit
+
+  def admit(command, slot, request):
+    if request.seed == 13:
+      raise OverflowError("Python int too large to convert to C int")
+    return original(command, slot, request)
+
+  monkeypatch.setattr(scheduler.engine, "admit", admit)
+  client = _client(scheduler)
+  assert client.post("/v1/completions", json={"prompt": "x = 1", "max_tokens": 4, "seed": 13}).status_code == 500
+  assert client.post("/v1/completions", json={"prompt": "x = 1", "max_tokens": 4, "seed": 14}).status_code == 200
+  assert scheduler.healthy
+
+
+def test_an_engine_that_cannot_start_afresh_turns_health_503(scheduler, monkeypatch):
+  """Every step fails and so does the reset: the thread gives up; its requests end with 500, /health says 503 and
+  new requests get 503 instead of hanging. (Then the test mends the module's scheduler for the tests after it.)"""
+  if scheduler.autoregressive or scheduler.engine.whole_sequence:
+    pytest.skip("the engine thread's failure handling does not depend on the kind of model; one kind checks it")
+
+  def fail(*_):
+    raise RuntimeError("injected: the device is gone")
+
+  monkeypatch.setattr(scheduler.engine, "_step", fail)
+  monkeypatch.setattr(scheduler.engine, "reset", fail)
+  client = _client(scheduler)
+  try:
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+      body = {"prompt": "x = 1", "max_tokens": 4}
+      statuses = list(pool.map(lambda _: client.post("/v1/completions", json=body).status_code, range(4)))
+    assert 500 in statuses and set(statuses) <= {500, 503}, statuses  # 503: sent after the thread gave up.
+    assert not scheduler.healthy and client.get("/health").status_code == 503
+    response = client.post("/v1/completions", json={"prompt": "x = 1", "max_tokens": 4})
+    assert response.status_code == 503 and response.json()["error"]["code"] == "engine_failed"
+  finally:
+    monkeypatch.undo()
+    scheduler._failure = None
+    scheduler.engine.reset()
+    scheduler.start()

@@ -1,5 +1,6 @@
-"""The HTTP layer of ``python -m mercury_jax.serve`` over a fake scheduler: parsing, validation, errors, chat
-templates, stop strings, the SSE event format, usage and metrics, structured output and tool calls (no model runs)."""
+"""The HTTP layer of ``python -m mercury_jax.serve`` over a fake scheduler: parsing, validation and bounds, errors,
+the API key and the body limit, timeouts, chat templates, stop strings, incremental detokenisation, the SSE event
+format, usage and metrics, structured output and tool calls (no model runs)."""
 
 import asyncio
 import json
@@ -11,12 +12,14 @@ from fastapi.testclient import TestClient
 from mercury_jax.config import Config, DataConfig, ObjectiveConfig
 from mercury_jax.constrain.automaton import ConstraintError
 from mercury_jax.constrain.schema import tool_call_schema
+from mercury_jax.sampling.proposal import Knobs
 from mercury_jax.sampling.sampler import MASK_TEXT
 from mercury_jax.sampling.settings import SettingError
 from mercury_jax.serve import protocol as api, structured
+from mercury_jax.serve.answers import Choice, Detokenizer, Shape, events
 from mercury_jax.serve.chat import ChatTemplate, TemplateError
-from mercury_jax.serve.routes import _Choice, _events, _Shape, create_app
-from mercury_jax.serve.scheduler import QueueFull, Update
+from mercury_jax.serve.routes import Options, create_app
+from mercury_jax.serve.scheduler import EngineDown, QueueFull, StepStats, Update
 
 TEMPLATE = (
   "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
@@ -75,29 +78,39 @@ def keyword_path(schema, keyword: str) -> str | None:
 
 
 class FakeCompiler:
-  """The compiler's interface: records what it compiles, and refuses ``multipleOf`` anywhere, naming its path."""
+  """The compile pool's interface: records what it compiles, and refuses ``multipleOf`` anywhere, naming its path;
+  ``wait`` makes every job hang (as a slow compile) until it is cancelled."""
 
-  def __init__(self):
+  def __init__(self, wait: bool = False):
     self.compiled: list[FakeAutomaton] = []
+    self.wait, self.cancelled = wait, 0
 
-  def _compile(self, kind: str, source, regex: str) -> FakeAutomaton:
+  async def _compile(self, kind: str, source, regex: str) -> FakeAutomaton:
+    if self.wait:
+      try:
+        await asyncio.Event().wait()
+      except asyncio.CancelledError:
+        self.cancelled += 1
+        raise
     self.compiled.append(FakeAutomaton(kind, source, regex))
     return self.compiled[-1]
 
-  def regex(self, pattern: str) -> FakeAutomaton:
-    return self._compile("regex", pattern, pattern)
+  async def regex(self, pattern: str) -> FakeAutomaton:
+    return await self._compile("regex", pattern, pattern)
 
-  def json_schema(self, schema: dict) -> FakeAutomaton:
+  async def json_schema(self, schema: dict) -> FakeAutomaton:
     where = keyword_path(schema, "multipleOf")
     if where is not None:
       raise ConstraintError("multipleOf is not enforced by the automaton; drop it", param=where)
-    return self._compile("json_schema", schema, f"CALL{len(self.compiled)}")
+    return await self._compile("json_schema", schema, f"CALL{len(self.compiled)}")
 
-  def json_object(self) -> FakeAutomaton:
-    return self._compile("json_object", None, "OBJECT")
+  async def json_object(self) -> FakeAutomaton:
+    return await self._compile("json_object", None, "OBJECT")
 
-  def heal(self, prefix: str) -> FakeAutomaton:
-    return self._compile("heal", prefix, prefix)
+  async def heal(self, prefix: str) -> FakeAutomaton:
+    if prefix == "\u00e9":  # A prefix the compiler cannot write: the prompt goes as tokenised.
+      raise ConstraintError("the tokenizer cannot write it")
+    return await self._compile("heal", prefix, prefix)
 
 
 class FakeScheduler:
@@ -113,17 +126,20 @@ class FakeScheduler:
     self.cfg = Config(objective=objective, data=DataConfig(chat_template=template))
     self.reply, self.block, self.autoregressive, self.max_length = reply, block, autoregressive, context
     self.block_length_fixed, self.slots, self.mask_id, self.default_steps = True, 4, MASK, block
-    self.queue_depth, self.busy_slots, self.compilations = 1, 2, 7
+    self.vocab_size, self.default_knobs = self.tokenizer.vocab_size, Knobs(1.0, 0, 1.0, 0.9)
+    self.queue_depth, self.busy_slots, self.compilations, self.stats = 1, 2, 7, StepStats(5, 2.0, 0.25)
     self.error, self.queue_full_after, self.wait, self.per_stream = None, None, False, False
+    self.refuse, self.down, self.healthy = None, False, True
     self.compiler = FakeCompiler()
     self.__dict__.update(options)
     self.requests, self.handles = [], []
 
   def check(self, request) -> None:
-    if request.knobs.top_k > self.tokenizer.vocab_size:
-      raise SettingError("top_k", request.knobs.top_k, f"must be at most the vocabulary, {self.tokenizer.vocab_size}")
+    if self.refuse is not None:
+      raise self.refuse
 
   def script(self, request) -> list[Update]:
+    """One update per block: the block's tokens (the engine hands out what is new), the whole draft."""
     if self.error:
       return [Update((), None, True, "error", 0, error=self.error)]
     reply = self.reply + (str(request.stream) if self.per_stream else "")
@@ -135,10 +151,13 @@ class FakeScheduler:
     for end in range(self.block, len(ids) + self.block, self.block):
       done = end >= len(ids)
       draft = None if done or not request.diffusing else (*ids[:end], *[MASK] * (request.max_tokens - end))
-      updates.append(Update(tuple(ids[:end]), draft, done, reason if done else None, end // self.block, time=0.5))
+      new = tuple(ids[end - self.block : end])
+      updates.append(Update(new, draft, done, reason if done else None, end // self.block, time=0.5))
     return updates
 
   def submit(self, request, loop):
+    if self.down:
+      raise EngineDown("the engine failed and cannot serve; the server needs a restart")
     if self.queue_full_after is not None and len(self.handles) >= self.queue_full_after:
       raise QueueFull(3, retry_after=2.5)
     self.requests.append(request)
@@ -146,14 +165,19 @@ class FakeScheduler:
     return self.handles[-1]
 
 
-def client_for(scheduler: FakeScheduler) -> TestClient:
-  return TestClient(create_app(scheduler, model_name="fake-model"))
+def client_for(scheduler: FakeScheduler, **options) -> TestClient:
+  return TestClient(create_app(scheduler, scheduler.compiler, Options("fake-model", **options)))
 
 
 def sse(response) -> list:
   """The ``data:`` payloads of an event stream, JSON-decoded except ``[DONE]``."""
   payloads = [line[len("data: ") :] for line in response.text.splitlines() if line.startswith("data: ")]
   return [p if p == "[DONE]" else json.loads(p) for p in payloads]
+
+
+def post_raw(client: TestClient, body: bytes):
+  """Posts ``body`` as JSON text as it is (what the json= argument cannot write: NaN, lone surrogates)."""
+  return client.post("/v1/completions", content=body, headers={"content-type": "application/json"})
 
 
 def error_of(response, status: int = 400) -> dict:
@@ -189,7 +213,7 @@ def test_completion_answers_text_finish_reason_and_usage():
 
 def test_no_token_healing_sends_the_prompt_as_tokenised():
   scheduler = FakeScheduler("Hello world")
-  client = TestClient(create_app(scheduler, model_name="fake-model", token_healing=False))
+  client = client_for(scheduler, token_healing=False)
   out = client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 20}).json()
   assert out["choices"][0]["text"] == "Hello world" and out["usage"]["prompt_tokens"] == 2
   (request,) = scheduler.requests
@@ -239,8 +263,38 @@ def test_malformed_json_answers_400():
 
 
 def test_setting_errors_of_the_scheduler_name_the_field():
-  error = error_of(client_for(FakeScheduler()).post("/v1/completions", json={"prompt": "x", "top_k": 5000}))
-  assert error["param"] == "top_k" and error["message"] == "top_k=5000 must be at most the vocabulary, 1000"
+  scheduler = FakeScheduler(refuse=SettingError("top_p", 0.5, "must be something else"))
+  error = error_of(client_for(scheduler).post("/v1/completions", json={"prompt": "x", "top_p": 0.5}))
+  assert error["param"] == "top_p" and error["message"] == "top_p=0.5 must be something else"
+
+
+@pytest.mark.parametrize("value", [2**31, 2**63, 10**30])
+@pytest.mark.parametrize("field", ["steps", "steps_per_block", "top_k", "max_tokens", "seed", "n"])
+def test_every_integer_field_has_an_upper_bound_named_in_its_400(field, value):
+  scheduler = FakeScheduler()
+  error = error_of(client_for(scheduler).post("/v1/completions", json={"prompt": "x", field: value}))
+  assert error["param"] == field and error["message"].startswith(f"{field}="), error
+  assert not scheduler.requests
+  bounds = {"steps": 64, "steps_per_block": 4, "top_k": 1000, "max_tokens": 62}  # context 64, block 4, vocab 1000
+  if field in bounds:
+    assert client_for(scheduler).post("/v1/completions", json={"prompt": "xy", field: bounds[field]}).status_code == 200
+
+
+@pytest.mark.parametrize("field", ["temperature", "top_p", "threshold"])
+@pytest.mark.parametrize("value", [b"NaN", b"Infinity", b"-Infinity", b"1e400"])
+def test_floats_must_be_finite(field, value):
+  body = b'{"prompt": "x", "%s": %s}' % (field.encode(), value)
+  response = client_for(FakeScheduler()).post(
+    "/v1/completions", content=body, headers={"content-type": "application/json"}
+  )
+  assert error_of(response)["param"] == field
+
+
+def test_stop_strings_are_bounded_and_their_quote_in_the_error_is_cut():
+  error = error_of(client_for(FakeScheduler()).post("/v1/completions", json={"prompt": "x", "stop": "s" * 1_000_000}))
+  assert error["param"] == "stop" and "1000000 characters; at most 256" in error["message"]
+  assert len(error["message"]) < 400
+  assert client_for(FakeScheduler()).post("/v1/completions", json={"prompt": "x", "stop": "s" * 256}).status_code == 200
 
 
 # ------------------------------------------------------------------------------------------------ lengths and knobs
@@ -281,18 +335,36 @@ def test_reasoning_effort_maps_to_steps_and_threshold_and_explicit_knobs_win():
   scheduler = FakeScheduler(block=16)
   client = client_for(scheduler)
   client.post("/v1/completions", json={"prompt": "x", "reasoning_effort": "instant"})
-  client.post("/v1/completions", json={"prompt": "x", "reasoning_effort": "high", "steps": 3})
+  client.post("/v1/completions", json={"prompt": "x", "reasoning_effort": "high", "steps_per_block": 3})
   client.post("/v1/completions", json={"prompt": "x", "threshold": 0.5, "temperature": 0, "top_k": 7, "seed": 9})
-  first, second, third = (r.knobs for r in scheduler.requests)
-  assert (first.steps, first.threshold) == (api.effort_knobs("instant", 16)) == (2, 0.7)
-  assert (second.steps, second.threshold) == (3, 0.95)
-  assert (third.steps, third.threshold, third.temperature, third.top_k) == (None, 0.5, 0.0, 7)
-  assert scheduler.requests[2].seed == 9
+  first, second, third = scheduler.requests
+  assert (first.steps_per_block, first.knobs.threshold) == (api.effort_knobs("instant", 16)) == (2, 0.7)
+  assert (second.steps_per_block, second.knobs.threshold) == (3, 0.95)
+  assert third.steps_per_block is None and third.knobs == Knobs(temperature=0, top_k=7, top_p=1.0, threshold=0.5)
+  assert third.seed == 9
+
+
+def test_steps_is_the_total_budget_and_steps_per_block_the_blocks_own():
+  """``steps`` is spread over the blocks the hole spans, as ``Sampler.generate`` does; below one step per block it
+  answers 400 naming steps; above one step per token it is spent as one step per token."""
+  scheduler = FakeScheduler(block=4, context=64)
+  client = client_for(scheduler)
+  body = {"prompt": "ab", "max_tokens": 16}  # Canvas positions 2..17: blocks 0..4, five of them.
+  for steps in (5, 8, 16, 60):
+    assert client.post("/v1/completions", json={**body, "steps": steps}).status_code == 200
+  assert [r.steps_per_block for r in scheduler.requests] == [2, 2, 4, 4]
+  error = error_of(client.post("/v1/completions", json={**body, "steps": 4}))
+  assert error["param"] == "steps" and "below the 5 blocks of 4 tokens" in error["message"]
+  error = error_of(client.post("/v1/completions", json={**body, "steps": 8, "steps_per_block": 2}))
+  assert error["param"] == "steps_per_block" and "send one" in error["message"]
+  error = error_of(client.post("/v1/completions", json={**body, "steps_per_block": 5}))
+  assert error["param"] == "steps_per_block" and "at most 4 (the block" in error["message"]
 
 
 def test_diffusion_knobs_for_an_autoregressive_model_and_a_foreign_block_length_answer_400():
   client = client_for(FakeScheduler(block=1, autoregressive=True))
-  for field, value in [("steps", 4), ("threshold", 0.5), ("diffusing", True), ("reasoning_effort", "low")]:
+  cases = [("steps", 4), ("steps_per_block", 1), ("threshold", 0.5), ("diffusing", True), ("reasoning_effort", "low")]
+  for field, value in cases:
     error = error_of(client.post("/v1/completions", json={"prompt": "x", field: value}))
     assert error["param"] == field and "diffusion models only" in error["message"]
   assert client.post("/v1/completions", json={"prompt": "x", "temperature": 0.5}).status_code == 200
@@ -309,6 +381,41 @@ def test_find_stop_and_held_back():
   assert api.held_back("Hello wor", ("world",)) == 3
   assert api.held_back("Hello", ("x", "lo!")) == 2
   assert api.held_back("Hello", ()) == 0
+  assert api.held_back("xaab", ("aaba",)) == 3 and api.held_back("aaa", ("aab",)) == 2  # Borders, not restarts.
+  assert api.held_back("b" * 10, ("a" * 5,)) == 0
+
+
+def test_held_back_equals_the_longest_stop_prefix_the_text_ends_with():
+  rng = __import__("random").Random(0)
+  for _ in range(3000):
+    stops = tuple("".join(rng.choice("ab") for _ in range(rng.randint(1, 6))) for _ in range(rng.randint(1, 3)))
+    text = "".join(rng.choice("abc") for _ in range(rng.randint(0, 10)))
+    slow = max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+    assert api.held_back(text, stops) == slow, (text, stops)
+
+
+def test_the_detokenizer_adds_up_to_the_whole_decode_without_re_decoding_it(data_dir):
+  """Bytes of one character split over updates, pieces with leading spaces: the deltas add up to ``decode`` of all
+  the ids, and each decode sees a window of the last updates only."""
+  from mercury_jax.data.tokenizer import Tokenizer
+
+  tokenizer = Tokenizer.load(data_dir / "tokenizer.model")
+  ids = tokenizer.encode("def f(x):\n    return x  # naïve 😀 \u4e2d\u6587 end") * 3
+  decoded = []
+
+  class Counting:
+    def decode(self, window):
+      decoded.append(len(window))
+      return tokenizer.decode(window)
+
+  for size in (1, 2, 3, 5):
+    detokenizer, text, decoded[:] = Detokenizer(Counting()), "", []
+    for i in range(0, len(ids), size):
+      piece = detokenizer.add(ids[i : i + size], final=i + size >= len(ids))
+      assert "\ufffd" not in piece
+      text += piece
+    assert text == tokenizer.decode(ids)
+    assert max(decoded) <= 6 * size + 8  # A window, never the prefix: no update re-decodes the text so far.
 
 
 def test_stop_straddling_a_block_edge_truncates_and_frees_the_slot():
@@ -390,10 +497,10 @@ def test_closing_a_stream_cancels_the_running_handles():
 
   async def run():
     handles = [scheduler.submit(None, None), scheduler.submit(None, None)]
-    app = create_app(scheduler, model_name="m")
-    choices = [_Choice(i, h, scheduler.tokenizer, (), app.state.metrics) for i, h in enumerate(handles)]
-    events = _events(choices, _Shape("cmpl-1", "m", chat=False), None, app.state.metrics, "/v1/completions")
-    task = asyncio.ensure_future(events.__anext__())
+    app = create_app(scheduler, None, Options("m"))
+    choices = [Choice(i, h, scheduler.tokenizer, (), app.state.metrics) for i, h in enumerate(handles)]
+    stream = events(choices, Shape("cmpl-1", "m", chat=False), None, app.state.metrics, "/v1/completions", None, None)
+    task = asyncio.ensure_future(stream.__anext__())
     await asyncio.sleep(0.01)
     task.cancel()  # As sse-starlette does when the client goes away.
     with pytest.raises(asyncio.CancelledError):
@@ -462,12 +569,104 @@ def test_a_full_queue_answers_429_with_retry_after_and_cancels_what_it_submitted
   assert scheduler.handles[0].cancelled
 
 
-def test_an_engine_error_answers_500_and_ends_a_stream_with_an_error_event():
-  client = client_for(FakeScheduler(error="XlaRuntimeError: out of memory"))
-  error = error_of(client.post("/v1/completions", json={"prompt": "x"}), 500)
-  assert "out of memory" in error["message"] and error["type"] == "server_error"
-  events = sse(client.post("/v1/completions", json={"prompt": "x", "stream": True}))
-  assert "out of memory" in events[-2]["error"]["message"] and events[-1] == "[DONE]"
+def test_an_engine_error_answers_500_with_a_request_id_not_its_details(caplog):
+  client = client_for(FakeScheduler(error="XlaRuntimeError: out of memory at 0x7f00"))
+  response = client.post("/v1/completions", json={"prompt": "x"})
+  error = error_of(response, 500)
+  assert "out of memory" not in response.text and error["type"] == "server_error"
+  request_id = error["message"].split("request id ")[1].split(")")[0]
+  assert request_id.startswith("cmpl-") and any(
+    request_id in r.getMessage() and "out of memory" in r.getMessage() for r in caplog.records
+  )
+  stream = sse(client.post("/v1/completions", json={"prompt": "x", "stream": True}))
+  assert "request id cmpl-" in stream[-2]["error"]["message"] and "memory" not in stream[-2]["error"]["message"]
+  assert stream[-1] == "[DONE]"
+
+
+def test_an_unexpected_failure_answers_500_without_its_text(caplog):
+  scheduler = FakeScheduler(refuse=RuntimeError("secret path /home/x"))
+  response = TestClient(create_app(scheduler, None, Options("m")), raise_server_exceptions=False).post(
+    "/v1/completions", json={"prompt": "x"}
+  )
+  error = error_of(response, 500)
+  assert "secret" not in response.text and "request id req-" in error["message"]
+  assert any("secret path" in str(r.exc_info) for r in caplog.records if r.exc_info)
+
+
+def test_a_failed_engine_answers_503_and_health_says_so():
+  scheduler = FakeScheduler(down=True, healthy=False)
+  client = client_for(scheduler)
+  assert error_of(client.post("/v1/completions", json={"prompt": "x"}), 503)["code"] == "engine_failed"
+  response = client.get("/health")
+  assert response.status_code == 503 and response.json() == {"status": "engine_failed"}
+
+
+def test_a_request_past_its_timeout_frees_its_handles_and_gets_504_or_an_error_event():
+  scheduler = FakeScheduler(wait=True)
+  client = client_for(scheduler, request_timeout=0.2)
+  error = error_of(client.post("/v1/completions", json={"prompt": "x", "n": 2}), 504)
+  assert error["code"] == "timeout" and "0.2 s" in error["message"]
+  assert len(scheduler.handles) == 2 and all(h.cancelled for h in scheduler.handles)
+  stream = sse(client.post("/v1/completions", json={"prompt": "x", "stream": True}))
+  assert stream[-2]["error"]["code"] == "timeout" and stream[-1] == "[DONE]"
+  assert scheduler.handles[-1].cancelled
+  slow = FakeScheduler(compiler=FakeCompiler(wait=True))  # A compile that hangs is stopped too.
+  body = {"prompt": "x", "response_format": {"type": "json_object"}}
+  assert error_of(client_for(slow, request_timeout=0.2).post("/v1/completions", json=body), 504)["code"] == "timeout"
+  assert slow.compiler.cancelled == 1 and not slow.requests
+
+
+def test_a_prompt_the_healing_compiler_cannot_write_goes_as_tokenised():
+  scheduler = FakeScheduler("Hello")
+  assert client_for(scheduler).post("/v1/completions", json={"prompt": "a\u00e9"}).status_code == 200
+  (request,) = scheduler.requests
+  assert request.prompt == tuple(FakeTokenizer().encode("a\u00e9")) and request.constraint is None
+
+
+def test_lone_surrogates_in_a_prompt_answer_400():
+  body = b'{"prompt": "ab\\ud800c"}'
+  response = client_for(FakeScheduler()).post(
+    "/v1/completions", content=body, headers={"content-type": "application/json"}
+  )
+  assert error_of(response)["param"] == "prompt"
+
+
+# ------------------------------------------------------------------------------------------------ the guard
+
+
+def test_an_api_key_guards_v1_but_not_health_or_metrics():
+  client = client_for(FakeScheduler(), api_key="s3cret")
+  for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+    response = client.post("/v1/completions", json={"prompt": "x"}, headers=headers)
+    error = error_of(response, 401)
+    assert error["code"] == "invalid_api_key" and response.headers["www-authenticate"] == "Bearer"
+  assert error_of(client.get("/v1/models"), 401)["code"] == "invalid_api_key"
+  ok = client.post("/v1/completions", json={"prompt": "x"}, headers={"Authorization": "Bearer s3cret"})
+  assert ok.status_code == 200
+  assert client.get("/health").status_code == 200 and client.get("/metrics").status_code == 200
+  assert 'mercury_requests_total{endpoint="/v1/completions",status="401"} 3.0' in client.get("/metrics").text
+
+
+def test_a_body_over_the_limit_answers_413_with_or_without_a_length():
+  client = client_for(FakeScheduler(), max_body_bytes=2048)
+  big = json.dumps({"prompt": "x" * 4096}).encode()
+  error = error_of(client.post("/v1/completions", content=big, headers={"content-type": "application/json"}), 413)
+  assert error["code"] == "body_too_large" and "2048 bytes" in error["message"]
+
+  def chunks(data):  # No Content-Length: a chunked body, counted as it arrives.
+    for i in range(0, len(data), 512):
+      yield data[i : i + 512]
+
+  headers = {"content-type": "application/json"}
+  assert error_of(client.post("/v1/completions", content=chunks(big), headers=headers), 413)["code"] == "body_too_large"
+  small = json.dumps({"prompt": "x"}).encode()
+  assert client.post("/v1/completions", content=chunks(small), headers=headers).status_code == 200
+
+
+def test_unknown_paths_and_methods_answer_in_openai_shape():
+  client = client_for(FakeScheduler())
+  assert error_of(client.get("/v1/nothing"), 404)["message"] == "Not Found"
+  assert error_of(client.get("/v1/completions"), 405)["type"] == "invalid_request_error"
 
 
 # ------------------------------------------------------------------------------------------------ other endpoints
@@ -475,7 +674,7 @@ def test_an_engine_error_answers_500_and_ends_a_stream_with_an_error_event():
 
 def test_health_models_and_draining():
   scheduler = FakeScheduler(block=4, context=64)
-  app = create_app(scheduler, model_name="fake-model")
+  app = create_app(scheduler, scheduler.compiler, Options("fake-model"))
   client = TestClient(app)
   assert client.get("/health").json() == {"status": "ok"}
   (card,) = client.get("/v1/models").json()["data"]
@@ -499,6 +698,9 @@ def test_metrics_read_the_scheduler_and_count_requests_tokens_and_forward_passes
     "mercury_queue_depth 1.0",
     "mercury_busy_slots 2.0",
     "mercury_compilations_total 7.0",
+    "mercury_engine_iterations_total 5.0",
+    "mercury_engine_seconds_total 2.0",
+    "mercury_engine_host_seconds_total 0.25",
     "mercury_generated_tokens_total 11.0",
     'mercury_requests_total{endpoint="/v1/completions",status="200"} 1.0',
     'mercury_requests_total{endpoint="/v1/completions",status="400"} 1.0',
@@ -784,6 +986,11 @@ def test_parse_tool_call_reads_only_a_call_object():
     (["--constraint-capacity", "0,1,1"], "--constraint-capacity='0,1,1' must be three positive integers"),
     (["--slots", "0"], "--slots=0 must be >= 1"),
     (["--port", "70000"], "--port=70000 must lie in [0, 65535]"),
+    (["--api-key", " "], "--api-key is empty"),
+    (["--max-body-bytes", "10"], "--max-body-bytes=10 must be >= 1024"),
+    (["--request-timeout", "0"], "--request-timeout=0.0 must be > 0 seconds"),
+    (["--compile-workers", "0"], "--compile-workers=0 must be >= 1"),
+    (["--compile-timeout", "nan"], "--compile-timeout=nan must be > 0 seconds"),
   ],
 )
 def test_bad_server_flags_are_one_line_and_exit_code_2(flags, message, capsys):

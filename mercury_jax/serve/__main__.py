@@ -13,6 +13,12 @@ accepting connections, ``/health`` turns 503, running requests get ``--grace`` s
 stops and the process exits 0. Bad flags get one line on stderr and exit code 2. Compiled programs are kept in
 ``~/.cache/mercury_jax/xla`` as for ``python -m mercury_jax.sample``.
 
+Exposed servers: ``--host 0.0.0.0`` without ``--api-key`` (or ``MERCURY_API_KEY``) lets anyone on the network use
+the model. With a key, ``/v1/...`` needs ``Authorization: Bearer KEY``; ``/health`` and ``/metrics`` stay open.
+``--max-body-bytes``, ``--request-timeout``, ``--compile-workers`` and ``--compile-timeout`` bound what one request
+can cost (see :mod:`mercury_jax.serve.guard` and :mod:`mercury_jax.serve.compiling`). Errors and their details go
+to stderr (logger ``mercury_jax.serve``); clients see a fixed message and a request id.
+
 Multi-host: start the same command on every host with ``--coordinator HOST:PORT --num-processes N --process-id I``
 (or under SLURM, ``mpirun`` or on a Cloud TPU VM, without them). Process 0 serves HTTP and schedules; every other
 process runs the same engine steps on its devices (its share of the mesh) and leaves when process 0 shuts down.
@@ -23,6 +29,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
+import logging
+import os
 import signal
 import sys
 from pathlib import Path
@@ -69,6 +77,32 @@ def build_parser() -> argparse.ArgumentParser:
     "tools); larger schemas get 400 (default 512,256,16384); 0: structured output off",
   )
   p.add_argument(
+    "--api-key",
+    default=os.environ.get("MERCURY_API_KEY") or None,
+    help="require Authorization: Bearer KEY on /v1/* (default: $MERCURY_API_KEY; none: the API is open)",
+  )
+  p.add_argument(
+    "--max-body-bytes", type=int, default=4 << 20, help="largest request body; larger ones get 413 (default 4 MiB)"
+  )
+  p.add_argument(
+    "--request-timeout",
+    type=float,
+    default=600.0,
+    help="seconds a request may take from arrival to its last token; then 504 and its slots are freed (default 600)",
+  )
+  p.add_argument(
+    "--compile-workers",
+    type=int,
+    default=2,
+    help="processes that compile structured-output constraints, each job under a time and memory limit (default 2)",
+  )
+  p.add_argument(
+    "--compile-timeout",
+    type=float,
+    default=5.0,
+    help="seconds one constraint may take to compile; longer ones are stopped and get 400 (default 5)",
+  )
+  p.add_argument(
     "--no-token-healing",
     dest="token_healing",
     action="store_false",
@@ -92,6 +126,16 @@ def _check_args(args: argparse.Namespace) -> None:
     _fail(f"--block-length={args.block_length} must be >= 0 (0: the model's own)")
   if not args.grace >= 0:
     _fail(f"--grace={args.grace} must be >= 0 seconds")
+  if args.api_key is not None and not args.api_key.strip():
+    _fail("--api-key is empty; give the key clients must send, or leave the flag (and MERCURY_API_KEY) out")
+  if args.max_body_bytes < 1024:
+    _fail(f"--max-body-bytes={args.max_body_bytes} must be >= 1024")
+  if not args.request_timeout > 0:
+    _fail(f"--request-timeout={args.request_timeout} must be > 0 seconds")
+  if args.compile_workers < 1:
+    _fail(f"--compile-workers={args.compile_workers} must be >= 1")
+  if not args.compile_timeout > 0:
+    _fail(f"--compile-timeout={args.compile_timeout} must be > 0 seconds")
   if args.model_name is not None and not args.model_name.strip():
     _fail("--model-name is empty; give the name clients should send, or leave the flag out")
   if args.checkpoint is not None and not Path(args.checkpoint).exists():
@@ -112,7 +156,8 @@ def _capacity(flag: str):
 
 
 def _load(args: argparse.Namespace):
-  """The scheduler (not started yet) and the model's name; every failure is one line and exit code 2."""
+  """The scheduler (not started yet), the compile pool (its processes starting; None without structured output)
+  and the model's name; every failure is one line and exit code 2."""
   import jax
 
   from mercury_jax.config import ConfigError
@@ -134,6 +179,14 @@ def _load(args: argparse.Namespace):
     sampler = Sampler.from_checkpoint(path, mesh=mesh)
   except (FileNotFoundError, ConfigError, ValueError) as e:
     _fail(f"--checkpoint {str(path)!r}: {e}")
+  pool = None
+  if args.capacity is not None and jax.process_index() == 0:  # Its processes start while the engine compiles.
+    from mercury_jax.serve.compiling import CompilePool, CompilerSpec
+    from mercury_jax.serve.slots import CAPACITY_REMEDY
+
+    spec = CompilerSpec(sampler.tokenizer.to_bytes(), *args.capacity, remedy=CAPACITY_REMEDY)
+    pool = CompilePool(spec, workers=args.compile_workers, timeout=args.compile_timeout)
+    pool.start()
   try:
     scheduler = Scheduler(
       sampler, slots=args.slots, max_queue=args.max_queue, block_length=args.block_length, capacity=args.capacity
@@ -145,11 +198,13 @@ def _load(args: argparse.Namespace):
   name = args.model_name or (
     BUNDLED_NAME.format(model=args.model) if args.checkpoint is None else Path(path).resolve().name
   )
-  return scheduler, name
+  return scheduler, pool, name
 
 
-async def _serve(server, name: str, host: str) -> None:
-  """Runs ``server`` and prints the line that says it listens (tests wait for it)."""
+async def _serve(server, name: str, host: str, pool) -> None:
+  """Runs ``server`` and prints the line that says it listens (tests wait for it), once the compile pool is ready."""
+  if pool is not None:
+    await pool.ready()
 
   async def announce():
     while not server.started:
@@ -174,7 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     distributed.initialize(args)
   except SystemExit as e:  # Inconsistent --coordinator/--num-processes/--process-id.
     _fail(str(e.code))
-  scheduler, name = _load(args)
+  _log_to_stderr()
+  scheduler, pool, name = _load(args)
   if not scheduler.leader:  # Another process of a multi-host mesh: run process 0's engine steps, serve nothing.
     scheduler.follow()
     return 0
@@ -182,10 +238,18 @@ def main(argv: list[str] | None = None) -> int:
   import uvicorn
 
   from mercury_jax.serve.chat import TemplateError
-  from mercury_jax.serve.routes import create_app
+  from mercury_jax.serve.routes import Options, create_app
 
+  options = Options(
+    model_name=name,
+    grace=args.grace,
+    token_healing=args.token_healing,
+    api_key=args.api_key,
+    max_body_bytes=args.max_body_bytes,
+    request_timeout=args.request_timeout,
+  )
   try:
-    app = create_app(scheduler, model_name=name, grace=args.grace, token_healing=args.token_healing)
+    app = create_app(scheduler, pool, options)
   except TemplateError as e:
     _fail(f"--checkpoint: {e}")
 
@@ -200,12 +264,27 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(sig, lambda *_: None)
   scheduler.start()
   try:
-    asyncio.run(_serve(server, name, args.host))
+    asyncio.run(_serve(server, name, args.host, pool))
   except SystemExit:  # uvicorn could not listen (it logged why).
     scheduler.shutdown(0.0)
     _fail(f"cannot listen on {args.host}:{args.port} (see the log above)")
+  except RuntimeError as e:  # The compile pool's processes could not start.
+    scheduler.shutdown(0.0)
+    _fail(str(e))
+  finally:
+    if pool is not None:
+      pool.close()
   scheduler.shutdown(args.grace)
   return 0
+
+
+def _log_to_stderr() -> None:
+  """The server's own log (``mercury_jax.serve``: failures and their details) on stderr, as uvicorn's."""
+  handler = logging.StreamHandler()
+  handler.setFormatter(logging.Formatter("%(levelname)s:     %(name)s: %(message)s"))
+  logger = logging.getLogger("mercury_jax")
+  logger.addHandler(handler)
+  logger.setLevel(logging.INFO)
 
 
 if __name__ == "__main__":

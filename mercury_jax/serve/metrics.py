@@ -1,8 +1,12 @@
 """The server's Prometheus metrics (``GET /metrics``), in a registry of their own.
 
-Read from the scheduler when scraped: ``mercury_queue_depth``, ``mercury_busy_slots``, ``mercury_slots`` and
+Read from the scheduler when scraped: ``mercury_queue_depth``, ``mercury_busy_slots``, ``mercury_slots``,
 ``mercury_compilations_total`` (XLA programs the engine compiled; it should stop growing after warm-up, since
-per-request knobs are traced). Recorded by the routes: ``mercury_generated_tokens_total``,
+per-request knobs are traced), and where the engine thread's time goes (``Scheduler.stats``):
+``mercury_engine_iterations_total`` (iterations that ran a step), ``mercury_engine_seconds_total`` (time in the engine:
+dispatches, device work, the copy of each step's view) and ``mercury_engine_host_seconds_total`` (the rest of those
+iterations: commands, admissions, reading views, handing out updates); the host share of a step is the difference
+of the last over the difference of both between two scrapes. Recorded by the routes: ``mercury_generated_tokens_total``,
 ``mercury_tokens_per_second`` (generated tokens over the last :data:`RATE_WINDOW` seconds),
 ``mercury_time_to_first_token_seconds`` (submit to the first committed token of each choice),
 ``mercury_request_nfe`` and ``mercury_tokens_per_forward`` (per choice, when it ends) and
@@ -25,26 +29,42 @@ NFE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 TPF_BUCKETS = (0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 32.0)
 
 
-class _Compilations(Collector):
-  """``mercury_compilations_total``, read from ``scheduler.compilations`` at scrape time."""
+class _Engine(Collector):
+  """The counters read from the scheduler at scrape time: compilations and the engine thread's time."""
+
+  FAMILIES = (
+    ("mercury_compilations", "XLA programs compiled by the engine", lambda s: s.compilations),
+    ("mercury_engine_iterations", "Engine iterations that ran a step", lambda s: s.stats.iterations),
+    (
+      "mercury_engine_seconds",
+      "Seconds the engine thread spent in the engine (device work)",
+      lambda s: s.stats.engine_seconds,
+    ),
+    (
+      "mercury_engine_host_seconds",
+      "Seconds the engine thread spent on the host around steps",
+      lambda s: s.stats.host_seconds,
+    ),
+  )
 
   def __init__(self, scheduler):
     self.scheduler = scheduler
 
   def describe(self):
-    return [CounterMetricFamily("mercury_compilations", "XLA programs compiled by the engine")]
+    return [CounterMetricFamily(name, text) for name, text, _ in self.FAMILIES]
 
   def collect(self):
-    family = CounterMetricFamily("mercury_compilations", "XLA programs compiled by the engine")
-    family.add_metric([], self.scheduler.compilations)
-    yield family
+    for name, text, read in self.FAMILIES:
+      family = CounterMetricFamily(name, text)
+      family.add_metric([], read(self.scheduler))
+      yield family
 
 
 class Metrics:
   """The metrics of one server.
 
   Args:
-    scheduler: Read at scrape time: ``queue_depth``, ``busy_slots``, ``slots`` and ``compilations``.
+    scheduler: Read at scrape time: ``queue_depth``, ``busy_slots``, ``slots``, ``compilations`` and ``stats``.
     clock: Seconds on the clock of ``Update.time`` (``time.perf_counter``).
   """
 
@@ -60,7 +80,7 @@ class Metrics:
     Gauge(
       "mercury_tokens_per_second", f"Generated tokens per second over the last {RATE_WINDOW:g} s", registry=registry
     ).set_function(self.tokens_per_second)
-    registry.register(_Compilations(scheduler))
+    registry.register(_Engine(scheduler))
     self.tokens = Counter("mercury_generated_tokens", "Generated (committed) tokens", registry=registry)
     self.ttft = Histogram(
       "mercury_time_to_first_token_seconds",

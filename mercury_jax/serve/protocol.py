@@ -3,14 +3,31 @@
 Requests ignore fields they do not know (``extra="ignore"``). The fields in :data:`UNSUPPORTED` are known but not
 implemented: a request that sets one to anything but its neutral value answers 400 naming it (see
 :func:`check_supported`); so do ``tools`` and ``tool_choice`` on ``/v1/completions`` (:data:`CHAT_ONLY`). Beyond
-OpenAI's fields, a request may carry the diffusion knobs ``steps``, ``threshold``, ``top_k``, ``block_length``,
-``diffusing`` and ``reasoning_effort`` (:data:`REASONING_EFFORT`), and ``usage`` has two extra fields: ``nfe``
-(forward passes, summed over the choices) and ``tokens_per_forward``.
+OpenAI's fields, a request may carry the diffusion knobs ``steps``, ``steps_per_block``, ``threshold``, ``top_k``,
+``block_length``, ``diffusing`` and ``reasoning_effort`` (:data:`REASONING_EFFORT`), and ``usage`` has two extra
+fields: ``nfe`` (forward passes, summed over the choices) and ``tokens_per_forward``.
 
-``stop`` strings end a choice where the first of them begins (:func:`find_stop`); a stream holds back the text that
-could still become one (:func:`held_back`). Errors have OpenAI's body ``{"error": {"message", "type", "param",
+The step budgets, named for what they are (the same words as ``python -m mercury_jax.sample`` and
+``Sampler.generate``):
+
+* ``steps``: the TOTAL refinement budget for the generated length (``max_tokens``). The server splits it evenly
+  over the engine blocks the hole spans (:func:`mercury_jax.sampling.settings.steps_per_block`): each block gets
+  ``ceil(steps * block / max_tokens)`` steps. A budget below the number of blocks spanned answers 400 naming
+  ``steps``: every block needs a step of its own.
+* ``steps_per_block``: the steps each block gets, directly (what ``steps`` meant on this server before). Send one of
+  the two; neither means one token per step (the block's size in steps), the command line's default too.
+* ``reasoning_effort`` maps to steps per block and a threshold (:data:`REASONING_EFFORT`); explicit fields win.
+
+Every number has bounds (:class:`Limits` holds the ones the model and the server's flags set): a value outside them
+answers 400 naming the field, before anything reaches the engine. Floats must be finite (``NaN`` and ``Infinity``
+are refused).
+
+``stop`` strings (at most :data:`MAX_STOPS`, each at most :data:`MAX_STOP_LENGTH` characters) end a choice where the
+first of them begins (:func:`find_stop`); a stream holds back the text that could still become one
+(:func:`held_back`, linear in the stop's length). Errors have OpenAI's body ``{"error": {"message", "type", "param",
 "code"}}`` (:class:`APIError`); a request FastAPI cannot parse answers 400, not 422 (:func:`validation_error`), its
-``param`` the path of the bad field (``tools[1].function.name``).
+``param`` the path of the bad field (``tools[1].function.name``); a value quoted in a message is cut to
+:data:`SHOWN_CHARS` characters.
 
 Structured output: ``response_format`` (both endpoints), ``tools``, ``tool_choice`` and ``parallel_tool_calls``
 (chat) are parsed here (:class:`ResponseFormat`, :class:`Tool`, :class:`NamedToolChoice`); what they ask for, the
@@ -20,6 +37,8 @@ calls a tool is answered as OpenAI's ``tool_calls`` (:class:`ToolCall`, streamed
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 import time
 import uuid
@@ -30,10 +49,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 MAX_CHOICES = 16  # The most choices ``n`` one request may ask for.
 MAX_STOPS = 4  # The most stop strings one request may give, as OpenAI allows.
+MAX_STOP_LENGTH = 256  # The most characters of one stop string (a stream holds back up to this many).
 MAX_SEED = 2**31 - 1  # Seeds are non-negative 32-bit ints (larger ones would collide in the PRNG key).
+MAX_TEMPERATURE = 100.0  # Beyond a few the distribution is flat already.
+SHOWN_CHARS = 120  # A value quoted back in an error message is cut to this many characters.
 # reasoning_effort -> (refinement steps per block as a fraction of the block, rounded, at least 1; the threshold
 # rule's confidence bar). Fewer steps commit more tokens per forward pass: faster, less careful. Explicit
-# ``steps`` and ``threshold`` fields override the mapping. "medium" halves the block's steps.
+# ``steps``, ``steps_per_block`` and ``threshold`` fields override the mapping. "medium" halves the block's steps.
 REASONING_EFFORT: dict[str, tuple[float, float]] = {
   "instant": (1 / 8, 0.7),
   "low": (1 / 4, 0.8),
@@ -60,7 +82,7 @@ TOOL_CHOICES = ("none", "auto", "required")
 # How pydantic names the members of a union it tried, at the end of an error's location.
 UNION_MEMBERS = ("str", "int", "float", "bool", "none", "list[str]", "list[ContentPart]")
 # The request fields that only a diffusion model has; an autoregressive model answers 400 naming them.
-DIFFUSION_FIELDS = ("steps", "threshold", "block_length", "diffusing", "reasoning_effort")
+DIFFUSION_FIELDS = ("steps", "steps_per_block", "threshold", "block_length", "diffusing", "reasoning_effort")
 
 
 class APIError(Exception):
@@ -87,6 +109,35 @@ class APIError(Exception):
 
   def body(self) -> dict:
     return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+  @classmethod
+  def internal(cls, request_id: str) -> APIError:
+    """The 500 of a failure inside the server: a fixed message and an id to find the details in the server's log."""
+    return cls(500, f"the server failed on this request (request id {request_id}); its log has the details")
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+  """The bounds the served model and the server's flags set on request fields (the others are constants here).
+
+  Attributes:
+    context: The model's context in tokens: bounds prompt plus ``max_tokens`` (plus suffix), and ``steps``.
+    vocab: The model's vocabulary: bounds ``top_k``.
+    block: The engine's block: bounds ``steps_per_block`` (each step commits at least one token of its block).
+  """
+
+  context: int
+  vocab: int
+  block: int
+
+
+def shown(value) -> str:
+  """``repr(value)`` cut to :data:`SHOWN_CHARS` characters, for quoting a client's value back in an error."""
+  try:
+    text = repr(value)
+  except ValueError:  # An int beyond Python's str conversion limit.
+    return "<a number too long to show>"
+  return text if len(text) <= SHOWN_CHARS else f"{text[: SHOWN_CHARS - 20]}... ({len(text)} characters)"
 
 
 def effort_knobs(effort: str, block: int) -> tuple[int, float]:
@@ -131,9 +182,9 @@ class GenerationRequest(BaseModel):
   refused: ClassVar[dict[str, tuple[tuple, str]]] = UNSUPPORTED  # Fields accepted with their neutral values only.
 
   model: str | None = None  # Any name is accepted; responses carry the server's model name.
-  max_tokens: int | None = Field(None, ge=1)
-  temperature: float | None = Field(None, ge=0)
-  top_p: float | None = Field(None, gt=0, le=1)
+  max_tokens: int | None = Field(None, ge=1)  # At most the context left after the prompt (Limits.context).
+  temperature: float | None = Field(None, ge=0, le=MAX_TEMPERATURE, allow_inf_nan=False)
+  top_p: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
   n: int | None = Field(None, ge=1, le=MAX_CHOICES)
   seed: int | None = Field(None, ge=0, le=MAX_SEED)
   stop: str | list[str] | None = None
@@ -141,12 +192,13 @@ class GenerationRequest(BaseModel):
   stream_options: StreamOptions | None = None
   user: str | None = None
   response_format: ResponseFormat | None = None
-  # Diffusion knobs.
-  steps: int | None = Field(None, ge=1)
+  # Diffusion knobs (the module docstring says what the step budgets mean).
+  steps: int | None = Field(None, ge=1)  # Total, for the generated length; at most Limits.context.
+  steps_per_block: int | None = Field(None, ge=1)  # Per block; at most Limits.block.
   reasoning_effort: Literal["instant", "low", "medium", "high"] | None = None
   block_length: int | None = Field(None, ge=1)
-  threshold: float | None = Field(None, ge=0, le=1)
-  top_k: int | None = Field(None, ge=0)
+  threshold: float | None = Field(None, ge=0, le=1, allow_inf_nan=False)
+  top_k: int | None = Field(None, ge=0)  # At most Limits.vocab; 0 keeps every token.
   diffusing: bool | None = None
   # Known, not implemented (UNSUPPORTED).
   logprobs: Any = None
@@ -165,6 +217,9 @@ class GenerationRequest(BaseModel):
       raise ValueError(f"gives {len(stops)} stop strings; at most {MAX_STOPS} are allowed")
     if stops is not None and any(not s for s in stops):
       raise ValueError("holds an empty string; every stop string needs at least one character")
+    longest = max(map(len, stops or ()), default=0)
+    if longest > MAX_STOP_LENGTH:
+      raise ValueError(f"holds a string of {longest} characters; at most {MAX_STOP_LENGTH} are allowed")
     return stop
 
   @property
@@ -321,7 +376,27 @@ def check_supported(request: GenerationRequest) -> None:
     value = getattr(request, field)
     if value not in neutral:
       allowed = " or ".join(repr(v) for v in neutral if v is not None)
-      raise APIError(400, f"{field}={value!r} {why}; omit it (or send {allowed})", param=field, code="unsupported")
+      raise APIError(400, f"{field}={shown(value)} {why}; omit it (or send {allowed})", param=field, code="unsupported")
+
+
+def check_limits(request: GenerationRequest, limits: Limits) -> None:
+  """Raises a 400 :class:`APIError` naming the first field above a bound the model sets (:class:`Limits`).
+
+  ``max_tokens`` is checked again with the prompt's length, once it is tokenised (the routes' ``_max_tokens``).
+  """
+  bounds = (
+    ("max_tokens", request.max_tokens, limits.context, "the model's context"),
+    ("max_completion_tokens", getattr(request, "max_completion_tokens", None), limits.context, "the model's context"),
+    ("steps", request.steps, limits.context, "the model's context"),
+    ("steps_per_block", request.steps_per_block, limits.block, "the block: each step commits at least one token"),
+    ("top_k", request.top_k, limits.vocab, "the vocabulary; 0 keeps every token"),
+  )
+  for field, value, most, what in bounds:
+    if value is not None and value > most:
+      raise APIError(400, f"{field}={shown(value)} must be at most {most} ({what})", param=field)
+  if request.steps is not None and request.steps_per_block is not None:
+    message = "steps (the total budget) and steps_per_block (per block) both given; send one"
+    raise APIError(400, message, param="steps_per_block")
 
 
 def find_stop(text: str, stops: tuple[str, ...], start: int = 0) -> int | None:
@@ -331,8 +406,34 @@ def find_stop(text: str, stops: tuple[str, ...], start: int = 0) -> int | None:
 
 
 def held_back(text: str, stops: tuple[str, ...]) -> int:
-  """How many characters at the end of ``text`` could begin a stop string, so must wait for the next tokens."""
-  return max((k for stop in stops for k in range(1, len(stop)) if text.endswith(stop[:k])), default=0)
+  """How many characters at the end of ``text`` could begin a stop string, so must wait for the next tokens.
+
+  The longest proper prefix of a stop string that ``text`` ends with, found by running the stop's Knuth-Morris-Pratt
+  automaton over the last ``len(stop) - 1`` characters: linear in the stop's length.
+  """
+  longest = 0
+  for stop in stops:
+    fail, matched = _failure(stop), 0
+    for char in text[max(len(text) - len(stop) + 1, 0) :] if len(stop) > 1 else "":
+      while matched and stop[matched] != char:
+        matched = fail[matched - 1]
+      matched += stop[matched] == char
+      if matched == len(stop):  # A whole stop string (find_stop's business): go on with its longest border.
+        matched = fail[matched - 1]
+    longest = max(longest, matched)
+  return longest
+
+
+@functools.lru_cache(maxsize=256)
+def _failure(stop: str) -> tuple[int, ...]:
+  """KMP's failure function of ``stop``: for each prefix, the length of its longest proper border."""
+  fail, k = [0] * len(stop), 0
+  for i in range(1, len(stop)):
+    while k and stop[i] != stop[k]:
+      k = fail[k - 1]
+    k += stop[i] == stop[k]
+    fail[i] = k
+  return tuple(fail)
 
 
 def _dotted(path: list) -> str:
@@ -353,15 +454,15 @@ def validation_error(error: RequestValidationError) -> APIError:
   path = where(first)
   if len(path) > 1 and path[-1] in UNION_MEMBERS:  # The message below covers every member tried.
     path = path[:-1]
-  param, value = _dotted(path), first.get("input")
+  param, value = _dotted(path), shown(first.get("input"))
   if not path:
-    return APIError(400, f"the request body must be a JSON object, not {value!r}")
+    return APIError(400, f"the request body must be a JSON object, not {value}")
   if first["type"] == "missing":
     return APIError(400, f"{param} is required", param=param)
   if first["type"] == "value_error":
-    return APIError(400, f"{param}={value!r} {first['msg'].removeprefix('Value error, ')}", param=param)
+    return APIError(400, f"{param}={value} {first['msg'].removeprefix('Value error, ')}", param=param)
   wanted = sorted({e["msg"][:1].lower() + e["msg"][1:] for e in errors if where(e)[: len(path)] == path})
-  return APIError(400, f"{param}={value!r} is invalid: {' or '.join(wanted)}", param=param)
+  return APIError(400, f"{param}={value} is invalid: {' or '.join(wanted)}", param=param)
 
 
 # ------------------------------------------------------------------------------------------------ responses

@@ -3,15 +3,30 @@
 Endpoints: ``POST /v1/completions`` (``prompt``, optionally ``suffix`` to fill in the middle),
 ``POST /v1/chat/completions`` (``messages``, rendered by the checkpoint's ``data.chat_template``; see
 :mod:`mercury_jax.serve.chat`), ``POST /v1/fim/completions`` (``prompt`` and ``suffix``, answered like completions),
-``GET /v1/models``, ``GET /health`` (503 while draining) and ``GET /metrics`` (Prometheus text).
+``GET /v1/models``, ``GET /health`` (503 while draining or when the engine has failed for good) and ``GET /metrics``
+(Prometheus text).
 
-Prompts are tokenised here, and every update's tokens are decoded here, never on the engine thread. A chat prompt
-starts with BOS, as SFT records do; an empty completion prompt is BOS alone (a document's start).
+Every request passes :class:`~mercury_jax.serve.guard.Guard` first: with an API key (``--api-key``), ``/v1/...`` needs
+``Authorization: Bearer KEY`` (401 otherwise); a body above ``--max-body-bytes`` answers 413. Every field is bounded
+(:mod:`mercury_jax.serve.protocol`; 400 naming the field). A request that has not finished ``--request-timeout``
+seconds after it arrived ends with 504 (a stream: an error event, then ``[DONE]``), and its slots are freed. A
+failure inside the server answers 500 with a fixed message and a request id; the details go to the server's log only.
+
+Prompts are tokenised here (long ones off the event loop), and every update's tokens are decoded here,
+incrementally (:mod:`mercury_jax.serve.answers`), never on the engine thread. A chat prompt starts with BOS, as SFT
+records do; an empty completion prompt is BOS alone (a document's start).
 
 ``max_tokens``: when omitted, 16 for ``/v1/completions`` (OpenAI's default) and ``min(256, room)`` for chat and
 FIM, where room is the context minus the prompt (and suffix) tokens; a completion prompt with less room than 16 gets
 what room there is. Chat also reads ``max_completion_tokens``. A prompt (plus suffix) and ``max_tokens`` that do not
 fit the context together answer 400 naming both lengths.
+
+Step budgets (:mod:`mercury_jax.serve.protocol`): ``steps`` is the total refinement budget for the ``max_tokens``
+generated positions, as on the command line and in ``Sampler.generate``; the server converts it into steps per block
+with :func:`~mercury_jax.sampling.settings.steps_per_block` (a budget below the blocks the hole spans answers 400
+naming ``steps``; one above a step per token is spent as a step per token). ``steps_per_block`` gives the steps per
+block directly. Without either (or ``reasoning_effort``), every block takes one step per token under the threshold
+rule (tau 0.9, ``threshold``), the command line's default too.
 
 ``n`` choices are ``n`` engine requests with the same seed and random streams 0..n-1. Without ``seed`` the server
 draws one. ``stop`` ends a choice at the first occurrence of any stop string (the text before it is the answer,
@@ -32,7 +47,9 @@ Streaming (``stream: true``) answers Server-Sent Events, one ``data: {json}`` pe
   ``data: {"error": {...}}`` then ``data: [DONE]``.
 
 Structured output (``response_format``, ``tools``, ``tool_choice``): :mod:`mercury_jax.serve.structured` reads and
-checks the request and compiles its constraint (off the event loop, cached); every choice's engine request carries
+checks the request and compiles its constraint in the compile pool (:mod:`mercury_jax.serve.compiling`: worker
+processes with a time and a memory limit per job, cached; a refusal, a timeout or a limit answers 400, code
+``invalid_schema``, and a client that leaves stops the job); every choice's engine request carries
 the same automaton, so ``n``, ``diffusing``, ``suffix`` and FIM work as without one. The answers:
 
 * ``response_format`` ``json_object`` or ``json_schema`` (both endpoints): the answer is compact JSON.
@@ -51,38 +68,88 @@ the same automaton, so ``n``, ``diffusing``, ``suffix`` and FIM work as without 
   arguments text), then a chunk with an empty ``delta`` and ``finish_reason`` "tool_calls". A call cut short ends
   with one chunk carrying its text as ``content`` and ``finish_reason`` "length". Drafts (``diffusing``) still come.
 
-A client that goes away (streaming or not) cancels its requests, freeing their slots.
+A client that goes away (streaming or not, also while its prompt is tokenised or its constraint compiled) cancels
+its requests, freeing their slots.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import json
+import dataclasses
+import logging
 import math
 import secrets
-from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from sse_starlette import EventSourceResponse
+from starlette.exceptions import HTTPException
 
+from mercury_jax.constrain.automaton import ConstraintError
 from mercury_jax.sampling import healing
-from mercury_jax.sampling.sampler import MASK_TEXT
-from mercury_jax.sampling.settings import SettingError
-from mercury_jax.serve import protocol as api, structured
+from mercury_jax.sampling.settings import SettingError, blocks_spanned, steps_per_block
+from mercury_jax.serve import answers, protocol as api, structured
 from mercury_jax.serve.chat import ChatTemplate, TemplateError
+from mercury_jax.serve.guard import Guard
 from mercury_jax.serve.metrics import Metrics
-from mercury_jax.serve.scheduler import Knobs, QueueFull, Request as EngineRequest, ShuttingDown
+from mercury_jax.serve.scheduler import EngineDown, Knobs, QueueFull, Request as EngineRequest, ShuttingDown
 
+logger = logging.getLogger("mercury_jax.serve")
 COMPLETIONS_MAX_TOKENS = 16  # /v1/completions without max_tokens (OpenAI's default).
 CHAT_MAX_TOKENS = 256  # Chat and FIM without max_tokens: at most this, and no more than the context leaves.
 PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/fim/completions")  # Counted in mercury_requests_total.
-DISCONNECTED = 499  # The status counted for a request whose client went away (nginx's convention).
+DISCONNECTED = answers.DISCONNECTED
 # A stream still running at shutdown is ended this many seconds before the server's graceful-shutdown deadline, so it
 # closes cleanly instead of being killed with the server's tasks.
 STREAM_SHUTDOWN_MARGIN = 1.0
+INLINE_CHARS = 4096  # Texts up to this long are tokenised on the event loop; longer ones on a thread.
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+  """How the server answers (the command line's flags).
+
+  Attributes:
+    model_name: The name ``/v1/models`` lists and every response carries.
+    grace: The server's graceful-shutdown timeout: a stream may go on for about this long after shutdown begins.
+    token_healing: Re-generate the last token of a plain-text completion's prompt, constrained to start with its
+      characters (:mod:`~mercury_jax.sampling.healing`): not for FIM, structured output, or a model with a chat
+      template (SFT: its prompts end at a boundary it learned); needs a compiler.
+    api_key: The key ``/v1/...`` requests must send (``Authorization: Bearer KEY``); None: none.
+    max_body_bytes: The largest request body (larger: 413).
+    request_timeout: Seconds a request may take from arrival to its last token (then 504; its slots are freed).
+  """
+
+  model_name: str
+  grace: float = 30.0
+  token_healing: bool = True
+  api_key: str | None = None
+  max_body_bytes: int = 4 << 20
+  request_timeout: float = 600.0
+
+
+@dataclasses.dataclass(frozen=True)
+class _Text:
+  """A request's tokenised text.
+
+  Attributes:
+    prompt: The prompt's ids (with token healing: without the backed-off last token).
+    suffix: The suffix's ids (fill in the middle), or none.
+    max_tokens: The hole's positions (with token healing: one more, the backed-off token's).
+    healed: With token healing: the backed-off token's characters, which the reply writes first; "" otherwise.
+    tokenised: With token healing: the prompt as tokenised (what is sent when healing cannot be compiled).
+  """
+
+  prompt: list[int]
+  suffix: list[int]
+  max_tokens: int
+  healed: str = ""
+  tokenised: list[int] | None = None
+
+
+class ClientGone(Exception):
+  """The client went away before its answer started."""
 
 
 def objective_name(scheduler) -> str:
@@ -92,121 +159,44 @@ def objective_name(scheduler) -> str:
   return "block_diffusion" if scheduler.cfg.objective.block_size else "masked_diffusion"
 
 
-class _Choice:
-  """One choice of a request: its handle, and its text as the updates come (decoded, cut at a stop string).
-
-  ``calls`` is the request's :attr:`Structure.calls <mercury_jax.serve.structured.Structure.calls>`: a reply that is
-  a tool call is held back whole, and becomes :attr:`tool_call` when it finishes complete.
-  """
-
-  def __init__(
-    self,
-    index: int,
-    handle,
-    tokenizer,
-    stops: tuple[str, ...],
-    metrics: Metrics,
-    calls: str = "none",
-    healed: str = "",
-  ):
-    self.index, self.handle, self.tokenizer, self.stops, self.metrics = index, handle, tokenizer, stops, metrics
-    self.healed = healed  # the prompt's characters its first token(s) re-generate (token healing); not released
-    self.text = ""  # final so far (released, unless the reply is a call)
-    self.tokens = 0
-    self.nfe = 0
-    self.finish_reason: str | None = None
-    # Whether the reply is a call: None until the first character of an "auto" reply says ("{" opens one).
-    self.calling: bool | None = {"none": False, "required": True}.get(calls)
-    self.tool_call: api.ToolCall | None = None
-
-  def advance(self, update) -> tuple[str, str | None]:
-    """Takes an update; returns the text released by it and the choice's new draft (None without one)."""
-    if update.finish_reason == "error":
-      raise api.APIError(500, f"the engine failed on this request: {update.error}", code="engine_error")
-    if update.finish_reason == "cancelled":
-      raise api.APIError(503, "the server cancelled this request (it is shutting down)", code="cancelled")
-    if len(update.tokens) > self.tokens:
-      if not self.tokens:
-        self.metrics.first_token(update.time - self.handle.submitted)
-      self.metrics.add_tokens(len(update.tokens) - self.tokens, update.time)
-    self.tokens, self.nfe = len(update.tokens), update.nfe
-    text = healing.strip(self.tokenizer.decode(update.tokens), self.healed)
-    if not update.done and text.endswith("\ufffd"):  # A character split between blocks waits for its bytes.
-      text = text[:-1]
-    if not text.startswith(self.text):  # Earlier text never changes; wait for the decoding to agree again.
-      text = self.text
-    if self.calling is None and text:
-      self.calling = text.startswith("{")
-      if self.calling:  # Stop strings apply to text replies only: a cut call would be invalid.
-        self.stops = ()
-    cut = api.find_stop(text, self.stops, start=len(self.text))
-    if cut is not None:
-      text, self.finish_reason = text[:cut], "stop"
-      self.handle.cancel()
-    elif update.done:
-      self.finish_reason = update.finish_reason
-    else:
-      text = text[: len(text) - api.held_back(text, self.stops)]
-    released, self.text = text[len(self.text) :], text
-    if self.calling:
-      released = ""  # A call is answered whole once it finishes.
-    if self.finish_reason is not None:
-      self.metrics.choice_done(self.tokens, self.nfe)
-      if self.calling:
-        self.tool_call = structured.parse_tool_call(text) if self.finish_reason == "stop" else None
-        if self.tool_call is not None:
-          self.finish_reason = "tool_calls"
-        else:  # Cut short by max_tokens (or not a call after all): the text, as content.
-          released = text
-      return released, None
-    draft = None
-    if update.draft is not None:
-      draft = self.tokenizer.decode(update.draft, mask_text=MASK_TEXT)
-      draft = draft[: api.find_stop(draft, self.stops)]
-    return released, draft
-
-  def message(self) -> api.ChatMessageOut:
-    """The finished choice as a chat message: its call, or its text."""
-    if self.tool_call is not None:
-      return api.ChatMessageOut(content=None, tool_calls=[self.tool_call])
-    return api.ChatMessageOut(content=self.text)
-
-
-async def _run(choices: list[_Choice]) -> AsyncIterator[tuple[_Choice, str, str | None]]:
-  """``(choice, released text, draft)`` as the choices' updates arrive, until every choice has finished.
-
-  However it ends (finished, failed, or closed because the client left), the choices still running are cancelled.
-  """
-  queue: asyncio.Queue = asyncio.Queue()
-
-  async def pump(choice: _Choice):
-    try:
-      async for update in choice.handle.updates():
-        queue.put_nowait((choice, update))
-    except Exception as error:  # Handed to the consumer, which answers 500.
-      queue.put_nowait((choice, error))
-
-  tasks = [asyncio.create_task(pump(choice)) for choice in choices]
-  try:
-    while any(choice.finish_reason is None for choice in choices):
-      choice, update = await queue.get()
-      if isinstance(update, Exception):
-        raise api.APIError(500, f"the engine failed on this request: {update}", code="engine_error")
-      if choice.finish_reason is None:
-        released, draft = choice.advance(update)
-        yield choice, released, draft
-  finally:
-    for choice in choices:
-      if choice.finish_reason is None:
-        choice.handle.cancel()
-    for task in tasks:
-      task.cancel()
-
-
 async def _disconnected(request: Request) -> None:
   """Returns once the client has gone away (the body is read, so the next message is the disconnect)."""
   while (await request.receive())["type"] != "http.disconnect":
     pass
+
+
+async def _unless_gone(request: Request, awaitable, deadline: float, timeout: api.APIError):
+  """``await awaitable``, cancelled when the client goes away (:class:`ClientGone`) or ``deadline`` passes (the
+  ``timeout`` error)."""
+  work, gone = asyncio.ensure_future(awaitable), asyncio.ensure_future(_disconnected(request))
+  try:
+    remaining = deadline - asyncio.get_running_loop().time()
+    await asyncio.wait((work, gone), timeout=max(remaining, 0.0), return_when=asyncio.FIRST_COMPLETED)
+  except BaseException:
+    work.cancel()
+    raise
+  finally:
+    left = gone.done()
+    gone.cancel()
+  if not work.done():
+    work.cancel()
+    raise ClientGone() if left else timeout
+  return work.result()
+
+
+def _encode(tokenizer, text: str, field: str) -> list[int]:
+  """Token ids of a request's text; 400 naming ``field`` for text that is not valid Unicode."""
+  try:
+    text.encode("utf-8")
+  except UnicodeEncodeError as e:
+    message = f"{field} holds {text[e.start : e.end]!r}, which is not valid Unicode text (a lone surrogate)"
+    raise api.APIError(400, message, param=field) from None
+  return tokenizer.encode(text)
+
+
+async def _off_loop(fn, *args, size: int):
+  """``fn(*args)``, on a thread when ``size`` (characters) is large, so the event loop never waits long."""
+  return await asyncio.to_thread(fn, *args) if size > INLINE_CHARS else fn(*args)
 
 
 def _max_tokens(given: int | None, default: int, prompt: int, suffix: int, context: int, field: str) -> int:
@@ -222,53 +212,89 @@ def _max_tokens(given: int | None, default: int, prompt: int, suffix: int, conte
   else:
     hint = f"; lower {field} to at most {room}" if room >= 1 else "; shorten the prompt"
     message = (
-      f"{lengths} and {field}={given}, together {prompt + suffix + given}, but the model's context is {context} "
-      f"tokens{hint}"
+      f"{lengths} and {field}={api.shown(given)}, together {prompt + suffix + given}, but the model's context is "
+      f"{context} tokens{hint}"
     )
   raise api.APIError(400, message, param="prompt" if room < 1 else field, code="context_length_exceeded")
 
 
-def _knobs(body: api.GenerationRequest, scheduler) -> Knobs:
-  """The engine knobs of a request: reasoning_effort first, explicit steps and threshold over it."""
+def _knobs(body: api.GenerationRequest, scheduler, first: int, generated: int) -> tuple[Knobs, int | None]:
+  """``(knobs, steps per block)`` of a request whose hole of ``generated`` positions starts at canvas position
+  ``first``: reasoning_effort first, explicit steps (or steps_per_block) and threshold over it; the engine's defaults
+  for what is not given (steps per block None)."""
   if scheduler.autoregressive:
     for field in api.DIFFUSION_FIELDS:
       value = getattr(body, field)
       if value is not None and value is not False:
         raise api.APIError(
           400,
-          f"{field}={value!r} applies to diffusion models only; this model is autoregressive (it decodes one "
-          "token per forward pass)",
+          f"{field}={api.shown(value)} applies to diffusion models only; this model is autoregressive (it decodes "
+          "one token per forward pass)",
           param=field,
         )
-  if body.block_length is not None and body.block_length != scheduler.block:
+  block = scheduler.block
+  if body.block_length is not None and body.block_length != block:
     why = "the block it was trained with" if scheduler.block_length_fixed else "set by --block-length at start"
     raise api.APIError(
       400,
-      f"block_length={body.block_length} differs from the served model's block length {scheduler.block} ({why}); "
-      f"omit it or send {scheduler.block}",
+      f"block_length={api.shown(body.block_length)} differs from the served model's block length {block} ({why}); "
+      f"omit it or send {block}",
       param="block_length",
     )
-  steps, threshold = api.effort_knobs(body.reasoning_effort, scheduler.block) if body.reasoning_effort else (None, None)
-  given = {
-    "temperature": body.temperature,
-    "top_p": body.top_p,
-    "top_k": body.top_k,
-    "steps": body.steps if body.steps is not None else steps,
-    "threshold": body.threshold if body.threshold is not None else threshold,
-  }
-  return Knobs(**{name: value for name, value in given.items() if value is not None})
+  per_block, threshold = api.effort_knobs(body.reasoning_effort, block) if body.reasoning_effort else (None, None)
+  if body.steps_per_block is not None:
+    per_block = body.steps_per_block
+  if body.steps is not None:
+    try:
+      spanned = blocks_spanned(first, generated, block)
+      per_block = min(block, steps_per_block(body.steps, block, generated, spanned))
+    except SettingError as e:
+      raise api.APIError(400, e.named("steps"), param="steps") from None
+  default = scheduler.default_knobs
+  given = (body.temperature, body.top_k, body.top_p, body.threshold if body.threshold is not None else threshold)
+  knobs = Knobs(*(d if g is None else g for g, d in zip(given, default, strict=True)))
+  return knobs, per_block
 
 
-def create_app(scheduler, *, model_name: str, grace: float = 30.0, token_healing: bool = True) -> FastAPI:
-  """The FastAPI app serving ``scheduler``'s model.
+async def heal_constraint(compiler, healed: str):
+  """The constraint that re-generates a prompt's backed-off end (token healing), or None when the compiler cannot
+  write it (the prompt is then sent as tokenised). The one place that decides how healing constrains the reply, so a
+  token-mask implementation can replace the automaton here."""
+  try:
+    return await compiler.heal(healed)
+  except ConstraintError:
+    return None
+
+
+def _document(app: FastAPI, limits: api.Limits):
+  """``app.openapi`` with the bounds the model sets (:class:`~mercury_jax.serve.protocol.Limits`) written into the
+  request schemas, so the document says what the server accepts."""
+  maxima = {"max_tokens": limits.context, "max_completion_tokens": limits.context, "steps": limits.context}
+  maxima |= {"steps_per_block": limits.block, "top_k": limits.vocab}
+  build = app.openapi
+
+  def openapi():
+    if app.openapi_schema is None:
+      schema = build()
+      for model in schema.get("components", {}).get("schemas", {}).values():
+        for name, field in model.get("properties", {}).items():
+          for option in field.get("anyOf", [field]):
+            if name in maxima and option.get("type") == "integer":
+              option["maximum"] = maxima[name]
+      app.openapi_schema = schema
+    return app.openapi_schema
+
+  return openapi
+
+
+def create_app(scheduler, compiler, options: Options) -> FastAPI:
+  """The FastAPI app serving ``scheduler``'s model, behind :class:`~mercury_jax.serve.guard.Guard`.
 
   Args:
     scheduler: A started :class:`~mercury_jax.serve.scheduler.Scheduler` (or an object with its interface).
-    model_name: The name ``/v1/models`` lists and every response carries.
-    grace: The server's graceful-shutdown timeout: a stream may go on for about this long after shutdown begins.
-    token_healing: Re-generate the last token of a plain-text completion's prompt, constrained to start with its
-      characters (:mod:`~mercury_jax.sampling.healing`): not for FIM, structured output, or a model with a chat
-      template (SFT: its prompts end at a boundary it learned); needs a constraint capacity.
+    compiler: What compiles structured output and token healing's constraints: a started
+      :class:`~mercury_jax.serve.compiling.CompilePool` (or an object with its coroutines); None: off.
+    options: The server's flags.
 
   Raises:
     TemplateError: The checkpoint's ``data.chat_template`` does not compile.
@@ -278,14 +304,27 @@ def create_app(scheduler, *, model_name: str, grace: float = 30.0, token_healing
   app = FastAPI(title="mercury_jax", docs_url=None, redoc_url=None)
   app.state.draining = False
   tokenizer, context = scheduler.tokenizer, scheduler.max_length
+  limits = api.Limits(context=context, vocab=scheduler.vocab_size, block=scheduler.block)
   source = scheduler.cfg.data.chat_template
   template = ChatTemplate(source) if source else None
   metrics = app.state.metrics = Metrics(scheduler)
+  timeout = api.APIError(
+    504,
+    f"the request did not finish within the server's request timeout ({options.request_timeout:g} s); its work was "
+    "stopped",
+    code="timeout",
+  )
+
+  def count(path: str, status: int) -> None:
+    if path in PATHS:
+      metrics.request(path, status)
 
   def answer(error: api.APIError, path: str) -> JSONResponse:
-    if path in PATHS:
-      metrics.request(path, error.status)
+    count(path, error.status)
     return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+  app.add_middleware(Guard, api_key=options.api_key, max_body_bytes=options.max_body_bytes, refused=count)
+  app.openapi = _document(app, limits)
 
   @app.exception_handler(api.APIError)
   async def api_error(request: Request, error: api.APIError):
@@ -295,34 +334,39 @@ def create_app(scheduler, *, model_name: str, grace: float = 30.0, token_healing
   async def invalid(request: Request, error: RequestValidationError):
     return answer(api.validation_error(error), request.url.path)
 
+  @app.exception_handler(HTTPException)
+  async def http_error(request: Request, error: HTTPException):
+    message = error.detail if isinstance(error.detail, str) else "the request cannot be answered"
+    return answer(api.APIError(error.status_code, message, headers=error.headers), request.url.path)
+
   @app.exception_handler(Exception)
   async def failed(request: Request, error: Exception):
-    return answer(api.APIError(500, f"internal error: {type(error).__name__}: {error}"), request.url.path)
+    request_id = api.new_id("req")
+    logger.error("request %s (%s) failed", request_id, request.url.path, exc_info=error)
+    return answer(api.APIError.internal(request_id), request.url.path)
 
   async def generate(
-    request: Request,
-    body,
-    *,
-    chat: bool,
-    prompt: list[int],
-    suffix: list[int],
-    max_tokens: int,
-    shape: structured.Structure,
-    tools: list[dict],
-    healed: str = "",
+    request: Request, body, text: _Text, *, chat: bool, shape: structured.Structure, tools: list[dict], deadline: float
   ):
-    """Submits the request's choices and answers: one JSON body, or the event stream. ``healed``: characters backed
-    off the prompt (token healing), which the reply writes first and does not show."""
+    """Submits the request's choices and answers: one JSON body, or the event stream."""
     if app.state.draining:
       raise api.APIError(503, "the server is shutting down; send the request elsewhere", code="draining")
-    knobs = _knobs(body, scheduler)
-    constraint = await structured.constraint(shape, tools, scheduler.compiler)
+    prompt, suffix, max_tokens, healed = text.prompt, text.suffix, text.max_tokens, text.healed
+    knobs, per_block = _knobs(body, scheduler, len(prompt), max_tokens)
+    constraint = None
+    if shape.field is not None:
+      constraint = await _unless_gone(request, structured.constraint(shape, tools, compiler), deadline, timeout)
     if healed:
-      constraint = scheduler.compiler.heal(healed)
+      constraint = await _unless_gone(request, heal_constraint(compiler, healed), deadline, timeout)
+      if constraint is None:  # Not healable: the prompt as tokenised.
+        prompt, max_tokens, healed = text.tokenised, max_tokens - 1, ""
+        knobs, per_block = _knobs(body, scheduler, len(prompt), max_tokens)
     seed = body.seed if body.seed is not None else secrets.randbelow(api.MAX_SEED + 1)
     diffusing = bool(body.diffusing and body.stream)
     requests = [
-      EngineRequest(tuple(prompt), max_tokens, tuple(suffix), knobs, seed, i, diffusing, constraint=constraint)
+      EngineRequest(
+        tuple(prompt), max_tokens, tuple(suffix), knobs, per_block, seed, i, diffusing, constraint=constraint
+      )
       for i in range(body.n or 1)
     ]
     try:
@@ -331,22 +375,24 @@ def create_app(scheduler, *, model_name: str, grace: float = 30.0, token_healing
       raise api.APIError(400, str(e), param=e.field) from None
     except ValueError as e:  # From the HTTP layer, only a constraint the slots cannot hold gets here.
       raise api.APIError(400, str(e), param=shape.field) from None
+    answer_id = api.new_id("chatcmpl" if chat else "cmpl")
     choices, loop = [], asyncio.get_running_loop()
     try:
       for i, engine_request in enumerate(requests):
         handle = scheduler.submit(engine_request, loop)
-        choices.append(_Choice(i, handle, tokenizer, body.stops, metrics, shape.calls, healed))
-    except QueueFull as e:
+        choice = answers.Choice(
+          i, handle, tokenizer, body.stops, metrics, calls=shape.calls, healed=healed, request_id=answer_id
+        )
+        choices.append(choice)
+    except (QueueFull, ShuttingDown, EngineDown) as e:
       for choice in choices:
         choice.handle.cancel()
-      retry = str(max(1, math.ceil(e.retry_after)))
-      raise api.APIError(429, str(e), code="queue_full", headers={"Retry-After": retry}) from None
-    except ShuttingDown as e:
-      for choice in choices:
-        choice.handle.cancel()
-      raise api.APIError(503, str(e), code="draining") from None
-    shape = _Shape(api.new_id("chatcmpl" if chat else "cmpl"), model_name, chat)
-
+      if isinstance(e, QueueFull):
+        retry = str(max(1, math.ceil(e.retry_after)))
+        raise api.APIError(429, str(e), code="queue_full", headers={"Retry-After": retry}) from None
+      code = "draining" if isinstance(e, ShuttingDown) else "engine_failed"
+      raise api.APIError(503, str(e), code=code) from None
+    form = answers.Shape(answer_id, options.model_name, chat)
     backed = 1 if healed else 0  # token healing's backed-off token: the client sent it, as part of the prompt
 
     def usage() -> api.Usage:
@@ -355,10 +401,10 @@ def create_app(scheduler, *, model_name: str, grace: float = 30.0, token_healing
 
     path = request.url.path
     if body.stream:
-      events = _events(choices, shape, usage if body.include_usage else None, metrics, path)
-      margin = max(grace - STREAM_SHUTDOWN_MARGIN, 0.0)
-      return EventSourceResponse(events, sep="\n", shutdown_grace_period=margin)
-    collect = asyncio.ensure_future(_collect(choices))
+      stream = answers.events(choices, form, usage if body.include_usage else None, metrics, path, deadline, timeout)
+      margin = max(options.grace - STREAM_SHUTDOWN_MARGIN, 0.0)
+      return EventSourceResponse(stream, sep="\n", shutdown_grace_period=margin)
+    collect = asyncio.ensure_future(answers.collect(choices, deadline))
     gone = asyncio.ensure_future(_disconnected(request))
     await asyncio.wait((collect, gone), return_when=asyncio.FIRST_COMPLETED)
     gone.cancel()
@@ -366,33 +412,38 @@ def create_app(scheduler, *, model_name: str, grace: float = 30.0, token_healing
       collect.cancel()
       metrics.request(path, DISCONNECTED)
       return Response(status_code=DISCONNECTED)
-    collect.result()
+    try:
+      collect.result()
+    except answers.TimedOut:
+      raise timeout from None
     metrics.request(path, 200)
-    return JSONResponse(shape.whole(choices, usage()).model_dump(mode="json"))
+    return JSONResponse(form.whole(choices, usage()).model_dump(mode="json"))
+
+  def tokenise_completion(body: api.CompletionRequest, shape: structured.Structure, default_max_tokens: int) -> _Text:
+    """A completion's :class:`_Text` (token healing is decided here)."""
+    prompt = _encode(tokenizer, body.text, "prompt") or [tokenizer.bos_id]
+    suffix = _encode(tokenizer, body.suffix, "suffix") if body.suffix else []
+    max_tokens = _max_tokens(body.max_tokens, default_max_tokens, len(prompt), len(suffix), context, "max_tokens")
+    heals = options.token_healing and (scheduler.autoregressive or scheduler.cfg.objective.block_size > 0)
+    if heals and template is None and not suffix and shape.field is None and compiler is not None:
+      kept, healed = healing.back_off(tokenizer, body.text, prompt)
+      if healed:  # The same positions, one more of them generated.
+        return _Text(kept, suffix, max_tokens + len(prompt) - len(kept), healed, prompt)
+    return _Text(prompt, suffix, max_tokens)
 
   async def complete(request: Request, body: api.CompletionRequest, default_max_tokens: int):
+    deadline = asyncio.get_running_loop().time() + options.request_timeout
     api.check_supported(body)
+    api.check_limits(body, limits)
     shape = structured.structure(body)
-    prompt = tokenizer.encode(body.text) or [tokenizer.bos_id]
-    suffix = tokenizer.encode(body.suffix) if body.suffix else []
-    max_tokens = _max_tokens(body.max_tokens, default_max_tokens, len(prompt), len(suffix), context, "max_tokens")
-    healed = ""
-    heals = token_healing and (scheduler.autoregressive or scheduler.cfg.objective.block_size > 0)
-    if heals and template is None and not suffix and shape.field is None and scheduler.compiler is not None:
-      kept, healed = healing.back_off(tokenizer, body.text, prompt)
-      max_tokens += len(prompt) - len(kept)  # the same positions, one more of them generated
-      prompt = kept
-    return await generate(
-      request,
-      body,
-      chat=False,
-      prompt=prompt,
-      suffix=suffix,
-      max_tokens=max_tokens,
-      shape=shape,
-      tools=[],
-      healed=healed,
-    )
+    size = len(body.text) + len(body.suffix or "")
+    try:
+      work = _off_loop(tokenise_completion, body, shape, default_max_tokens, size=size)
+      text = await _unless_gone(request, work, deadline, timeout)
+      return await generate(request, body, text, chat=False, shape=shape, tools=[], deadline=deadline)
+    except ClientGone:
+      count(request.url.path, DISCONNECTED)
+      return Response(status_code=DISCONNECTED)
 
   @app.post("/v1/completions")
   async def completions(body: api.CompletionRequest, request: Request):
@@ -402,34 +453,46 @@ def create_app(scheduler, *, model_name: str, grace: float = 30.0, token_healing
   async def fim(body: api.CompletionRequest, request: Request):
     return await complete(request, body, CHAT_MAX_TOKENS)
 
+  def tokenise_chat(body: api.ChatRequest, tools: list[dict]) -> _Text:
+    """A chat request's :class:`_Text`: the rendered template's ids after BOS."""
+    try:
+      rendered = template.render([m.as_dict() for m in body.messages], tools=tools)
+    except TemplateError as e:
+      raise api.APIError(400, str(e), param="messages") from None
+    prompt = [tokenizer.bos_id, *_encode(tokenizer, rendered, "messages")]
+    field, given = "max_tokens", body.max_tokens
+    if body.max_completion_tokens is not None:
+      if given is not None and given != body.max_completion_tokens:
+        message = (
+          f"max_tokens={api.shown(given)} and max_completion_tokens={api.shown(body.max_completion_tokens)} "
+          "disagree; send one"
+        )
+        raise api.APIError(400, message, param="max_completion_tokens")
+      field, given = "max_completion_tokens", body.max_completion_tokens
+    return _Text(prompt, [], _max_tokens(given, CHAT_MAX_TOKENS, len(prompt), 0, context, field))
+
   @app.post("/v1/chat/completions")
   async def chat(body: api.ChatRequest, request: Request):
+    deadline = asyncio.get_running_loop().time() + options.request_timeout
     api.check_supported(body)
+    api.check_limits(body, limits)
     shape = structured.structure(body)
     if template is None:
       message = "this model has no chat template (data.chat_template in its config); use /v1/completions"
       raise api.APIError(400, message, param="messages", code="no_chat_template")
     tools = body.tool_dicts()
+    size = sum(len(m.as_dict()["content"]) for m in body.messages)
     try:
-      text = template.render([m.as_dict() for m in body.messages], tools=tools)
-    except TemplateError as e:
-      raise api.APIError(400, str(e), param="messages") from None
-    prompt = [tokenizer.bos_id, *tokenizer.encode(text)]
-    field, given = "max_tokens", body.max_tokens
-    if body.max_completion_tokens is not None:
-      if given is not None and given != body.max_completion_tokens:
-        message = f"max_tokens={given} and max_completion_tokens={body.max_completion_tokens} disagree; send one"
-        raise api.APIError(400, message, param="max_completion_tokens")
-      field, given = "max_completion_tokens", body.max_completion_tokens
-    max_tokens = _max_tokens(given, CHAT_MAX_TOKENS, len(prompt), 0, context, field)
-    return await generate(
-      request, body, chat=True, prompt=prompt, suffix=[], max_tokens=max_tokens, shape=shape, tools=tools
-    )
+      text = await _unless_gone(request, _off_loop(tokenise_chat, body, tools, size=size), deadline, timeout)
+      return await generate(request, body, text, chat=True, shape=shape, tools=tools, deadline=deadline)
+    except ClientGone:
+      count(request.url.path, DISCONNECTED)
+      return Response(status_code=DISCONNECTED)
 
   @app.get("/v1/models")
   async def models():
     card = {
-      "id": model_name,
+      "id": options.model_name,
       "object": "model",
       "created": 0,
       "owned_by": "mercury_jax",
@@ -443,6 +506,8 @@ def create_app(scheduler, *, model_name: str, grace: float = 30.0, token_healing
   async def health():
     if app.state.draining:
       return JSONResponse({"status": "draining"}, status_code=503)
+    if not scheduler.healthy:
+      return JSONResponse({"status": "engine_failed"}, status_code=503)
     return {"status": "ok"}
 
   @app.get("/metrics")
@@ -451,65 +516,3 @@ def create_app(scheduler, *, model_name: str, grace: float = 30.0, token_healing
     return Response(body, media_type=content_type)
 
   return app
-
-
-class _Shape:
-  """How one request's answer looks: completions or chat, its id and model name."""
-
-  def __init__(self, response_id: str, model: str, chat: bool):
-    self.id, self.model, self.chat = response_id, model, chat
-
-  def chunk(self, choices: list, usage: api.Usage | None = None) -> str:
-    cls = api.ChatCompletionChunk if self.chat else api.Completion
-    return cls(id=self.id, model=self.model, choices=choices, usage=usage).model_dump_json()
-
-  def delta(
-    self, index: int, text: str | None, finish_reason: str | None = None, draft: str | None = None, role=None, call=None
-  ):
-    diffusing = api.Diffusing(text=draft) if draft is not None else None
-    if self.chat:
-      calls = [api.ToolCallDelta(index=0, id=call.id, function=call.function)] if call is not None else None
-      delta = api.ChatDelta(role=role, content=text, tool_calls=calls, diffusing=diffusing)
-      return api.ChatChunkChoice(index=index, delta=delta, finish_reason=finish_reason)
-    return api.CompletionChoice(index=index, text=text or "", finish_reason=finish_reason, diffusing=diffusing)
-
-  def whole(self, choices: list[_Choice], usage: api.Usage):
-    if self.chat:
-      items = [api.ChatChoice(index=c.index, message=c.message(), finish_reason=c.finish_reason) for c in choices]
-      return api.ChatCompletion(id=self.id, model=self.model, choices=items, usage=usage)
-    items = [api.CompletionChoice(index=c.index, text=c.text, finish_reason=c.finish_reason) for c in choices]
-    return api.Completion(id=self.id, model=self.model, choices=items, usage=usage)
-
-
-async def _collect(choices: list[_Choice]) -> None:
-  async with contextlib.aclosing(_run(choices)) as updates:
-    async for _ in updates:
-      pass
-
-
-async def _events(choices: list[_Choice], shape: _Shape, usage, metrics: Metrics, path: str) -> AsyncIterator[dict]:
-  """The SSE events of a streamed answer (module docstring); ``usage``: a callable for the usage event, or None."""
-  status = DISCONNECTED
-  try:
-    if shape.chat:
-      for choice in choices:
-        yield {"data": shape.chunk([shape.delta(choice.index, None, role="assistant")])}
-    try:
-      async with contextlib.aclosing(_run(choices)) as updates:
-        async for choice, released, draft in updates:
-          if choice.tool_call is not None:
-            yield {"data": shape.chunk([shape.delta(choice.index, None, call=choice.tool_call)])}
-            yield {"data": shape.chunk([shape.delta(choice.index, None, choice.finish_reason)])}
-          elif released or choice.finish_reason is not None:
-            yield {"data": shape.chunk([shape.delta(choice.index, released or None, choice.finish_reason)])}
-          if draft is not None:
-            yield {"data": shape.chunk([shape.delta(choice.index, None, draft=draft)])}
-      if usage is not None:
-        yield {"data": shape.chunk([], usage())}
-      status = 200
-    except api.APIError as error:
-      status = error.status
-      yield {"data": json.dumps(error.body())}
-    yield {"data": "[DONE]"}
-  finally:
-    metrics.request(path, status)

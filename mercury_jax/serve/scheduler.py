@@ -3,12 +3,21 @@
 The device side is :class:`~mercury_jax.serve.slots.SlotEngine` (prefill, insert, step, release over a fixed number
 of slots of the block engine). Each iteration of the engine thread frees the rows of finished and cancelled
 requests, admits waiting requests into free rows (continuous batching: requests of any length and step budget come
-and go between steps), runs one step, reads the canvases back once and hands every request its newly final tokens.
-On a multi-host mesh this thread runs on process 0 only, and every other process runs the same commands
-(:meth:`Scheduler.follow`).
+and go between steps), runs one step, reads back what the step changed (each row's block, :class:`View`) and hands
+every request its newly final tokens. On a multi-host mesh this thread runs on process 0 only, and every other
+process runs the same commands (:meth:`Scheduler.follow`).
 
 Requests are checked, tokenised and detokenised by the caller (the HTTP layer); the engine thread never waits on a
 client: :class:`Handle` delivers :class:`Update` objects to the submitting asyncio loop.
+
+Failures stay with the requests they concern: a request whose admission fails ends alone with ``finish_reason``
+"error"; a failed step ends the requests it carried, and the engine starts afresh (every row free) and serves the
+rest. The error's details go to the log (logger ``mercury_jax.serve``), tagged with the request's handle id. When the
+engine cannot start afresh (or the thread died), :attr:`Scheduler.healthy` turns False, every waiting request ends
+with "error" and :meth:`Scheduler.submit` raises :class:`EngineDown`.
+
+Every shared structure (the queue, the active rows, the rows to release) is touched only with the scheduler's lock
+held, by the engine thread and by :meth:`Scheduler.shutdown` alike.
 """
 
 from __future__ import annotations
@@ -17,6 +26,8 @@ import asyncio
 import collections
 import dataclasses
 import itertools
+import logging
+import math
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -25,11 +36,26 @@ import jax
 import numpy as np
 
 from mercury_jax.constrain import device as constrained
+from mercury_jax.sampling.proposal import Knobs
 from mercury_jax.sampling.sampler import Sampler
 from mercury_jax.sampling.settings import SettingError
-from mercury_jax.serve.slots import DEFAULT_CAPACITY, Knobs, Request, SlotEngine, View
+from mercury_jax.serve.slots import DEFAULT_CAPACITY, Request, SlotEngine, View
 
-__all__ = ["Handle", "Knobs", "QueueFull", "Request", "Scheduler", "ShuttingDown", "Update", "lowerings"]
+__all__ = [
+  "EngineDown",
+  "Handle",
+  "Knobs",
+  "QueueFull",
+  "Request",
+  "Scheduler",
+  "ShuttingDown",
+  "StepStats",
+  "Update",
+  "lowerings",
+]
+logger = logging.getLogger("mercury_jax.serve")
+MAX_SEED = 2**32 - 1  # jax.random.key takes a 32-bit seed here (x64 off).
+MAX_STREAM = 2**31 - 1  # fold_in's data.
 IDLE_TICK = 1.0  # Seconds between the no-op commands an idle multi-host leader sends, so followers never time out.
 
 _LOWERING_EVENT = "/jax/core/compile/jaxpr_to_mlir_module_duration"
@@ -59,16 +85,17 @@ lowerings = _Lowerings()
 
 @dataclasses.dataclass(frozen=True)
 class Update:
-  """What a request has so far.
+  """What a request has new after a step.
 
   Attributes:
-    tokens: Every final generated token id so far (a growing prefix; EOS and padding removed).
-    draft: With ``diffusing``: the whole completion now, committed tokens plus the last step's proposals in the open
+    tokens: The token ids that became final since the previous update (EOS and padding removed); the request's text
+      is the concatenation of every update's ``tokens``.
+    draft: With ``diffusing``: the whole completion now, final tokens plus the last step's proposals in the open
       block, later positions as the mask id; None otherwise.
     done: The request's last update.
     finish_reason: When done: ``stop`` (EOS), ``length`` (the hole is full), ``cancelled`` or ``error``.
     nfe: Forward passes the request has needed so far (its prefill included).
-    error: The message when ``finish_reason`` is ``error``.
+    error: The message when ``finish_reason`` is ``error`` (for the log, not for clients).
     time: ``time.perf_counter()`` when the engine produced it.
   """
 
@@ -83,6 +110,10 @@ class Update:
 
 class ShuttingDown(RuntimeError):
   """The server is draining and takes no new request."""
+
+
+class EngineDown(RuntimeError):
+  """The engine failed and could not start afresh: the server takes no new request."""
 
 
 class QueueFull(Exception):
@@ -127,7 +158,25 @@ class _Active:
   handle: Handle
   start: int  # first slot of the hole
   end: int  # one past its last slot
-  sent: int = -1  # tokens delivered so far (-1: nothing delivered yet)
+  upto: int  # slots before this one are delivered (final)
+  tokens: list[int] = dataclasses.field(default_factory=list)  # the final tokens so far
+  stopped: bool = False  # an EOS ended the hole
+
+
+@dataclasses.dataclass
+class StepStats:
+  """Where the engine thread's time goes, summed over its iterations (read by ``/metrics``).
+
+  Attributes:
+    iterations: Engine iterations that ran a step.
+    engine_seconds: Seconds in :meth:`SlotEngine.run`: releases, prefills, the step and the copy of its view (the
+      dispatches and the device work).
+    host_seconds: The rest of those iterations: commands, admissions, reading the view, handing out updates.
+  """
+
+  iterations: int = 0
+  engine_seconds: float = 0.0
+  host_seconds: float = 0.0
 
 
 class Scheduler:
@@ -165,16 +214,19 @@ class Scheduler:
     self.autoregressive, self.block, self.slots = self.engine.autoregressive, self.engine.block, slots
     self.block_length_fixed = not self.engine.whole_sequence
     self.max_length, self.max_queue = sampler.max_length, max_queue
+    self.vocab_size = self.cfg.model.vocab_size
     settings = self.engine.settings
     self.mask_id, self.eos_id, self.pad_id = settings.mask_id, settings.eos_id, settings.pad_id
-    self.default_steps = self.engine.default_steps
+    self.default_steps, self.default_knobs = self.engine.default_steps, self.engine.default_knobs
     self.leader = jax.process_index() == 0
+    self.stats = StepStats()
     self._lock = threading.Condition()
     self._waiting: collections.deque[Handle] = collections.deque()
     self._active: dict[int, _Active] = {}
     self._released: set[int] = set()  # rows of requests that ended, given up at the next iteration
     self._ids = itertools.count()
     self._stopping = False
+    self._failure: str | None = None  # why the engine cannot go on
     self._thread: threading.Thread | None = None
     self.engine.warm_up()
 
@@ -191,26 +243,35 @@ class Scheduler:
   def busy_slots(self) -> int:
     return len(self._active)
 
+  @property
+  def healthy(self) -> bool:
+    """The engine thread runs (or has not been started) and has not given up."""
+    started = self._thread is not None
+    return self._failure is None and (not started or self._thread.is_alive() or self._stopping)
+
   def check(self, request: Request) -> None:
-    """Raises :class:`SettingError` for a knob out of range or a request that does not fit the context."""
-    knobs = request.knobs
-    values = dict(temperature=knobs.temperature, top_k=knobs.top_k, top_p=knobs.top_p, threshold=knobs.threshold)
+    """Raises :class:`SettingError` for a knob out of range or a request that does not fit the context.
+
+    Every number that reaches the engine's int32 and float32 arrays is bounded here: a request :meth:`submit` takes
+    can always be admitted.
+    """
+    knobs = request.knobs or self.default_knobs
+    for name, value in zip(Knobs._fields, knobs, strict=True):
+      if not isinstance(value, int | float) or not math.isfinite(value):
+        raise SettingError(name, value, "must be a finite number")
+    if not 0 <= knobs.top_k <= self.vocab_size:
+      raise SettingError("top_k", knobs.top_k, f"must lie in [0, {self.vocab_size}] (the vocabulary; 0 keeps all)")
+    values = dict(zip(Knobs._fields, knobs, strict=True))
     dataclasses.replace(self.engine.settings, **values).validate()  # The sampler's own checks of these knobs.
-    if knobs.steps is not None and knobs.steps < 1:
-      raise SettingError("steps", knobs.steps, "must be >= 1 (steps per block)")
+    per_block = request.steps_per_block
+    if per_block is not None and not 1 <= per_block <= self.max_length:
+      raise SettingError("steps_per_block", per_block, f"must lie in [1, {self.max_length}]")
+    if not 0 <= request.seed <= MAX_SEED:
+      raise SettingError("seed", request.seed, f"must lie in [0, {MAX_SEED}]")
+    if not 0 <= request.stream <= MAX_STREAM:
+      raise SettingError("stream", request.stream, f"must lie in [0, {MAX_STREAM}]")
     if request.max_tokens < 1:
       raise SettingError("max_tokens", request.max_tokens, "must be >= 1")
-    vocab = self.cfg.model.vocab_size
-    if any(not 0 <= t < vocab for t in (*request.prompt, *request.suffix)):
-      raise ValueError(f"token ids must lie in [0, {vocab})")
-    if self.autoregressive and not request.prompt:
-      raise ValueError("the autoregressive model needs a prompt of at least one token (e.g. BOS)")
-    if request.constraint is not None:
-      if self.engine.capacity is None:
-        raise ValueError("structured output is off on this server (started without a constraint capacity)")
-      problem = constrained.fits(request.constraint, self.engine.capacity)
-      if problem:
-        raise ValueError(f"{problem}; start the server with a larger --constraint-capacity")
     used = len(request.prompt) + request.max_tokens + len(request.suffix)
     if used > self.max_length:
       what = f"prompt has {len(request.prompt)} tokens"
@@ -221,6 +282,17 @@ class Scheduler:
         request.max_tokens,
         f"does not fit: the {what}, together {used} positions, but the model's context is {self.max_length} tokens",
       )
+    vocab = self.vocab_size
+    if any(not 0 <= t < vocab for t in (*request.prompt, *request.suffix)):
+      raise ValueError(f"token ids must lie in [0, {vocab})")
+    if self.autoregressive and not request.prompt:
+      raise ValueError("the autoregressive model needs a prompt of at least one token (e.g. BOS)")
+    if request.constraint is not None:
+      if self.engine.capacity is None:
+        raise ValueError("structured output is off on this server (started without a constraint capacity)")
+      problem = constrained.fits(request.constraint, self.engine.capacity)
+      if problem:
+        raise ValueError(f"{problem}; start the server with a larger --constraint-capacity")
 
   def submit(self, request: Request, loop: asyncio.AbstractEventLoop) -> Handle:
     """Queues a request (thread-safe) and returns its handle.
@@ -229,9 +301,12 @@ class Scheduler:
       SettingError, ValueError: See :meth:`check`.
       QueueFull: ``max_queue`` requests are already waiting.
       ShuttingDown: The scheduler is draining.
+      EngineDown: The engine failed and could not start afresh.
     """
     self.check(request)
     with self._lock:
+      if not self.healthy:
+        raise EngineDown("the engine failed and cannot serve; the server needs a restart")
       if self._stopping:
         raise ShuttingDown("the server is shutting down and takes no new request")
       if len(self._waiting) >= self.max_queue:
@@ -252,7 +327,10 @@ class Scheduler:
       self._stopping = True
       self._lock.notify()
     deadline = time.monotonic() + grace
-    while (self._active or self._waiting) and time.monotonic() < deadline and self._alive():
+    while time.monotonic() < deadline and self._alive():
+      with self._lock:
+        if not (self._active or self._waiting):
+          break
       time.sleep(0.01)
     with self._lock:
       for handle in [*self._waiting, *(a.handle for a in self._active.values())]:
@@ -276,98 +354,174 @@ class Scheduler:
   # ------------------------------------------------------------------------------------------- the thread
 
   def _run(self) -> None:
-    while True:
+    try:
+      while True:
+        with self._lock:
+          while not (self._active or self._waiting or self._stopping):
+            if not self._lock.wait(timeout=IDLE_TICK) and self.engine.multiprocess:
+              self.engine.run(self.engine.command())  # Keeps the followers' collectives alive.
+          if self._stopping and not self._active and not self._waiting:
+            return
+        try:
+          self._iterate()
+        except Exception:  # noqa: BLE001  Whatever failed, the requests it carried end and the engine starts afresh.
+          logger.exception("the engine iteration failed; its requests end with an error, the engine starts afresh")
+          self._fail_active("the engine iteration failed (see the log above)")
+          if self.engine.multiprocess:  # The other processes cannot be restarted from here.
+            raise
+          self.engine.reset()
+    except BaseException as error:  # noqa: BLE001  Logged; the thread ends and the server reports it.
+      self._failure = f"{type(error).__name__}: {error}"
+      logger.critical("the engine cannot go on; the server answers 503 from now on", exc_info=True)
+    finally:
       with self._lock:
-        while not (self._active or self._waiting or self._stopping):
-          if not self._lock.wait(timeout=IDLE_TICK) and self.engine.multiprocess:
-            self.engine.run(self.engine.command())  # Keeps the followers' collectives alive.
-        if self._stopping and not self._active and not self._waiting:
-          return
-      self._iterate()
+        waiting = list(self._waiting)
+        self._waiting.clear()
+        if self._failure is None and self._active:
+          self._failure = "the engine thread ended with requests in its slots"
+      now = time.perf_counter()
+      for handle in waiting:  # Nothing may hang on a thread that is gone.
+        handle._deliver(Update((), None, True, "cancelled" if self._failure is None else "error", 0, time=now))
+      if self._failure is not None:
+        self._fail_active(self._failure)
 
-  def _iterate(self) -> None:
-    """One engine iteration: releases, admissions, a step, and the news it brings."""
-    engine, command = self.engine, self.engine.command()
-    now = time.perf_counter()
-    for slot in self._released:
-      command.release[slot] = True
-    self._released.clear()
-    for slot, active in list(self._active.items()):
-      if active.handle.cancelled:
-        command.release[slot] = True
-        del self._active[slot]
-        active.handle._deliver(Update((), None, True, "cancelled", 0, time=now))
-    admitted = {}
-    free = [slot for slot in range(self.slots) if slot not in self._active]
+  def _fail_active(self, message: str) -> None:
+    """Ends every request in a slot with "error" (after a failed step, or when the engine stops)."""
     with self._lock:
+      active = list(self._active.values())
+      self._active.clear()
+      self._released.clear()
+    now = time.perf_counter()
+    for a in active:
+      a.handle._deliver(Update((), None, True, "error", 0, error=message, time=now))
+
+  def _admit(self, command) -> dict[int, Handle]:
+    """Releases the rows of ended and cancelled requests and admits waiting ones into free rows (into ``command``).
+
+    A request whose admission fails ends alone, with "error".
+    """
+    engine, admitted = self.engine, {}
+    now = time.perf_counter()
+    with self._lock:
+      for slot in self._released:
+        command.release[slot] = True
+      self._released.clear()
+      for slot, active in list(self._active.items()):
+        if active.handle.cancelled:
+          command.release[slot] = True
+          del self._active[slot]
+          active.handle._deliver(Update((), None, True, "cancelled", 0, time=now))
+      free = [slot for slot in range(self.slots) if slot not in self._active]
       while free and self._waiting:
         handle = self._waiting.popleft()
         if handle.cancelled:
           handle._deliver(Update((), None, True, "cancelled", 0, time=now))
           continue
-        slot = free.pop(0)
-        engine.admit(command, slot, handle.request)
-        admitted[slot] = handle
+        try:
+          engine.admit(command, free[0], handle.request)
+        except Exception as error:  # noqa: BLE001  This request fails alone.
+          logger.exception("request %d: admission failed", handle.id)
+          command.bucket[free[0]] = -1
+          command.constraint[free[0]] = 0
+          handle._deliver(Update((), None, True, "error", 0, error=f"{type(error).__name__}: {error}", time=now))
+          continue
+        admitted[free.pop(0)] = handle
+    return admitted
+
+  def _iterate(self) -> None:
+    """One engine iteration: releases, admissions, a step, and the news it brings."""
+    began = time.perf_counter()
+    engine, command = self.engine, self.engine.command()
+    admitted = self._admit(command)
     command = command._replace(step=np.asarray(bool(self._active or admitted)))
+    ran = time.perf_counter()
     try:
       view, failures = engine.run(command)
     except Exception as error:  # noqa: BLE001  A failed step fails the requests it carried, then starts afresh.
+      logger.exception("the engine step failed; the requests in its slots end with an error")
       message = f"{type(error).__name__}: {error}"
-      self._released.clear()
-      for handle in [*(a.handle for a in self._active.values()), *admitted.values()]:
-        handle._deliver(Update((), None, True, "error", 0, error=message, time=time.perf_counter()))
-      self._active.clear()
+      now = time.perf_counter()
+      for handle in admitted.values():
+        handle._deliver(Update((), None, True, "error", 0, error=message, time=now))
+      self._fail_active(message)
       if engine.multiprocess:  # The other processes cannot be restarted from here: stop serving.
-        with self._lock:
-          self._stopping = True
         raise
       engine.reset()
       return
-    for slot, handle in admitted.items():
-      if slot in failures:
-        handle._deliver(Update((), None, True, "error", 0, error=failures[slot], time=time.perf_counter()))
-        continue
-      start = self.block + len(handle.request.prompt)
-      self._active[slot] = _Active(handle, start, start + handle.request.max_tokens)
-    if view is None:
-      return
-    now = time.perf_counter()
-    for slot, active in list(self._active.items()):
-      try:
-        self._report(slot, active, view, now)
-      except Exception as error:  # noqa: BLE001  Reading one request's news failed: that request ends alone.
-        self._finish(slot, Update((), None, True, "error", 0, error=f"{type(error).__name__}: {error}", time=now))
+    stepped = time.perf_counter()
+    with self._lock:
+      for slot, handle in admitted.items():
+        if slot in failures:
+          logger.error("request %d: prefill failed: %s", handle.id, failures[slot])
+          handle._deliver(Update((), None, True, "error", 0, error=failures[slot], time=stepped))
+          continue
+        start = self.block + len(handle.request.prompt)
+        self._active[slot] = _Active(handle, start, start + handle.request.max_tokens, upto=start)
+      if view is not None:
+        for slot, active in list(self._active.items()):
+          try:
+            self._report(slot, active, view, stepped)
+          except Exception as error:  # noqa: BLE001  Reading one request's news failed: that request ends alone.
+            logger.exception("request %d: reading its step failed", active.handle.id)
+            self._finish(slot, Update((), None, True, "error", 0, error=f"{type(error).__name__}: {error}"))
+    if view is not None:
+      stats = self.stats
+      stats.iterations += 1
+      stats.engine_seconds += stepped - ran
+      stats.host_seconds += (ran - began) + (time.perf_counter() - stepped)
 
   def _finish(self, slot: int, update: Update) -> None:
-    """Ends a request; its row is released at the next iteration."""
+    """Ends a request (the lock held); its row is released at the next iteration."""
     self._active.pop(slot).handle._deliver(update)
     self._released.add(slot)
 
   def _report(self, slot: int, active: _Active, view: View, now: float) -> None:
-    """Hands a request its news after a step: newly final tokens, its draft, or its end."""
-    z, start = view.z[slot], int(view.starts[slot])
+    """Hands a request its news after a step (the lock held): newly final tokens, its draft, or its end."""
+    worked, starts = int(view.worked[slot]), int(view.starts[slot])
     done = not bool(view.unfinished[slot])
-    final_end = active.end if done else min(max(start, active.start), active.end)
-    region = z[active.start : final_end]
-    eos = np.flatnonzero(region == self.eos_id)
-    stopped = eos.size > 0
-    tokens = region[: eos[0]] if stopped else region
-    tokens = tuple(int(t) for t in tokens if t not in (self.pad_id, self.mask_id))
+    final = []  # (first slot, tokens) of the blocks that became final
+    if done or starts > worked:
+      final.append((worked, view.block[slot]))
+    if done and starts > worked:  # Tokens a constraint forced into the next block, which filled the hole.
+      final.append((starts, view.upcoming[slot]))
+    new = []
+    for first, tokens in final:
+      new += self._take(slot, active, first, tokens)
     nfe = int(view.nfe[slot])
-    draft = None
-    if active.handle.request.diffusing and not done:
-      open_start = start - self.block if bool(view.fresh[slot]) else start  # The block the last step worked on.
-      whole = z[active.start : active.end].copy()
-      slots = np.arange(active.start, active.end)
-      undecided = (whole == self.mask_id) & (slots >= open_start) & (slots < open_start + self.block)
-      whole[undecided] = view.proposal[slot][slots[undecided] - open_start]
-      draft = tuple(int(t) for t in whole)
     if done:
+      stopped = active.stopped
       constraint = active.handle.request.constraint
       if constraint is not None and constraint.kind != "heal":  # Complete structured text stops; a valid but
         # unfinished prefix ran out of room. (Token healing's constraint ends with its prefix: EOS decides.)
-        stopped = constraint.accepts([int(t) for t in region if t != self.pad_id])
-      self._finish(slot, Update(tokens, None, True, "stop" if stopped else "length", nfe, time=now))
-    elif len(tokens) != active.sent or draft is not None:
-      active.sent = len(tokens)
-      active.handle._deliver(Update(tokens, draft, False, None, nfe, time=now))
+        stopped = constraint.accepts(active.tokens + [self.eos_id] * stopped)
+      self._finish(slot, Update(tuple(new), None, True, "stop" if stopped else "length", nfe, time=now))
+      return
+    draft = None
+    if active.handle.request.diffusing:  # The final tokens, the open block's proposals, then masks.
+      first, tokens = (starts, view.upcoming[slot]) if starts > worked else (worked, view.block[slot])
+      low, high = max(first, active.upto), min(first + self.block, active.end)
+      piece = tokens[low - first : high - first]
+      if starts == worked:
+        piece = np.where(piece == self.mask_id, view.proposal[slot, low - first : high - first], piece)
+      draft = active.tokens + piece.tolist()
+      draft = tuple(draft + [self.mask_id] * (active.end - active.start - len(draft)))
+    if new or draft is not None:
+      active.handle._deliver(Update(tuple(new), draft, False, None, nfe, time=now))
+
+  def _take(self, slot: int, active: _Active, first: int, tokens: np.ndarray) -> list[int]:
+    """The request's tokens in the final block of ``tokens`` at slot ``first``, up to its first EOS (recorded)."""
+    if active.stopped:
+      return []
+    low, high = max(first, active.upto), min(first + self.block, active.end)
+    if low > active.upto:
+      raise RuntimeError(f"row {slot} skipped slots {active.upto}..{low}: its blocks were not all reported")
+    if high <= low:
+      return []
+    piece = tokens[low - first : high - first]
+    eos = np.flatnonzero(piece == self.eos_id)
+    if eos.size:
+      piece, active.stopped = piece[: eos[0]], True
+    new = [t for t in piece.tolist() if t != self.pad_id and t != self.mask_id]
+    active.tokens.extend(new)
+    active.upto = high
+    return new

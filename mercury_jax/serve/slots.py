@@ -8,8 +8,9 @@ engine behind every other entry point:
   its first block's logits. One compilation per bucket, all made at start-up (:meth:`SlotEngine.warm_up`).
 * **insert**: that one-row state is written into a free row of the batch state (its cache rows too).
 * **generate**: one jitted step advances every busy slot by one refinement step of its own block. Each slot has its
-  own block, step, step budget, sampling knobs and random stream, all traced arrays; the host then reads the
-  canvases back once.
+  own block, step, step budget, sampling knobs and random stream, all traced arrays; the host then reads back, in
+  one copy, only what the step can have changed: two blocks of each row and four scalars (:class:`View`), never
+  the ``[slots, S]`` canvas.
 * **release**: a finished or cancelled request's row stops taking steps.
 
 A :class:`Command` says what one iteration does (which rows to release, which requests to admit where, whether to
@@ -38,43 +39,33 @@ from mercury_jax.constrain import device as constrained
 from mercury_jax.constrain.automaton import Automaton, Compiler
 from mercury_jax.sampling.blocks import BlockEngine, BlockPlan, State
 from mercury_jax.sampling.canvas import Canvas
-from mercury_jax.sampling.proposal import Knobs as RowKnobs
+from mercury_jax.sampling.proposal import Knobs
 from mercury_jax.sampling.sampler import APPROXIMATE_BLOCK, Sampler
 
 MIN_BUCKET = 32  # The smallest prefill bucket, in slots; buckets double up to the whole context.
 # The automaton sizes every slot can hold (structured output): states, token classes, transitions. A constraint that
 # compiles to more is refused (HTTP 400); ``--constraint-capacity`` changes it.
 DEFAULT_CAPACITY = constrained.Capacity(states=512, classes=256, edges=16384)
-
-
-@dataclasses.dataclass(frozen=True)
-class Knobs:
-  """A request's sampling knobs (traced per slot, so no value ever recompiles).
-
-  Attributes:
-    temperature: >= 0; 0 picks the most likely token.
-    top_k: >= 0; 0 keeps every token.
-    top_p: In (0, 1].
-    threshold: In [0, 1]: commit every position of a block whose confidence reaches it (Fast-dLLM), and never fewer
-      than the step budget needs; 1 leaves the budget alone to decide.
-    steps: Refinement steps per block (>= 1); None: the server's default (one token per step).
-  """
-
-  temperature: float = 1.0
-  top_k: int = 0
-  top_p: float = 1.0
-  threshold: float = 0.9
-  steps: int | None = None
+CAPACITY_REMEDY = "start the server with a larger --constraint-capacity (STATES,CLASSES,EDGES)"
 
 
 @dataclasses.dataclass(frozen=True)
 class Request:
-  """One completion to generate: ``prompt``, a hole of ``max_tokens`` positions, then ``suffix`` (token ids)."""
+  """One completion to generate: ``prompt``, a hole of ``max_tokens`` positions, then ``suffix`` (token ids).
+
+  Attributes:
+    knobs: Temperature, top-k, top-p and the threshold rule's bar, as Python scalars (:class:`Knobs`, traced per
+      slot, so no value ever recompiles); None: the engine's defaults (:attr:`SlotEngine.default_knobs`).
+    steps_per_block: Refinement steps each block of the hole gets (>= 1; each step commits at least one token, so
+      more than the block never changes the result); None: the engine's default (one token per step). A front end
+      with a total budget converts it with :func:`mercury_jax.sampling.settings.steps_per_block`.
+  """
 
   prompt: tuple[int, ...]
   max_tokens: int
   suffix: tuple[int, ...] = ()
-  knobs: Knobs = Knobs()
+  knobs: Knobs | None = None
+  steps_per_block: int | None = None
   seed: int = 0
   stream: int = 0  # The random stream within the seed (the choice index of an n > 1 request).
   diffusing: bool = False  # Also deliver the draft after every step.
@@ -93,19 +84,51 @@ class Command(NamedTuple):
   streams: np.ndarray  # [slots] int32
   keys: np.ndarray  # [slots, 2] uint32: PRNG key data of the requests' seeds
   steps: np.ndarray  # [slots] int32: steps per block
-  knobs: RowKnobs  # [slots] each
+  knobs: Knobs  # [slots] each
   constraint: np.ndarray  # [slots] int32: bytes of an admitted request's constraint spec (0: none; see ``_specs``)
 
 
 class View(NamedTuple):
-  """What the host reads back after a step (numpy, every row)."""
+  """What the host reads back after a step (numpy, every row): only what the step can have changed, the block each
+  row worked on and the block it works on next, never the whole canvas. On the device it is one packed int32 array
+  (:func:`news`), one copy.
 
-  z: np.ndarray  # [slots, S] tokens in slot space
-  starts: np.ndarray  # [slots] first slot of each row's step block
+  A row's tokens before ``worked`` were final before the step. Its block at ``worked`` is final after it when the
+  row moved on (``starts > worked``) or has finished (``unfinished`` False). The block at ``starts`` holds the tokens
+  a constraint forced when the row moved on (final once the row has finished; a row can finish there, when the
+  forced tokens fill its hole).
+  """
+
+  block: np.ndarray  # [slots, B] the tokens of the block the step worked on, after the step
+  upcoming: np.ndarray  # [slots, B] the tokens of the block the row's next step works on
+  proposal: np.ndarray  # [slots, B] the step's proposals in the worked block (a draft's undecided positions)
+  worked: np.ndarray  # [slots] the first slot of the worked block
+  starts: np.ndarray  # [slots] the first slot of the upcoming block
   unfinished: np.ndarray  # [slots] bool: the row still has a masked position
   nfe: np.ndarray  # [slots] forward passes each row needed
-  proposal: np.ndarray  # [slots, B] the last step's proposals in the row's block
-  fresh: np.ndarray  # [slots] bool: the row's next step opens a new block
+
+  @classmethod
+  def unpack(cls, packed: np.ndarray, block: int) -> View:
+    """The view of :func:`news`' packed ``[slots, 3 B + 4]`` array."""
+    scalars = packed[:, 3 * block :]
+    return cls(
+      block=packed[:, :block],
+      upcoming=packed[:, block : 2 * block],
+      proposal=packed[:, 2 * block : 3 * block],
+      worked=scalars[:, 0],
+      starts=scalars[:, 1],
+      unfinished=scalars[:, 2].astype(bool),
+      nfe=scalars[:, 3],
+    )
+
+
+def news(engine: BlockEngine, st: State, worked: jax.Array) -> jax.Array:
+  """int32 [b, 3 B + 4]: a :class:`View` of ``st`` after a step that worked on the blocks at slots ``worked`` [b]."""
+  block, starts = engine.plan.block, engine.starts(st)
+  at = lambda first: jnp.take_along_axis(st.z, first[:, None] + jnp.arange(block)[None, :], axis=1)  # noqa: E731
+  scalars = (worked, starts, engine.unfinished(st), st.nfe)
+  columns = [at(worked), at(starts), st.proposal, *(jnp.asarray(a)[:, None] for a in scalars)]  # [b, B] and [b, 1]
+  return jnp.concatenate([c.astype(jnp.int32) for c in columns], axis=1)
 
 
 class SlotEngine:
@@ -140,7 +163,7 @@ class SlotEngine:
         max_states=capacity.states,
         max_classes=capacity.classes,
         max_edges=capacity.edges,
-        remedy="start the server with a larger --constraint-capacity (STATES,CLASSES,EDGES)",
+        remedy=CAPACITY_REMEDY,
       )
     self._automata: dict[int, Automaton] = {}  # admitted requests' constraints, until their prefill
     self.autoregressive = sampler.autoregressive
@@ -155,6 +178,8 @@ class SlotEngine:
     self.length = self.plan.slots - block  # canvas positions of a row
     self.settings = sampler.settings(rule="threshold")
     self.default_steps = 1 if self.autoregressive else (default_steps or block)
+    settings = self.settings
+    self.default_knobs = Knobs(settings.temperature, settings.top_k, settings.top_p, settings.threshold)
     self.buckets = self._buckets()
     self.engine = engine = BlockEngine(sampler.cfg.model, self.settings, self.plan)
     self.multiprocess = jax.process_count() > 1
@@ -162,8 +187,9 @@ class SlotEngine:
     mesh, rules, params = sampler.mesh, sampler.rules, sampler.param_shardings
 
     def step(params, st: State):
+      worked = engine.starts(st)
       st = engine.advance(params, st, max_steps=jnp.ones((), jnp.int32))
-      return st, View(st.z, engine.starts(st), engine.unfinished(st), st.nfe, st.proposal, st.fresh)
+      return st, news(engine, st, worked)
 
     def prefill(size: int):
       fn = lambda p, c, k, n, kn, t: engine.init(p, c, k, n, kn, prefill=size, tables=t)  # noqa: E731
@@ -202,7 +228,7 @@ class SlotEngine:
       streams=zeros(np.int32),
       keys=np.zeros((n, 2), np.uint32),
       steps=np.ones((n,), np.int32),
-      knobs=RowKnobs.of(self.settings, n),
+      knobs=Knobs.of(self.settings, n),
       constraint=zeros(np.int32),
     )
 
@@ -219,11 +245,9 @@ class SlotEngine:
     command.bucket[slot] = self.bucket(request)
     command.streams[slot] = request.stream
     command.keys[slot] = np.asarray(jax.random.key_data(jax.random.key(request.seed)))
-    command.steps[slot] = 1 if self.autoregressive else (request.knobs.steps or self.default_steps)
-    knobs = request.knobs
-    values = (knobs.temperature, knobs.top_k, knobs.top_p, knobs.threshold)
-    for field, value in zip(RowKnobs._fields, values, strict=True):
-      getattr(command.knobs, field)[slot] = value
+    command.steps[slot] = 1 if self.autoregressive else (request.steps_per_block or self.default_steps)
+    for column, value in zip(command.knobs, request.knobs or self.default_knobs, strict=True):
+      column[slot] = value
     command.constraint[slot] = 0
     self._automata.pop(slot, None)
     if request.constraint is not None:
@@ -266,7 +290,7 @@ class SlotEngine:
     row = slice(slot, slot + 1)
     place = self._place
     canvas = Canvas(place(command.tokens[row]), place(command.kinds[row]), place(command.streams[row]))
-    knobs = RowKnobs(*(place(k[row]) for k in command.knobs))
+    knobs = Knobs(*(place(k[row]) for k in command.knobs))
     fn = self._prefill[int(command.bucket[slot])]
     tables = self._tables([self._automata.pop(slot, None)])
     return fn(self.sampler.params, canvas, place(command.keys[slot]), place(command.steps[row]), knobs, tables)
@@ -301,8 +325,8 @@ class SlotEngine:
         failures[int(slot)] = f"{type(error).__name__}: {error}"
     if not bool(command.step):
       return None, failures
-    self.state, view = self._sync(self._step(self.sampler.params, self.state))
-    return View(*(self.sampler._gather(a) for a in view)), failures
+    self.state, packed = self._sync(self._step(self.sampler.params, self.state))
+    return View.unpack(self.sampler._gather(packed), self.block), failures
 
   def _sync(self, out):
     """``out``, computed, on a multi-host mesh. XLA:CPU runs programs without a data dependency between them
@@ -339,7 +363,7 @@ class SlotEngine:
       if self.state is None:  # The batch state: every row that request, all released below.
         full = Canvas(*(np.repeat(a[:1], self.slots, axis=0) for a in (command.tokens, command.kinds, command.streams)))
         place = lambda a: self._place(a)  # noqa: E731
-        knobs = RowKnobs(*(place(k) for k in command.knobs))
+        knobs = Knobs(*(place(k) for k in command.knobs))
         args = (place(full.tokens), place(full.kinds), place(full.streams))
         init, tables = self._prefill[bucket], self._tables([None] * self.slots)
         key = place(command.keys[0])

@@ -21,8 +21,8 @@ The request fields (models in :mod:`mercury_jax.serve.protocol`):
   ``response_format``, ``tool_choice`` ``"required"`` or a named function) answers 400 naming ``stop``, since a stop
   string could cut the structured text and leave it invalid.
 
-The constraint (compiled by the scheduler's :class:`~mercury_jax.constrain.automaton.Compiler`, off the event loop,
-cached):
+The constraint (compiled by the server's :class:`~mercury_jax.serve.compiling.CompilePool`: worker processes with a
+time and a memory limit per job, cached):
 
 * ``json_object`` and ``json_schema``: the answer is compact JSON (no whitespace between tokens). A schema the
   compiler refuses answers 400, code ``invalid_schema``, ``param`` ``response_format.json_schema.schema`` followed by
@@ -41,7 +41,6 @@ cached):
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import json
 import re
@@ -179,10 +178,11 @@ async def constraint(shape: Structure, tools: list[dict], compiler) -> Automaton
   Args:
     shape: What the request asks for (:func:`structure`).
     tools: The request's tools as dicts (``[]`` without).
-    compiler: The scheduler's :class:`~mercury_jax.constrain.automaton.Compiler`; None: structured output is off.
+    compiler: The server's :class:`~mercury_jax.serve.compiling.CompilePool` (coroutines named as the
+      :class:`~mercury_jax.constrain.automaton.Compiler`'s methods); None: structured output is off.
 
   Raises:
-    APIError: 400 when structured output is off, or the compiler refuses the constraint.
+    APIError: 400 when structured output is off, or the compiler refuses the constraint (or runs past its limits).
   """
   if shape.field is None:
     return None
@@ -191,15 +191,15 @@ async def constraint(shape: Structure, tools: list[dict], compiler) -> Automaton
       f"{shape.field} needs structured output, which is off on this server (started without a constraint capacity)"
     )
     raise APIError(400, message, param=shape.field, code="unsupported")
-  try:  # Compiling may take a while: off the event loop (the compiler caches and is thread-safe).
+  try:
     if shape.format == "json_object":
-      return await asyncio.to_thread(compiler.json_object)
+      return await compiler.json_object()
     if shape.format == "json_schema":
-      return await asyncio.to_thread(compiler.json_schema, shape.schema)
-    call = await asyncio.to_thread(compiler.json_schema, tool_call_schema(tools, shape.tool))
+      return await compiler.json_schema(shape.schema)
+    call = await compiler.json_schema(tool_call_schema(tools, shape.tool))
     if shape.calls == "required":
       return call
-    return await asyncio.to_thread(compiler.regex, f"(?:{call.regex})|{TEXT_REPLY}")
+    return await compiler.regex(f"(?:{call.regex})|{TEXT_REPLY}")
   except ConstraintError as e:
     raise APIError(400, str(e), param=_schema_param(shape, tools, e.param), code="invalid_schema") from None
 

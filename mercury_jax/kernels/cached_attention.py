@@ -1,0 +1,495 @@
+"""Attention of a chunk of new tokens over a key-value cache plus the chunk itself: a Pallas kernel for GPUs (Triton
+lowering), forward only, with its plain-``jnp`` reference.
+
+The decoding engine runs a chunk of ``C`` tokens (one token for autoregressive decoding, a block or two for block
+diffusion, up to a few hundred for the suffix of a prefix-cached prompt) against a cache of ``S`` slots per row. The
+chunk's first token sits at cache slot ``starts[b]``, so its query ``i`` sits at slot ``p = starts[b] + i``. The
+chunk's keys and values are *not* in the cache yet (the caller writes them after attending), so the cache slots
+``[starts[b], starts[b] + C)`` hold stale values and are never read; the chunk supplies those keys itself. Slots
+``>= S`` do not exist in the cache (a prefix-cache chunk may run past its end). In slot space, query ``i`` sees
+
+* the cache slot ``s`` iff ``s`` is outside ``[starts[b], starts[b] + C)``, ``s < S``,
+  ``masks.visible(p, s, mask, block=diffusion_block)`` and ``cache_segments[b, s] == segments[b, i]``;
+* the chunk key ``j`` iff ``masks.visible(p, starts[b] + j, mask, block=diffusion_block)`` and
+  ``segments[b, j] == segments[b, i]``;
+
+and nothing at all if ``segments[b, i] == 0`` (padding). A query that sees no key outputs zeros.
+
+Under ``causal`` only the cache slots below the chunk are visible; under ``bidirectional`` also every slot after it;
+under ``block_causal`` the slots below it and, when the chunk does not end on a diffusion-block boundary, the slots
+after it up to the end of a query's diffusion block (none when the chunk is whole diffusion blocks).
+
+The kernel (FlashAttention-2's forward pass, Dao 2023, arXiv:2307.08691, scores in the base-2 domain as in
+:mod:`flash_attention`) runs one program per (query tile, batch row, key/value head). A query tile holds ``block_q``
+rows of the chunk's queries of one key/value head's group, flattened as (chunk token, head of the group), so that
+each cache tile is loaded once for the whole group (grouped-query attention without repeating the cache) and a
+one-token decoding step still fills a tile's rows with heads. The online softmax streams, with loop bounds computed in
+the kernel from the row's ``starts``:
+
+1. the cache tiles below the chunk (``[0, starts)``): whole tiles unmasked, the tile holding ``starts`` masked;
+2. the cache tiles after the chunk that some query sees (the first and the last ones masked, those every query of
+   the tile sees whole unmasked);
+3. the chunk's own keys (whole tiles unmasked, the tiles on the mask's boundary masked).
+
+A row early in its sequence therefore reads only the tiles before its ``starts``. Every range is further clipped to
+the cache tiles whose segment ids can match the query tile's (computed in XLA from each tile's smallest and largest
+id, as in :mod:`flash_attention`), so left padding and empty slots past a row's sequence cost no loads. Segment ids
+are always applied, in every tile. No ``[C, S]`` array is ever built.
+
+Shapes need no alignment: the query rows and the chunk's keys are zero-padded to whole tiles (cheap, chunk-sized);
+the cache is read in place and its last, partial tile is loaded with a masked load. A ``head_dim`` that is not a power
+of two >= 16 (Triton tiles must be) is zero-padded, which copies the cache: size heads as powers of two. float32
+inputs use IEEE float32 dots (no TF32), so float32 is the exact mode; bfloat16 inputs use tensor cores with float32
+accumulation, the probabilities rounded to bfloat16 before the value matmul as in every FlashAttention.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from mercury_jax.kernels import masks
+
+MASKS = ("causal", "block_causal", "bidirectional")
+_LOG2_E = math.log2(math.e)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class BlockSizes:
+  """Tile sizes and Triton launch parameters; every block is a power of two >= 16.
+
+  Attributes:
+    block_q: query rows per program; a row is one (chunk token, query head of the key/value head's group).
+    block_k: cache slots per step of the cache loops.
+    block_c: chunk keys per step of the chunk loop.
+    num_warps: warps per program.
+    num_stages: software-pipelining depth of the loops.
+  """
+
+  block_q: int
+  block_k: int
+  block_c: int
+  num_warps: int = 4
+  num_stages: int = 2
+
+  def __post_init__(self):
+    for name in ("block_q", "block_k", "block_c"):
+      value = getattr(self, name)
+      if value < 16 or value & (value - 1):
+        raise ValueError(f"BlockSizes.{name}={value} must be a power of two >= 16 (Triton tiles and tensor cores)")
+
+  @classmethod
+  def get_default(cls, head_dim: int, dtype=jnp.bfloat16) -> BlockSizes:
+    """Tiles for Hopper (H100/H200) that fit the kernel in its registers and shared memory.
+
+    Checked by compiling the kernel's Triton IR to an sm_90 cubin (Triton 3.9, ``cuobjdump -res-usage``) for both
+    dtypes, head_dim 64, 128 and 256, chunks of 1, 16 and 256 tokens (4 query heads per kv head, 1000 slots) and the
+    three masks: no stack use (spills), at most 129 KiB of shared memory (of 227), except float32 with head_dim 256 on a
+    16-row tile (a one-token step) under causal or bidirectional, which spills 160 bytes. Not yet timed on a GPU.
+    bfloat16 takes the forward tiles of ``flash_attention``. float32 runs IEEE float32 dots (no tensor cores, see
+    ``_dot``), which need far more registers: small query tiles and 8 warps. ``fit`` shrinks the tiles for short
+    chunks (a one-token decoding step has ``groups`` rows).
+
+    Args:
+      head_dim: the head dimension (padded internally to a power of two >= 16).
+      dtype: the input dtype.
+    """
+    padded = max(16, pl.next_power_of_2(head_dim))
+    if jnp.dtype(dtype).itemsize > 2:
+      if padded <= 64:
+        return cls(32, 32, 32, num_warps=8, num_stages=2)
+      if padded <= 128:
+        return cls(16, 32, 16, num_warps=8, num_stages=2)
+      return cls(32, 32, 32, num_warps=8, num_stages=2)
+    if padded > 128:
+      return cls(64, 32, 32, num_warps=8, num_stages=2)
+    return cls(128, 64, 64, num_warps=4 if padded <= 64 else 8, num_stages=3)
+
+  def fit(self, rows: int, chunk: int, slots: int) -> BlockSizes:
+    """Shrinks each block to at most its padded extent: ``rows`` query rows (chunk tokens times the group's heads),
+    ``chunk`` keys of the chunk, ``slots`` cache slots."""
+    cap = lambda n: max(16, pl.next_power_of_2(n))
+    return dataclasses.replace(
+      self,
+      block_q=min(self.block_q, cap(rows)),
+      block_k=min(self.block_k, cap(slots)),
+      block_c=min(self.block_c, cap(chunk)),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+  """Everything static about one call."""
+
+  mask: str
+  diffusion_block: int  # 1 for causal (a block of one); unused for bidirectional.
+  sm_scale: float
+  chunk: int  # C: real chunk tokens.
+  slots: int  # S: cache slots.
+  groups: int  # Query heads per key/value head.
+  head_dim: int  # Padded head dimension.
+  blocks: BlockSizes
+  interpret: bool
+
+  def limit(self, pos):
+    """The slots ``[0, limit)`` that ``masks.visible`` lets the query at slot ``pos`` see (int32; ``pos >= 0``).
+
+    For bidirectional the limit is past every cache slot and every chunk slot of a query at ``pos``.
+    """
+    if self.mask == "bidirectional":
+      return pos + self.slots + self.chunk
+    return (lax.div(pos, self.diffusion_block) + 1) * self.diffusion_block
+
+  def visible(self, pos, keys):
+    return masks.visible(pos, keys, self.mask, block=self.diffusion_block)
+
+  def _chunk_span(self, tile):
+    """The slot offsets (from ``starts``) of the first and last real query of query tile ``tile``."""
+    first = lax.div(tile * self.blocks.block_q, self.groups)
+    last = jnp.minimum(lax.div((tile + 1) * self.blocks.block_q - 1, self.groups), self.chunk - 1)
+    return first, last
+
+  def cache_ranges(self, tile, start):
+    """The cache-tile loops of query tile ``tile`` of a row whose chunk starts at slot ``start`` (int32 scalars).
+
+    Returns ``[(begin, end, bounds)]``: the tiles ``[begin, end)`` are seen whole by every query of the tile when
+    ``bounds`` is None, else only their slots in ``[lo, hi) = bounds`` that ``masks.visible`` shows to each query.
+    Below the chunk every slot of ``[0, min(start, S))`` is visible under every mask; after it the slots
+    ``[min(start + C, S), S)`` up to each query's ``limit``. The union over the tile's queries is bounded by its
+    last real query and the whole tiles by its first, as ``limit`` never decreases along the chunk. A tile with
+    slots both below and after the chunk (a chunk shorter than a tile) is in two ranges, with disjoint bounds.
+    """
+    block_k, slots = self.blocks.block_k, self.slots
+    first, last = self._chunk_span(tile)
+    below = jnp.minimum(start, slots)
+    after = jnp.minimum(start + self.chunk, slots)
+    hi_first = _clip(self.limit(start + first), after, slots)
+    hi_last = _clip(self.limit(start + last), after, slots)
+    begin = lax.div(after, block_k)
+    end = jnp.where(hi_last > after, _cdiv(hi_last, block_k), begin)
+    whole_begin = _clip(_cdiv(after, block_k), begin, end)
+    whole_end = _clip(lax.div(hi_first, block_k), whole_begin, end)
+    return [
+      (jnp.zeros_like(below), lax.div(below, block_k), None),
+      (lax.div(below, block_k), _cdiv(below, block_k), (0, below)),
+      (begin, whole_begin, (after, slots)),
+      (whole_begin, whole_end, None),
+      (whole_end, end, (after, slots)),
+    ]
+
+  def chunk_ranges(self, tile, start):
+    """The chunk-key loops of query tile ``tile``: ``[(begin, end, masked)]`` over tiles of ``block_c`` keys.
+
+    The chunk key ``j`` sits at slot ``start + j``; the keys below the first query's limit are seen whole.
+    """
+    block_c = self.blocks.block_c
+    first, last = self._chunk_span(tile)
+    whole = lax.div(_clip(self.limit(start + first) - start, 0, self.chunk), block_c)
+    end = _cdiv(_clip(self.limit(start + last) - start, 0, self.chunk), block_c)
+    return [(jnp.zeros_like(whole), whole, False), (whole, end, True)]
+
+  def compiler_params(self) -> pltriton.CompilerParams:
+    return pltriton.CompilerParams(num_warps=self.blocks.num_warps, num_stages=self.blocks.num_stages)
+
+
+def _cdiv(a, b: int):
+  return lax.div(a + b - 1, b)
+
+
+def _dot(a, b, contract: tuple[int, int]):
+  """2-D matmul contracting ``a``'s dim ``contract[0]`` with ``b``'s dim ``contract[1]``, accumulated in f32.
+
+  float32 inputs ask for ``HIGHEST`` precision, which the Triton lowering turns into IEEE float32 (not TF32).
+  """
+  exact = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+  return lax.dot_general(
+    a, b, (((contract[0],), (contract[1],)), ((), ())), precision=exact, preferred_element_type=jnp.float32
+  )
+
+
+def _clip(x, lo, hi):
+  return jnp.minimum(jnp.maximum(x, lo), hi)
+
+
+def _kernel(
+  q_ref, q_seg_ref, k_ref, v_ref, k_seg_ref, cache_k_ref, cache_v_ref, cache_seg_ref, start_ref, seg_range_ref, o_ref,
+  *, plan: _Plan,
+):  # fmt: skip
+  block_q, block_k, block_c = plan.blocks.block_q, plan.blocks.block_k, plan.blocks.block_c
+  slots = plan.slots
+  i = pl.program_id(0)
+  start = start_ref[0]
+  rows = i * block_q + lax.iota(jnp.int32, block_q)  # [block_q]
+  pos = start + lax.div(rows, plan.groups)  # [block_q]: each row's query slot.
+  q = q_ref[...]  # [block_q, head_dim]
+  q_seg = q_seg_ref[...]  # [block_q], -1 for padding rows
+  scale = plan.sm_scale * _LOG2_E
+
+  def update(carry, k, v, k_seg, visible):
+    """One online-softmax step over a key tile; ``visible`` is the positional mask or None (every pair visible)."""
+    m, ell, acc = carry
+    s = _dot(q, k, (1, 1)) * scale  # [block_q, keys]
+    same = q_seg[:, None] == k_seg[None, :]
+    s = jnp.where(same if visible is None else same & visible, s, -jnp.inf)
+    m_new = jnp.maximum(m, jnp.max(s, axis=1))
+    m_shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # A row that has seen only -inf so far.
+    p = jnp.exp2(s - m_shift[:, None])  # [block_q, keys]
+    alpha = jnp.exp2(m - m_shift)
+    acc = acc * alpha[:, None] + _dot(p.astype(v.dtype), v, (1, 0))  # [block_q, head_dim]
+    return m_new, ell * alpha + jnp.sum(p, axis=1), acc
+
+  def cache_step(t, carry, lo=None, hi=None):
+    """Cache tile ``t``; with ``lo, hi`` a boundary tile: only the slots in ``[lo, hi)`` that ``mask`` shows."""
+    idx = pl.ds(pl.multiple_of(t * block_k, block_k), block_k)
+    if lo is None:
+      return update(carry, cache_k_ref[idx, :], cache_v_ref[idx, :], cache_seg_ref[idx], None)
+    keys = t * block_k + lax.iota(jnp.int32, block_k)  # [block_k]
+    exists = keys < slots  # The last tile may run past the cache.
+    k = pltriton.load(cache_k_ref.at[idx, :], mask=exists[:, None], other=0.0)
+    v = pltriton.load(cache_v_ref.at[idx, :], mask=exists[:, None], other=0.0)
+    k_seg = pltriton.load(cache_seg_ref.at[idx], mask=exists, other=0)
+    visible = ((keys >= lo) & (keys < hi))[None, :] & plan.visible(pos[:, None], keys[None, :])
+    return update(carry, k, v, k_seg, visible)
+
+  def chunk_step(t, carry, masked: bool):
+    idx = pl.ds(pl.multiple_of(t * block_c, block_c), block_c)
+    keys = start + t * block_c + lax.iota(jnp.int32, block_c)  # [block_c]: the chunk keys' slots
+    visible = plan.visible(pos[:, None], keys[None, :]) if masked else None
+    return update(carry, k_ref[idx, :], v_ref[idx, :], k_seg_ref[idx], visible)
+
+  seg_first, seg_end = seg_range_ref[0], seg_range_ref[1]  # The cache tiles whose segment ids can match.
+  carry = (
+    jnp.full((block_q,), -jnp.inf, jnp.float32),
+    jnp.zeros((block_q,), jnp.float32),
+    jnp.zeros((block_q, plan.head_dim), jnp.float32),
+  )
+  for begin, end, bounds in plan.cache_ranges(i, start):
+    if bounds is None and block_k > slots:
+      continue  # No tile of a cache shorter than one tile is whole (nor can it be loaded unmasked).
+    begin, end = jnp.maximum(begin, seg_first), jnp.minimum(end, seg_end)
+    body = cache_step if bounds is None else functools.partial(cache_step, lo=bounds[0], hi=bounds[1])
+    carry = lax.fori_loop(begin, end, body, carry)
+  for begin, end, masked in plan.chunk_ranges(i, start):
+    carry = lax.fori_loop(begin, end, functools.partial(chunk_step, masked=masked), carry)
+  _, ell, acc = carry
+  empty = ell == 0.0  # Padding rows, and rows that see nothing.
+  o_ref[...] = (acc * (1.0 / jnp.where(empty, 1.0, ell))[:, None]).astype(o_ref.dtype)
+
+
+def _segment_ranges(q_seg, cache_segments, block_q: int, block_k: int):
+  """For each query tile, the cache tiles ``[first, end)`` that can hold a slot of a segment of the tile's queries.
+
+  int32 ``[batch, query tiles, 2]``, from each tile's smallest and largest id (computed in XLA, read by the kernel
+  as loop bounds, so no branch stops Triton from pipelining). Any layout is correct: a tile inside the range that
+  matches nothing is merely masked.
+
+  Args:
+    q_seg: query rows' ids ``[batch, rows]``, -1 for padding (a multiple of ``block_q``).
+    cache_segments: ``[batch, S]``, 0 for empty slots.
+    block_q: query tile size.
+    block_k: cache tile size.
+  """
+  batch, rows = q_seg.shape
+  slots = cache_segments.shape[1]
+  n = -(-slots // block_k)
+  k_tiles = jnp.pad(cache_segments, ((0, 0), (0, n * block_k - slots))).reshape(batch, n, block_k)
+  q_tiles = q_seg.reshape(batch, rows // block_q, block_q)  # [batch, q tiles, block_q]
+  q_hi = jnp.max(q_tiles, axis=-1)
+  q_lo = jnp.min(jnp.where(q_tiles < 0, jnp.iinfo(jnp.int32).max, q_tiles), axis=-1)  # Padding rows match nothing.
+  k_lo, k_hi = jnp.min(k_tiles, axis=-1), jnp.max(k_tiles, axis=-1)  # [batch, k tiles]
+  overlap = (k_lo[:, None, :] <= q_hi[:, :, None]) & (k_hi[:, None, :] >= q_lo[:, :, None])  # [batch, q, k tiles]
+  index = jnp.arange(n)
+  first = jnp.min(jnp.where(overlap, index, n), axis=-1)  # [batch, q tiles]
+  end = jnp.max(jnp.where(overlap, index + 1, 0), axis=-1)
+  return jnp.stack([first, jnp.maximum(first, end)], axis=-1).astype(jnp.int32)
+
+
+def _call(q, q_seg, k, v, k_seg, cache_k, cache_v, cache_segments, starts, plan: _Plan):
+  """``q``: ``[batch, kv_heads, rows, head_dim]``; the other arrays padded; returns ``q``'s shape."""
+  batch, kv_heads, rows, head_dim = q.shape
+  chunk, slots = k.shape[1], cache_k.shape[1]
+  block_q = plan.blocks.block_q
+  seg_range = _segment_ranges(q_seg, cache_segments, block_q, plan.blocks.block_k)
+  return pl.pallas_call(
+    functools.partial(_kernel, plan=plan),
+    grid=(rows // block_q, batch, kv_heads),
+    in_specs=[
+      pl.BlockSpec((None, None, block_q, head_dim), lambda i, b, h: (b, h, i, 0)),  # q
+      pl.BlockSpec((None, block_q), lambda i, b, h: (b, i)),  # q_seg
+      pl.BlockSpec((None, chunk, None, head_dim), lambda i, b, h: (b, 0, h, 0)),  # k
+      pl.BlockSpec((None, chunk, None, head_dim), lambda i, b, h: (b, 0, h, 0)),  # v
+      pl.BlockSpec((None, chunk), lambda i, b, h: (b, 0)),  # k_seg
+      pl.BlockSpec((None, slots, None, head_dim), lambda i, b, h: (b, 0, h, 0)),  # cache_k
+      pl.BlockSpec((None, slots, None, head_dim), lambda i, b, h: (b, 0, h, 0)),  # cache_v
+      pl.BlockSpec((None, slots), lambda i, b, h: (b, 0)),  # cache_segments
+      pl.BlockSpec((None, 1), lambda i, b, h: (b, 0)),  # starts
+      pl.BlockSpec((None, None, 2), lambda i, b, h: (b, i, 0)),  # seg_range
+    ],
+    out_specs=pl.BlockSpec((None, None, block_q, head_dim), lambda i, b, h: (b, h, i, 0)),
+    out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+    compiler_params=plan.compiler_params(),
+    interpret=plan.interpret,
+    name="mercury_cached_attention",
+  )(q, q_seg, k, v, k_seg, cache_k, cache_v, cache_segments, starts[:, None], seg_range)
+
+
+def _check_args(q, k, v, segments, cache_k, cache_v, cache_segments, starts, mask, diffusion_block):
+  if q.ndim != 4 or k.ndim != 4 or cache_k.ndim != 4:
+    raise ValueError(f"{q.shape=}, {k.shape=} and {cache_k.shape=} must be [batch, length, heads, head_dim]")
+  batch, chunk, heads, head_dim = q.shape
+  kv_heads = k.shape[2]
+  if k.shape != v.shape or k.shape != (batch, chunk, kv_heads, head_dim):
+    raise ValueError(f"{k.shape=} and {v.shape=} must both be (batch, C, kv_heads, head_dim) matching {q.shape=}")
+  if heads % kv_heads:
+    raise ValueError(f"heads={heads} must be a multiple of kv_heads={kv_heads}")
+  slots = cache_k.shape[1]
+  if cache_k.shape != cache_v.shape or cache_k.shape != (batch, slots, kv_heads, head_dim):
+    raise ValueError(
+      f"{cache_k.shape=} and {cache_v.shape=} must both be (batch, S, kv_heads, head_dim) matching {k.shape=}"
+    )
+  if chunk < 1 or slots < 1:
+    raise ValueError(f"chunk length C={chunk} and cache slots S={slots} must be positive")
+  dtypes = (q.dtype, k.dtype, v.dtype, cache_k.dtype, cache_v.dtype)
+  if len(set(dtypes)) != 1 or not jnp.issubdtype(q.dtype, jnp.floating):
+    raise ValueError(f"q, k, v, cache_k, cache_v must share one floating dtype, got {[str(d) for d in dtypes]}")
+  for name, x, shape in (
+    ("segments", segments, (batch, chunk)),
+    ("cache_segments", cache_segments, (batch, slots)),
+    ("starts", starts, (batch,)),
+  ):
+    if x.shape != shape or not jnp.issubdtype(x.dtype, jnp.integer):
+      raise ValueError(f"{name}.shape={x.shape} ({x.dtype}) must be int32 {shape}")
+  if mask not in MASKS:
+    raise ValueError(f"{mask=} must be one of {MASKS}")
+  if mask == "block_causal" and (not isinstance(diffusion_block, int) or diffusion_block < 1):
+    raise ValueError(f"{diffusion_block=} must be a positive int for mask='block_causal'")
+  if mask != "block_causal" and diffusion_block is not None:
+    raise ValueError(f"{diffusion_block=} is only meaningful for mask='block_causal', got {mask=}")
+
+
+def cached_attention(
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  segments: jax.Array,
+  cache_k: jax.Array,
+  cache_v: jax.Array,
+  cache_segments: jax.Array,
+  starts: jax.Array,
+  *,
+  mask: str,
+  diffusion_block: int | None = None,
+  sm_scale: float | None = None,
+  block_sizes: BlockSizes | None = None,
+  interpret: bool = False,
+) -> jax.Array:
+  """A chunk's attention over a key-value cache and its own keys (module docstring), with the Pallas kernel.
+
+  Args:
+    q: the chunk's queries ``[batch, C, heads, head_dim]`` (rotary already applied).
+    k: the chunk's keys ``[batch, C, kv_heads, head_dim]``; ``heads`` must be a multiple of ``kv_heads``.
+    v: the chunk's values, shaped like ``k``.
+    segments: int32 ``[batch, C]``, the chunk's non-negative segment ids; 0 is padding (sees nothing, outputs zeros).
+    cache_k: the cache's keys ``[batch, S, kv_heads, head_dim]``; slots ``[starts, starts + C)`` are not read.
+    cache_v: the cache's values, shaped like ``cache_k``.
+    cache_segments: int32 ``[batch, S]``, each slot's non-negative segment id; 0 for empty slots.
+    starts: int32 ``[batch]``, non-negative: the slot of each row's first chunk token. ``starts + C`` may exceed
+      ``S`` (a prefix-cache chunk): slots ``>= S`` do not exist.
+    mask: ``"causal"``, ``"block_causal"`` or ``"bidirectional"``, applied in slot space.
+    diffusion_block: the block of ``"block_causal"``; must be None for the other masks.
+    sm_scale: multiplies the scores; defaults to ``head_dim ** -0.5``.
+    block_sizes: tiles; defaults to ``BlockSizes.get_default(head_dim, q.dtype)``, shrunk by ``fit`` to the chunk.
+    interpret: run the kernel with the Pallas interpreter (any backend; slow).
+
+  Returns:
+    ``[batch, C, heads, head_dim]`` in ``q.dtype``; all accumulation is float32.
+  """
+  _check_args(q, k, v, segments, cache_k, cache_v, cache_segments, starts, mask, diffusion_block)
+  batch, chunk, heads, head_dim = q.shape
+  kv_heads, slots = k.shape[2], cache_k.shape[1]
+  groups = heads // kv_heads
+  blocks = (block_sizes or BlockSizes.get_default(head_dim, q.dtype)).fit(chunk * groups, chunk, slots)
+  rows = -(-chunk * groups // blocks.block_q) * blocks.block_q  # Padded query rows.
+  padded_chunk = -(-chunk // blocks.block_c) * blocks.block_c
+  padded_dim = max(16, pl.next_power_of_2(head_dim))
+  plan = _Plan(
+    mask=mask,
+    diffusion_block=diffusion_block if mask == "block_causal" else 1,
+    sm_scale=float(head_dim**-0.5 if sm_scale is None else sm_scale),
+    chunk=chunk,
+    slots=slots,
+    groups=groups,
+    head_dim=padded_dim,
+    blocks=blocks,
+    interpret=interpret,
+  )
+  segments, cache_segments = segments.astype(jnp.int32), cache_segments.astype(jnp.int32)
+  pad_dim = lambda x: jnp.pad(x, ((0, 0),) * 3 + ((0, padded_dim - head_dim),)) if padded_dim != head_dim else x
+  # Query rows (chunk token, head of the group) of each kv head: [batch, kv_heads, C * groups, head_dim].
+  q_rows = pad_dim(q).reshape(batch, chunk, kv_heads, groups, padded_dim).transpose(0, 2, 1, 3, 4)
+  q_rows = q_rows.reshape(batch, kv_heads, chunk * groups, padded_dim)
+  q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, rows - chunk * groups), (0, 0)))
+  q_seg = jnp.repeat(jnp.where(segments == 0, -1, segments), groups, axis=1)  # Padding queries match no key.
+  q_seg = jnp.pad(q_seg, ((0, 0), (0, rows - chunk * groups)), constant_values=-1)  # [batch, rows]
+  pad_chunk = lambda x: jnp.pad(x, ((0, 0), (0, padded_chunk - chunk)) + ((0, 0),) * (x.ndim - 2))
+  k, v = (pad_chunk(pad_dim(x)) for x in (k, v))  # [batch, padded C, kv_heads, padded head_dim]
+  k_seg = pad_chunk(segments)  # Padding keys get segment 0, which no query matches.
+  out = _call(
+    q_rows, q_seg, k, v, k_seg, pad_dim(cache_k), pad_dim(cache_v), cache_segments, starts.astype(jnp.int32), plan
+  )
+  out = out[:, :, : chunk * groups, :head_dim].reshape(batch, kv_heads, chunk, groups, head_dim)
+  return out.transpose(0, 2, 1, 3, 4).reshape(batch, chunk, heads, head_dim)
+
+
+def visibility(
+  segments: jax.Array,
+  cache_segments: jax.Array,
+  starts: jax.Array,
+  *,
+  mask: str,
+  diffusion_block: int | None = None,
+) -> jax.Array:
+  """``[batch, C, S + C]`` bool: True where chunk query ``i`` sees key ``j`` of ``[cache slots ; chunk keys]``."""
+  chunk, slots = segments.shape[1], cache_segments.shape[1]
+  query_slots = starts[:, None] + jnp.arange(chunk)  # [batch, C]
+  cache_slots = jnp.arange(slots)
+  in_chunk = (cache_slots >= starts[:, None]) & (cache_slots < starts[:, None] + chunk)  # [batch, S]: stale slots
+  seen = masks.visible(query_slots[:, :, None], cache_slots, mask, block=diffusion_block)  # [batch, C, S]
+  cache = seen & ~in_chunk[:, None, :] & (cache_segments[:, None, :] == segments[:, :, None])
+  seen = masks.visible(query_slots[:, :, None], query_slots[:, None, :], mask, block=diffusion_block)  # [b, C, C]
+  own = seen & (segments[:, None, :] == segments[:, :, None])
+  return jnp.concatenate([cache, own], axis=-1) & (segments != 0)[:, :, None]
+
+
+def reference_cached_attention(
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  segments: jax.Array,
+  cache_k: jax.Array,
+  cache_v: jax.Array,
+  cache_segments: jax.Array,
+  starts: jax.Array,
+  *,
+  mask: str,
+  diffusion_block: int | None = None,
+  sm_scale: float | None = None,
+) -> jax.Array:
+  """The same function as ``cached_attention`` with ``jax.nn.dot_product_attention`` over ``[cache ; chunk]``.
+
+  Builds the dense ``[batch, C, S + C]`` mask (``visibility``) and concatenates the chunk's keys and values after the
+  cache's: O(C * (S + C)) memory, for CPUs and for checking the kernel. Logits and softmax are float32.
+  """
+  _check_args(q, k, v, segments, cache_k, cache_v, cache_segments, starts, mask, diffusion_block)
+  visible = visibility(segments, cache_segments, starts, mask=mask, diffusion_block=diffusion_block)
+  keys = jnp.concatenate([cache_k, k], axis=1)  # [batch, S + C, kv_heads, head_dim]
+  values = jnp.concatenate([cache_v, v], axis=1)
+  out = jax.nn.dot_product_attention(q, keys, values, mask=visible[:, None], scale=sm_scale, implementation="xla")
+  return jnp.where(jnp.any(visible, axis=-1)[:, :, None, None], out, jnp.zeros((), out.dtype))
