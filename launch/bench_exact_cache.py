@@ -166,7 +166,7 @@ def main() -> None:
   params = _params(MODEL)
   engines = _engines(args.batch)
   finals = {}
-  for name, (engine, run, canvas) in engines.items():  # compile and warm up
+  for name, (_, run, canvas) in engines.items():  # compile and warm up
     finals[name] = jax.block_until_ready(run(params, canvas))
   walls = {name: [] for name in engines}
   names = list(engines)

@@ -217,6 +217,51 @@ def _cached_xla(q, k, v, segments, cache_k, cache_v, cache_segments, starts, mas
   return out.reshape(batch, chunk, heads, head_dim).astype(v.dtype)
 
 
+def _cached_pallas(q, k, v, segments, cache_k, cache_v, cache_segments, starts, mask, diffusion_block):
+  """The Pallas kernel (:mod:`mercury_jax.kernels.cached_attention`; interpret mode off GPU), per shard on a mesh:
+  rows over the data axes, heads over ``tensor`` (kv heads with them when they split alike, else whole on every
+  shard, which then reads the kv heads its query heads use)."""
+  from mercury_jax.kernels import cached_attention as ca
+
+  kernel = functools.partial(
+    ca.cached_attention, mask=mask, diffusion_block=diffusion_block, interpret=jax.default_backend() != "gpu"
+  )
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return kernel(q, k, v, segments, cache_k, cache_v, cache_segments, starts)
+  rules = nn.get_logical_axis_rules()
+  q_spec = _mesh_spec((sharding.BATCH, sharding.LENGTH, sharding.ACT_HEADS, sharding.HEAD_DIM), q.shape, mesh, rules)
+  kv_spec = _mesh_spec(
+    (sharding.BATCH, sharding.LENGTH, sharding.ACT_KV_HEADS, sharding.HEAD_DIM), k.shape, mesh, rules
+  )
+  rows, head_axes = q_spec[0], q_spec[2]
+  q_spec = P(rows, None, head_axes, None)
+  heads, kv_heads = q.shape[2], k.shape[2]
+  select_kv = None
+  if kv_spec[2] == head_axes:
+    kv_spec = P(rows, None, head_axes, None)
+  else:  # kv heads do not split like the query heads: every shard holds them all and reads the ones it needs.
+    kv_spec = P(rows, None, None, None)
+    names = (head_axes,) if isinstance(head_axes, str) else head_axes or ()
+    local_heads = heads // math.prod(mesh.shape[a] for a in names)
+    if names:
+
+      def select_kv(x):
+        first = jax.lax.axis_index(head_axes) * local_heads
+        return jnp.take(x, (first + jnp.arange(local_heads)) // (heads // kv_heads), axis=2)
+
+  def per_shard(q, k, v, segments, cache_k, cache_v, cache_segments, starts):
+    if select_kv is not None:
+      k, v, cache_k, cache_v = (select_kv(x) for x in (k, v, cache_k, cache_v))
+    return kernel(q, k, v, segments, cache_k, cache_v, cache_segments, starts)
+
+  rows_2d, rows_1d = P(rows, None), P(rows)
+  specs = (q_spec, kv_spec, kv_spec, rows_2d, kv_spec, kv_spec, rows_2d, rows_1d)
+  return jax.shard_map(per_shard, mesh=mesh, in_specs=specs, out_specs=q_spec, check_vma=False)(
+    q, k, v, segments, cache_k, cache_v, cache_segments, starts
+  )
+
+
 def attend_cached(
   q: jax.Array,
   k: jax.Array,
@@ -257,19 +302,5 @@ def attend_cached(
   starts = jnp.broadcast_to(jnp.asarray(starts, jnp.int32), q.shape[:1])
   impl = resolve_implementation(implementation)
   if impl == "pallas":
-    from mercury_jax.kernels import cached_attention as ca
-
-    return ca.cached_attention(
-      q,
-      k,
-      v,
-      segments,
-      cache_k,
-      cache_v,
-      cache_segments,
-      starts,
-      mask=mask,
-      diffusion_block=diffusion_block,
-      interpret=jax.default_backend() != "gpu",
-    )
+    return _cached_pallas(q, k, v, segments, cache_k, cache_v, cache_segments, starts, mask, diffusion_block)
   return _cached_xla(q, k, v, segments, cache_k, cache_v, cache_segments, starts, mask, diffusion_block)

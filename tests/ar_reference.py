@@ -94,9 +94,7 @@ def decode(
   # Generated positions wait in segment 0 until they are decided and fed.
   positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
   prefill_segments = ((kinds != K.PAD) & ~generate).astype(jnp.int32)
-  logits, kv = model.apply(
-    {"params": params}, z, segment_ids=prefill_segments, positions=positions, return_kv=True
-  )
+  logits, kv = model.apply({"params": params}, z, segment_ids=prefill_segments, positions=positions, return_kv=True)
   prefilled = KVCache.empty(model_cfg, batch, length).write(kv, 0)
 
   def decide(z, i, logits):

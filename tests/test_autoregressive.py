@@ -11,9 +11,9 @@ from flax import linen as nn
 from mercury_jax.config import ModelConfig, load_config
 from mercury_jax.kinds import TARGET as GENERATE
 from mercury_jax.model import Transformer
+from mercury_jax.sampling.canvas import Hole, make_canvas, prefix
 from mercury_jax.sampling.engine import BlockEngine
 from mercury_jax.sampling.plan import plan_blocks
-from mercury_jax.sampling.canvas import Hole, make_canvas, prefix
 from mercury_jax.sampling.settings import SamplerSettings
 
 CFG = load_config(

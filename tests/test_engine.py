@@ -413,8 +413,9 @@ def test_stream_equals_generate_for_every_checkpoint_kind(tmp_path_factory, data
 def test_the_constraint_stops_running_once_its_row_is_released(tmp_path_factory, data_dir):
   """The forced-token walk and the constrained proposals run while a constrained row is served and never after the
   serving engine releases it (``Constraint.passes`` counts the steps that ran them)."""
-  from mercury_jax.constrain import device as constrained
   from random_models import random_checkpoint
+
+  from mercury_jax.constrain import device as constrained
 
   path = random_checkpoint(tmp_path_factory.mktemp("released"), "block_diffusion", data_dir / "tokenizer.model")
   sampler = Sampler.from_checkpoint(path)

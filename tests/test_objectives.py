@@ -209,9 +209,7 @@ def _two_pass_logits(model, params, x_t, x, segment_ids, positions, block):
   """BD3-LM's definition: a clean pass over x_0 fills a key-value cache (block-causal); then each noisy block x_t^b
   is run on its own over that cache (its own keys and values in place of the cached ones at its slots)."""
   common = dict(mask="block_causal", diffusion_block=block)
-  _, clean = model.apply(
-    {"params": params}, x, positions=positions, segment_ids=segment_ids, return_kv=True, **common
-  )
+  _, clean = model.apply({"params": params}, x, positions=positions, segment_ids=segment_ids, return_kv=True, **common)
   out = []
   for start in range(0, x.shape[1], block):
     chunk = slice(start, start + block)

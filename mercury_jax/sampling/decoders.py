@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 

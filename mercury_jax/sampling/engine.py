@@ -63,7 +63,7 @@ from mercury_jax.constrain import device as constrained
 from mercury_jax.model import KVCache
 from mercury_jax.sampling.caches import Needs, strategy
 from mercury_jax.sampling.canvas import Canvas, SampleOutput, after_eos
-from mercury_jax.sampling.hooks import View, active_hooks
+from mercury_jax.sampling.hooks import Structured, View, active_hooks
 from mercury_jax.sampling.network import Network
 from mercury_jax.sampling.plan import BlockPlan
 from mercury_jax.sampling.proposal import Knobs, noise_width, propose_rows, uniform_noise
@@ -152,8 +152,6 @@ class BlockEngine:
     eos_banned = target & (rank < settings.min_length)
     constraint = None
     if tables is not None:
-      from mercury_jax.sampling.hooks import Structured
-
       constraint, z, eos_banned = Structured(plan, settings).start(tables, target, eos_banned, z, first)
     if healing is not None:
       healing = Healing(
@@ -188,7 +186,9 @@ class BlockEngine:
       proposal=jnp.zeros((batch, block), jnp.int32),
       cache=self.cache.empty(batch),
       num_steps=jnp.maximum(per_row(num_steps, jnp.int32), 1),
-      knobs=Knobs(*(per_row(v, d) for v, d in zip(knobs, (jnp.float32, jnp.int32, jnp.float32, jnp.float32)))),
+      knobs=Knobs(
+        *(per_row(v, d) for v, d in zip(knobs, (jnp.float32, jnp.int32, jnp.float32, jnp.float32), strict=True))
+      ),
       nfe=no,
       forwards=jnp.zeros((), jnp.int32),
       commit_passes=jnp.zeros((), jnp.int32),
@@ -214,7 +214,9 @@ class BlockEngine:
       mine, theirs = getattr(st, name), getattr(row, name)
       if name == "cache" and isinstance(mine, KVCache):  # [layers, b, ...] keys and values, [b, S] segments
         fields[name] = KVCache(
-          put_at(1)(mine.keys, theirs.keys), put_at(1)(mine.values, theirs.values), put_at(0)(mine.segments, theirs.segments)
+          put_at(1)(mine.keys, theirs.keys),
+          put_at(1)(mine.values, theirs.values),
+          put_at(0)(mine.segments, theirs.segments),
         )
       elif name == "trace":
         fields[name] = jax.tree.map(put_at(1), mine, theirs)  # [frames, b, ...]

@@ -69,10 +69,7 @@ class Placement:
     canvas = pad_rows(canvas, layout.local_rows, pad_id)
     total = jax.process_count() * layout.local_rows
     return cv.Canvas(
-      *(
-        jax.make_array_from_process_local_data(self.batched(np.ndim(a)), a, (total, *np.shape(a)[1:]))
-        for a in canvas
-      )
+      *(jax.make_array_from_process_local_data(self.batched(np.ndim(a)), a, (total, *np.shape(a)[1:])) for a in canvas)
     )
 
   def local_slices(self) -> int:

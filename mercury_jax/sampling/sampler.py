@@ -23,10 +23,8 @@ the prompts in process order.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import time
-import zlib
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -51,25 +49,19 @@ from mercury_jax.sampling.decoders import (
   Decoder,
   ProgramKey,
   Programs,
-  bucketed_length,
-  choose,
   without_knobs,
 )
+from mercury_jax.sampling.jobs import Job, Jobs
 from mercury_jax.sampling.network import Network
 from mercury_jax.sampling.placement import BatchLayout, Placement, own_rows, pad_rows
-from mercury_jax.sampling.plan import BlockPlan, plan_blocks
+from mercury_jax.sampling.plan import BlockPlan
 from mercury_jax.sampling.proposal import Knobs
 from mercury_jax.sampling.registry import BUNDLED_MODELS, DEFAULT_CHECKPOINT, default_checkpoint
 from mercury_jax.sampling.settings import (
   SamplerSettings,
-  SettingError,
-  block_loads,
-  check_knobs_for_model,
-  commits_every_step,
-  steps_per_block as per_block_of,
 )
 from mercury_jax.sampling.state import Healing
-from mercury_jax.sampling.text import MASK_TEXT, Request, Rows, Sample, StreamEvent, build_rows, frames
+from mercury_jax.sampling.text import MASK_TEXT, Request, Sample, StreamEvent, frames
 from mercury_jax.trainer import param_shardings
 
 __all__ = [
@@ -109,21 +101,6 @@ def check_compatible(cfg: Config, tokenizer: Tokenizer) -> None:
     raise ValueError(f"the tokenizer's mask id {tokenizer.mask_id} differs from the model's {cfg.objective.mask_id}")
 
 
-@dataclasses.dataclass
-class Job:
-  """A request made ready for the engine (this process's rows)."""
-
-  settings: SamplerSettings
-  canvas: cv.Canvas  # numpy, padded to the plan's length
-  plan: BlockPlan
-  steps_per_block: np.ndarray  # int32 [rows]
-  seed: int
-  rows: Rows | None = None
-  layout: BatchLayout | None = None
-  automata: list[Automaton | None] | None = None
-  healing: Healing | None = None  # numpy, this process's rows
-
-
 class Sampler:
   """A model, its tokenizer and a mesh, ready to generate.
 
@@ -149,6 +126,7 @@ class Sampler:
     self.params = jax.device_put(params, self.param_shardings)
     self.placement = Placement(self.mesh, self.rules)
     self.programs = Programs(self.network, self.mesh, self.rules, self.param_shardings)
+    self.jobs = Jobs(cfg, tokenizer, self.placement)
     self._compiler: Compiler | None = None  # structured output's constraint compiler, made on first use
 
   @classmethod
@@ -180,62 +158,21 @@ class Sampler:
 
   def settings(self, **knobs) -> SamplerSettings:
     """Sampler settings with this model's schedule, mask, EOS and padding ids; ``knobs`` as in SamplerSettings."""
-    tok = self.tokenizer
-    return SamplerSettings(
-      objective=self.cfg.objective,
-      eos_id=tok.eos_id,
-      pad_id=tok.pad_id,
-      bos_id=tok.bos_id,
-      unk_id=tok.unk_id,
-      num_tokens=tok.vocab_size,
-      **knobs,
-    ).validate()
+    return self.jobs.settings(**knobs)
 
   def decoder(self, cache: str = "auto", block_length: int = 0) -> Decoder:
     """The engine's cache and block for this model (:func:`~mercury_jax.sampling.decoders.choose`)."""
-    return choose(self.cfg, cache, block_length)
-
-  # ------------------------------------------------------------------------------------------- canvases
+    return self.jobs.decoder(cache, block_length)
 
   def plan(self, canvas: cv.Canvas, decoder: Decoder, length: int | None = None) -> tuple[cv.Canvas, BlockPlan]:
-    """``(canvas padded to the plan, plan)``: a whole-canvas decode (``decoder.block`` 0) runs one block of the
-    canvas rounded up to ``LENGTH_BUCKET``; the others the decoder's block. ``length``: the canvas length every row
-    shares (default this canvas's)."""
-    length = np.shape(canvas.tokens)[1] if length is None else length
-    block = decoder.block or bucketed_length(length, self.max_length)
-    canvas = _pad_length(canvas, -(-length // block) * block, self.tokenizer.pad_id)
-    plan = plan_blocks(
-      canvas.kinds,
-      block,
-      cache=decoder.cache,
-      autoregressive=self.autoregressive,
-      whole_sequence=not (self.autoregressive or self.block_size),
-    )
-    return canvas, plan
+    """``(canvas padded to the plan, plan)`` (:meth:`Jobs.plan <mercury_jax.sampling.jobs.Jobs.plan>`)."""
+    return self.jobs.plan(canvas, decoder, length)
 
-  def steps_per_block(
-    self, steps: int | None, steps_per_block: int | None, kinds, block: int, settings: SamplerSettings
-  ) -> np.ndarray:
-    """Each row's steps per block (int32 [rows]) for a total budget ``steps`` or an explicit ``steps_per_block``
-    (module docstring; ``settings.steps_per_block``): a row's budget depends on its own canvas only. The twin always
-    takes one.
+  def steps_per_block(self, steps, steps_per_block, kinds, block: int, settings: SamplerSettings) -> np.ndarray:
+    """Each row's steps per block (:meth:`Jobs.steps_per_block <mercury_jax.sampling.jobs.Jobs.steps_per_block>`)."""
+    return self.jobs.steps_per_block(steps, steps_per_block, kinds, block, settings)
 
-    Raises:
-      SettingError: Both given, one below 1, or ``steps`` below the blocks a row's generated positions lie in.
-    """
-    rows = np.shape(kinds)[0]
-    if self.autoregressive:
-      return np.ones((rows,), np.int32)
-    if steps is not None and steps_per_block is not None:
-      raise SettingError("steps_per_block", steps_per_block, "and steps are two budgets; give one of them")
-    if steps_per_block is not None:
-      if steps_per_block < 1:
-        raise SettingError("steps_per_block", steps_per_block, "must be >= 1")
-      return np.full((rows,), steps_per_block, np.int32)
-    capped = commits_every_step(settings)
-    return np.asarray(
-      [per_block_of(steps, block_loads(row, block), capped=capped) for row in np.asarray(kinds)], np.int32
-    )
+  # ------------------------------------------------------------------------------------------- canvases
 
   def run(
     self,
@@ -255,7 +192,7 @@ class Sampler:
       ``(output as numpy arrays, wall seconds, compile seconds)``; the output's canvases keep the padded length (the
       first ``canvas.tokens.shape[1]`` positions are the given ones) and its rows are the given ones.
     """
-    job = self._job(canvas, steps, steps_per_block, seed, settings, cache, layout, automata, None)
+    job = self.jobs.job(canvas, steps, steps_per_block, seed, settings, cache, layout, automata, None)
     program, state, compile_time, wall = self._start(job)
     start = time.perf_counter()
     before = program.compile_time
@@ -263,20 +200,6 @@ class Sampler:
     compile_time += program.compile_time - before
     wall += time.perf_counter() - start - (program.compile_time - before)
     return self._output(job, state, program.engine), wall, compile_time
-
-  def _job(self, canvas, steps, steps_per_block, seed, settings, cache, layout, automata, healing_rows) -> Job:
-    decoder = self.decoder(cache, settings.block_length)
-    constrained_rows = automata is not None and any(a is not None for a in automata)
-    if constrained_rows and decoder.block == 0:  # The constrained program walks blocks, not a whole canvas.
-      decoder = Decoder(decoder.cache, APPROXIMATE_BLOCK)
-    if constrained_rows and layout is not None:
-      raise SettingError("constraint", "per_process", "is not supported with per-process prompts; pass every prompt")
-    length = np.shape(canvas.tokens)[1] if layout is None else layout.length
-    canvas, plan = self.plan(canvas, decoder, length)
-    whole = plan.block if plan.block < plan.length or not plan.whole_sequence else 0
-    per_block = self.steps_per_block(steps, steps_per_block, canvas.kinds, whole, settings)
-    return Job(settings, canvas, plan, per_block, seed, None, layout, list(automata) if constrained_rows else None,
-               healing_rows)  # fmt: skip
 
   def _budget(self, max_blocks: int, max_steps: int):
     return self.placement.put(np.int32(max_blocks)), self.placement.put(np.int32(max_steps))
@@ -431,7 +354,7 @@ class Sampler:
       prompts, template, length, steps, steps_per_block, seed, num_samples, streams, show_steps, bos, per_process,
       cache, token_healing, knobs,
     )  # fmt: skip
-    job = self._prepare(request, constraint)
+    job = self.jobs.prepare(request, constraint)
     if job is None:
       return []
     program, state, compile_time, wall = self._start(job)
@@ -466,7 +389,7 @@ class Sampler:
           compile_time=compile_time,
           steps=trace,
           tokens_per_forward=len(tokens) / max(int(out.nfe[row]), 1),
-          complete=None if job.automata is None else self._accepted(job.automata[row], out.tokens, kinds, row),
+          complete=None if job.automata is None else self.jobs.accepted(job.automata[row], out.tokens, kinds, row),
           healed=rows.healed[row],
         )
       )
@@ -484,40 +407,6 @@ class Sampler:
     if self._compiler is None:
       self._compiler = Compiler(self.tokenizer)
     return self._compiler.regex(regex) if regex is not None else self._compiler.json_schema(json_schema)
-
-  def _row_constraints(self, constraint, canvas: cv.Canvas, num_samples: int) -> list[Automaton | None] | None:
-    """Each row's automaton (a prompt's samples share its own), checked against the tokenizer and the canvas."""
-    if constraint is None:
-      return None
-    rows = np.shape(canvas.tokens)[0]
-    if isinstance(constraint, Automaton):
-      automata = [constraint] * rows
-    else:
-      given = list(constraint)
-      if len(given) * num_samples != rows:
-        raise ValueError(f"constraint has {len(given)} entries but there are {rows // num_samples} prompts")
-      automata = [a for a in given for _ in range(num_samples)]
-    kinds = np.asarray(canvas.kinds) == K.TARGET
-    for row, a in enumerate(automata):
-      if a is None:
-        continue
-      if a.classes.shape[0] != self.tokenizer.vocab_size:
-        raise ValueError(
-          f"constraint {row} was compiled for a vocabulary of {a.classes.shape[0]} tokens, but this model's tokenizer "
-          f"has {self.tokenizer.vocab_size}; compile it with this sampler's constraint()"
-        )
-      starts = int(np.sum(kinds[row] & ~np.pad(kinds[row], (1, 0))[:-1]))
-      if starts != 1:
-        raise ValueError(f"a constrained canvas needs exactly one hole, but row {row} has {starts}")
-    return automata if any(a is not None for a in automata) else None
-
-  def _accepted(self, automaton: Automaton | None, tokens: np.ndarray, kinds: np.ndarray, row: int) -> bool | None:
-    """Whether a row's hole (its generated tokens, padding after EOS dropped) is a whole sentence of ``automaton``
-    (None without one)."""
-    if automaton is None or automaton.kind == "heal":
-      return None
-    hole = tokens[row, : kinds.shape[1]][kinds[row] == K.TARGET]
-    return automaton.accepts([int(t) for t in hole if t != self.tokenizer.pad_id])
 
   def stream(
     self,
@@ -555,9 +444,9 @@ class Sampler:
       prompts, template, length, steps, steps_per_block, seed, num_samples, streams, False, bos, False, cache,
       token_healing, knobs,
     )  # fmt: skip
-    job = self._prepare(request, constraint)
+    job = self.jobs.prepare(request, constraint)
     program, state, _, _ = self._start(job)
-    engine, block, settings, rows = program.engine, job.plan.block, job.settings, job.rows
+    block, settings, rows = job.plan.block, job.settings, job.rows
     budget = self._budget(_UNBOUNDED, 1) if drafts else self._budget(1, _UNBOUNDED)
     batch, length = len(rows.prompts), np.shape(job.canvas.tokens)[1]
     kinds = np.asarray(job.canvas.kinds)
@@ -597,81 +486,3 @@ class Sampler:
           sent[row] += delta
           finished[row] = row_done
           yield StreamEvent(index=row, text=delta, draft=draft, done=row_done, nfe=int(nfe[row]))
-
-  def _prepare(self, request: Request, constraint) -> Job | None:
-    """Checks a request and builds its :class:`Job`, or None when no process has a prompt (``per_process``)."""
-    spread = request.per_process and jax.process_count() > 1
-    try:
-      check_knobs_for_model(
-        {"steps": request.steps, "steps_per_block": request.steps_per_block, **request.knobs}, self.autoregressive
-      )
-      decoder = self.decoder(request.cache, request.knobs.get("block_length") or 0)
-      heal = (
-        request.token_healing
-        and constraint is None
-        and not request.per_process
-        and not request.bos
-        and (self.autoregressive or self.block_size > 0)
-      )
-      rows, _ = build_rows(
-        request, self.tokenizer, max_length=self.max_length, autoregressive=self.autoregressive, heal=heal
-      )
-    except ValueError:
-      if spread:  # Tell the other processes, which would otherwise wait for this one.
-        with contextlib.suppress(ValueError):
-          self.placement.agree_on_batch(0, 0, failed=True)
-      raise
-    offset, layout = 0, None
-    examples = rows.examples
-    if spread:
-      width = max((sum(p.length if isinstance(p, cv.Hole) else len(p) for p in e) for e in examples), default=0)
-      digest = zlib.crc32(repr((request.knobs, request.steps, request.steps_per_block, request.seed)).encode())
-      layout = self.placement.agree_on_batch(len(examples), width, digest=digest)
-      offset = int(layout.rows[: jax.process_index()].sum())
-    if not (examples if layout is None else layout.rows.any()):
-      return None
-    streams = request.streams if request.streams is not None else range(offset, offset + len(examples))
-    pad_id = self.tokenizer.pad_id
-    canvas = cv.make_canvas(examples, streams=streams, pad_id=pad_id) if examples else _empty_canvas(layout.length)
-    automata = self._row_constraints(constraint, canvas, request.num_samples)
-    healing_rows = self._healing(rows)
-    settings = self.settings(**request.knobs)
-    job = self._job(
-      canvas, request.steps, request.steps_per_block, request.seed, settings, request.cache, layout, automata,
-      healing_rows,
-    )  # fmt: skip
-    job.rows = rows
-    if request.show_steps and not self.autoregressive:  # One frame per step: steps per block times the blocks.
-      blocks = max((len(block_loads(row, job.plan.block)) for row in np.asarray(job.canvas.kinds)), default=1)
-      job.settings = dataclasses.replace(settings, trace=int(job.steps_per_block.max(initial=1)) * max(blocks, 1))
-    return job
-
-  def _healing(self, rows: Rows) -> Healing | None:
-    """Each row's healing mask and position (numpy), or None when no row heals."""
-    if not any(rows.healed):
-      return None
-    vocab = self.cfg.model.vocab_size
-    allowed = np.ones((len(rows.healed), vocab), bool)
-    slot = np.full((len(rows.healed),), -1, np.int32)
-    for row, text in enumerate(rows.healed):
-      if text:
-        allowed[row] = healing.allowed_tokens(self.tokenizer, text, vocab)
-        slot[row] = rows.prompt_lengths[row]
-    return Healing(allowed, slot)
-
-
-def _pad_length(canvas: cv.Canvas, length: int, pad_id: int) -> cv.Canvas:
-  """Right-pads canvases to ``length`` positions."""
-  extra = length - np.shape(canvas.tokens)[1]
-  if extra <= 0:
-    return canvas
-  return cv.Canvas(
-    np.pad(np.asarray(canvas.tokens), ((0, 0), (0, extra)), constant_values=pad_id),
-    np.pad(np.asarray(canvas.kinds), ((0, 0), (0, extra)), constant_values=K.PAD),
-    canvas.streams,
-  )
-
-
-def _empty_canvas(length: int) -> cv.Canvas:
-  """No rows (a process without prompts of a per-process call)."""
-  return cv.Canvas(np.zeros((0, length), np.int32), np.zeros((0, length), np.int32), np.zeros((0,), np.int32))
