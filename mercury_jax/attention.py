@@ -26,7 +26,7 @@ from flax import linen as nn
 from jax.sharding import AxisType, PartitionSpec as P
 
 from mercury_jax import sharding
-from mercury_jax.kernels import flash_attention as fa, masks
+from mercury_jax.kernels import masks
 
 IMPLEMENTATIONS = ("auto", "xla", "pallas", "cudnn")
 
@@ -102,6 +102,8 @@ def _mesh_spec(logical: tuple[str, ...], shape: tuple[int, ...], mesh, rules) ->
 
 
 def _pallas(q, k, v, segment_ids, mask, diffusion_block):
+  from mercury_jax.kernels import flash_attention as fa  # Pallas's Triton lowering loads only when a kernel runs.
+
   kernel = functools.partial(
     fa.flash_attention, mask=mask, diffusion_block=diffusion_block, interpret=jax.default_backend() != "gpu"
   )

@@ -25,8 +25,7 @@ from jax.sharding import Mesh
 
 from mercury_jax import sharding as sh
 from mercury_jax.config import CheckpointConfig, Config, ConfigError, MeshConfig, config_from_dict
-from mercury_jax.model import Transformer
-from mercury_jax.trainer import abstract_params
+from mercury_jax.model import Transformer, abstract_params
 
 ITEMS = ("params", "train", "data", "config")
 

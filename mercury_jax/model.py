@@ -10,16 +10,16 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
+from jax.sharding import Mesh
 
 from mercury_jax import sharding as sh
 from mercury_jax.attention import attend, attend_cached
 from mercury_jax.config import ModelConfig, dtype_of
-from mercury_jax.kernels import masks
 
 _INIT = nn.initializers.normal(stddev=0.02)
 
@@ -324,6 +324,35 @@ class Transformer(nn.Module):
       return logits
     segments = jnp.ones((batch, length), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
     return logits, KVCache(kv[0], kv[1], segments)  # keys and values [layers, batch, length, kv_heads, head_dim]
+
+
+def init_params(model: Transformer, key: jax.Array):
+  """The model's parameters (boxed with their logical axis names), initialised from ``key``."""
+  cfg = model.config
+  tokens = jnp.zeros((1, cfg.max_length), jnp.int32)
+  t = jnp.zeros((1,), jnp.float32) if cfg.time_conditioning else None
+  return model.init(key, tokens, t)["params"]
+
+
+@functools.lru_cache(maxsize=16)
+def _boxed_shapes(cfg: ModelConfig):
+  """The parameters' shapes with their logical axis names (traced once per config: a trace of the whole model)."""
+  return jax.eval_shape(functools.partial(init_params, Transformer(cfg)), jax.random.key(0))
+
+
+def param_shardings(model: Transformer, mesh: Mesh, rules) -> Any:
+  """The parameters' ``NamedSharding``s on ``mesh``, from their logical axis names (no parameters are built)."""
+  return nn.logical_to_mesh_sharding(nn.get_partition_spec(_boxed_shapes(model.config)), mesh, rules)
+
+
+def abstract_params(model: Transformer, mesh: Mesh, rules) -> Any:
+  """Shape, dtype and sharding of the parameters: a restore target for inference."""
+  boxed = _boxed_shapes(model.config)
+  return jax.tree.map(
+    lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+    nn.meta.unbox(boxed),
+    param_shardings(model, mesh, rules),
+  )
 
 
 def count_params(params) -> int:

@@ -18,7 +18,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from mercury_jax import kinds as K, objectives, sharding as sh
 from mercury_jax.config import Config, OptimConfig
-from mercury_jax.model import Transformer
+from mercury_jax.model import Transformer, abstract_params, init_params, param_shardings  # noqa: F401  (re-exported)
 
 State = dict[str, Any]
 Batch = dict[str, jax.Array]
@@ -66,29 +66,6 @@ def loss_terms(
   )
 
 
-def _init_params(model: Transformer, key: jax.Array):
-  cfg = model.config
-  tokens = jnp.zeros((1, cfg.max_length), jnp.int32)
-  t = jnp.zeros((1,), jnp.float32) if cfg.time_conditioning else None
-  return model.init(key, tokens, t)["params"]
-
-
-def param_shardings(model: Transformer, mesh: Mesh, rules) -> Any:
-  """The parameters' ``NamedSharding``s on ``mesh``, from their logical axis names (no parameters are built)."""
-  boxed = jax.eval_shape(functools.partial(_init_params, model), jax.random.key(0))
-  return nn.logical_to_mesh_sharding(nn.get_partition_spec(boxed), mesh, rules)
-
-
-def abstract_params(model: Transformer, mesh: Mesh, rules) -> Any:
-  """Shape, dtype and sharding of the parameters: a restore target for inference."""
-  boxed = jax.eval_shape(functools.partial(_init_params, model), jax.random.key(0))
-  return jax.tree.map(
-    lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-    nn.meta.unbox(boxed),
-    param_shardings(model, mesh, rules),
-  )
-
-
 class Trainer:
   """Builds the model, the optimiser, the sharded state and the compiled steps for one config on one mesh."""
 
@@ -108,7 +85,7 @@ class Trainer:
   # -------------------------------------------------------------------------------------------- state
   def _init_state(self, key: jax.Array) -> State:
     init_key, train_key = jax.random.split(key)
-    params = nn.meta.unbox(_init_params(self.model, init_key))
+    params = nn.meta.unbox(init_params(self.model, init_key))
     return {
       "step": jnp.zeros((), jnp.int32),
       "params": params,

@@ -21,7 +21,7 @@ from mercury_jax.sampling.mesh import jit_on_mesh
 from mercury_jax.sampling.plan import plan_blocks
 from mercury_jax.sampling.sampler import Sampler
 from mercury_jax.sampling.settings import SamplerSettings, SettingError
-from mercury_jax.trainer import param_shardings
+from mercury_jax.model import param_shardings
 
 BLOCK = 4
 EOS = 3

@@ -20,7 +20,7 @@ from mercury_jax.sampling.network import FunctionNetwork, Network
 from mercury_jax.sampling.plan import BlockPlan
 from mercury_jax.sampling.proposal import filter_logits, noise_width, propose, sample_tokens, uniform_noise
 from mercury_jax.sampling.settings import SamplerSettings, block_loads, commits_every_step, steps_per_block
-from mercury_jax.trainer import param_shardings
+from mercury_jax.model import param_shardings
 
 VOCAB, MASK, EOS, PAD_ID, UNK, BOS = 16, 4, 3, 0, 1, 2
 _TABLE = np.asarray(jax.random.normal(jax.random.key(0), (64, VOCAB)), np.float32)

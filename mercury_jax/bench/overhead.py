@@ -61,7 +61,9 @@ def engine_overhead(
       def body(i, carry):  # The pass writes into the cache it carries on, as in the engine.
         total, cache = carry
         batch = st.z.shape[0]
-        moved = st._replace(block=jnp.full_like(st.block, i % blocks), fresh=jnp.full_like(st.fresh, fresh), cache=cache)
+        moved = st._replace(
+          block=jnp.full_like(st.block, i % blocks), fresh=jnp.full_like(st.fresh, fresh), cache=cache
+        )
         needs = Needs(engine.starts(moved), jnp.ones((batch,), jnp.float32), jnp.ones((batch,), bool), moved.fresh)
         out = engine.cache.forward(p, moved, needs)
         return total + out.logits[0, 0, 0], out.cache

@@ -11,13 +11,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import zlib
+from typing import TYPE_CHECKING
 
 import jax
 import numpy as np
 
 from mercury_jax import kinds as K
 from mercury_jax.config import Config
-from mercury_jax.constrain.automaton import Automaton
 from mercury_jax.data.tokenizer import Tokenizer
 from mercury_jax.sampling import canvas as cv, healing
 from mercury_jax.sampling.decoders import APPROXIMATE_BLOCK, Decoder, bucketed_length, choose
@@ -33,6 +33,9 @@ from mercury_jax.sampling.settings import (
 )
 from mercury_jax.sampling.state import Healing
 from mercury_jax.sampling.text import Request, Rows, build_rows
+
+if TYPE_CHECKING:  # The host half of structured output loads on first use (outlines-core, jsonschema).
+  from mercury_jax.constrain.automaton import Automaton
 
 
 @dataclasses.dataclass
@@ -135,6 +138,8 @@ class Jobs:
     """Each row's automaton (a prompt's samples share its own), checked against the tokenizer and the canvas."""
     if constraint is None:
       return None
+    from mercury_jax.constrain.automaton import Automaton
+
     rows = np.shape(canvas.tokens)[0]
     if isinstance(constraint, Automaton):
       automata = [constraint] * rows

@@ -27,7 +27,7 @@ import dataclasses
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
@@ -38,7 +38,6 @@ from mercury_jax import kinds as K, sharding as sh
 from mercury_jax.checkpoint import find_tokenizer, restore_params
 from mercury_jax.config import Config, MeshConfig
 from mercury_jax.constrain import device as constrained
-from mercury_jax.constrain.automaton import Automaton, Compiler
 from mercury_jax.data.tokenizer import Tokenizer
 from mercury_jax.sampling import canvas as cv, healing
 from mercury_jax.sampling.canvas import SampleOutput
@@ -62,7 +61,10 @@ from mercury_jax.sampling.settings import (
 )
 from mercury_jax.sampling.state import Healing
 from mercury_jax.sampling.text import MASK_TEXT, Request, Sample, StreamEvent, frames
-from mercury_jax.trainer import param_shardings
+from mercury_jax.model import param_shardings
+
+if TYPE_CHECKING:  # The host half of structured output loads on first use (outlines-core, jsonschema).
+  from mercury_jax.constrain.automaton import Automaton, Compiler
 
 __all__ = [
   "APPROXIMATE_BLOCK",
@@ -405,6 +407,8 @@ class Sampler:
     if (regex is None) == (json_schema is None):
       raise ValueError("give exactly one of regex= and json_schema=")
     if self._compiler is None:
+      from mercury_jax.constrain.automaton import Compiler
+
       self._compiler = Compiler(self.tokenizer)
     return self._compiler.regex(regex) if regex is not None else self._compiler.json_schema(json_schema)
 
