@@ -306,7 +306,11 @@ def test_impossible_constraints_are_refused(compiler):
     ({"type": "string", "format": "hostname"}, "format", "hostname"),
     ({"type": "string", "pattern": "a.c"}, "pattern", "JSON strings must escape"),
     ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, "oneOf", "branches 0 and 1 may both match"),
-    ({"$defs": {"n": {"items": {"$ref": "#/$defs/n"}, "minItems": 1}}, "$ref": "#/$defs/n"}, "items.$ref", "without end"),
+    (
+      {"$defs": {"n": {"items": {"$ref": "#/$defs/n"}, "minItems": 1}}, "$ref": "#/$defs/n"},
+      "items.$ref",
+      "without end",
+    ),
     ({"type": "objekt"}, "type", "not a valid JSON Schema"),
   ],
 )

@@ -22,6 +22,29 @@ def exact(value) -> Fraction:
   return Fraction(repr(value)) if isinstance(value, float) else Fraction(value)
 
 
+def bound(body: dict, inclusive: str, exclusive: str, tighter) -> tuple[Fraction | None, bool]:
+  """``(value, open)`` of a schema's lower (``tighter=max``) or upper (``min``) bound, from either draft's spelling
+  (draft 4: ``exclusiveMinimum: true`` next to ``minimum``)."""
+  value, other = body.get(inclusive), body.get(exclusive)
+  value = None if value is None else exact(value)
+  if isinstance(other, bool):
+    return value, other and value is not None
+  if other is None:
+    return value, False
+  other = exact(other)
+  if value is not None and value != other and tighter(value, other) == value:
+    return value, False
+  return other, True
+
+
+def power_of_ten(step: Fraction | None) -> int | None:
+  """``p`` when ``step`` is ``10**p``, else None."""
+  if step is None or step <= 0:
+    return None
+  power = round(math.log10(step))
+  return power if Fraction(10) ** power == step else None
+
+
 def decimal_text(value: Fraction) -> str:
   """The shortest JSON text of a decimal: ``1``, ``-0.25``."""
   whole, digits = _split(abs(value))

@@ -1,8 +1,9 @@
-"""Regular expressions as the constraint compiler reads them: full matching, a cheap size estimate, and questions
-answered on outlines-core's automaton over single bytes (does a text match, do two regexes share a text).
+"""Regular expressions as the constraint compiler reads and writes them: full matching, the formats and JSON text
+pieces the schema rewriter splices in, a cheap size estimate, and questions answered on outlines-core's automaton
+over single bytes (does a text match, do two regexes share a text).
 
 The regexes are Rust regex syntax (what outlines-core compiles). :func:`min_states` reads them with Python's parser,
-which accepts nearly all of it; where it does not, the estimate says 0 (nothing is refused on its word).
+which accepts nearly all of it.
 """
 
 from __future__ import annotations
@@ -10,11 +11,33 @@ from __future__ import annotations
 import functools
 import re
 import sys
+import warnings
 from re import _constants as sre, _parser as sre_parse
 
 import outlines_core
 
 SENTINEL = "\x01"  # See full_match.
+FREE = r'[^"\\\x00-\x1F\x7F-\x9F]*'  # Characters outlines-core's JSON strings write unescaped, any number.
+_HOUR, _MINUTE = "(?:[01][0-9]|2[0-3])", "[0-5][0-9]"
+_YEAR = "(?:000[1-9]|00[1-9][0-9]|0[1-9][0-9]{2}|[1-9][0-9]{3})"
+_LEAP_YEAR = "(?:[0-9]{2}(?:0[48]|[2468][048]|[13579][26])|(?:0[48]|[2468][048]|[13579][26])00)"
+_DATE = (
+  f"(?:{_YEAR}-(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])|(?:0[469]|11)-(?:0[1-9]|[12][0-9]|30)"
+  f"|02-(?:0[1-9]|1[0-9]|2[0-8]))|{_LEAP_YEAR}-02-29)"
+)
+_TIME = f"{_HOUR}:{_MINUTE}:{_MINUTE}(?:\\.[0-9]{{3}}(?:[0-9]{{3}})?)?(?:Z|[+-]{_HOUR}:{_MINUTE})"
+_URL_CHARS = "[a-zA-Z0-9._~%!$&'()*+,;=:@-]"
+_OCTET = "(?:25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-9])"
+FORMATS = {  # JSON-safe regexes of the string inside the quotes; each is a subset of what RFC 3339 etc. allow.
+  "date": _DATE,
+  "time": _TIME,
+  "date-time": f"{_DATE}T{_TIME}",
+  "uuid": "[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}",
+  "email": r"[a-zA-Z0-9._%+-]+@[a-zA-Z0-9-]+(?:\.[a-zA-Z0-9-]+)*\.[a-zA-Z]{2,}",
+  "uri": rf"https?://[a-zA-Z0-9-]+(?:\.[a-zA-Z0-9-]+)*(?::[0-9]{{1,5}})?(?:/{_URL_CHARS}*)*(?:\?(?:{_URL_CHARS}|/)*)?",
+  "ipv4": rf"{_OCTET}(?:\.{_OCTET}){{3}}",
+}
+
 _REPEATS = (sre.MAX_REPEAT, sre.MIN_REPEAT, sre.POSSESSIVE_REPEAT)
 _ONE_CHARACTER = (sre.LITERAL, sre.NOT_LITERAL, sre.ANY, sre.IN, sre.CATEGORY)
 
@@ -32,6 +55,19 @@ def search_regex(pattern: str) -> str:
   """A regex of every text in which JSON Schema's ``pattern`` finds a match (it searches), or of more texts: anchors
   are read as absent, which only widens it."""
   return rf"[\s\S]*(?:{normalize_regex(pattern)})[\s\S]*"
+
+
+def key_regex(pattern: str, inner: str | None = None) -> str:
+  """The texts in which JSON Schema's ``pattern`` finds a match (``inner``: the pattern without its anchors), an
+  unanchored side taking any characters JSON strings need not escape: the keys written for ``patternProperties``."""
+  inner = normalize_regex(pattern) if inner is None else inner
+  anchored_end = inner != (pattern[1:] if pattern.startswith("^") else pattern)
+  return ("" if pattern.startswith("^") else FREE) + f"(?:{inner})" + ("" if anchored_end else FREE)
+
+
+def searches(pattern: str, text: str) -> bool:
+  """Whether JSON Schema's ``pattern`` may find a match in ``text`` (read generously: anchors ignored)."""
+  return matches(search_regex(pattern), text)
 
 
 def full_match(regex: str) -> str:
@@ -94,6 +130,53 @@ def escape(text: str) -> str:
   return re.sub(r"([\\.+*?()|\[\]{}^$#&~-])", r"\\\1", text)
 
 
+# ----------------------------------------------------------------------------------------------- JSON text
+
+
+def object_regex(listed: list[tuple[str, bool]], entries: list[str], room: int | None) -> str:
+  """Regex of a compact object: the ``listed`` ``(member regex, required)`` in order (the required ones always),
+  then up to ``room`` (None: any number of) members of the ``entries`` alternatives."""
+  entry = alternation(entries, optional=False) if entries and room != 0 else None
+
+  def more(used: int) -> str:
+    if entry is None:
+      return ""
+    return f"(?:,{entry})" + ("*" if room is None else f"{{0,{room - used}}}")
+
+  required = [i for i, (_, needed) in enumerate(listed) if needed]
+  if required:
+    first = required[0]
+    members = "".join(f"(?:{m},)?" for m, _ in listed[:first]) + listed[first][0]
+    members += "".join(f",{m}" if needed else f"(?:,{m})?" for m, needed in listed[first + 1 :])
+    return rf"\{{{members}{more(0)}\}}"
+  starts = [listed[i][0] + "".join(f"(?:,{m})?" for m, _ in listed[i + 1 :]) + more(0) for i in range(len(listed))]
+  if entry is not None:
+    starts.append(entry + more(1))
+  return r"\{" + (alternation(starts, optional=True) if starts else "") + r"\}"
+
+
+def arrangements(texts: list[str], low: int, high: int, ordered: bool) -> str:
+  """Regex of the lists of ``low`` to ``high`` distinct ``texts`` (comma-separated), in any order or in theirs."""
+
+  def rest(used: tuple[int, ...]) -> str | None:  # None: minItems cannot be reached from here
+    options = []
+    if len(used) < high:
+      for i in range(used[-1] + 1 if ordered and used else 0, len(texts)):
+        more = rest((*used, i)) if i not in used else None
+        if more is not None:
+          options.append(("," if used else "") + texts[i] + more)
+    if not options:
+      return "" if len(used) >= low else None
+    return alternation(options, optional=len(used) >= low)
+
+  return rest(()) or ""
+
+
+def alternation(options: list[str], optional: bool) -> str:
+  """``(?:a|b)``, or ``(?:a|b)?`` when ``optional``."""
+  return "(?:" + "|".join(options) + ")" + ("?" if optional else "")
+
+
 # ----------------------------------------------------------------------------------------------- size
 
 
@@ -106,15 +189,28 @@ def min_states(regex: str) -> int:
   more; ``X{m,}`` counts ``m`` times so (its last copy loops), ``X*`` its one copy of ``X`` less a state;
   alternatives count their longest branch, except that branches beginning with different characters add up (they
   share no state after that character but the last). Random regexes check that it never exceeds outlines-core's
-  count (tests/test_schema_limits.py). 0 when Python's parser cannot read the regex; :data:`sys.maxsize` for a
-  count Python's parser cannot hold (above 2**32 - 1).
+  count (tests/test_schema_limits.py). Where Python's parser cannot read the regex, even with Rust's ``\\p{..}``
+  classes and ``(?<name>`` groups translated, it is the largest repetition count written in it; a count Python
+  cannot hold (above 2**32 - 1) is :data:`sys.maxsize`.
   """
   try:
-    return _measure(sre_parse.parse(regex))[0]
+    with warnings.catch_warnings():  # "Possible nested set" for Rust's [[:alpha:]]
+      warnings.simplefilter("ignore")
+      return _measure(sre_parse.parse(_python_syntax(regex)))[0]
   except OverflowError:
     return sys.maxsize
   except (re.error, RecursionError, ValueError, TypeError):
-    return 0
+    counts = [int(n) for pair in re.findall(r"\{(\d+)(?:,(\d*))?\}", regex) for n in pair if n]
+    return max(counts, default=0)  # Each repetition of a part that is not empty is a state at least.
+
+
+def _python_syntax(regex: str) -> str:
+  """``regex`` with the Rust syntax Python's parser lacks replaced by what counts the same: a Unicode class
+  (``\\p{L}``) by ``.``, a POSIX class ``[:alpha:]`` by a character, a named group ``(?<name>`` by
+  ``(?P<name>``."""
+  regex = re.sub(r"(?<!\\)((?:\\\\)*)\\[pP](?:\{[^}]*\}|[A-Za-z])", r"\1.", regex)
+  regex = re.sub(r"\[:\^?[a-z]+:\]", "a", regex)  # [[:alpha:]] is [a]: one character
+  return re.sub(r"\(\?<(?![=!])", "(?P<", regex)
 
 
 def _measure(items) -> tuple[int, int]:

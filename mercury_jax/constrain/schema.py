@@ -19,49 +19,52 @@ validates against the schema; some valid texts are never written (the subsets be
 * Enforced exactly: ``type`` (also lists), ``enum``, ``const``, ``required``, ``properties``, ``items``,
   ``prefixItems`` (and draft-7 ``items`` lists), ``minItems``/``maxItems``, ``minLength``/``maxLength``,
   ``minimum``/``maximum``/``exclusiveMinimum``/``exclusiveMaximum`` with any decimal bounds (exact decimal
-  arithmetic, no binary rounding), ``allOf`` (merged), ``anyOf``, local ``$ref``, ``nullable: true`` (OpenAPI 3.0:
-  the schema, or null), ``additionalProperties: false``. Annotations (``title``, ``description``, ``default``,
-  ``examples``, ``$defs`` ...) are ignored.
-* Enforced on a subset of the valid values: an object with ``properties`` writes only those (never additional
-  ones); ``pattern`` matches in full (JSON Schema searches); ``format`` writes
-  the common spelling of :data:`FORMATS` only; bounded numbers have no exponent; "any value" (``{}``, ``true``, items
-  or additional properties without a schema) nests :data:`ANY_VALUE_DEPTH` container deep inside a schema.
-* ``$ref`` recursion: unrolled to ``recursion_depth`` levels (:data:`RECURSION_DEPTH`, a compiler argument), or
-  fewer when the automaton would not fit the compiler's limits; at the last level the recursive branch is cut
-  where the schema lets it be absent (an ``anyOf``/``oneOf`` branch, a
-  property that is not required, the items of an array that may be empty, additional properties, a
-  ``patternProperties`` entry, the non-null side of ``nullable``). A recursion that cannot end there (every level
-  requires the next) is refused naming the ``$ref`` where it first recurs.
-* ``multipleOf``: integers with a step dividing 1 need nothing; a power of ten (``0.01``, ``1``, ``100``) is
-  enforced on its own (fraction digits, trailing zeros), and with bounds for steps below 10; any other step
-  enumerates its multiples within ``minimum`` and ``maximum`` (at most :data:`MAX_ENUMERATED`), else refused.
+  arithmetic, no binary rounding), ``allOf`` (merged), ``anyOf``, local ``$ref``, ``nullable: true`` (OpenAPI 3.0,
+  read as "this schema, or null"; in ``allOf`` null passes only if every part lets it), ``additionalProperties:
+  false``. Annotations (``title``, ``description``, ``default``, ``examples``, ``$defs`` ...) are ignored.
+* Enforced on a subset of the valid values: an object with ``properties`` writes only those, never additional
+  ones; ``pattern`` matches in full (JSON Schema searches); ``format`` writes the common spelling of
+  :data:`FORMATS`; bounded numbers have no exponent; "any value" (``{}``, ``true``, items or additional properties
+  without a schema) nests :data:`ANY_VALUE_DEPTH` container deep inside a schema (a ``json_object`` nests
+  :data:`JSON_OBJECT_DEPTH` deep).
+* ``$ref`` recursion: unrolled ``recursion_depth`` levels (:data:`RECURSION_DEPTH`, a compiler argument), or fewer
+  where the automaton would not fit the compiler's limits. At the last level the recursive branch is cut where the
+  schema lets it be absent: an ``anyOf``/``oneOf`` branch (or ``type`` list entry), a property that is not
+  required, the items of an array that may be empty, additional properties, a ``patternProperties`` entry, the
+  non-null side of ``nullable``. A recursion that cannot end there (each level requires the next) is refused,
+  naming the ``$ref`` where it first recurs.
+* ``multipleOf``: for integers, a step that divides 1 needs nothing (and p/q is p). A power of ten up to 1
+  (``0.01``, ``1``) is enforced with any bounds (no nonzero digit past its place); a larger one (``10``) without
+  bounds. Any other step, or a larger power of ten with bounds, lists its multiples between ``minimum`` and
+  ``maximum`` (at most :data:`MAX_ENUMERATED`, each with any trailing zeros); without both bounds it is refused.
 * ``uniqueItems``: items from a finite set of at most :data:`MAX_UNIQUE` values (``enum``, ``const``, booleans,
   null, integers with both bounds) are written distinct: in any order while the distinct arrays number at most
-  :data:`MAX_ENUMERATED`, otherwise in the set's order (the enum's). Other items are refused (an automaton cannot
-  remember an unbounded set of earlier items); an array of at most one item needs nothing.
-* ``patternProperties``: after the listed properties (which also satisfy every pattern that finds them), entries
-  whose key contains a match of a pattern (as JSON Schema reads it: ``^x-`` writes keys that start with ``x-``)
-  and whose value satisfies that pattern's schema, and the schema of every
-  other pattern whose keys may overlap (decided exactly on the patterns' automata) and of every listed property the
-  pattern matches in full; keys matching no pattern are never written, so ``additionalProperties`` only shapes
-  required names missing from ``properties``. Keys may repeat, as with additional properties.
-* ``oneOf`` is ``anyOf`` when no value written for one branch validates against another; anything else is refused
-  (an automaton cannot subtract one branch from another), naming the two branches. Two branches exclude each other
+  :data:`MAX_ENUMERATED`, otherwise in the set's order (the enum's). Other items are refused: an automaton cannot
+  remember an unbounded set of earlier items. An array of at most one item needs nothing; tuples are refused.
+* ``patternProperties``: after the listed properties (each also satisfies every pattern that finds it), entries
+  whose key contains a match of a pattern, as JSON Schema reads it (``^x-`` writes keys that start with ``x-``),
+  and whose value satisfies that pattern's schema, the schema of every other pattern whose keys may overlap
+  (decided exactly on the patterns' automata) and that of every listed property whose name such a key may be.
+  Keys that match no pattern are never written, so ``additionalProperties`` only shapes required names missing
+  from ``properties``. Keys may repeat, as with additional properties.
+* ``oneOf`` is ``anyOf`` when no value written for one branch validates against another; otherwise it is refused,
+  naming the two branches (an automaton cannot subtract one branch from another). Two branches exclude each other
   when, each way round, the values written for the first fail the second: their types differ; the first's
-  ``enum``/``const`` values all fail the second (checked by ``jsonschema``); the second requires a property the
-  first never writes (one outside its ``properties``, with no pattern matching it); the first requires a property
-  the second forbids (``false``, or outside its properties under ``additionalProperties: false``); a property both
-  require has values that exclude each other, by these same rules; numeric ranges, string lengths or array lengths
-  do not meet; the first's ``pattern``/``format`` shares no text with the second's ``pattern``.
+  ``enum``/``const`` values all fail the second, or the second's all fail the first (checked by ``jsonschema``);
+  the second requires a property the first never writes (one outside its ``properties``, with no pattern matching
+  it); the first requires a property the second forbids (``false``, or outside its properties under
+  ``additionalProperties: false``); a property both require has values that exclude each other, by these same
+  rules; their numeric ranges, string lengths or array lengths do not meet; the first's ``pattern``/``format``
+  shares no text with what the second's ``pattern`` finds.
 * ``minProperties``: at most the number of required properties (or 1 for objects without ``properties``);
-  ``maxProperties``: at least the number of listed properties (bounds ``patternProperties`` entries).
-* Refused, naming the keyword path: ``not``, ``if``/``then``/``else``, ``dependentRequired``,
-  ``dependentSchemas``, ``propertyNames``, ``contains``, ``unevaluated*``, ``$dynamicRef`` (none of them is a
-  regular language over this text, or their regex would need a complement); non-local ``$ref``; formats outside
-  :data:`FORMATS`; ``pattern``/``format`` together with a length; a ``pattern`` that can match a character JSON
-  strings must escape; property names that need escaping; a schema whose automaton needs more states than the
-  compiler builds (:class:`Budget`): ``maxLength``, ``minItems``/``maxItems``, a ``pattern`` or an ``enum`` are
-  checked on their own, in milliseconds and before anything is built.
+  ``maxProperties``: at least the number of listed properties (it also bounds ``patternProperties`` entries).
+* Refused, naming the keyword path: ``not`` and ``if``/``then``/``else`` (they need the complement of a schema),
+  ``contains``, ``unevaluatedProperties``/``unevaluatedItems`` (the intersection of two schemas' texts),
+  ``dependentRequired``, ``dependentSchemas``, ``propertyNames`` (not implemented), ``$dynamicRef``; non-local
+  ``$ref``; formats outside :data:`FORMATS`; ``pattern`` or ``format`` together with a length; a ``pattern`` that
+  can match a character JSON strings must escape; property names that need escaping; a schema whose automaton needs
+  more states than the compiler builds (:class:`Budget`). ``maxLength``, ``minItems``/``maxItems``, ``pattern``
+  and ``enum`` are checked on their own, the whole regex after them, in milliseconds and before outlines-core runs.
 """
 
 from __future__ import annotations
@@ -78,8 +81,9 @@ import jsonschema
 from outlines_core.json_schema import build_regex_from_schema
 from referencing.exceptions import Unresolvable
 
-from mercury_jax.constrain import numbers, regexes
-from mercury_jax.constrain.numbers import exact, group
+from mercury_jax.constrain import numbers, oneof, regexes
+from mercury_jax.constrain.numbers import exact
+from mercury_jax.constrain.regexes import FORMATS
 
 
 class ConstraintError(ValueError):
@@ -157,28 +161,8 @@ SUPPORTED = ", ".join(
   + ["maxLength", "pattern", "format", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"]
 )
 
-_HOUR, _MINUTE = "(?:[01][0-9]|2[0-3])", "[0-5][0-9]"
-_YEAR = "(?:000[1-9]|00[1-9][0-9]|0[1-9][0-9]{2}|[1-9][0-9]{3})"
-_LEAP_YEAR = "(?:[0-9]{2}(?:0[48]|[2468][048]|[13579][26])|(?:0[48]|[2468][048]|[13579][26])00)"
-_DATE = (
-  f"(?:{_YEAR}-(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])|(?:0[469]|11)-(?:0[1-9]|[12][0-9]|30)"
-  f"|02-(?:0[1-9]|1[0-9]|2[0-8]))|{_LEAP_YEAR}-02-29)"
-)
-_TIME = f"{_HOUR}:{_MINUTE}:{_MINUTE}(?:\\.[0-9]{{3}}(?:[0-9]{{3}})?)?(?:Z|[+-]{_HOUR}:{_MINUTE})"
-_URL_CHARS = "[a-zA-Z0-9._~%!$&'()*+,;=:@-]"
-_OCTET = "(?:25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-9])"
-FORMATS = {  # JSON-safe regexes of the string inside the quotes; each is a subset of what RFC 3339 etc. allow.
-  "date": _DATE,
-  "time": _TIME,
-  "date-time": f"{_DATE}T{_TIME}",
-  "uuid": "[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}",
-  "email": r"[a-zA-Z0-9._%+-]+@[a-zA-Z0-9-]+(?:\.[a-zA-Z0-9-]+)*\.[a-zA-Z]{2,}",
-  "uri": rf"https?://[a-zA-Z0-9-]+(?:\.[a-zA-Z0-9-]+)*(?::[0-9]{{1,5}})?(?:/{_URL_CHARS}*)*(?:\?(?:{_URL_CHARS}|/)*)?",
-  "ipv4": rf"{_OCTET}(?:\.{_OCTET}){{3}}",
-}
 _SCALARS = [{"type": "string"}, {"type": "number"}, {"type": "boolean"}, {"type": "null"}]
 _UNSAFE_IN_STRINGS = frozenset([ord('"'), ord("\\"), *range(0x20)])  # What JSON strings must escape.
-_FREE = r'[^"\\\x00-\x1F\x7F-\x9F]*'  # Characters outlines' strings write unescaped.
 
 
 def any_value(depth: int) -> dict:
@@ -532,14 +516,12 @@ class _Rewriter:
     self.check_size(len(prefixes), f"{keyword} ({len(texts)} values)", path, keyword)
     return self.placeholder("|".join(regexes.escape(t) for t in texts))
 
-  # ------------------------------------------------------------------------------------------ oneOf
-
   def check_exclusive(self, branches: list[tuple[dict, tuple]], path: tuple) -> None:
-    """``oneOf`` is ``anyOf`` only when no value written for a branch validates against another (module
-    docstring)."""
+    """``oneOf`` is ``anyOf`` only when no value written for a branch validates against another
+    (:mod:`~mercury_jax.constrain.oneof`)."""
     for j, (second, second_path) in enumerate(branches):
       for first, first_path in branches[:j]:
-        if not (self.excludes(first, second) and self.excludes(second, first)):
+        if not oneof.exclusive(first, second, self):
           self.fail(
             f"oneOf branches {first_path[-1]} and {second_path[-1]} may both match one value; give them distinct "
             "types, a required property with distinct 'const' values, or required properties the other never has "
@@ -548,64 +530,20 @@ class _Rewriter:
             "oneOf",
           )
 
-  def excludes(self, a, b, level: int = 0) -> bool:
-    """Whether no value the compiler writes for schema ``a`` validates against schema ``b`` (False: it may, or the
-    rules of the module docstring cannot tell)."""
-    if a is False or b is False:
-      return True
-    if not isinstance(a, dict) or not isinstance(b, dict) or level > 8:
-      return False
+  def resolve(self, schema) -> dict | bool | None:
+    """``schema`` with its top-level ``$ref`` followed and annotations dropped; None when it cannot be."""
     try:
-      a, b = self.deref(a, (), ())[0], self.deref(b, (), ())[0]
-      if not isinstance(a, dict) or not isinstance(b, dict):
-        return a is False or b is False
-      return self._excludes(_body(a), _body(b), level)
-    except (_Cut, ConstraintError, Unresolvable, re.error):
-      return False
+      schema = self.deref(schema, (), ())[0]
+    except (_Cut, ConstraintError):
+      return None
+    return _body(schema) if isinstance(schema, dict) else schema
 
-  def _excludes(self, a: dict, b: dict, level: int) -> bool:
-    kinds_a, kinds_b = _kinds(a), _kinds(b)
-    if kinds_a is not None and kinds_b is not None and not kinds_a & kinds_b:
-      return True
-    written, accepted = _constants(a), _constants(b)
-    if written is not None and not any(self.validates(b).is_valid(json.loads(v)) for v in written):
-      return True
-    if accepted is not None and not any(self.validates(a).is_valid(json.loads(v)) for v in accepted):
-      return True
-    if kinds_a is None or len(kinds_a) != 1 or (kinds_b is not None and not kinds_a <= kinds_b) or written:
-      return False
-    kind = next(iter(kinds_a))
-    if kind == "object":
-      return self._objects_exclude(a, b, level)
-    if kind == "number":
-      return _disjoint_ranges(_range(a, "minimum", "maximum"), _range(b, "minimum", "maximum"))
-    if kind == "array":
-      return _disjoint_ranges(_range(a, "minItems", "maxItems"), _range(b, "minItems", "maxItems"))
-    if kind == "string":
-      if _disjoint_ranges(_range(a, "minLength", "maxLength"), _range(b, "minLength", "maxLength")):
-        return True
-      own = FORMATS.get(a.get("format")) or (regexes.normalize_regex(a["pattern"]) if "pattern" in a else None)
-      try:
-        return own is not None and "pattern" in b and regexes.disjoint(own, regexes.search_regex(b["pattern"]))
-      except ValueError:
-        return False
-    return False
-
-  def _objects_exclude(self, a: dict, b: dict, level: int) -> bool:
-    names = _written_names(a)
-    for name in b.get("required", []):
-      if names is not None and name not in names[0] and not any(_matches_key(p, name) for p in names[1]):
-        return True
-    b_properties, b_patterns = b.get("properties", {}), b.get("patternProperties", {})
-    for name in a.get("required", []):
-      if b_properties.get(name) is False:
-        return True
-      searched = [s for p, s in b_patterns.items() if regexes.matches(regexes.search_regex(p), name)]
-      if False in searched or (b.get("additionalProperties") is False and name not in b_properties and not searched):
-        return True
-      if name in b_properties and self.excludes(a.get("properties", {}).get(name, True), b_properties[name], level + 1):
-        return True
-    return False
+  def valid(self, value, schema: dict) -> bool | None:
+    """Whether ``value`` validates against the subschema ``schema``; None when that cannot be checked."""
+    try:
+      return self.validates(schema).is_valid(value)
+    except (Unresolvable, re.error):
+      return None
 
   # ------------------------------------------------------------------------------------------ types
 
@@ -668,8 +606,8 @@ class _Rewriter:
     return inner
 
   def number(self, body: dict, path: tuple, integer: bool) -> dict:
-    low, low_open = _bound(body, "minimum", "exclusiveMinimum", max)
-    high, high_open = _bound(body, "maximum", "exclusiveMaximum", min)
+    low, low_open = numbers.bound(body, "minimum", "exclusiveMinimum", max)
+    high, high_open = numbers.bound(body, "maximum", "exclusiveMaximum", min)
     step = None if "multipleOf" not in body else exact(body["multipleOf"])
     if integer:
       first = None if low is None else (math.floor(low) + 1 if low_open else math.ceil(low))
@@ -683,7 +621,7 @@ class _Rewriter:
       if step is None:
         return {"type": "integer"} if low is None and high is None else self.placeholder(numbers.integers(first, last))
       low, low_open, high, high_open = first, False, last, False
-    power = _power_of_ten(step)
+    power = numbers.power_of_ten(step)
     if step is None or (power is not None and power <= 0):
       digits = None if step is None else -power
       if not integer and step is None and low is None and high is None:
@@ -764,12 +702,12 @@ class _Rewriter:
       self.fail(f"minItems={low} is above the {n} distinct values the items can take", path, "minItems")
     texts = [regexes.escape(_dumps(v)) for v in domain]
     if sum(math.perm(n, k) for k in range(low, high + 1)) <= MAX_ENUMERATED:
-      return self.placeholder(r"\[" + _arrangements(texts, low, high, ordered=False) + r"\]")
+      return self.placeholder(r"\[" + regexes.arrangements(texts, low, high, ordered=False) + r"\]")
     if low <= 1 and high == n:
       firsts = [texts[i] + "".join(f"(?:,{t})?" for t in texts[i + 1 :]) for i in range(n)]
-      return self.placeholder(r"\[" + _alternation(firsts, optional=low == 0) + r"\]")
+      return self.placeholder(r"\[" + regexes.alternation(firsts, optional=low == 0) + r"\]")
     if sum(math.comb(n, k) for k in range(low, high + 1)) <= MAX_ENUMERATED:
-      return self.placeholder(r"\[" + _arrangements(texts, low, high, ordered=True) + r"\]")
+      return self.placeholder(r"\[" + regexes.arrangements(texts, low, high, ordered=True) + r"\]")
     self.fail(
       f"'uniqueItems' over {n} values with minItems={low} and maxItems={high} leaves more than {MAX_ENUMERATED} "
       "arrays to list; widen minItems/maxItems to 0 or 1 and the number of values, or drop uniqueItems",
@@ -863,8 +801,8 @@ class _Rewriter:
     required = list(body.get("required", []))
     extra = body.get("additionalProperties", True)
     low, high = int(body.get("minProperties", 0)), body.get("maxProperties")
-    keys = {p: _key_regex(p, self.string_pattern(p, path + ("patternProperties", p))) for p in patterns}
-    found = {n: [p for p in patterns if _searches(p, n)] for n in [*properties, *required]}
+    keys = {p: regexes.key_regex(p, self.string_pattern(p, path + ("patternProperties", p))) for p in patterns}
+    found = {n: [p for p in patterns if regexes.searches(p, n)] for n in [*properties, *required]}
     for name in required:
       if name not in properties:
         if not found[name] and extra is False:
@@ -900,7 +838,9 @@ class _Rewriter:
     entries = []
     for pattern, schema in patterns.items():
       where = path + ("patternProperties", pattern)
-      overlapping = [q for q in patterns if q != pattern and not regexes.disjoint(keys[pattern], _search(q))]
+      overlapping = [
+        q for q in patterns if q != pattern and not regexes.disjoint(keys[pattern], regexes.search_regex(q))
+      ]
       named = [n for n in properties if regexes.matches(keys[pattern], n)]
       parts = [schema, *(patterns[q] for q in overlapping), *(properties[n] for n in named)]
       if False in parts:
@@ -918,7 +858,7 @@ class _Rewriter:
         ) from None
       entries.append(f'"(?:{keys[pattern]})":(?:{self.regex_of(value)})')
     room = None if high is None else int(high) - len(listed)
-    return self.placeholder(_object_regex(listed, entries, room))
+    return self.placeholder(regexes.object_regex(listed, entries, room))
 
   def check_name(self, name: str, path: tuple) -> None:
     if _dumps(name) != f'"{name}"':
@@ -945,49 +885,6 @@ def _either(options) -> dict:
   return ready[0] if len(ready) == 1 else {"anyOf": ready}
 
 
-def _object_regex(listed: list[tuple[str, bool]], entries: list[str], room: int | None) -> str:
-  """Regex of a compact object: the ``listed`` ``(member regex, required)`` in order (the required ones always),
-  then up to ``room`` (None: any number of) members of the ``entries`` alternatives."""
-  entry = group(entries) if entries and room != 0 else None
-
-  def more(used: int) -> str:
-    if entry is None:
-      return ""
-    return f"(?:,{entry})" + ("*" if room is None else f"{{0,{room - used}}}")
-
-  required = [i for i, (_, needed) in enumerate(listed) if needed]
-  if required:
-    first = required[0]
-    members = "".join(f"(?:{m},)?" for m, _ in listed[:first]) + listed[first][0]
-    members += "".join(f",{m}" if needed else f"(?:,{m})?" for m, needed in listed[first + 1 :])
-    return rf"\{{{members}{more(0)}\}}"
-  starts = [listed[i][0] + "".join(f"(?:,{m})?" for m, _ in listed[i + 1 :]) + more(0) for i in range(len(listed))]
-  if entry is not None:
-    starts.append(entry + more(1))
-  return r"\{" + (_alternation(starts, optional=True) if starts else "") + r"\}"
-
-
-def _arrangements(texts: list[str], low: int, high: int, ordered: bool) -> str:
-  """Regex of the lists of ``low`` to ``high`` distinct ``texts`` (comma-separated), in any order or in theirs."""
-
-  def rest(used: tuple[int, ...]) -> str | None:  # None: minItems cannot be reached from here
-    options = []
-    if len(used) < high:
-      for i in range(used[-1] + 1 if ordered and used else 0, len(texts)):
-        more = rest((*used, i)) if i not in used else None
-        if more is not None:
-          options.append(("," if used else "") + texts[i] + more)
-    if not options:
-      return "" if len(used) >= low else None
-    return _alternation(options, optional=len(used) >= low)
-
-  return rest(()) or ""
-
-
-def _alternation(options: list[str], optional: bool) -> str:
-  return "(?:" + "|".join(options) + ")" + ("?" if optional else "")
-
-
 def _body(schema) -> dict:
   return {k: v for k, v in schema.items() if k not in ANNOTATIONS} if isinstance(schema, dict) else {}
 
@@ -1012,38 +909,6 @@ def _common_types(a, b) -> list[str] | str | None:
   return None if not common else common[0] if len(common) == 1 else common
 
 
-def _kinds(schema: dict) -> set[str] | None:
-  """The JSON kinds a schema allows, from its explicit ``type``/``enum``/``const``/``nullable`` (None: possibly
-  any)."""
-  values = _constants(schema)
-  if values is not None:
-    kinds = {_kind(json.loads(v)) for v in values}
-  elif "type" in schema and not any(k in schema for k in ("anyOf", "oneOf", "allOf", "$ref")):
-    types = schema["type"]
-    kinds = {"number" if t == "integer" else t for t in ([types] if isinstance(types, str) else types)}
-  else:
-    return None
-  return kinds | {"null"} if schema.get("nullable") is True else kinds
-
-
-def _kind(value) -> str:
-  if isinstance(value, bool):
-    return "boolean"
-  if isinstance(value, (int, float)):
-    return "number"
-  return {str: "string", list: "array", dict: "object", type(None): "null"}[type(value)]
-
-
-def _constants(schema) -> set[str] | None:
-  if not isinstance(schema, dict) or any(k in schema for k in ("anyOf", "oneOf", "allOf", "$ref")):
-    return None
-  if "const" in schema:
-    return {_dumps(schema["const"])}
-  if "enum" in schema:
-    return {_dumps(v) for v in schema["enum"]}
-  return None
-
-
 def _value_key(value):
   """A key under which values equal in JSON Schema's sense (``1 == 1.0``, ``true != 1``) are equal."""
   if isinstance(value, bool) or value is None:
@@ -1055,78 +920,6 @@ def _value_key(value):
   if isinstance(value, dict):
     return ("object", tuple(sorted((k, _value_key(v)) for k, v in value.items())))
   return ("string", value)
-
-
-def _written_names(schema: dict) -> tuple[set[str], list[str]] | None:
-  """``(names, key patterns)`` that an object written for ``schema`` may have, or None for any names."""
-  patterns = [p for p, s in schema.get("patternProperties", {}).items() if s is not False]
-  if "properties" in schema or "required" in schema or patterns:
-    listed = {n for n, s in schema.get("properties", {}).items() if s is not False}
-    return listed | set(schema.get("required", [])), patterns
-  if schema.get("additionalProperties") is False or schema.get("maxProperties") == 0:
-    return set(), []
-  return None
-
-
-def _key_regex(pattern: str, inner: str) -> str:
-  """The keys written for ``pattern`` (``inner`` is it without its anchors): texts in which JSON Schema finds it,
-  an unanchored side taking any characters JSON strings need not escape."""
-  anchored_end = inner != (pattern[1:] if pattern.startswith("^") else pattern)
-  return ("" if pattern.startswith("^") else _FREE) + f"(?:{inner})" + ("" if anchored_end else _FREE)
-
-
-def _search(pattern: str) -> str:
-  return regexes.search_regex(pattern)
-
-
-def _searches(pattern: str, name: str) -> bool:
-  """Whether ``pattern`` may find a match in ``name`` (read generously: anchors ignored)."""
-  return regexes.matches(_search(pattern), name)
-
-
-def _matches_key(pattern: str, name: str) -> bool:
-  """Whether a key written for ``pattern`` may be ``name``."""
-  try:
-    return regexes.matches(_key_regex(pattern, regexes.normalize_regex(pattern)), name)
-  except ValueError:
-    return True
-
-
-def _range(schema: dict, low: str, high: str) -> tuple:
-  """``(low, low_open, high, high_open)`` of a schema's numeric bounds (or length bounds), None where absent."""
-  if low == "minimum":
-    return (*_bound(schema, "minimum", "exclusiveMinimum", max), *_bound(schema, "maximum", "exclusiveMaximum", min))
-  bottom, top = schema.get(low), schema.get(high)
-  return (None if bottom is None else exact(bottom)), False, (None if top is None else exact(top)), False
-
-
-def _disjoint_ranges(a: tuple, b: tuple) -> bool:
-  def below(high, high_open, low, low_open) -> bool:  # the first range ends before the second starts
-    return high is not None and low is not None and (high < low or (high == low and (high_open or low_open)))
-
-  return below(a[2], a[3], b[0], b[1]) or below(b[2], b[3], a[0], a[1])
-
-
-def _bound(body: dict, inclusive: str, exclusive: str, tighter) -> tuple[Fraction | None, bool]:
-  """``(value, open)`` of a lower (``tighter=max``) or upper (``min``) bound, from either draft's spelling."""
-  value, other = body.get(inclusive), body.get(exclusive)
-  value = None if value is None else exact(value)
-  if isinstance(other, bool):  # Draft 4: a flag on minimum/maximum.
-    return value, other and value is not None
-  if other is None:
-    return value, False
-  other = exact(other)
-  if value is not None and value != other and tighter(value, other) == value:
-    return value, False
-  return other, True
-
-
-def _power_of_ten(step: Fraction | None) -> int | None:
-  """``p`` when ``step`` is ``10**p``, else None."""
-  if step is None or step <= 0:
-    return None
-  power = round(math.log10(step))
-  return power if Fraction(10) ** power == step else None
 
 
 def _show(value) -> str:

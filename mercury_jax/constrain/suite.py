@@ -3,6 +3,8 @@
 Every schema compiles with the bundled tokenizer to a few hundred automaton states at most, and its shortest
 instance fits in well under 96 tokens. ``EXAMPLES[name]`` validates against ``SCHEMAS[name]`` and lists its keys in
 the schema's order, so its compact JSON (``json.dumps(x, separators=(",", ":"))``) is accepted by the automaton.
+``EXTENDED`` (with ``EXTENDED_EXAMPLES``) holds tool schemas that use the keywords beyond the core: recursion,
+decimal steps, ``nullable``, ``patternProperties``, ``uniqueItems``, ``oneOf`` without a discriminator.
 """
 
 from __future__ import annotations
