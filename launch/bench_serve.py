@@ -2,7 +2,8 @@
 
     python launch/bench_serve.py --model diffusion=runs/bd --model twin=runs/ar \\
       [--concurrency 1,4,16,64] [--requests-per-level 64] [--max-tokens 64] [--slots 64] \\
-      [--extra '{"steps_per_block": 2, "threshold": 0.9}'] [--temperature 1.0] [--seed 0] [--prompts FILE] [--out bench_serve]
+      [--extra '{"steps_per_block": 2, "threshold": 0.9}'] [--temperature 1.0] [--seed 0] [--prompts FILE] \\
+      [--out bench_serve]
 
 Needs ``httpx`` and ``matplotlib`` besides the server's own packages. For each ``--model NAME=CHECKPOINT`` the script
 starts a server (``sys.executable -m mercury_jax.serve --port 0``; its log goes to ``OUT/server-NAME.log``), waits for
@@ -32,6 +33,10 @@ Definitions (times from the client's clock; a request's latency runs from just b
 * achieved conc.: the time average of the requests in flight over the wall span (the sum of latencies / the span).
 * errors: requests that did not answer 200 with a usage event (429 from a full queue counts; ``--max-queue``
   defaults high so that an open loop is never refused).
+* engine ms/step and host %: from the server's ``/metrics`` before and after the level
+  (``mercury_engine_iterations_total``, ``mercury_engine_seconds_total``, ``mercury_engine_host_seconds_total``): the
+  engine thread's mean time per iteration that ran a step, and the share of it spent on the host around the engine
+  (building the command, admissions, reading the step's view, handing out updates). "-" for a server without them.
 * p99 of a level with fewer than 100 requests lies between its two largest values (linear interpolation).
 
 Sampling: ``--temperature`` defaults to 1.0, the model's own distribution, as a sampling client would use it (greedy
@@ -322,16 +327,37 @@ async def _closed_loop(client, url: str, bodies: list[dict], clients: int) -> li
   return sorted(records, key=lambda r: r.index)
 
 
-async def _compilations(client, url: str) -> float | None:
-  """``mercury_compilations_total`` from ``/metrics`` (None when absent)."""
+COUNTERS = (
+  "mercury_compilations_total",
+  "mercury_engine_iterations_total",
+  "mercury_engine_seconds_total",
+  "mercury_engine_host_seconds_total",
+)
+
+
+async def _counters(client, url: str) -> dict[str, float]:
+  """The :data:`COUNTERS` the server's ``/metrics`` has (an older server lacks some)."""
   try:
     text = (await client.get(f"{url}/metrics")).text
   except Exception:
-    return None
+    return {}
+  found = {}
   for line in text.splitlines():
-    if line.startswith("mercury_compilations_total "):
-      return float(line.split()[1])
-  return None
+    name, _, value = line.partition(" ")
+    if name in COUNTERS:
+      found[name] = float(value)
+  return found
+
+
+def _engine_split(before: dict, after: dict) -> dict:
+  """Engine ms per step and the host's share of it over a level (None without the counters)."""
+  names = COUNTERS[1:]
+  if not all(n in before and n in after for n in names):
+    return {"engine_steps": None, "step_ms": None, "host_share": None}
+  steps, engine, host = (after[n] - before[n] for n in names)
+  if steps < 1:
+    return {"engine_steps": 0, "step_ms": None, "host_share": None}
+  return {"engine_steps": steps, "step_ms": 1000 * (engine + host) / steps, "host_share": host / (engine + host)}
 
 
 # ------------------------------------------------------------------------------------------------ statistics
@@ -383,11 +409,12 @@ def _num(value: float, digits: int = 1) -> str:
 def markdown_table(models: dict) -> str:
   head = (
     "| model | conc. | load | req | err | achieved conc. | out tok/s | per-req tok/s p50 | TTFT p50 / p99 ms "
-    "| inter-block p50 / p99 ms | latency p50 / p99 ms | tok/fwd |"
+    "| inter-block p50 / p99 ms | latency p50 / p99 ms | tok/fwd | engine ms/step | host % |"
   )
-  lines = [head, "|" + "---|" * 12]
+  lines = [head, "|" + "---|" * 14]
   for name, model in models.items():
     for row in model.get("levels", []):
+      host = row.get("host_share")
       load = row["load"]
       if load == "poisson":
         load = f"Poisson {row['rate_rps']:.2f} req/s"
@@ -398,7 +425,8 @@ def markdown_table(models: dict) -> str:
         f"| {_num(row['achieved_concurrency'], 2)} | {_num(row['output_tokens_per_s'])} "
         f"| {_num(row['per_request_tokens_per_s_p50'])} | {_ms(row['ttft_p50_s'])} / {_ms(row['ttft_p99_s'])} "
         f"| {_ms(row['inter_block_p50_s'])} / {_ms(row['inter_block_p99_s'])} "
-        f"| {_ms(row['latency_p50_s'])} / {_ms(row['latency_p99_s'])} | {_num(row['tokens_per_forward'], 2)} |"
+        f"| {_ms(row['latency_p50_s'])} / {_ms(row['latency_p99_s'])} | {_num(row['tokens_per_forward'], 2)} "
+        f"| {_num(row.get('step_ms'))} | {_num(None if host is None else 100 * host)} |"
       )
   return "\n".join(lines)
 
@@ -502,7 +530,7 @@ async def bench_model(url: str, args, prompts: list[str], rng: np.random.Generat
     for level in args.concurrency:
       count = max(args.requests_per_level, level)
       bodies = [_body(i, prompts, args, extra) for i in range(count)]
-      before = await _compilations(client, url)
+      before = await _counters(client, url)
       if level == 1:
         records, rate, load = await _sequential(client, url, bodies), None, "sequential"
       elif args.load == "closed":
@@ -510,15 +538,20 @@ async def bench_model(url: str, args, prompts: list[str], rng: np.random.Generat
       else:
         rate, load = level / solo_latency, "poisson"
         records = await _open_loop(client, url, bodies, rate, rng)
-      after = await _compilations(client, url)
+      after = await _counters(client, url)
       row = summarize(records, level, load, rate)
-      row["compilations"] = None if before is None or after is None else after - before
+      compiled = "mercury_compilations_total"
+      row["compilations"] = after[compiled] - before[compiled] if compiled in before and compiled in after else None
+      row |= _engine_split(before, after)
       row["records"] = [dataclasses.asdict(r) for r in records]
       levels.append(row)
+      split = ""
+      if row["host_share"] is not None:
+        split = f", engine {row['step_ms']:.1f} ms/step with {100 * row['host_share']:.1f} % on the host"
       print(
         f"  concurrency {level}: {row['output_tokens_per_s']:.1f} out tok/s, "
         f"latency p50 {_ms(row['latency_p50_s'])} ms, achieved {row['achieved_concurrency']:.2f}, "
-        f"{row['errors']} errors",
+        f"{row['errors']} errors{split}",
         flush=True,
       )
   return {"card": card, "extra": extra, "solo_latency_s": solo_latency, "levels": levels}

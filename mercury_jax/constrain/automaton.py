@@ -4,6 +4,9 @@ outlines-core's ``Index`` turns a regular expression and the tokenizer's vocabul
 renumbers them into the dense int32 arrays that :mod:`mercury_jax.constrain.device` runs over inside the jitted loop:
 
 * State 0 is ``DONE`` (after EOS), where every token goes to ``DONE``. EOS is allowed exactly in accepting states.
+* Equivalent states (the same token sequences lead from them to acceptance) are merged: outlines-core does not
+  minimize, and a regex that repeats a part (``X(,X)*``, nested values, unrolled recursion) has a copy of the part's
+  states per repetition.
 * Tokens whose columns of the transition table are equal share a class, so the table is ``[states, classes]``.
 * Text that every continuation of a state begins with (a JSON Schema's keys and punctuation) gets exactly one
   tokenisation, the tokenizer's own: such states allow a single token (``forced``), which the engine commits without
@@ -13,6 +16,12 @@ renumbers them into the dense int32 arrays that :mod:`mercury_jax.constrain.devi
 Only the tokenizer's text pieces are used: the control ids, the unknown id and byte pieces of bytes >= 0x80 (halves
 of UTF-8 characters) are forbidden everywhere but in ``DONE``. :class:`Compiler` is the front door: regexes,
 JSON Schemas (:mod:`mercury_jax.constrain.schema`) and "any JSON object", compiled once per tokenizer and cached.
+
+Size limits hold before anything large is built: outlines-core's automaton (before minimizing) may have at most
+:data:`PRE_PRUNING_FACTOR` times ``max_states`` states. A static estimate of the regex
+(:func:`~mercury_jax.constrain.regexes.min_states`, and per keyword in the schema rewriter) refuses larger
+constraints in milliseconds; the count of outlines-core's states refuses them again before the dense
+``[states, vocab]`` table; the final automaton is held to ``max_states``, ``max_classes`` and ``max_edges``.
 """
 
 from __future__ import annotations
@@ -30,14 +39,17 @@ from typing import ClassVar
 import numpy as np
 import outlines_core
 
-from mercury_jax.constrain import schema as schema_lib
-from mercury_jax.constrain.schema import ConstraintError
+from mercury_jax.constrain import regexes, schema as schema_lib
+from mercury_jax.constrain.schema import Budget, ConstraintError
 from mercury_jax.data.tokenizer import NUM_SPECIAL, Tokenizer
 
 __all__ = ["Automaton", "Compiler", "ConstraintError"]
 
 FORCED_TEXT_LIMIT = 64  # Characters of fixed text looked ahead per state (a shorter look-ahead is still correct).
-PRE_PRUNING_FACTOR = 4  # outlines states beyond this many times max_states are refused before the dense table.
+# outlines-core states (reachable through the tokens the automaton allows) per final state that a compile may build
+# before minimizing and pruning; more is refused before the dense table (from a static estimate, before outlines-core
+# runs too). A json_object 4 deep (JSON_OBJECT_DEPTH) builds 4001 states for 335 final ones: within 8 * 512.
+PRE_PRUNING_FACTOR = 8
 _BYTE_PIECE = re.compile(r"<0x([0-9A-F]{2})>")
 
 
@@ -51,7 +63,7 @@ class Automaton:
     source: The constraint text (the regex, or the schema as compact JSON in its own key order); ``kind`` and
       ``source`` compile to this automaton again with the same tokenizer.
     regex: The regular expression the automaton was built from.
-    key: Hex sha256 of the kind, the source and the tokenizer: the cache key.
+    key: Hex sha256 of the kind, the source, the tokenizer and the compiler's options: the cache key.
     classes: int32 [vocab]: token id -> class (tokens with identical transitions share one).
     table: int32 [states, classes]: the next state, or -1 for a forbidden token.
     accepting: bool [states].
@@ -145,6 +157,7 @@ class _Vocab:
   lengths: np.ndarray  # int32 [vocab]: characters of each token's text
   excluded: np.ndarray  # int64: ids outlines may use (bytes >= 0x80) that the automaton forbids
   digest: bytes  # sha256 of the serialized tokenizer
+  spells_ascii: bool  # Every ASCII character is a token: outlines' states are the regex's, as min_states counts.
 
   @classmethod
   def of(cls, tokenizer: Tokenizer) -> _Vocab:
@@ -165,7 +178,7 @@ class _Vocab:
       elif piece:
         texts[token_id] = piece.replace("\u2581", " ")
         raw[texts[token_id].encode()].append(token_id)
-    raw[schema_lib.SENTINEL.encode()].append(tokenizer.vocab_size)  # An id past the vocabulary (see full_match).
+    raw[regexes.SENTINEL.encode()].append(tokenizer.vocab_size)  # An id past the vocabulary (see full_match).
     first = np.array([ord(t[0]) if t else -1 for t in texts], np.int32)
     return cls(
       tokenizer=tokenizer,
@@ -175,6 +188,7 @@ class _Vocab:
       lengths=np.array([len(t) if t else 0 for t in texts], np.int32),
       excluded=np.asarray(excluded, np.int64),
       digest=hashlib.sha256(tokenizer.to_bytes()).digest(),
+      spells_ascii=set(map(chr, range(128))) <= set(texts),
     )
 
 
@@ -185,22 +199,27 @@ class _Limits:
   max_edges: int
   remedy: str = "raise the compiler's max_{name}"  # how a user raises a limit (``{name}``: states, ...)
 
+  @property
+  def budget(self) -> Budget:
+    """What outlines-core may build before minimizing (:data:`PRE_PRUNING_FACTOR`)."""
+    return Budget(self.max_states, PRE_PRUNING_FACTOR, self.remedy.format(name="states"))
+
 
 def _index(regex: str, vocab: _Vocab) -> tuple[dict, set, int]:
   """outlines-core's token transitions of the texts ``regex`` matches in full: ``(transitions, finals, start)``, the
-  start being the state after the sentinel token (see :func:`~mercury_jax.constrain.schema.full_match`).
+  start being the state after the sentinel token (see :func:`~mercury_jax.constrain.regexes.full_match`).
 
   Raises:
     ConstraintError: The regex is invalid, or some prefix of it has no token that continues it.
   """
-  if not schema_lib.balanced(regex):
-    raise ConstraintError(schema_lib.explain_regex_error(regex), param="regex")
+  if not regexes.balanced(regex):
+    raise ConstraintError(regexes.explain_regex_error(regex), param="regex")
   try:
-    index = outlines_core.Index(schema_lib.full_match(regex), vocab.index_vocabulary)
+    index = outlines_core.Index(regexes.full_match(regex), vocab.index_vocabulary)
   except ValueError as e:
     message = str(e)
     if "incompatible with the regex" not in message:
-      raise ConstraintError(schema_lib.explain_regex_error(regex), param="regex") from None
+      raise ConstraintError(regexes.explain_regex_error(regex), param="regex") from None
     chars = re.search(r"characters: \[(.*)\]", message)
     raise ConstraintError(
       f"no token can continue some prefix of the constraint (it needs one of {chars.group(1) if chars else '?'}); "
@@ -211,26 +230,36 @@ def _index(regex: str, vocab: _Vocab) -> tuple[dict, set, int]:
   return transitions, index.get_final_states(), start
 
 
-def _dense(transitions: dict, finals: set, start: int, vocab: _Vocab) -> tuple[np.ndarray, np.ndarray]:
-  """``(table [states, vocab], accepting)`` of the states reachable from ``start`` (numbered 1 on, in
-  breadth-first order; 0 is DONE), with EOS wired in."""
-  size = vocab.tokenizer.vocab_size
-  order, seen = [start], {start}
-  for state in order:  # Breadth-first over recorded transitions: outlines also lists states no token reaches.
-    for token, nxt in transitions.get(state, {}).items():
-      if nxt not in seen and token < size:
-        seen.add(nxt)
-        order.append(nxt)
-  number = {state: i + 1 for i, state in enumerate(order)}
-  table = np.full((len(order) + 1, size), -1, np.int32)
-  table[Automaton.DONE] = Automaton.DONE
+def _rows(transitions: dict, start: int, vocab: _Vocab) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+  """outlines-core's states reachable from ``start`` through tokens the automaton allows, in breadth-first order,
+  each with the ``(tokens, next states)`` it allows (outlines also lists states no token reaches, and states inside
+  UTF-8 characters that only byte pieces reach)."""
+  allowed = np.ones(vocab.tokenizer.vocab_size + 1, bool)  # The last entry stands for every id past the vocabulary.
+  allowed[vocab.excluded] = allowed[-1] = False
+  rows, order, seen = {}, [start], {start}
   for state in order:
-    row = {t: n for t, n in transitions.get(state, {}).items() if t < size}
-    if row:
-      tokens = np.fromiter(row.keys(), np.int64, len(row))
-      table[number[state], tokens] = np.fromiter((number[n] for n in row.values()), np.int32, len(row))
-  accepting = np.array([True] + [s in finals for s in order])
-  table[1:, vocab.excluded] = -1
+    row = transitions.get(state, {})
+    tokens = np.fromiter(row.keys(), np.int64, len(row))
+    targets = np.fromiter(row.values(), np.int64, len(row))
+    keep = allowed[np.minimum(tokens, len(allowed) - 1)]
+    rows[state] = tokens[keep], targets[keep]
+    for target in np.unique(targets[keep]).tolist():
+      if target not in seen:
+        seen.add(target)
+        order.append(target)
+  return rows
+
+
+def _dense(rows: dict, finals: set, vocab: _Vocab) -> tuple[np.ndarray, np.ndarray]:
+  """``(table [states, vocab], accepting)`` of the states of ``rows`` (numbered 1 on, in their order; 0 is DONE), with
+  EOS wired in."""
+  order = np.fromiter(rows, np.int64, len(rows))
+  ranks = np.argsort(order)
+  table = np.full((len(order) + 1, vocab.tokenizer.vocab_size), -1, np.int32)
+  table[Automaton.DONE] = Automaton.DONE
+  for number, (tokens, targets) in enumerate(rows.values(), start=1):
+    table[number, tokens] = ranks[np.searchsorted(order, targets, sorter=ranks)] + 1
+  accepting = np.array([True] + [s in finals for s in rows])
   table[1:, vocab.tokenizer.eos_id] = np.where(accepting[1:], Automaton.DONE, -1)
   return table, accepting
 
@@ -272,6 +301,54 @@ def _classes(table: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
   if not np.array_equal(columns[:, classes], table):  # A hash collision: the slow exact way.
     columns, classes = np.unique(table, axis=1, return_inverse=True)
   return np.ascontiguousarray(columns, np.int32), classes.reshape(-1).astype(np.int32)
+
+
+def _equivalent(columns: np.ndarray, accepting: np.ndarray) -> np.ndarray:
+  """int32 [states]: the class of equivalent states each state belongs to, numbered in order of first member.
+
+  Moore's partition refinement: states split by acceptance (DONE, where every token is allowed, alone), then by the
+  classes their successors are in, until nothing splits. Rows are compared by a hash first (a round costs one pass
+  over the table; a chain of states takes a round per few states, as tokens span several characters), checked
+  exactly at the end, and compared exactly if a hash collided.
+  """
+  missing, targets = columns < 0, np.maximum(columns, 0)
+  weights = np.random.default_rng(1).integers(1, 2**63, size=columns.shape[1] + 1, dtype=np.uint64)
+
+  def hashed(block):
+    rows = np.where(missing, 0, block[targets] + 1).astype(np.uint64)
+    return np.unique((rows * weights[1:]).sum(axis=1) + block.astype(np.uint64) * weights[0], return_inverse=True)
+
+  def exact(block):
+    return np.unique(np.column_stack([block, np.where(missing, -1, block[targets])]), axis=0, return_inverse=True)
+
+  initial = accepting.astype(np.int64) + 2 * (np.arange(len(accepting)) == Automaton.DONE)
+  for signature in (hashed, exact):
+    block, count = initial, len(np.unique(initial))
+    while True:
+      _, inverse = signature(block)
+      inverse = inverse.reshape(-1)
+      _, first = np.unique(inverse, return_index=True)
+      rank = np.empty_like(first)
+      rank[np.argsort(first)] = np.arange(len(first))
+      block, grew = rank[inverse], len(first) > count
+      count = len(first)
+      if not grew:
+        break
+    members = np.unique(block, return_index=True)[1]
+    rows = np.where(missing, -1, block[targets])
+    if np.array_equal(rows, rows[members][block]) and np.array_equal(accepting, accepting[members][block]):
+      return block.astype(np.int32)
+  raise AssertionError("partition refinement did not converge")
+
+
+def _minimized(table: np.ndarray, accepting: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """``(table, accepting)`` with equivalent states merged; a class is numbered by its first member, so DONE stays 0
+  and the start 1."""
+  columns, classes = _classes(table)
+  block = _equivalent(columns, accepting)
+  first = np.unique(block, return_index=True)[1]
+  quotient = np.where(columns[first] >= 0, block[np.maximum(columns[first], 0)], -1)
+  return quotient[:, classes].astype(np.int32), accepting[first]
 
 
 def _forced_text(table: np.ndarray, accepting: np.ndarray, vocab: _Vocab, eos: int) -> dict[int, str]:
@@ -349,6 +426,9 @@ def _canonicalize(table: np.ndarray, accepting: np.ndarray, vocab: _Vocab) -> np
 
 def build(kind: str, source: str, regex: str, key: str, vocab: _Vocab, limits: _Limits, canonical: bool) -> Automaton:
   """Compiles ``regex`` into an :class:`Automaton` (see the module docstring for the construction)."""
+  what, param = ("the regex", "regex") if kind == "regex" else ("the constraint", None)
+  if vocab.spells_ascii:
+    limits.budget.check(regexes.min_states(regex), what, param)
   transitions, finals, start = _index(regex, vocab)
   impossible = ConstraintError(
     "no token sequence satisfies the constraint with this tokenizer (it can only write ASCII characters and the "
@@ -356,14 +436,9 @@ def build(kind: str, source: str, regex: str, key: str, vocab: _Vocab, limits: _
   )
   if start is None:
     raise impossible
-  size = len(transitions)
-  if size > PRE_PRUNING_FACTOR * limits.max_states:
-    raise ConstraintError(
-      f"the constraint compiles to about {size} automaton states, more than max_states={limits.max_states}; "
-      "simplify it (shorter maxLength, fewer optional properties or alternatives) or "
-      + limits.remedy.format(name="states")
-    )
-  table, accepting = _dense(transitions, finals, start, vocab)
+  rows = _rows(transitions, start, vocab)
+  limits.budget.check(len(rows), what, param)
+  table, accepting = _dense(rows, finals, vocab)
   start = 1
   live = _distance(_classes(table)[0], accepting) >= 0
   if not live[start]:
@@ -376,7 +451,7 @@ def build(kind: str, source: str, regex: str, key: str, vocab: _Vocab, limits: _
   renumber = np.full(table.shape[0], -1, np.int32)
   renumber[keep] = np.arange(len(keep), dtype=np.int32)
   table = np.where(table >= 0, renumber[np.maximum(table, 0)], -1)[keep]
-  accepting = accepting[keep]
+  table, accepting = _minimized(table, accepting[keep])
   table, classes = _classes(table)
   distance = _distance(table, accepting)
   assert (distance >= 0).all(), "pruning left a state that cannot reach acceptance"
@@ -426,6 +501,8 @@ class Compiler:
       ``classes`` or ``edges`` (a server names its own flag).
     canonical: Give fixed text the tokenizer's own tokenisation only (see the module docstring); False keeps every
       tokenisation, for tests and comparisons.
+    recursion_depth: Levels a recursive ``$ref`` of a JSON Schema is unrolled to
+      (:data:`~mercury_jax.constrain.schema.RECURSION_DEPTH`).
   """
 
   def __init__(
@@ -438,15 +515,23 @@ class Compiler:
     cache_size: int = 64,
     remedy: str = "raise the compiler's max_{name}",
     canonical: bool = True,
+    recursion_depth: int = schema_lib.RECURSION_DEPTH,
   ):
-    for name, value in (("max_states", max_states), ("max_classes", max_classes), ("max_edges", max_edges)):
+    for name, value in (
+      ("max_states", max_states),
+      ("max_classes", max_classes),
+      ("max_edges", max_edges),
+      ("recursion_depth", recursion_depth),
+    ):
       if value < 1:
         raise ValueError(f"{name}={value} must be >= 1")
     if cache_size < 0:
       raise ValueError(f"cache_size={cache_size} must be >= 0")
     self._vocab = _Vocab.of(tokenizer)
     self._limits = _Limits(max_states, max_classes, max_edges, remedy)
+    self._budget = self._limits.budget if self._vocab.spells_ascii else None  # for the schema's own estimates
     self._canonical = canonical
+    self._recursion_depth = recursion_depth
     self._cache: collections.OrderedDict[str, Automaton | ConstraintError] = collections.OrderedDict()
     self._cache_size = cache_size
     self._lock = threading.Lock()
@@ -460,7 +545,7 @@ class Compiler:
     """
     if not isinstance(pattern, str) or not pattern:
       raise ConstraintError("the regex must be a non-empty string", param="regex")
-    return self._compile("regex", pattern, lambda: schema_lib.normalize_regex(pattern))
+    return self._compile("regex", pattern, lambda: regexes.normalize_regex(pattern))
 
   def json_schema(self, schema: dict | str) -> Automaton:
     """The automaton of compact JSON texts (no whitespace between tokens) that validate against ``schema``.
@@ -481,7 +566,9 @@ class Compiler:
       source = json.dumps(schema, separators=(",", ":"))
     except (TypeError, ValueError) as e:
       raise ConstraintError(f"the JSON Schema must be JSON data (dicts, lists, strings, numbers): {e}") from None
-    return self._compile("json_schema", source, lambda: schema_lib.schema_regex(schema))
+    return self._compile(
+      "json_schema", source, lambda: schema_lib.schema_regexes(schema, self._budget, self._recursion_depth)
+    )
 
   def heal(self, prefix: str) -> Automaton:
     """Token healing: the automaton of texts that start with ``prefix`` (the characters backed off the end of a
@@ -492,23 +579,38 @@ class Compiler:
     """
     if not isinstance(prefix, str) or not prefix:
       raise ConstraintError("the healed prefix must be a non-empty string", param="prefix")
-    return self._compile("heal", prefix, lambda: schema_lib.escape(prefix) + r"[\s\S]*", canonical=False)
+    return self._compile("heal", prefix, lambda: regexes.escape(prefix) + r"[\s\S]*", canonical=False)
 
   def json_object(self) -> Automaton:
-    """The automaton of compact JSON objects (OpenAI's ``response_format`` ``json_object``): values are scalars,
-    or arrays or objects of scalars."""
-    return self._compile("json_object", "", lambda: schema_lib.schema_regex({"type": "object"}))
+    """The automaton of compact JSON objects (OpenAI's ``response_format`` ``json_object``): containers nest up to
+    :data:`~mercury_jax.constrain.schema.JSON_OBJECT_DEPTH` deep, the object included (values inside it 3 deep), or
+    as deep as this compiler's limits allow."""
+
+    def regexes_deepest_first():
+      for depth in range(schema_lib.JSON_OBJECT_DEPTH, 0, -1):
+        schema = {"type": "object", "additionalProperties": schema_lib.any_value(depth - 1)}
+        yield schema_lib.schema_regex(schema, self._budget)
+
+    return self._compile("json_object", "", regexes_deepest_first)
 
   def _compile(self, kind: str, source: str, regex_of, canonical: bool | None = None) -> Automaton:
+    """The cached automaton of ``kind`` and ``source``; ``regex_of()`` gives its regex, or regexes to try in turn
+    until one fits the limits."""
     canonical = self._canonical if canonical is None else canonical
-    key = _key(kind, source, self._vocab.digest, canonical)
+    key = _key(kind, source, self._vocab.digest, canonical, self._recursion_depth)
     with self._lock:
       found = self._cache.get(key)
       if found is not None:
         self._cache.move_to_end(key)
     if found is None:
       try:
-        found = build(kind, source, regex_of(), key, self._vocab, self._limits, canonical)
+        candidates = regex_of()
+        for regex in [candidates] if isinstance(candidates, str) else candidates:
+          try:
+            found = build(kind, source, regex, key, self._vocab, self._limits, canonical)
+            break
+          except ConstraintError as e:
+            found = e
       except ConstraintError as e:
         found = e
       with self._lock:
@@ -521,9 +623,10 @@ class Compiler:
     return found
 
 
-def _key(kind: str, source: str, tokenizer_digest: bytes, canonical: bool) -> str:
+def _key(kind: str, source: str, tokenizer_digest: bytes, canonical: bool, recursion_depth: int) -> str:
   """Hex sha256 of the length-prefixed parts."""
   digest = hashlib.sha256()
-  for part in (kind.encode(), source.encode(), tokenizer_digest, b"canonical" if canonical else b"every"):
+  options = f"{'canonical' if canonical else 'every'} recursion_depth={recursion_depth}".encode()
+  for part in (kind.encode(), source.encode(), tokenizer_digest, options):
     digest.update(len(part).to_bytes(8, "little") + part)
   return digest.hexdigest()

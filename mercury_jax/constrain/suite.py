@@ -3,6 +3,8 @@
 Every schema compiles with the bundled tokenizer to a few hundred automaton states at most, and its shortest
 instance fits in well under 96 tokens. ``EXAMPLES[name]`` validates against ``SCHEMAS[name]`` and lists its keys in
 the schema's order, so its compact JSON (``json.dumps(x, separators=(",", ":"))``) is accepted by the automaton.
+``EXTENDED`` (with ``EXTENDED_EXAMPLES``) holds tool schemas that use the keywords beyond the core: recursion,
+decimal steps, ``nullable``, ``patternProperties``, ``uniqueItems``, ``oneOf`` without a discriminator.
 """
 
 from __future__ import annotations
@@ -391,4 +393,156 @@ REGEXES: dict[str, str] = {
   "time_24h": r"([01][0-9]|2[0-3]):[0-5][0-9]",
   "yes_no": r"(yes|no)",
   "python_call": r"[a-z_]{1,12}\(([0-9]{1,4}(, [0-9]{1,4}){0,2})?\)",
+}
+
+# Tool schemas as they come in the wild, using JSON Schema beyond the core (mercury_jax.constrain.schema's module
+# docstring): recursive $ref, decimal bounds and steps, OpenAPI's nullable, patternProperties, uniqueItems and oneOf
+# told apart by required properties. Kept apart from SCHEMAS, which tests validate with plain jsonschema: it reads
+# nullable as an unknown keyword and multipleOf 0.01 in binary floats. Each fits the server's default capacity
+# (512 states, 256 classes, 16384 edges).
+EXTENDED: dict[str, dict] = {
+  "search_filter": {
+    "$defs": {
+      "condition": {
+        "type": "object",
+        "properties": {
+          "field": {"type": "string", "maxLength": 32},
+          "op": {"enum": ["eq", "ne", "lt", "gt", "contains"]},
+          "value": {"type": ["string", "number", "boolean"]},
+        },
+        "required": ["field", "op", "value"],
+        "additionalProperties": False,
+      },
+      "filter": {
+        "anyOf": [
+          {"$ref": "#/$defs/condition"},
+          {
+            "type": "object",
+            "properties": {"all": {"type": "array", "items": {"$ref": "#/$defs/filter"}, "minItems": 1}},
+            "required": ["all"],
+            "additionalProperties": False,
+          },
+          {
+            "type": "object",
+            "properties": {"any": {"type": "array", "items": {"$ref": "#/$defs/filter"}, "minItems": 1}},
+            "required": ["any"],
+            "additionalProperties": False,
+          },
+        ]
+      },
+    },
+    "type": "object",
+    "properties": {
+      "collection": {"enum": ["orders", "customers"]},
+      "filter": {"$ref": "#/$defs/filter"},
+      "limit": {"type": "integer", "minimum": 1, "maximum": 100},
+    },
+    "required": ["collection", "filter"],
+  },
+  "document_outline": {
+    "$defs": {
+      "section": {
+        "type": "object",
+        "properties": {
+          "title": {"type": "string", "maxLength": 40},
+          "sections": {"type": "array", "items": {"$ref": "#/$defs/section"}},
+        },
+        "required": ["title"],
+      }
+    },
+    "type": "object",
+    "properties": {"title": {"type": "string"}, "sections": {"type": "array", "items": {"$ref": "#/$defs/section"}}},
+    "required": ["title", "sections"],
+  },
+  "pet": {
+    "type": "object",
+    "properties": {
+      "id": {"type": "integer", "minimum": 1},
+      "name": {"type": "string", "minLength": 1, "maxLength": 30},
+      "tag": {"type": "string", "nullable": True},
+      "price": {"type": "number", "minimum": 0.01, "maximum": 9999.99, "multipleOf": 0.01},
+      "weight_kg": {"type": "number", "exclusiveMinimum": 0, "maximum": 120.5, "nullable": True},
+    },
+    "required": ["id", "name", "tag", "price"],
+  },
+  "http_request": {
+    "type": "object",
+    "properties": {
+      "method": {"enum": ["GET", "POST", "PUT", "DELETE"]},
+      "url": {"type": "string", "format": "uri"},
+      "headers": {
+        "type": "object",
+        "patternProperties": {"^[A-Za-z][A-Za-z0-9-]*$": {"type": "string"}},
+        "additionalProperties": False,
+      },
+    },
+    "required": ["method", "url"],
+  },
+  "share_document": {
+    "type": "object",
+    "properties": {
+      "document_id": {"type": "string", "format": "uuid"},
+      "permissions": {
+        "type": "array",
+        "items": {"enum": ["read", "comment", "edit", "share", "delete"]},
+        "uniqueItems": True,
+        "minItems": 1,
+      },
+      "notify": {"type": "boolean"},
+    },
+    "required": ["document_id", "permissions"],
+  },
+  "payment_method": {
+    "oneOf": [
+      {
+        "type": "object",
+        "properties": {
+          "card_number": {"type": "string", "pattern": "^[0-9]{16}$"},
+          "expiry": {"type": "string", "pattern": "^(0[1-9]|1[0-2])/[0-9]{2}$"},
+        },
+        "required": ["card_number", "expiry"],
+        "additionalProperties": False,
+      },
+      {
+        "type": "object",
+        "properties": {"iban": {"type": "string", "pattern": "^[A-Z]{2}[0-9]{2}[A-Z0-9]{10,30}$"}, "holder": {}},
+        "required": ["iban", "holder"],
+      },
+    ]
+  },
+  "thermostat": {
+    "type": "object",
+    "properties": {
+      "room": {"type": "string"},
+      "setpoint_c": {"type": "number", "minimum": 15.5, "maximum": 30, "multipleOf": 0.5},
+      "humidity": {"type": "number", "minimum": 0.3, "maximum": 0.65},
+      "mode": {"enum": ["heat", "cool", "auto"]},
+    },
+    "required": ["room", "setpoint_c", "mode"],
+  },
+}
+
+EXTENDED_EXAMPLES: dict[str, object] = {
+  "search_filter": {
+    "collection": "orders",
+    "filter": {"all": [{"field": "status", "op": "eq", "value": "open"}, {"field": "total", "op": "gt", "value": 100}]},
+    "limit": 10,
+  },
+  "document_outline": {
+    "title": "Guide",
+    "sections": [{"title": "Install", "sections": [{"title": "Linux"}]}, {"title": "Use"}],
+  },
+  "pet": {"id": 7, "name": "Rex", "tag": None, "price": 12.5, "weight_kg": 30.25},
+  "http_request": {
+    "method": "GET",
+    "url": "https://example.com/api",
+    "headers": {"Accept": "application/json", "X-Request-Id": "42"},
+  },
+  "share_document": {
+    "document_id": "123e4567-e89b-12d3-a456-426614174000",
+    "permissions": ["read", "comment"],
+    "notify": False,
+  },
+  "payment_method": {"iban": "DE44500105175407324931", "holder": "Ada Lovelace"},
+  "thermostat": {"room": "kitchen", "setpoint_c": 21.5, "humidity": 0.45, "mode": "heat"},
 }

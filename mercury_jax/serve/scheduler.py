@@ -134,10 +134,7 @@ class Handle:
     self.cancelled = False
 
   def _deliver(self, update: Update) -> None:  # Called on the engine thread.
-    try:
-      self.loop.call_soon_threadsafe(self._queue.put_nowait, update)
-    except RuntimeError:  # The loop is closed: nobody is listening any more.
-      self.cancelled = True
+    _post(self.loop, [(self, update)])
 
   async def updates(self) -> AsyncIterator[Update]:
     """Yields updates until the one with ``done``."""
@@ -151,6 +148,20 @@ class Handle:
     """Gives the request up (thread-safe); its slot is freed before the next step."""
     self.cancelled = True
     self._scheduler._wake()
+
+
+def _post(loop: asyncio.AbstractEventLoop, items: list[tuple[Handle, Update]]) -> None:
+  """Hands ``items`` to their handles on ``loop``, with one wake-up of the loop (called on the engine thread)."""
+  try:
+    loop.call_soon_threadsafe(_receive, items)
+  except RuntimeError:  # The loop is closed: nobody is listening any more.
+    for handle, _ in items:
+      handle.cancelled = True
+
+
+def _receive(items: list[tuple[Handle, Update]]) -> None:
+  for handle, update in items:
+    handle._queue.put_nowait(update)
 
 
 @dataclasses.dataclass
@@ -457,26 +468,32 @@ class Scheduler:
           continue
         start = self.block + len(handle.request.prompt)
         self._active[slot] = _Active(handle, start, start + handle.request.max_tokens, upto=start)
+      news: list[tuple[Handle, Update]] = []  # handed out together: one wake-up of each loop per step
       if view is not None:
         for slot, active in list(self._active.items()):
           try:
-            self._report(slot, active, view, stepped)
+            news += self._report(slot, active, view, stepped)
           except Exception as error:  # noqa: BLE001  Reading one request's news failed: that request ends alone.
             logger.exception("request %d: reading its step failed", active.handle.id)
-            self._finish(slot, Update((), None, True, "error", 0, error=f"{type(error).__name__}: {error}"))
+            news += self._finish(slot, Update((), None, True, "error", 0, error=f"{type(error).__name__}: {error}"))
+    by_loop = collections.defaultdict(list)
+    for handle, update in news:
+      by_loop[handle.loop].append((handle, update))
+    for loop, items in by_loop.items():
+      _post(loop, items)
     if view is not None:
       stats = self.stats
       stats.iterations += 1
       stats.engine_seconds += stepped - ran
       stats.host_seconds += (ran - began) + (time.perf_counter() - stepped)
 
-  def _finish(self, slot: int, update: Update) -> None:
-    """Ends a request (the lock held); its row is released at the next iteration."""
-    self._active.pop(slot).handle._deliver(update)
+  def _finish(self, slot: int, update: Update) -> list[tuple[Handle, Update]]:
+    """Ends a request (the lock held): its last update, to hand out; its row is released at the next iteration."""
     self._released.add(slot)
+    return [(self._active.pop(slot).handle, update)]
 
-  def _report(self, slot: int, active: _Active, view: View, now: float) -> None:
-    """Hands a request its news after a step (the lock held): newly final tokens, its draft, or its end."""
+  def _report(self, slot: int, active: _Active, view: View, now: float) -> list[tuple[Handle, Update]]:
+    """A request's news after a step (the lock held), to hand out: newly final tokens, its draft, or its end."""
     worked, starts = int(view.worked[slot]), int(view.starts[slot])
     done = not bool(view.unfinished[slot])
     final = []  # (first slot, tokens) of the blocks that became final
@@ -494,8 +511,7 @@ class Scheduler:
       if constraint is not None and constraint.kind != "heal":  # Complete structured text stops; a valid but
         # unfinished prefix ran out of room. (Token healing's constraint ends with its prefix: EOS decides.)
         stopped = constraint.accepts(active.tokens + [self.eos_id] * stopped)
-      self._finish(slot, Update(tuple(new), None, True, "stop" if stopped else "length", nfe, time=now))
-      return
+      return self._finish(slot, Update(tuple(new), None, True, "stop" if stopped else "length", nfe, time=now))
     draft = None
     if active.handle.request.diffusing:  # The final tokens, the open block's proposals, then masks.
       first, tokens = (starts, view.upcoming[slot]) if starts > worked else (worked, view.block[slot])
@@ -506,7 +522,8 @@ class Scheduler:
       draft = active.tokens + piece.tolist()
       draft = tuple(draft + [self.mask_id] * (active.end - active.start - len(draft)))
     if new or draft is not None:
-      active.handle._deliver(Update(tuple(new), draft, False, None, nfe, time=now))
+      return [(active.handle, Update(tuple(new), draft, False, None, nfe, time=now))]
+    return []
 
   def _take(self, slot: int, active: _Active, first: int, tokens: np.ndarray) -> list[int]:
     """The request's tokens in the final block of ``tokens`` at slot ``first``, up to its first EOS (recorded)."""

@@ -1,0 +1,188 @@
+"""Size limits hold before anything large is built: constraints whose automaton cannot fit are refused in
+milliseconds, naming the keyword and the limit, without outlines-core's index; the static estimate never exceeds
+what outlines-core builds, so it refuses nothing the limits would let through; the final automata are minimal; and
+the number regexes are exact.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+import time
+from fractions import Fraction
+
+import numpy as np
+import outlines_core
+import pytest
+from hypothesis import given, settings, strategies as st
+from test_automaton import TOKENIZER
+
+from mercury_jax.constrain import Compiler, ConstraintError, automaton as automaton_lib, numbers, regexes
+from mercury_jax.constrain.suite import EXTENDED, REGEXES, SCHEMAS
+from mercury_jax.data.tokenizer import Tokenizer
+
+SERVER = {"max_states": 512, "max_classes": 256, "max_edges": 16384}  # mercury_jax/serve/slots.py DEFAULT_CAPACITY
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+  return Tokenizer.load(TOKENIZER)
+
+
+@pytest.fixture(scope="module")
+def compiler(tokenizer) -> Compiler:
+  return Compiler(tokenizer, **SERVER)
+
+
+@pytest.fixture
+def no_index(monkeypatch):
+  """Fails the test if anything builds an outlines-core index."""
+
+  def index(*args):
+    raise AssertionError("an outlines-core index was built")
+
+  monkeypatch.setattr(outlines_core, "Index", index)
+
+
+PROPERTIES = {f"p{i}": {"type": "string", "maxLength": 300} for i in range(16)}  # 600 states each, 300 estimated
+
+
+@pytest.mark.parametrize(
+  "kind,constraint,param",
+  [
+    ("json_schema", {"type": "string", "maxLength": 100_000}, "maxLength"),
+    ("json_schema", {"properties": {"a": {"type": "string", "pattern": "^x{1000000}$"}}}, "properties.a.pattern"),
+    ("json_schema", {"type": "array", "items": {"type": "integer"}, "maxItems": 100_000}, "maxItems"),
+    ("json_schema", {"type": "array", "items": {"type": "integer"}, "minItems": 50_000}, "minItems"),
+    ("json_schema", {"enum": [f"value number {i}" for i in range(5000)]}, "enum"),
+    ("json_schema", {"type": "object", "properties": PROPERTIES}, None),
+    ("regex", "a{1000000}", "regex"),
+    ("regex", "[a-z]{0,1000000}", "regex"),
+    ("regex", "(?:ab|cd){300000}", "regex"),
+    ("regex", "x{99999999999}", "regex"),
+  ],
+  ids=["maxLength", "pattern", "maxItems", "minItems", "enum", "properties", "repeat", "range", "branches", "huge"],
+)
+def test_constraints_too_big_to_fit_are_refused_in_milliseconds_without_an_index(
+  tokenizer, no_index, kind, constraint, param
+):
+  compiler = Compiler(tokenizer, **SERVER, remedy="raise --constraint-capacity")
+  start = time.perf_counter()
+  with pytest.raises(ConstraintError) as error:
+    getattr(compiler, kind)(constraint)
+  elapsed = time.perf_counter() - start
+  assert elapsed < 2.0, elapsed  # about a millisecond; generous so that it cannot flake
+  assert error.value.param == param, (error.value.param, str(error.value))
+  message = str(error.value)
+  assert "more than max_states=512; the compiler builds at most 8 times that (4096)" in message, message
+  assert message.endswith("raise --constraint-capacity") and "\n" not in message
+
+
+def test_the_state_count_refuses_what_the_estimate_misses_before_the_dense_table(tokenizer, monkeypatch):
+  """A repetition of a part that may be empty is estimated at one copy (70 states), but outlines-core builds one
+  state per character up to 70 * 70; its own count refuses the automaton before the [states, vocab] table."""
+
+  def dense(*args):
+    raise AssertionError("the dense table was made")
+
+  monkeypatch.setattr(automaton_lib, "_dense", dense)
+  regex = "(?:[ab]{0,70}){0,70}"
+  assert regexes.min_states(regex) == 70
+  error = pytest.raises(ConstraintError, Compiler(tokenizer, **SERVER).regex, regex).value
+  assert error.param == "regex" and "needs at least 4901 automaton states" in str(error), str(error)
+
+
+def test_the_estimate_reads_rust_syntax():
+  assert regexes.min_states(r"\p{L}{0,5000}") == regexes.min_states("(?<name>x){5000}") == 5000
+  assert regexes.min_states(r"(?:[[:alpha:]]x){300}") == 600
+  assert regexes.min_states("(?U)a{0,7000}") == 7000  # a flag Python lacks: the largest count
+
+
+def outlines_states(regex: str, compiler: Compiler) -> int:
+  """What the pre-pruning check counts: outlines-core's states reachable through the tokens the automaton allows."""
+  transitions, _, start = automaton_lib._index(regex, compiler._vocab)
+  return len(automaton_lib._rows(transitions, start, compiler._vocab))
+
+
+CONSTRAINTS = [("json_schema", s) for s in SCHEMAS.values()] + [("regex", r) for r in REGEXES.values()]
+CONSTRAINTS += [("json_schema", s) for s in EXTENDED.values()] + [("json_object", None)]
+
+
+@pytest.mark.parametrize("kind,constraint", CONSTRAINTS)
+def test_the_estimate_never_exceeds_what_outlines_builds(compiler, kind, constraint):
+  automaton = getattr(compiler, kind)(*([] if constraint is None else [constraint]))
+  assert regexes.min_states(automaton.regex) <= outlines_states(automaton.regex, compiler)
+
+
+@pytest.mark.parametrize("kind,name", [("json_schema", n) for n in SCHEMAS] + [("regex", n) for n in REGEXES])
+def test_suite_constraints_compile_at_limits_equal_to_their_own_size(tokenizer, compiler, kind, name):
+  """Nothing before the final check refuses a suite constraint whose automaton fits: not the rewriter's keyword
+  estimates, the static estimate or the pre-pruning count (outlines-core builds at most 8 states per final one)."""
+  constraint = SCHEMAS[name] if kind == "json_schema" else REGEXES[name]
+  automaton = getattr(compiler, kind)(constraint)
+  limits = {"max_states": automaton.num_states, "max_classes": automaton.num_classes, "max_edges": automaton.num_edges}
+  tight = getattr(Compiler(tokenizer, **limits), kind)(constraint)
+  assert tight.num_states == automaton.num_states and tight.regex == automaton.regex
+
+
+def _regexes():
+  atoms = st.sampled_from(["a", "b", "ab", "[ab]", "[a-c]", "x", "(?:)"])
+
+  def extend(inner):
+    sequences = st.lists(inner, min_size=2, max_size=3).map("".join)
+    choices = st.lists(inner, min_size=2, max_size=3).map(lambda parts: "(?:" + "|".join(parts) + ")")
+    counts = st.sampled_from(["?", "*", "+", "{2}", "{1,3}", "{0,4}", "{2,}", "{3,5}"])
+    repeats = st.tuples(inner, counts).map(lambda pair: f"(?:{pair[0]}){pair[1]}")
+    return sequences | choices | repeats
+
+  return st.recursive(atoms, extend, max_leaves=6)
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(_regexes())
+def test_the_estimate_never_exceeds_the_states_of_random_regexes(regex):
+  transitions, start, _ = regexes.byte_automaton(regex)
+  seen, order = {start}, [start]
+  for state in order:
+    for target in transitions.get(state, {}).values():
+      if target not in seen:
+        seen.add(target)
+        order.append(target)
+  assert regexes.min_states(regex) <= len(order), regex
+
+
+@pytest.mark.parametrize("kind,constraint", [("json_object", None), ("json_schema", SCHEMAS["invoice"])])
+def test_final_automata_are_minimal(compiler, kind, constraint):
+  """No two states accept the same token sequences (the outlines-core automaton of json_object has 12 times more)."""
+  automaton = getattr(compiler, kind)(*([] if constraint is None else [constraint]))
+  classes = automaton_lib._equivalent(automaton.table, automaton.accepting)
+  assert len(np.unique(classes)) == automaton.num_states
+
+
+# ----------------------------------------------------------------------------------------------- numbers
+
+
+TEXTS = sorted(
+  (
+    {str(i) for i in range(-30, 31)}
+    | {f"{sign}{whole}.{digits}" for sign in ("", "-") for whole in range(13) for digits in ("0", "05", "1", "25", "5")}
+    | {"0.049", "0.0500", "2.7499", "2.75", "2.7501", "7.0009", "12.3", "12.30", "-12.05", "-12.050001"}
+  )
+  - {"-0.0"}  # valid JSON, never written (0 is written 0)
+)
+BOUNDS = [None, *map(Fraction, ["0", "-2", "3", "0.5", "-0.25", "2.75", "12.3", "-12.05", "0.05", "7", "7.001"])]
+
+
+@pytest.mark.parametrize("digits", [None, 0, 1, 2])
+def test_decimal_regexes_match_exactly_the_numbers_within_the_bounds(digits):
+  for low, high, low_open, high_open in itertools.product(BOUNDS, BOUNDS, [False, True], [False, True]):
+    if (low is None and low_open) or (high is None and high_open):
+      continue
+    regex = numbers.decimals(low, low_open, high, high_open, digits)
+    for text in TEXTS:
+      value = Fraction(text)
+      inside = (low is None or (value > low if low_open else value >= low)) and (
+        high is None or (value < high if high_open else value <= high)
+      )
+      inside &= digits is None or (value * 10**digits).denominator == 1
+      assert bool(regex and re.fullmatch(regex, text)) == inside, (low, low_open, high, high_open, digits, text)

@@ -1,0 +1,218 @@
+"""A live server under hostile requests: huge knobs, a megabyte stop string, schemas whose automaton explodes, a 50 MB
+body, missing and wrong API keys, and SIGTERM with 32 requests in flight. Real sockets, the official ``openai``
+client where it can send the request, a tiny random-weights checkpoint (what it writes does not matter here).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import signal
+import time
+from pathlib import Path
+
+import flax.linen as nn
+import httpx
+import jax
+import jax.numpy as jnp
+import openai
+import pytest
+from random_models import random_checkpoint
+from test_serve import Server
+
+from mercury_jax.checkpoint import export_params
+from mercury_jax.config import Config, DataConfig, ModelConfig, ObjectiveConfig
+from mercury_jax.model import Transformer
+
+KEY = "hostile-test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+PROMPT = "def f(x):"
+
+
+def flat_checkpoint(root: Path, tokenizer: Path, context: int, template: str = "") -> Path:
+  """A block-diffusion checkpoint (blocks of 4) with the random weights of its init: nearly flat distributions, so
+  the threshold rule commits one token per step and EOS is rare."""
+  model = ModelConfig(
+    vocab_size=512, d_model=32, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16, mlp_dim=64,
+    max_length=context, causal=False,
+  )  # fmt: skip
+  params = nn.meta.unbox(Transformer(model).init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32)))["params"]
+  cfg = Config(model=model, objective=ObjectiveConfig(block_size=4), data=DataConfig(chat_template=template))
+  return export_params(root / "flat", params, cfg, tokenizer).parent
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory, data_dir) -> Path:
+  return random_checkpoint(tmp_path_factory.mktemp("hostile"), "block_diffusion", data_dir / "tokenizer.model")
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint):
+  """Compile jobs stop after 0.5 s, so a schema that slips past the compiler's own size checks answers in time."""
+  srv = Server(checkpoint, "--slots", "4", "--api-key", KEY, "--compile-timeout", "0.5")
+  yield srv
+  assert srv.stop() == 0, "".join(srv.log)
+
+
+def _client(srv: Server, key: str = KEY, **kwargs) -> openai.OpenAI:
+  return openai.OpenAI(base_url=f"{srv.url}/v1", api_key=key, max_retries=0, **kwargs)
+
+
+def _post(srv: Server, body, **kwargs) -> httpx.Response:
+  return httpx.post(f"{srv.url}/v1/completions", json=body, headers=AUTH, timeout=60, **kwargs)
+
+
+def _served(srv: Server) -> None:
+  """The server is healthy and answers a normal request in full."""
+  assert httpx.get(f"{srv.url}/health").json() == {"status": "ok"}
+  out = _client(srv, timeout=60).completions.create(model="m", prompt=PROMPT, max_tokens=8, temperature=0)
+  assert out.choices[0].finish_reason in ("stop", "length") and out.usage.completion_tokens >= 1
+
+
+def _rss(pid: int) -> int:
+  """Resident bytes of process ``pid`` and its children (Linux /proc)."""
+  total, pids = 0, [pid]
+  for entry in Path("/proc").iterdir():
+    if entry.name.isdigit():
+      try:
+        stat = (entry / "stat").read_text()
+      except OSError:
+        continue
+      if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+        pids.append(int(entry.name))
+  for p in pids:
+    try:
+      status = Path(f"/proc/{p}/status").read_text()
+    except OSError:
+      continue
+    total += next(int(line.split()[1]) * 1024 for line in status.splitlines() if line.startswith("VmRSS:"))
+  return total
+
+
+@pytest.mark.parametrize("field", ["steps", "steps_per_block", "top_k"])
+def test_knobs_at_2_to_the_31_and_63_answer_400_and_the_engine_goes_on(server, field):
+  for value in (2**31, 2**63):
+    response = _post(server, {"prompt": PROMPT, "max_tokens": 4, field: value})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == field
+  _served(server)
+
+
+def test_a_megabyte_stop_string_answers_400(server):
+  response = _post(server, {"prompt": PROMPT, "max_tokens": 4, "stop": "x" * 1_000_000})
+  assert response.status_code == 400 and response.json()["error"]["param"] == "stop"
+  assert len(response.content) < 1000  # The string is not echoed back.
+  _served(server)
+
+
+@pytest.mark.parametrize(
+  "schema",
+  [
+    {"type": "object", "properties": {"a": {"type": "string", "maxLength": 100000}}, "required": ["a"]},
+    {"type": "object", "properties": {"a": {"type": "string", "pattern": "^x{1000000}$"}}, "required": ["a"]},
+  ],
+  ids=["maxLength", "pattern"],
+)
+def test_schemas_whose_automaton_explodes_answer_400_within_a_second_without_memory_growth(server, schema):
+  pid = server.process.pid
+  before = _rss(pid)
+  response_format = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+  for _ in range(2):  # The second one is answered from the cache of refusals.
+    start = time.monotonic()
+    response = _post(server, {"prompt": PROMPT, "max_tokens": 4, "response_format": response_format})
+    elapsed = time.monotonic() - start
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["code"] == "invalid_schema" and elapsed < 1.0, (elapsed, response.text)
+  time.sleep(1.0)  # The killed compiling process's replacement starts.
+  grown = _rss(pid) - before
+  assert grown < 100 << 20, f"the server and its compiling processes grew by {grown >> 20} MiB"
+  _served(server)
+
+
+def test_a_50_mb_body_answers_413_without_being_read(server):
+  pid = server.process.pid
+  before = _rss(pid)
+  body = b'{"prompt": "' + b"x" * (50 << 20) + b'"}'
+  response = httpx.post(
+    f"{server.url}/v1/completions", content=body, headers={**AUTH, "content-type": "application/json"}, timeout=60
+  )
+  assert response.status_code == 413 and response.json()["error"]["code"] == "body_too_large"
+  assert _rss(pid) - before < 25 << 20  # The body never reached the server's memory.
+  _served(server)
+
+
+def test_a_missing_or_bad_api_key_answers_401_and_health_and_metrics_stay_open(server):
+  with pytest.raises(openai.AuthenticationError) as error:
+    _client(server, key="wrong").completions.create(model="m", prompt=PROMPT, max_tokens=4)
+  assert error.value.status_code == 401 and error.value.code == "invalid_api_key"
+  with pytest.raises(openai.AuthenticationError):
+    _client(server, key="wrong").models.list()
+  response = httpx.post(f"{server.url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 4})
+  assert response.status_code == 401 and set(response.json()["error"]) == {"message", "type", "param", "code"}
+  assert httpx.get(f"{server.url}/health").status_code == 200
+  assert httpx.get(f"{server.url}/metrics").status_code == 200
+  assert [m.id for m in _client(server).models.list().data]
+
+
+def _complete(url: str, body: dict) -> tuple[int, dict | None]:
+  """``(status, outcome)`` of one request; outcome: the finish reason and text of a complete answer, else None."""
+  if not body.get("stream"):
+    response = httpx.post(url, json=body, timeout=120)
+    if response.status_code != 200:
+      return response.status_code, None
+    choice = response.json()["choices"][0]
+    return 200, {"finish_reason": choice["finish_reason"], "text": choice["text"]}
+  text, reason, done = "", None, False
+  with httpx.stream("POST", url, json=body, timeout=120) as response:
+    for line in response.iter_lines():
+      if line == "data: [DONE]":
+        done = True
+      elif line.startswith("data: "):
+        event = json.loads(line[len("data: ") :])
+        if "error" in event:
+          return response.status_code, None
+        text += event["choices"][0]["text"]
+        reason = event["choices"][0]["finish_reason"] or reason
+  return response.status_code, {"finish_reason": reason, "text": text} if done and reason else None
+
+
+def test_sigterm_with_32_requests_in_flight_loses_none_and_exits_0(tmp_path, data_dir):
+  """32 requests (half of them streamed) of about 100 steps each, in 64 slots (each step computes every slot, so a
+  request lasts long enough for all of them to arrive): SIGTERM once the server has accepted all of them (most still
+  running); each one finishes complete within --grace, and the process exits 0."""
+  srv = Server(flat_checkpoint(tmp_path, data_dir / "tokenizer.model", 128), "--slots", "64", "--grace", "60")
+  try:
+    url = f"{srv.url}/v1/completions"
+    bodies = [
+      {"prompt": PROMPT, "max_tokens": 100, "steps_per_block": 4, "seed": i, "stream": i % 2 == 1} for i in range(32)
+    ]
+    with concurrent.futures.ThreadPoolExecutor(32) as pool:
+      futures = [pool.submit(_complete, url, body) for body in bodies]
+      deadline = time.monotonic() + 60
+      while True:
+        metrics = httpx.get(f"{srv.url}/metrics").text
+        running = _sample(metrics, "mercury_busy_slots") + _sample(metrics, "mercury_queue_depth")
+        if running + _sample(metrics, "mercury_requests_total", 'status="200"') >= 32:
+          break
+        assert time.monotonic() < deadline, "the server never accepted the 32 requests"
+        time.sleep(0.02)
+      srv.process.send_signal(signal.SIGTERM)
+      outcomes = [f.result() for f in futures]
+    print(f"{running:.0f} requests in flight at SIGTERM")
+    assert running >= 16, f"only {running:.0f} requests were in flight at SIGTERM"
+    code = srv.stop()
+    assert code == 0, "".join(srv.log)
+    assert all(status == 200 and outcome is not None for status, outcome in outcomes), outcomes
+    assert all(outcome["finish_reason"] in ("stop", "length") for _, outcome in outcomes)
+  except Exception as error:
+    raise AssertionError(f"{error}\n{srv.kill()}") from error
+  finally:
+    srv.kill()
+
+
+def _sample(metrics: str, name: str, labels: str = "") -> float:
+  """The value of ``name`` (with ``labels`` among its labels) in a /metrics text; 0 when absent."""
+  for line in metrics.splitlines():
+    if line.startswith(name) and labels in line and not line.startswith("#"):
+      return float(line.rsplit(" ", 1)[1])
+  return 0.0
