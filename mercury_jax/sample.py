@@ -27,8 +27,8 @@ instead. Neither: one token per step. The default step rule is ``threshold`` (ta
 A checkpoint of the autoregressive twin (``objective.name = "autoregressive"``) is decoded token by token with
 a key-value cache, with the same prompts, templates, ``--length``, ``--temperature``/``--top-k``/``--top-p``,
 ``--min-length``, ``--num-samples``, ``--seed``, ``--json`` and ``--show-steps`` (one frame per token). The
-refinement flags (``--steps``, ``--steps-per-block``, ``--sampler``, ``--confidence``, ``--threshold``, ``--block-length``, ``--revision``)
-are an error for it.
+refinement flags (``--steps``, ``--steps-per-block``, ``--sampler``, ``--confidence``, ``--threshold``,
+``--block-length``, ``--revision``) are an error for it.
 
 Several processes (``--coordinator ...`` or a launcher) sample one batch together. By default every process reads the
 same prompts and process 0 prints every sample. When the ``--prompts-file`` path contains ``{process}``, each

@@ -14,14 +14,13 @@ from flax import linen as nn
 from mercury_jax import sharding as sh
 from mercury_jax.checkpoint import export_params
 from mercury_jax.config import Config, MeshConfig, ModelConfig, ObjectiveConfig
-from mercury_jax.model import Transformer
+from mercury_jax.model import Transformer, param_shardings
 from mercury_jax.sampling import canvas as cv
 from mercury_jax.sampling.engine import BlockEngine
 from mercury_jax.sampling.mesh import jit_on_mesh
 from mercury_jax.sampling.plan import plan_blocks
 from mercury_jax.sampling.sampler import Sampler
 from mercury_jax.sampling.settings import SamplerSettings, SettingError
-from mercury_jax.model import param_shardings
 
 BLOCK = 4
 EOS = 3

@@ -228,7 +228,7 @@ def test_workdir_that_hosts_do_not_share_is_a_clear_error(tmp_path, data_dir, co
 
 
 PROMPTS = ["def add(a, b):", "import os", "class Point:", "x = [", "for i in range(", "return", "# a", "if n"]
-SAMPLE_FLAGS = ["--length", "16", "--steps", "4", "--seed", "3"]
+SAMPLE_FLAGS = ["--length", "16", "--steps", "8", "--seed", "3"]
 
 
 def _json_lines(text: str) -> list[dict]:
@@ -247,7 +247,7 @@ def test_sample_command_on_two_processes_matches_one(tmp_path, trained, compile_
   assert _json_lines(two.stdout(1)) == [], "only process 0 prints samples"
 
 
-@pytest.mark.parametrize("cache", ["auto", "dual"])  # The whole-canvas loop, and the block engine.
+@pytest.mark.parametrize("cache", ["auto", "dual"])  # The whole canvas as one block, and blocks of 4.
 def test_each_process_samples_its_own_prompts(tmp_path, trained, compile_cache, cache):
   # Process 0 has 5 prompts and process 1 has 3: the shorter batch is padded, and streams continue across processes.
   mine = {0: PROMPTS[:5], 1: PROMPTS[5:]}
@@ -265,7 +265,7 @@ def test_each_process_samples_its_own_prompts(tmp_path, trained, compile_cache, 
   from mercury_jax.sampling import Sampler
 
   sampler = Sampler.from_checkpoint(trained[1], mesh=sh.make_mesh(MeshConfig(data=-1)))
-  expected = [s.tokens for s in sampler.generate(PROMPTS, length=16, steps=4, seed=3, cache=cache, **blocks)]
+  expected = [s.tokens for s in sampler.generate(PROMPTS, length=16, steps=8, seed=3, cache=cache, **blocks)]
   for i, records in got.items():  # Each process prints the samples of its own prompts, and only those.
     assert [(r["process"], r["prompt"]) for r in records] == [(i, p) for p in mine[i]]
   assert [r["tokens"] for r in got[0] + got[1]] == expected

@@ -12,7 +12,7 @@ from flax import linen as nn
 
 from mercury_jax import kinds as K, sharding as sh
 from mercury_jax.config import MeshConfig, ModelConfig, ObjectiveConfig
-from mercury_jax.model import Transformer
+from mercury_jax.model import Transformer, param_shardings
 from mercury_jax.sampling import canvas as cv
 from mercury_jax.sampling.engine import BlockEngine
 from mercury_jax.sampling.mesh import jit_on_mesh, mesh_context
@@ -20,7 +20,6 @@ from mercury_jax.sampling.network import FunctionNetwork, Network
 from mercury_jax.sampling.plan import BlockPlan
 from mercury_jax.sampling.proposal import filter_logits, noise_width, propose, sample_tokens, uniform_noise
 from mercury_jax.sampling.settings import SamplerSettings, block_loads, commits_every_step, steps_per_block
-from mercury_jax.model import param_shardings
 
 VOCAB, MASK, EOS, PAD_ID, UNK, BOS = 16, 4, 3, 0, 1, 2
 _TABLE = np.asarray(jax.random.normal(jax.random.key(0), (64, VOCAB)), np.float32)

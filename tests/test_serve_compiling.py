@@ -1,5 +1,5 @@
 """The server's compile pool: jobs in worker processes that a time limit or a client that leaves stops by killing the
-process (replaced for the next job), refusals cached, and token healing in a cache of its own."""
+process (replaced for the next job), and refusals cached."""
 
 from __future__ import annotations
 
@@ -74,24 +74,3 @@ def test_a_cancelled_job_kills_its_process_and_the_next_job_compiles(spec):
 
 def spec_tokens(spec: CompilerSpec, text: str) -> list[int]:
   return Tokenizer.from_bytes(spec.tokenizer).encode(text)
-
-
-def test_healing_has_its_own_cache_and_never_evicts_schemas(spec):
-  async def main():
-    pool = CompilePool(spec, workers=2, timeout=60, cache_size=1, heal_cache_size=2)
-    pool.start()
-    await pool.ready()
-    try:
-      schema = await pool.json_schema(SCHEMA)
-      heals = [await pool.heal(prefix) for prefix in ("de", "f(", "):", "x =")]
-      again = await pool.json_schema(SCHEMA)
-      first_heal = await pool.heal("de")  # Evicted from its cache of two: compiled again, a new object.
-      with pytest.raises(ConstraintError, match="non-empty"):
-        await pool.heal("")
-      return schema, again, heals, first_heal
-    finally:
-      pool.close()
-
-  schema, again, heals, first_heal = asyncio.run(main())
-  assert again is schema and all(h.kind == "heal" for h in heals)
-  assert first_heal is not heals[0] and first_heal.source == "de"

@@ -107,11 +107,6 @@ class FakeCompiler:
   async def json_object(self) -> FakeAutomaton:
     return await self._compile("json_object", None, "OBJECT")
 
-  async def heal(self, prefix: str) -> FakeAutomaton:
-    if prefix == "\u00e9":  # A prefix the compiler cannot write: the prompt goes as tokenised.
-      raise ConstraintError("the tokenizer cannot write it")
-    return await self._compile("heal", prefix, prefix)
-
 
 class FakeScheduler:
   """Answers every request with ``reply`` (then EOS), one block of ``block`` characters per update.
@@ -143,8 +138,8 @@ class FakeScheduler:
     if self.error:
       return [Update((), None, True, "error", 0, error=self.error)]
     reply = self.reply + (str(request.stream) if self.per_stream else "")
-    if request.constraint is not None and request.constraint.kind == "heal":  # A healed prompt's end comes first.
-      reply = request.constraint.source + reply
+    if request.heal:  # A healed prompt's end comes first.
+      reply = request.heal + reply
     ids = self.tokenizer.encode(reply)[: request.max_tokens]
     reason = "stop" if len(ids) < request.max_tokens else "length"
     updates = []
@@ -204,11 +199,11 @@ def test_completion_answers_text_finish_reason_and_usage():
     "nfe": 3,
     "tokens_per_forward": round(11 / 3, 3),
   }
-  # Token healing: the prompt's last token goes to the engine as one more position to generate, under the automaton
-  # of texts that start with its characters; the reply does not repeat them and usage counts them as the prompt's.
+  # Token healing: the prompt's last token goes to the engine as one more position to generate, restricted to tokens
+  # whose text starts with its characters; the reply does not repeat them and usage counts them as the prompt's.
   (request,) = scheduler.requests
   assert request.prompt == tuple(FakeTokenizer().encode("H")) and request.max_tokens == 21
-  assert request.constraint.kind == "heal" and request.constraint.source == "i"
+  assert request.heal == "i" and request.constraint is None
 
 
 def test_no_token_healing_sends_the_prompt_as_tokenised():
@@ -218,7 +213,7 @@ def test_no_token_healing_sends_the_prompt_as_tokenised():
   assert out["choices"][0]["text"] == "Hello world" and out["usage"]["prompt_tokens"] == 2
   (request,) = scheduler.requests
   assert request.prompt == tuple(FakeTokenizer().encode("Hi")) and request.max_tokens == 20
-  assert request.constraint is None
+  assert request.constraint is None and request.heal == ""
 
 
 def test_unknown_fields_are_ignored_and_neutral_values_of_unsupported_ones_accepted():
@@ -345,16 +340,18 @@ def test_reasoning_effort_maps_to_steps_and_threshold_and_explicit_knobs_win():
 
 
 def test_steps_is_the_total_budget_and_steps_per_block_the_blocks_own():
-  """``steps`` is spread over the blocks the hole spans, as ``Sampler.generate`` does; below one step per block it
-  answers 400 naming steps; above one step per token it is spent as one step per token."""
+  """``steps`` is spread over the blocks the hole spans, as ``Sampler.generate`` does, never spending more than it:
+  below one step per block it answers 400 naming steps; above one step per token it is spent as one step per token."""
   scheduler = FakeScheduler(block=4, context=64)
   client = client_for(scheduler)
-  body = {"prompt": "ab", "max_tokens": 16}  # Canvas positions 2..17: blocks 0..4, five of them.
+  # Token healing generates "b" again: canvas positions 1..17, blocks holding 3, 4, 4, 4 and 2 of them.
+  body = {"prompt": "ab", "max_tokens": 16}
   for steps in (5, 8, 16, 60):
     assert client.post("/v1/completions", json={**body, "steps": steps}).status_code == 200
-  assert [r.steps_per_block for r in scheduler.requests] == [2, 2, 4, 4]
+  # 2 a block would take 10 steps, more than 8; 3 a block takes 3 + 3 + 3 + 3 + 2 = 14 <= 16, 4 a block 17.
+  assert [r.steps_per_block for r in scheduler.requests] == [1, 1, 3, 4]
   error = error_of(client.post("/v1/completions", json={**body, "steps": 4}))
-  assert error["param"] == "steps" and "below the 5 blocks of 4 tokens" in error["message"]
+  assert error["param"] == "steps" and "below the 5 blocks" in error["message"]
   error = error_of(client.post("/v1/completions", json={**body, "steps": 8, "steps_per_block": 2}))
   assert error["param"] == "steps_per_block" and "send one" in error["message"]
   error = error_of(client.post("/v1/completions", json={**body, "steps_per_block": 5}))
@@ -616,11 +613,11 @@ def test_a_request_past_its_timeout_frees_its_handles_and_gets_504_or_an_error_e
   assert slow.compiler.cancelled == 1 and not slow.requests
 
 
-def test_a_prompt_the_healing_compiler_cannot_write_goes_as_tokenised():
+def test_a_prompt_end_no_token_starts_with_goes_as_tokenised():
   scheduler = FakeScheduler("Hello")
-  assert client_for(scheduler).post("/v1/completions", json={"prompt": "a\u00e9"}).status_code == 200
-  (request,) = scheduler.requests
-  assert request.prompt == tuple(FakeTokenizer().encode("a\u00e9")) and request.constraint is None
+  assert client_for(scheduler).post("/v1/completions", json={"prompt": "a\u2603"}).status_code == 200
+  (request,) = scheduler.requests  # The snowman is past the fake vocabulary: no token writes it.
+  assert request.prompt == tuple(FakeTokenizer().encode("a\u2603")) and request.heal == ""
 
 
 def test_lone_surrogates_in_a_prompt_answer_400():

@@ -58,8 +58,7 @@ class Automaton:
   """A constraint as a deterministic automaton over token ids (read-only arrays).
 
   Attributes:
-    kind: ``"regex"``, ``"json_schema"``, ``"json_object"`` or ``"heal"`` (token healing: the text starts with
-      ``source``, then anything; the engine lets the row go once the prefix is written, see :attr:`free`).
+    kind: ``"regex"``, ``"json_schema"`` or ``"json_object"``.
     source: The constraint text (the regex, or the schema as compact JSON in its own key order); ``kind`` and
       ``source`` compile to this automaton again with the same tokenizer.
     regex: The regular expression the automaton was built from.
@@ -102,20 +101,6 @@ class Automaton:
   @property
   def nbytes(self) -> int:
     return sum(a.nbytes for a in (self.classes, self.table, self.accepting, self.distance, self.forced))
-
-  @property
-  def free(self) -> np.ndarray:
-    """bool [states]: where a token-healing automaton has said all it has to say (its prefix is written): accepting
-    states whose every allowed token but EOS leads back to themselves. All False for the other kinds, which hold to
-    the end.
-    """
-    if self.kind != "heal":
-      return np.zeros(self.num_states, bool)
-    states = np.arange(self.num_states)[:, None]
-    allowed = self.table >= 0
-    allowed[:, self.classes[self.eos_id]] = False
-    loops = np.where(allowed, self.table == states, True).all(axis=1)
-    return self.accepting & loops & (np.arange(self.num_states) != self.DONE)
 
   def next_state(self, state: int, token: int) -> int:
     """The state after ``token`` from ``state``; -1 when the token is forbidden there."""
@@ -569,17 +554,6 @@ class Compiler:
     return self._compile(
       "json_schema", source, lambda: schema_lib.schema_regexes(schema, self._budget, self._recursion_depth)
     )
-
-  def heal(self, prefix: str) -> Automaton:
-    """Token healing: the automaton of texts that start with ``prefix`` (the characters backed off the end of a
-    prompt), written in any tokenisation, so the model may merge them with what follows (``):`` with a newline).
-
-    Raises:
-      ConstraintError: ``prefix`` is empty, or the tokenizer cannot write it.
-    """
-    if not isinstance(prefix, str) or not prefix:
-      raise ConstraintError("the healed prefix must be a non-empty string", param="prefix")
-    return self._compile("heal", prefix, lambda: regexes.escape(prefix) + r"[\s\S]*", canonical=False)
 
   def json_object(self) -> Automaton:
     """The automaton of compact JSON objects (OpenAI's ``response_format`` ``json_object``): containers nest up to

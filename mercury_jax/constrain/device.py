@@ -69,7 +69,6 @@ class Tables(NamedTuple):
   table: jax.Array  # [b, S, C] int32: next state, -1 forbidden
   distance: jax.Array  # [b, S] int32: fewest tokens to acceptance
   forced: jax.Array  # [b, S] int32: the only token allowed, or -1
-  free: jax.Array  # [b, S] bool: reaching it at a block's end lets the row go (token healing, ``Automaton.free``)
   src: jax.Array  # [b, E] int32
   cls: jax.Array  # [b, E] int32
   dst: jax.Array  # [b, E] int32
@@ -121,7 +120,6 @@ def tables(automata: Sequence[Automaton | None], capacity: Capacity, vocab: int)
     table=np.full((b, S, C), -1, np.int32),
     distance=np.full((b, S), FAR, np.int32),
     forced=np.full((b, S), -1, np.int32),
-    free=np.zeros((b, S), bool),
     src=np.zeros((b, E), np.int32),
     cls=np.zeros((b, E), np.int32),
     dst=np.zeros((b, E), np.int32),
@@ -141,7 +139,6 @@ def tables(automata: Sequence[Automaton | None], capacity: Capacity, vocab: int)
     out.table[row, :n, :k] = a.table
     out.distance[row, :n] = a.distance
     out.forced[row, :n] = a.forced
-    out.free[row, :n] = a.free
     src, cls = np.nonzero(a.table >= 0)
     dst = a.table[src, cls]
     order = np.argsort(dst, kind="stable")

@@ -20,13 +20,11 @@ and it was never trained to write a prompt token.
 from __future__ import annotations
 
 import functools
-import re
 
 import numpy as np
 
 from mercury_jax.data.tokenizer import NUM_SPECIAL, Tokenizer
 
-_BYTE_PIECE = re.compile(r"<0x([0-9A-F]{2})>")
 CACHE_SIZE = 1024  # Masks kept per tokenizer: a prompt's last token is one of a few thousand.
 
 
@@ -52,18 +50,12 @@ def strip(text: str, healed: str) -> str:
 
 @functools.lru_cache(maxsize=8)
 def token_texts(tokenizer: Tokenizer) -> tuple[str | None, ...]:
-  """Each id's text as decoding writes it (``▁`` a space, a byte piece below 0x80 its character); None for the special
-  ids, unknown and control ids and bytes of multi-byte characters, which healing never proposes."""
+  """Each id's text, as decoding it alone writes it; None for the special ids and for ids that write no text or half
+  a character (a byte of a multi-byte one), which healing never proposes."""
   texts: list[str | None] = [None] * tokenizer.vocab_size
-  sizes = tokenizer.characters_per_token()
   for token_id in range(NUM_SPECIAL, tokenizer.vocab_size):
-    piece = tokenizer.id_to_piece(token_id)
-    byte = _BYTE_PIECE.fullmatch(piece)
-    if byte and sizes[token_id] <= 1:
-      value = int(byte.group(1), 16)
-      texts[token_id] = chr(value) if value < 0x80 else None
-    elif piece and sizes[token_id]:
-      texts[token_id] = piece.replace("\u2581", " ")
+    text = tokenizer.decode([token_id])
+    texts[token_id] = text if text and "\ufffd" not in text else None
   return tuple(texts)
 
 

@@ -26,7 +26,7 @@ from mercury_jax.constrain import device as constrained
 from mercury_jax.sampling.plan import BlockPlan
 from mercury_jax.sampling.proposal import clean_logits, uniform_noise
 from mercury_jax.sampling.settings import SamplerSettings
-from mercury_jax.sampling.state import Constraint, Healing, State, put, rows
+from mercury_jax.sampling.state import Constraint, State, put, rows
 
 CLASS_NOISE = 0x636C  # Folded into a step's key for a constrained row's class scores (``constrain.device``).
 
@@ -59,7 +59,7 @@ class Structured:
     room = target.sum(axis=1, dtype=jnp.int32)
     least = jnp.take_along_axis(tables.distance, tables.start[:, None], axis=1)[:, 0]
     tables = tables._replace(budgeted=tables.on & (least <= room))
-    eos_banned &= ~(tables.on & ~tables.free.any(axis=1))[:, None]  # A healing automaton keeps min_length.
+    eos_banned &= ~tables.on[:, None]  # The automaton says where text ends.
     dfa = jnp.where(tables.on, tables.start, 0)
     z = self._force(tables, dfa, z, target, first_block * self.plan.block)[0]
     return Constraint(tables, dfa, dfa, jnp.zeros((), jnp.int32)), z, eos_banned
@@ -117,18 +117,13 @@ class Structured:
     c = st.constraint
     tables = c.tables
     dfa = jnp.where(advance & tables.on, c.end, c.dfa)
-    # A healing automaton whose prefix is written lets its row go: from its next block on it decodes unconstrained.
-    free = jnp.take_along_axis(tables.free, jnp.maximum(dfa, 0)[:, None], axis=1)[:, 0] & (dfa >= 0)
-    released = advance & tables.on & free
-    tables = tables._replace(on=tables.on & ~released)
-    dfa = jnp.where(released, 0, dfa)
     upcoming = jnp.minimum(st.first + st.block + advance.astype(jnp.int32), st.last) * self.plan.block
     forced_z = jax.lax.cond(
       jnp.any(tables.on & advance), lambda: self._force(tables, dfa, z, st.target, upcoming)[0], lambda: z
     )
     score = jnp.where(advance[:, None] & (forced_z != z), 1.0, score)
     z = jnp.where(advance[:, None], forced_z, z)
-    return z, score, st._replace(constraint=c._replace(tables=tables, dfa=dfa))
+    return z, score, st._replace(constraint=c._replace(dfa=dfa))
 
   def release(self, st: State, slot) -> State:
     c = st.constraint
@@ -176,7 +171,3 @@ def active_hooks(st: State, plan: BlockPlan, settings: SamplerSettings) -> list:
   if st.constraint is not None:
     hooks.append(Structured(plan, settings))
   return hooks
-
-
-def initial_healing(allowed, slot) -> Healing:
-  return Healing(jnp.asarray(allowed, bool), jnp.asarray(slot, jnp.int32))

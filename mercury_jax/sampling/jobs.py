@@ -165,7 +165,7 @@ class Jobs:
   def accepted(self, automaton: Automaton | None, tokens: np.ndarray, kinds: np.ndarray, row: int) -> bool | None:
     """Whether a row's hole (its generated tokens, padding after EOS dropped) is a whole sentence of ``automaton``
     (None without one)."""
-    if automaton is None or automaton.kind == "heal":
+    if automaton is None:
       return None
     hole = tokens[row, : kinds.shape[1]][kinds[row] == K.TARGET]
     return automaton.accepts([int(t) for t in hole if t != self.tokenizer.pad_id])

@@ -39,6 +39,7 @@ from mercury_jax.checkpoint import find_tokenizer, restore_params
 from mercury_jax.config import Config, MeshConfig
 from mercury_jax.constrain import device as constrained
 from mercury_jax.data.tokenizer import Tokenizer
+from mercury_jax.model import param_shardings
 from mercury_jax.sampling import canvas as cv, healing
 from mercury_jax.sampling.canvas import SampleOutput
 from mercury_jax.sampling.decoders import (
@@ -61,7 +62,6 @@ from mercury_jax.sampling.settings import (
 )
 from mercury_jax.sampling.state import Healing
 from mercury_jax.sampling.text import MASK_TEXT, Request, Sample, StreamEvent, frames
-from mercury_jax.model import param_shardings
 
 if TYPE_CHECKING:  # The host half of structured output loads on first use (outlines-core, jsonschema).
   from mercury_jax.constrain.automaton import Automaton, Compiler

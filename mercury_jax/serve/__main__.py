@@ -106,8 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
     "--no-token-healing",
     dest="token_healing",
     action="store_false",
-    help="keep a completion prompt's last token as tokenised (default: re-generate it, constrained to start with its "
-    "characters; plain-text /v1/completions only, and off with --constraint-capacity 0)",
+    help="keep a completion prompt's last token as tokenised (default: re-generate it as a token whose text starts "
+    "with its characters; plain-text /v1/completions only)",
   )
   from mercury_jax import distributed
 

@@ -3,9 +3,8 @@
 outlines-core builds a constraint's token index in Rust and cannot be interrupted from Python: a JSON Schema with
 ``maxLength: 100000`` or a pattern with ``{1000000}`` takes seconds to minutes and hundreds of megabytes before the
 compiler can see that the automaton is too large. A limit checked after the build, or a thread that is merely
-abandoned, bounds nothing. So requests' constraints (``response_format``, ``tools``, token healing) compile in a
-small pool of spawned processes, each holding a :class:`~mercury_jax.constrain.automaton.Compiler` for the
-tokenizer:
+abandoned, bounds nothing. So requests' constraints (``response_format``, ``tools``) compile in a small pool of
+spawned processes, each holding a :class:`~mercury_jax.constrain.automaton.Compiler` for the tokenizer:
 
 * a job that runs past the time limit, or whose client goes away (the awaiting task is cancelled), gets its process
   killed and replaced: the work stops, and its memory goes back to the system;
@@ -17,8 +16,8 @@ Processes, not threads, because killing is the only way to stop the Rust build; 
 server process runs XLA's threads and an engine thread that a fork would copy mid-flight. A pool of a few (default
 2), started with the server while the model loads, so no request pays a start-up. Results and refusals are cached
 in the server process (least recently used first out): refusals too, so a client repeating a hostile schema costs
-one job, not one per request. Token healing has a cache of its own, so healing's many short prefixes never evict
-compiled schemas.
+one job, not one per request. Token healing compiles nothing here: its one-position token masks are cached apart
+(:func:`mercury_jax.sampling.healing.allowed_tokens`), so healing's many short prefixes never evict compiled schemas.
 
 Every refusal is a :class:`~mercury_jax.constrain.automaton.ConstraintError`, which the routes answer with 400.
 """
@@ -92,7 +91,6 @@ def _work(fd: int) -> None:
   compile_ = {
     "regex": compiler.regex,
     "json_schema": compiler.json_schema,
-    "heal": compiler.heal,
     "json_object": lambda _: compiler.json_object(),
   }
   _limit_memory(memory)
@@ -186,7 +184,6 @@ class CompilePool:
     timeout: Seconds one job may take (> 0).
     memory: Bytes of address space a process may grow by while compiling.
     cache_size: Compiled constraints (and refusals) kept.
-    heal_cache_size: Token-healing automata kept, in a cache of their own.
   """
 
   def __init__(
@@ -197,14 +194,13 @@ class CompilePool:
     timeout: float = 10.0,
     memory: int = MEMORY,
     cache_size: int = 64,
-    heal_cache_size: int = 256,
   ):
     if workers < 1:
       raise ValueError(f"workers={workers} must be >= 1")
     if not timeout > 0:
       raise ValueError(f"timeout={timeout} must be > 0 seconds")
     self.spec, self.workers, self.timeout, self.memory = spec, workers, timeout, memory
-    self._caches = {"heal": _Cache(heal_cache_size), "other": _Cache(cache_size)}
+    self._cache = _Cache(cache_size)
     self._idle: list[_Worker] = []
     self._turns: asyncio.Semaphore | None = None
 
@@ -240,13 +236,8 @@ class CompilePool:
   async def json_object(self) -> Automaton:
     return await self._compile("json_object", "")
 
-  async def heal(self, prefix: str) -> Automaton:
-    if not isinstance(prefix, str) or not prefix:
-      raise ConstraintError("the healed prefix must be a non-empty string", param="prefix")
-    return await self._compile("heal", prefix)
-
   async def _compile(self, kind: str, source: str) -> Automaton:
-    cache = self._caches["heal" if kind == "heal" else "other"]
+    cache = self._cache
     found = cache.get((kind, source))
     if found is None:
       async with self._turns:

@@ -11,9 +11,9 @@ The step budgets, named for what they are (the same words as ``python -m mercury
 ``Sampler.generate``):
 
 * ``steps``: the TOTAL refinement budget for the generated length (``max_tokens``). The server splits it evenly
-  over the engine blocks the hole spans (:func:`mercury_jax.sampling.settings.steps_per_block`): each block gets
-  ``ceil(steps * block / max_tokens)`` steps. A budget below the number of blocks spanned answers 400 naming
-  ``steps``: every block needs a step of its own.
+  over the engine blocks the hole spans (:func:`mercury_jax.sampling.settings.steps_per_block`): every block gets the
+  most steps that keep the total within ``steps`` (a block never takes more steps than it has positions). A budget
+  below the number of blocks spanned answers 400 naming ``steps``: every block needs a step of its own.
 * ``steps_per_block``: the steps each block gets, directly (what ``steps`` meant on this server before). Send one of
   the two; neither means one token per step (the block's size in steps), the command line's default too.
 * ``reasoning_effort`` maps to steps per block and a threshold (:data:`REASONING_EFFORT`); explicit fields win.

@@ -23,9 +23,9 @@ fit the context together answer 400 naming both lengths.
 
 Step budgets (:mod:`mercury_jax.serve.protocol`): ``steps`` is the total refinement budget for the ``max_tokens``
 generated positions, as on the command line and in ``Sampler.generate``; the server converts it into steps per block
-with :func:`~mercury_jax.sampling.settings.steps_per_block` (a budget below the blocks the hole spans answers 400
-naming ``steps``; one above a step per token is spent as a step per token). ``steps_per_block`` gives the steps per
-block directly. Without either (or ``reasoning_effort``), every block takes one step per token under the threshold
+with :func:`~mercury_jax.sampling.settings.steps_per_block`, never spending more than ``steps`` (a budget below the
+blocks the hole spans answers 400 naming ``steps``; one above a step per token is spent as a step per token).
+``steps_per_block`` gives the steps per block directly. Without either (or ``reasoning_effort``), every block takes one step per token under the threshold
 rule (tau 0.9, ``threshold``), the command line's default too.
 
 ``n`` choices are ``n`` engine requests with the same seed and random streams 0..n-1. Without ``seed`` the server
@@ -86,9 +86,8 @@ from fastapi.responses import JSONResponse, Response
 from sse_starlette import EventSourceResponse
 from starlette.exceptions import HTTPException
 
-from mercury_jax.constrain.automaton import ConstraintError
 from mercury_jax.sampling import healing
-from mercury_jax.sampling.settings import SettingError, blocks_spanned, steps_per_block
+from mercury_jax.sampling.settings import SettingError, hole_loads, steps_per_block
 from mercury_jax.serve import answers, protocol as api, structured
 from mercury_jax.serve.chat import ChatTemplate, TemplateError
 from mercury_jax.serve.guard import Guard
@@ -113,9 +112,9 @@ class Options:
   Attributes:
     model_name: The name ``/v1/models`` lists and every response carries.
     grace: The server's graceful-shutdown timeout: a stream may go on for about this long after shutdown begins.
-    token_healing: Re-generate the last token of a plain-text completion's prompt, constrained to start with its
-      characters (:mod:`~mercury_jax.sampling.healing`): not for FIM, structured output, or a model with a chat
-      template (SFT: its prompts end at a boundary it learned); needs a compiler.
+    token_healing: Re-generate the last token of a plain-text completion's prompt, restricted to the tokens whose
+      text starts with its characters (:mod:`~mercury_jax.sampling.healing`): not for FIM, structured output, or a
+      model with a chat template (SFT: its prompts end at a boundary it learned).
     api_key: The key ``/v1/...`` requests must send (``Authorization: Bearer KEY``); None: none.
     max_body_bytes: The largest request body (larger: 413).
     request_timeout: Seconds a request may take from arrival to its last token (then 504; its slots are freed).
@@ -246,8 +245,7 @@ def _knobs(body: api.GenerationRequest, scheduler, first: int, generated: int) -
     per_block = body.steps_per_block
   if body.steps is not None:
     try:
-      spanned = blocks_spanned(first, generated, block)
-      per_block = min(block, steps_per_block(body.steps, block, generated, spanned))
+      per_block = steps_per_block(body.steps, hole_loads(first, generated, block))
     except SettingError as e:
       raise api.APIError(400, e.named("steps"), param="steps") from None
   default = scheduler.default_knobs
@@ -256,14 +254,15 @@ def _knobs(body: api.GenerationRequest, scheduler, first: int, generated: int) -
   return knobs, per_block
 
 
-async def heal_constraint(compiler, healed: str):
-  """The constraint that re-generates a prompt's backed-off end (token healing), or None when the compiler cannot
-  write it (the prompt is then sent as tokenised). The one place that decides how healing constrains the reply, so a
-  token-mask implementation can replace the automaton here."""
+async def healable(tokenizer, healed: str) -> bool:
+  """Whether some token starts with a prompt's backed-off end (token healing's one-position mask,
+  :func:`~mercury_jax.sampling.healing.allowed_tokens`; cached, off the event loop); if not, the prompt is sent as
+  tokenised."""
   try:
-    return await compiler.heal(healed)
-  except ConstraintError:
-    return None
+    await asyncio.to_thread(healing.allowed_tokens, tokenizer, healed, tokenizer.vocab_size)
+  except ValueError:
+    return False
+  return True
 
 
 def _document(app: FastAPI, limits: api.Limits):
@@ -356,17 +355,13 @@ def create_app(scheduler, compiler, options: Options) -> FastAPI:
     constraint = None
     if shape.field is not None:
       constraint = await _unless_gone(request, structured.constraint(shape, tools, compiler), deadline, timeout)
-    if healed:
-      constraint = await _unless_gone(request, heal_constraint(compiler, healed), deadline, timeout)
-      if constraint is None:  # Not healable: the prompt as tokenised.
-        prompt, max_tokens, healed = text.tokenised, max_tokens - 1, ""
-        knobs, per_block = _knobs(body, scheduler, len(prompt), max_tokens)
+    if healed and not await _unless_gone(request, healable(tokenizer, healed), deadline, timeout):
+      prompt, max_tokens, healed = text.tokenised, max_tokens - 1, ""  # Not healable: the prompt as tokenised.
+      knobs, per_block = _knobs(body, scheduler, len(prompt), max_tokens)
     seed = body.seed if body.seed is not None else secrets.randbelow(api.MAX_SEED + 1)
     diffusing = bool(body.diffusing and body.stream)
     requests = [
-      EngineRequest(
-        tuple(prompt), max_tokens, tuple(suffix), knobs, per_block, seed, i, diffusing, constraint=constraint
-      )
+      EngineRequest(tuple(prompt), max_tokens, tuple(suffix), knobs, per_block, seed, i, diffusing, constraint, healed)
       for i in range(body.n or 1)
     ]
     try:
@@ -425,7 +420,7 @@ def create_app(scheduler, compiler, options: Options) -> FastAPI:
     suffix = _encode(tokenizer, body.suffix, "suffix") if body.suffix else []
     max_tokens = _max_tokens(body.max_tokens, default_max_tokens, len(prompt), len(suffix), context, "max_tokens")
     heals = options.token_healing and (scheduler.autoregressive or scheduler.cfg.objective.block_size > 0)
-    if heals and template is None and not suffix and shape.field is None and compiler is not None:
+    if heals and template is None and not suffix and shape.field is None:
       kept, healed = healing.back_off(tokenizer, body.text, prompt)
       if healed:  # The same positions, one more of them generated.
         return _Text(kept, suffix, max_tokens + len(prompt) - len(kept), healed, prompt)

@@ -56,6 +56,7 @@ __all__ = [
 logger = logging.getLogger("mercury_jax.serve")
 MAX_SEED = 2**32 - 1  # jax.random.key takes a 32-bit seed here (x64 off).
 MAX_STREAM = 2**31 - 1  # fold_in's data.
+MAX_HEALED = 256  # Characters token healing may re-generate: one token's text.
 IDLE_TICK = 1.0  # Seconds between the no-op commands an idle multi-host leader sends, so followers never time out.
 
 _LOWERING_EVENT = "/jax/core/compile/jaxpr_to_mlir_module_duration"
@@ -298,6 +299,8 @@ class Scheduler:
       raise ValueError(f"token ids must lie in [0, {vocab})")
     if self.autoregressive and not request.prompt:
       raise ValueError("the autoregressive model needs a prompt of at least one token (e.g. BOS)")
+    if request.heal and (request.constraint is not None or len(request.heal) > MAX_HEALED):
+      raise ValueError(f"token healing re-generates one token (at most {MAX_HEALED} characters), without a constraint")
     if request.constraint is not None:
       if self.engine.capacity is None:
         raise ValueError("structured output is off on this server (started without a constraint capacity)")
@@ -508,8 +511,7 @@ class Scheduler:
     if done:
       stopped = active.stopped
       constraint = active.handle.request.constraint
-      if constraint is not None and constraint.kind != "heal":  # Complete structured text stops; a valid but
-        # unfinished prefix ran out of room. (Token healing's constraint ends with its prefix: EOS decides.)
+      if constraint is not None:  # Complete structured text stops; a valid but unfinished prefix ran out of room.
         stopped = constraint.accepts(active.tokens + [self.eos_id] * stopped)
       return self._finish(slot, Update(tuple(new), None, True, "stop" if stopped else "length", nfe, time=now))
     draft = None

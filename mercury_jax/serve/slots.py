@@ -1,17 +1,17 @@
 """The serving engine's device side: slots of the block engine, and the commands that drive them on every process.
 
-This is JetStream's prefill / insert / generate split over :class:`~mercury_jax.sampling.blocks.BlockEngine`, the
+This is JetStream's prefill / insert / generate split over :class:`~mercury_jax.sampling.engine.BlockEngine`, the
 engine behind every other entry point:
 
 * **prefill** (:meth:`BlockEngine.init` of one request): the request's canvas is laid into slots and its prompt runs
-  through the model over the smallest *bucket* of slots that covers its first block, giving its keys and values and
-  its first block's logits. One compilation per bucket, all made at start-up (:meth:`SlotEngine.warm_up`).
+  through the model over the smallest *bucket* of slots that covers its first block, giving its keys and values.
+  One compilation per bucket, all made at start-up (:meth:`SlotEngine.warm_up`).
 * **insert**: that one-row state is written into a free row of the batch state (its cache rows too).
 * **generate**: one jitted step advances every busy slot by one refinement step of its own block. Each slot has its
   own block, step, step budget, sampling knobs and random stream, all traced arrays; the host then reads back, in
   one copy, only what the step can have changed: two blocks of each row and four scalars (:class:`View`), never
   the ``[slots, S]`` canvas.
-* **release**: a finished or cancelled request's row stops taking steps.
+* **release**: a finished or cancelled request's row stops taking steps, and its constraint stops running.
 
 A :class:`Command` says what one iteration does (which rows to release, which requests to admit where, whether to
 step). It is a fixed-shape tree of host arrays, so on a multi-host mesh process 0 (which serves HTTP and owns the
@@ -37,10 +37,14 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from mercury_jax import kinds as K, sharding as sh
 from mercury_jax.constrain import device as constrained
 from mercury_jax.constrain.automaton import Automaton, Compiler
-from mercury_jax.sampling.blocks import BlockEngine, BlockPlan, State
+from mercury_jax.sampling import healing
 from mercury_jax.sampling.canvas import Canvas
+from mercury_jax.sampling.decoders import APPROXIMATE_BLOCK
+from mercury_jax.sampling.engine import BlockEngine
+from mercury_jax.sampling.plan import BlockPlan
 from mercury_jax.sampling.proposal import Knobs
-from mercury_jax.sampling.sampler import APPROXIMATE_BLOCK, Sampler
+from mercury_jax.sampling.sampler import Sampler
+from mercury_jax.sampling.state import Healing, State
 
 MIN_BUCKET = 32  # The smallest prefill bucket, in slots; buckets double up to the whole context.
 # The automaton sizes every slot can hold (structured output): states, token classes, transitions. A constraint that
@@ -70,6 +74,7 @@ class Request:
   stream: int = 0  # The random stream within the seed (the choice index of an n > 1 request).
   diffusing: bool = False  # Also deliver the draft after every step.
   constraint: Automaton | None = None  # The hole's text must be accepted by it (structured output).
+  heal: str = ""  # Token healing: the hole's first token starts with these characters (the prompt's backed-off end).
 
 
 class Command(NamedTuple):
@@ -86,6 +91,7 @@ class Command(NamedTuple):
   steps: np.ndarray  # [slots] int32: steps per block
   knobs: Knobs  # [slots] each
   constraint: np.ndarray  # [slots] int32: bytes of an admitted request's constraint spec (0: none; see ``_specs``)
+  heal: np.ndarray  # [slots] int32: bytes of an admitted request's healed characters (UTF-8; 0: none)
 
 
 class View(NamedTuple):
@@ -166,12 +172,14 @@ class SlotEngine:
         remedy=CAPACITY_REMEDY,
       )
     self._automata: dict[int, Automaton] = {}  # admitted requests' constraints, until their prefill
+    self._heals: dict[int, str] = {}  # admitted requests' healed characters, until their prefill
     self.autoregressive = sampler.autoregressive
     self.whole_sequence = not (sampler.autoregressive or sampler.block_size)
     if self.whole_sequence:
       cache, block = "none", block_length or APPROXIMATE_BLOCK
     else:
-      cache, block = sampler.decoder("exact", block_length)
+      decoder = sampler.decoder("exact", block_length)
+      cache, block = decoder.cache, decoder.block
     context = sampler.max_length
     self.block = block
     self.plan = BlockPlan(block, block + -(-context // block) * block, cache, self.autoregressive, self.whole_sequence)
@@ -181,7 +189,7 @@ class SlotEngine:
     settings = self.settings
     self.default_knobs = Knobs(settings.temperature, settings.top_k, settings.top_p, settings.threshold)
     self.buckets = self._buckets()
-    self.engine = engine = BlockEngine(sampler.cfg.model, self.settings, self.plan)
+    self.engine = engine = BlockEngine(sampler.network, self.settings, self.plan)
     self.multiprocess = jax.process_count() > 1
 
     mesh, rules, params = sampler.mesh, sampler.rules, sampler.param_shardings
@@ -192,8 +200,8 @@ class SlotEngine:
       return st, news(engine, st, worked)
 
     def prefill(size: int):
-      fn = lambda p, c, k, n, kn, t: engine.init(p, c, k, n, kn, prefill=size, tables=t)  # noqa: E731
-      return sh.MeshJit(fn, mesh, rules, in_shardings=(params, None, None, None, None, None))
+      fn = lambda p, c, k, n, kn, t, h: engine.init(p, c, k, n, kn, prefill=size, tables=t, healing=h)  # noqa: E731
+      return sh.MeshJit(fn, mesh, rules, in_shardings=(params, *[None] * 6))
 
     self._prefill = [prefill(size) for size in self.buckets]
     self._insert = sh.MeshJit(engine.insert, mesh, rules, donate_argnums=(0,))
@@ -230,6 +238,7 @@ class SlotEngine:
       steps=np.ones((n,), np.int32),
       knobs=Knobs.of(self.settings, n),
       constraint=zeros(np.int32),
+      heal=zeros(np.int32),
     )
 
   def admit(self, command: Command, slot: int, request: Request) -> None:
@@ -250,6 +259,10 @@ class SlotEngine:
       column[slot] = value
     command.constraint[slot] = 0
     self._automata.pop(slot, None)
+    command.heal[slot] = len(request.heal.encode())
+    self._heals.pop(slot, None)
+    if request.heal:
+      self._heals[slot] = request.heal
     if request.constraint is not None:
       if self.capacity is None:
         raise ValueError("this engine has no structured output (capacity None)")
@@ -257,23 +270,27 @@ class SlotEngine:
       self._automata[slot] = request.constraint
 
   def _specs(self, command: Command) -> None:
-    """Every process's automata of the command's admissions: process 0 broadcasts their specs (kind and source,
-    which compile to the same automaton everywhere), the others compile them (cached)."""
-    longest = int(command.constraint.max(initial=0))
+    """Every process's automata and healed characters of the command's admissions: process 0 broadcasts their specs
+    (a constraint's kind and source, which compile to the same automaton everywhere; the healed text), the others
+    compile them (cached)."""
+    longest = int(max(command.constraint.max(initial=0), command.heal.max(initial=0)))
     if not self.multiprocess or not longest:
       return
-    data = np.zeros((self.slots, longest), np.uint8)
+    data = np.zeros((2, self.slots, longest), np.uint8)
     for slot, automaton in self._automata.items():
       spec = _spec(automaton)
-      data[slot, : len(spec)] = np.frombuffer(spec, np.uint8)
+      data[0, slot, : len(spec)] = np.frombuffer(spec, np.uint8)
+    for slot, text in self._heals.items():
+      data[1, slot, : command.heal[slot]] = np.frombuffer(text.encode(), np.uint8)
     data = np.asarray(multihost_utils.broadcast_one_to_all(data))
     if jax.process_index() == 0:
       return
     for slot in np.flatnonzero(command.constraint):
-      kind, _, source = bytes(data[slot, : command.constraint[slot]]).decode().partition("\n")
-      compile_ = {"regex": self.compiler.regex, "json_schema": self.compiler.json_schema, "heal": self.compiler.heal}
-      compile_ = compile_.get(kind)
+      kind, _, source = bytes(data[0, slot, : command.constraint[slot]]).decode().partition("\n")
+      compile_ = {"regex": self.compiler.regex, "json_schema": self.compiler.json_schema}.get(kind)
       self._automata[int(slot)] = compile_(source) if compile_ else self.compiler.json_object()
+    for slot in np.flatnonzero(command.heal):
+      self._heals[int(slot)] = bytes(data[1, slot, : command.heal[slot]]).decode()
 
   # ------------------------------------------------------------------------------------------- programs
 
@@ -293,7 +310,20 @@ class SlotEngine:
     knobs = Knobs(*(place(k[row]) for k in command.knobs))
     fn = self._prefill[int(command.bucket[slot])]
     tables = self._tables([self._automata.pop(slot, None)])
-    return fn(self.sampler.params, canvas, place(command.keys[slot]), place(command.steps[row]), knobs, tables)
+    heal = self._healing([self._heals.pop(slot, "")], [int(np.argmax(command.kinds[slot] == K.TARGET))])
+    return fn(self.sampler.params, canvas, place(command.keys[slot]), place(command.steps[row]), knobs, tables, heal)
+
+  def _healing(self, texts: list[str], positions: list[int]) -> Healing:
+    """Rows' token-healing masks (every row has one, so one program serves all): a row with healed characters lets
+    its first generated position take only the tokens whose text starts with them."""
+    vocab = self.sampler.cfg.model.vocab_size
+    allowed = np.ones((len(texts), vocab), bool)
+    slot = np.full((len(texts),), -1, np.int32)
+    for row, (text, position) in enumerate(zip(texts, positions, strict=True)):
+      if text:
+        allowed[row] = healing.allowed_tokens(self.sampler.tokenizer, text, vocab)
+        slot[row] = position
+    return Healing(*(self._place(a) for a in (allowed, slot)))
 
   def _tables(self, automata: list[Automaton | None]) -> constrained.Tables | None:
     if self.capacity is None:
@@ -326,7 +356,7 @@ class SlotEngine:
     if not bool(command.step):
       return None, failures
     self.state, packed = self._sync(self._step(self.sampler.params, self.state))
-    return View.unpack(self.sampler._gather(packed), self.block), failures
+    return View.unpack(self.sampler.placement.gather(packed), self.block), failures
 
   def _sync(self, out):
     """``out``, computed, on a multi-host mesh. XLA:CPU runs programs without a data dependency between them
@@ -366,8 +396,9 @@ class SlotEngine:
         knobs = Knobs(*(place(k) for k in command.knobs))
         args = (place(full.tokens), place(full.kinds), place(full.streams))
         init, tables = self._prefill[bucket], self._tables([None] * self.slots)
+        heal = self._healing([""] * self.slots, [0] * self.slots)
         key = place(command.keys[0])
-        self.state = init(self.sampler.params, Canvas(*args), key, place(command.steps), knobs, tables)
+        self.state = init(self.sampler.params, Canvas(*args), key, place(command.steps), knobs, tables, heal)
         self._sync(self.state)
       row = self._sync(self.prefill(command, 0))
       self.state = self._sync(self._insert(self.state, row, self._place(np.int32(0))))
