@@ -25,8 +25,8 @@ Step budgets (:mod:`mercury_jax.serve.protocol`): ``steps`` is the total refinem
 generated positions, as on the command line and in ``Sampler.generate``; the server converts it into steps per block
 with :func:`~mercury_jax.sampling.settings.steps_per_block`, never spending more than ``steps`` (a budget below the
 blocks the hole spans answers 400 naming ``steps``; one above a step per token is spent as a step per token).
-``steps_per_block`` gives the steps per block directly. Without either (or ``reasoning_effort``), every block takes one step per token under the threshold
-rule (tau 0.9, ``threshold``), the command line's default too.
+``steps_per_block`` gives the steps per block directly. Without either (or ``reasoning_effort``), every block takes
+one step per token under the threshold rule (tau 0.9, ``threshold``), the command line's default too.
 
 ``n`` choices are ``n`` engine requests with the same seed and random streams 0..n-1. Without ``seed`` the server
 draws one. ``stop`` ends a choice at the first occurrence of any stop string (the text before it is the answer,
