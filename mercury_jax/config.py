@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import tomllib
 import typing
 from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
-
-import tomllib
 
 ATTENTION_IMPLS = ("auto", "xla", "pallas", "cudnn")
 OBJECTIVES = ("masked_diffusion", "autoregressive")

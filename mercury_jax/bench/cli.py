@@ -264,7 +264,7 @@ def sample_quality(prompt_ids, prompt_texts, completion_ids, ar: Sampler) -> dic
 
 def machine_info() -> dict[str, Any]:
   return {
-    "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     "jax": jax.__version__,
     "backend": jax.default_backend(),
     "device": jax.devices()[0].device_kind,

@@ -156,7 +156,7 @@ class _Worker:
       return
     try:
       status, _ = await self.receive(STARTUP_TIMEOUT)
-    except (asyncio.TimeoutError, EOFError, OSError):
+    except (TimeoutError, EOFError, OSError):
       self.kill()
       raise RuntimeError(f"a compiling process did not start (exit code {self.process.returncode})") from None
     self.ready = status == "ready"
@@ -259,7 +259,7 @@ class CompilePool:
       worker.conn.send((kind, source))
       status, payload = await worker.receive(self.timeout)
       finished = True
-    except asyncio.TimeoutError:
+    except TimeoutError:
       return ConstraintError(
         f"compiling the constraint took longer than the server allows ({self.timeout:g} s); simplify it (shorter "
         "maxLength, smaller repetition counts, fewer alternatives)"
