@@ -308,6 +308,7 @@ def main(argv: list[str] | None = None, *, compile_cache: bool = False) -> int:
   args, flags = parser.parse_args(argv), flag_names(parser)
   if compile_cache and not args.no_compile_cache and not jax.config.jax_compilation_cache_dir:
     jax.config.update("jax_compilation_cache_dir", str(compile_cache_dir()))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)  # The prefill too (0.4 s to compile).
   try:
     knobs = _check_args(args, flags)
   except ValueError as e:  # A template without holes.
@@ -486,8 +487,32 @@ def _stream(sampler, prompts, args: argparse.Namespace, knobs: dict, flags: dict
   return 0
 
 
+CPU_COMPILE_FLAG = "--xla_backend_optimization_level=1"
+
+
+def quick_cpu_compile() -> bool:
+  """On a host without an accelerator (no JAX plugin, no libtpu, or ``JAX_PLATFORMS=cpu``), compiles with LLVM's
+  ``-O1`` instead of ``-O2``: a command's cold start is mostly compilation, the matmuls run in precompiled library
+  kernels either way, and the bundled model samples as fast (BUILD_NOTES.md). Returns whether the flag was added;
+  an ``XLA_FLAGS`` that already sets the level is left alone. Call it before JAX creates its backend."""
+  flags = os.environ.get("XLA_FLAGS", "")
+  if "xla_backend_optimization_level" in flags:
+    return False
+  platforms = os.environ.get("JAX_PLATFORMS", "")
+  if platforms != "cpu":
+    import importlib.metadata
+    import importlib.util
+
+    if platforms or list(importlib.metadata.entry_points(group="jax_plugins")) or importlib.util.find_spec("libtpu"):
+      return False
+  os.environ["XLA_FLAGS"] = f"{flags} {CPU_COMPILE_FLAG}".strip()
+  return True
+
+
 def cli() -> int:
-  """The ``mercury-sample`` console script and ``python -m``: :func:`main` with the compilation cache."""
+  """The ``mercury-sample`` console script and ``python -m``: :func:`main` with the compilation cache (and the quick
+  CPU compilation of :func:`quick_cpu_compile`)."""
+  quick_cpu_compile()
   return main(compile_cache=True)
 
 

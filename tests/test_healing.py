@@ -154,3 +154,14 @@ def test_command_line_heals_by_default_and_not_with_the_flag(samplers, tmp_path,
   assert healed["text"] == expected.text and healed["tokens"] == expected.tokens
   unhealed = samplers["block_diffusion"].generate(PROMPTS[0], length=12, seed=4, token_healing=False)[0]
   assert "healed" not in plain and plain["tokens"] == unhealed.tokens
+
+
+def test_a_prompt_ending_in_a_character_of_byte_pieces_is_used_as_tokenised(samplers):
+  """The last token of a character written as byte pieces is a byte, whose text no token starts with: nothing is
+  backed off, and generation goes on from the prompt as tokenised."""
+  sampler = samplers["block_diffusion"]
+  prompt = "x = '\u2603"  # The snowman is three byte pieces in this tokenizer.
+  assert healing.back_off(sampler.tokenizer, prompt, sampler.tokenizer.encode(prompt))[1] == ""
+  assert not healing.healable(sampler.tokenizer, "\u2603") and healing.healable(sampler.tokenizer, ":")
+  (sample,) = sampler.generate(prompt, length=8, seed=1)
+  assert sample.healed == "" and len(sample.tokens) <= 8

@@ -40,6 +40,15 @@ def back_off(tokenizer: Tokenizer, prompt: str, ids: list[int]) -> tuple[list[in
   return ids[:-1], prompt[len(head) :]
 
 
+def healable(tokenizer: Tokenizer, healed: str) -> bool:
+  """Whether some token's text starts with ``healed`` (otherwise the prompt is used as tokenised)."""
+  try:
+    _allowed(tokenizer, healed)
+  except ValueError:
+    return False
+  return True
+
+
 def strip(text: str, healed: str) -> str:
   """The completion after the prompt: ``text`` (decoded from the healed position on) without the ``healed``
   characters it starts with ("" while it has not written them all yet)."""

@@ -149,6 +149,8 @@ def build_rows(
     removed = ""
     if heal:
       kept, removed = healing.back_off(tokenizer, prompt, ids)
+      if removed and not healing.healable(tokenizer, removed):  # No token writes it (half a character): as is.
+        kept, removed = ids, ""
       if removed:  # The same positions, one more of them generated.
         ids, pieces = kept, cv.prefix(kept, request.length + 1)
     rows.examples += [pieces] * request.num_samples

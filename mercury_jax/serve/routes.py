@@ -258,11 +258,7 @@ async def healable(tokenizer, healed: str) -> bool:
   """Whether some token starts with a prompt's backed-off end (token healing's one-position mask,
   :func:`~mercury_jax.sampling.healing.allowed_tokens`; cached, off the event loop); if not, the prompt is sent as
   tokenised."""
-  try:
-    await asyncio.to_thread(healing.allowed_tokens, tokenizer, healed, tokenizer.vocab_size)
-  except ValueError:
-    return False
-  return True
+  return await asyncio.to_thread(healing.healable, tokenizer, healed)
 
 
 def _document(app: FastAPI, limits: api.Limits):
