@@ -51,7 +51,7 @@ def _per_step(sampler: Sampler, names: list[str], rounds: int, iterations: int, 
   if decoder.block == 0:  # A whole-sequence model's constrained decoding walks blocks.
     decoder = Decoder("none", block_length or APPROXIMATE_BLOCK)
   canvas, plan = sampler.plan(canvas, decoder)
-  steps = jnp.asarray(sampler.steps_per_block(None, None, canvas.kinds, plan.block, settings))
+  steps = jnp.asarray(sampler.steps_per_block(None, None, canvas.kinds, plan.block, settings)[:, 0])
   engine = BlockEngine(sampler.network, settings, plan)
   capacity = constrained.capacity_of(automata)
   tables = jax.tree.map(jnp.asarray, constrained.tables(automata, capacity, sampler.cfg.model.vocab_size))

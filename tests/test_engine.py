@@ -20,7 +20,7 @@ from mercury_jax.sampling.engine import BlockEngine
 from mercury_jax.sampling.mesh import jit_on_mesh
 from mercury_jax.sampling.plan import plan_blocks
 from mercury_jax.sampling.sampler import Sampler
-from mercury_jax.sampling.settings import SamplerSettings, SettingError
+from mercury_jax.sampling.settings import SamplerSettings, SettingError, hole_loads, steps_per_block
 
 BLOCK = 4
 EOS = 3
@@ -369,11 +369,10 @@ def test_a_budget_below_one_step_per_block_is_refused_and_steps_per_block_is_the
     sampler.generate("def f(x):", length=24, steps=3, token_healing=False)
   with pytest.raises(SettingError, match="give one of them"):
     sampler.generate("x", length=8, steps=4, steps_per_block=2)
-  budget = sampler.generate(PROMPTS, length=24, steps_per_block=2, seed=1, token_healing=False)
-  same = sampler.generate(PROMPTS, length=24, steps=14, seed=1, token_healing=False)
-  # 24 positions after prompts of these lengths lie in 7 blocks of 4 (a partial first one): 14 steps are 2 a block.
-  assert [s.tokens for s in budget] == [s.tokens for s in same]
-  assert all(s.nfe <= 14 for s in budget)
+  two = sampler.generate(PROMPTS, length=24, steps_per_block=2, seed=1, token_healing=False, rule="confidence")
+  for prompt, sample in zip(PROMPTS, two, strict=True):  # two steps a block (one for a block of one position)
+    loads = hole_loads(len(sampler.tokenizer.encode(prompt)), 24, BLOCK)
+    assert sample.nfe <= sum(min(2, n) for n in loads), prompt
 
 
 def test_a_chunk_of_blocks_ends_per_block_of_the_rows_with_something_left():
@@ -442,3 +441,32 @@ def test_sample_output_steps_is_deprecated_for_forwards(sampler):
   out = sampler.run(canvas, None, 0, sampler.settings())[0]
   with pytest.warns(DeprecationWarning, match="forwards"):
     assert int(out.steps) == int(out.forwards)
+
+
+@pytest.mark.parametrize("capped", [True, False])
+def test_a_total_budget_is_spent_and_never_exceeded(capped):
+  """``settings.steps_per_block``: every block gets the same steps, the first ones one more while the budget lasts;
+  the total (a block takes at most its positions when every step commits one) never exceeds the budget, and uses
+  all of it when the blocks are full."""
+  rng = np.random.default_rng(0)
+  for _ in range(200):
+    loads = hole_loads(int(rng.integers(0, 8)), int(rng.integers(1, 60)), 8)
+    steps = int(rng.integers(len(loads), 3 * sum(loads)))
+    budget = steps_per_block(steps, loads, capped=capped)
+    total = budget.total(loads, capped=capped)
+    assert total <= steps and budget.extra < len(loads) + (not capped)
+    if not capped or steps <= sum(min(n, 8) for n in loads) - 2 * 8:  # room left in full middle blocks
+      assert total >= steps - sum(1 for n in loads if n < 8), (loads, steps, budget)
+  with pytest.raises(SettingError, match="below the 3 blocks"):
+    steps_per_block(2, [3, 8, 5])
+
+
+def test_the_engine_takes_the_steps_of_its_budget(sampler):
+  """Greedy, confidence rule, no early EOS: every row takes exactly the steps its budget gives it."""
+  settings = dict(rule="confidence", temperature=0.0, eos_to_pad=False, token_healing=False, seed=1)
+  for steps in (7, 10, 16, 24):
+    samples = sampler.generate(PROMPTS, length=24, steps=steps, **settings)
+    for prompt, sample in zip(PROMPTS, samples, strict=True):
+      first = len(sampler.tokenizer.encode(prompt))
+      loads = hole_loads(first, 24, BLOCK)
+      assert sample.nfe == steps_per_block(steps, loads).total(loads) <= steps, (prompt, steps)

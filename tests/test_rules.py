@@ -34,7 +34,9 @@ def _settings(**kw) -> SamplerSettings:
 def _jitted(settings, length):
   block = settings.block_length or length
   plan = BlockPlan(block, block + -(-length // block) * block, "none", whole_sequence=True)
-  return jax.jit(BlockEngine(NETWORK, settings, plan).sample), (settings.block_length if settings.block_length else 0)
+  engine = BlockEngine(NETWORK, settings, plan)
+  fn = jax.jit(lambda p, c, k, budgets: engine.sample(p, c, k, budgets[:, 0], extra_steps=budgets[:, 1]))
+  return fn, (settings.block_length if settings.block_length else 0)
 
 
 def _run(canvas, steps, settings):
@@ -44,7 +46,7 @@ def _run(canvas, steps, settings):
   capped = commits_every_step(settings)
   per_row = jnp.asarray(
     [steps_per_block(steps, block_loads(row, block), capped=capped) for row in canvas.kinds], jnp.int32
-  )
+  ).reshape(-1, 2)
   out = jax.tree.map(np.asarray, fn(None, canvas, jax.random.key(0), per_row))
   canvases = out.canvases.copy()
   for row in range(canvases.shape[1]):

@@ -57,10 +57,16 @@ def _plan(length: int, settings) -> BlockPlan:
   return BlockPlan(block, block + -(-length // block) * block, "none", whole_sequence=True)
 
 
+def _sampler(engine):
+  """``engine.sample`` taking each row's budget as one [b, 2] array: steps per block, blocks with one more."""
+  return lambda params, canvas, key, budgets: engine.sample(
+    params, canvas, key, budgets[:, 0], extra_steps=budgets[:, 1]
+  )
+
+
 @functools.cache
 def _jitted(network, settings, plan):
-  engine = BlockEngine(network, settings, plan)
-  return jax.jit(engine.sample)
+  return jax.jit(_sampler(BlockEngine(network, settings, plan)))
 
 
 def _row_steps(canvas, steps, plan, settings=None) -> jnp.ndarray:
@@ -69,7 +75,7 @@ def _row_steps(canvas, steps, plan, settings=None) -> jnp.ndarray:
   capped = settings is None or commits_every_step(settings)
   return jnp.asarray(
     [steps_per_block(steps, block_loads(row, block), capped=capped) for row in canvas.kinds], jnp.int32
-  )
+  ).reshape(-1, 2)
 
 
 _FAKES = {}
@@ -96,7 +102,7 @@ def test_one_while_loop_and_one_compilation_across_step_counts():
   canvas, settings = mixed_canvas(), _settings()
   plan = _plan(24, settings)
   engine = BlockEngine(_network(fake_denoise), settings, plan)
-  fn = jax.jit(engine.sample)
+  fn = jax.jit(_sampler(engine))
   args = (None, canvas, jax.random.key(0))
   assert _count_while(jax.make_jaxpr(fn)(*args, _row_steps(canvas, 4, plan)).jaxpr) == 1
   hlo = fn.lower(*args, _row_steps(canvas, 4, plan)).as_text()
@@ -350,7 +356,7 @@ def test_real_model_batch_invariance_and_mesh_equals_one_device():
   )
   plan = _plan(32, settings)
   engine = BlockEngine(network, settings, plan)
-  fn = jit_on_mesh(engine.sample, mesh, sh.RULES, shardings, batched=jnp.zeros((8,), jnp.int32))
+  fn = jit_on_mesh(_sampler(engine), mesh, sh.RULES, shardings, batched=jnp.zeros((8, 2), jnp.int32))
   with mesh_context(mesh, sh.RULES):
     out = fn(sharded, canvas, jax.random.key(0), np.asarray(_row_steps(canvas, 8, plan, settings)))
   assert out.tokens.sharding.spec == sh.batch_spec(sh.RULES, 2)

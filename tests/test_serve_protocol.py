@@ -348,8 +348,9 @@ def test_steps_is_the_total_budget_and_steps_per_block_the_blocks_own():
   body = {"prompt": "ab", "max_tokens": 16}
   for steps in (5, 8, 16, 60):
     assert client.post("/v1/completions", json={**body, "steps": steps}).status_code == 200
-  # 2 a block would take 10 steps, more than 8; 3 a block takes 3 + 3 + 3 + 3 + 2 = 14 <= 16, 4 a block 17.
-  assert [r.steps_per_block for r in scheduler.requests] == [1, 1, 3, 4]
+  # 2 a block would take 10 steps, more than 8: 1 a block and the first 3 blocks one more; 3 a block takes
+  # 3 + 3 + 3 + 3 + 2 = 14 <= 16, and the first 2 blocks one more; 4 a block (17 steps) is every position.
+  assert [(r.steps_per_block, r.extra_steps) for r in scheduler.requests] == [(1, 0), (1, 3), (3, 2), (4, 0)]
   error = error_of(client.post("/v1/completions", json={**body, "steps": 4}))
   assert error["param"] == "steps" and "below the 5 blocks" in error["message"]
   error = error_of(client.post("/v1/completions", json={**body, "steps": 8, "steps_per_block": 2}))

@@ -46,14 +46,17 @@ def engine_overhead(
   canvas = cv.Canvas(*(np.asarray(a) for a in canvas))
   canvas, plan = sampler.plan(canvas, decoder)
   whole_canvas = plan.whole_sequence and plan.block >= plan.length
-  per_block = sampler.steps_per_block(steps, None, canvas.kinds, 0 if whole_canvas else plan.block, settings)
+  budgets = sampler.steps_per_block(steps, None, canvas.kinds, 0 if whole_canvas else plan.block, settings)
   engine = BlockEngine(sampler.network, settings, plan)
-  params, key, per_block = sampler.params, jax.random.key(0), jnp.asarray(per_block)
-  init = jax.jit(engine.init)
-  whole = jax.jit(lambda p, c, k, n: engine.advance(p, engine.init(p, c, k, n)))
-  final = whole(params, canvas, key, per_block)
-  wall = _median_seconds(whole, params, canvas, key, per_block, repeats=repeats)
-  prefill = _median_seconds(init, params, canvas, key, per_block, repeats=repeats) if plan.cache == "exact" else 0.0
+  params, key = sampler.params, jax.random.key(0)
+  per_block, extra = jnp.asarray(budgets[:, 0]), jnp.asarray(budgets[:, 1])
+  init = jax.jit(lambda p, c, k, n, e: engine.init(p, c, k, n, extra_steps=e))
+  whole = jax.jit(lambda p, c, k, n, e: engine.advance(p, engine.init(p, c, k, n, extra_steps=e)))
+  final = whole(params, canvas, key, per_block, extra)
+  wall = _median_seconds(whole, params, canvas, key, per_block, extra, repeats=repeats)
+  prefill = 0.0
+  if plan.cache == "exact":
+    prefill = _median_seconds(init, params, canvas, key, per_block, extra, repeats=repeats)
   blocks = int((final.last - final.first).min()) + 1  # step blocks every row has
 
   def probe(fresh: bool):

@@ -122,13 +122,16 @@ class Program:
     self.compile_time += time.perf_counter() - start
     return compiled
 
-  def init(self, params, canvas, key, num_steps, knobs, tables, healing):
+  def init(self, params, canvas, key, num_steps, knobs, tables, healing, extra_steps):
     """The state before the first step (:meth:`BlockEngine.init`)."""
-    args = (params, canvas, key, num_steps, knobs, tables, healing)
+    args = (params, canvas, key, num_steps, knobs, tables, healing, extra_steps)
     if self._init is None:
       engine = self.engine
-      fn = lambda p, c, k, n, kn, t, h: engine.init(p, c, k, n, kn, tables=t, healing=h)  # noqa: E731
-      jitted = sh.MeshJit(fn, self.mesh, self.rules, in_shardings=(self.param_shardings, *[None] * 6))
+
+      def fn(p, c, k, n, kn, t, h, e):
+        return engine.init(p, c, k, n, kn, tables=t, healing=h, extra_steps=e)
+
+      jitted = sh.MeshJit(fn, self.mesh, self.rules, in_shardings=(self.param_shardings, *[None] * 7))
       self._init = self._compile(jitted, *args)
     return self._init(*args)
 

@@ -22,12 +22,13 @@ slots (:class:`~mercury_jax.sampling.plan.BlockPlan`). Each row keeps its own bl
 and rotary positions are canvas positions, so a row's tokens do not depend on its batch. A row that has no block
 left re-runs its last one.
 
-Rows are independent. Each row has its own block counter, step, step budget (``num_steps`` [b], steps per block)
-and sampling knobs (``State.knobs``, traced [b] arrays), and moves to its next block as soon as its own block is
-finished; one forward pass serves every row that needs one, and a row that did not need it keeps the logits it
-already had. So a row's tokens depend on its own canvas, key and knobs only, and a serving engine
-(``mercury_jax.serve``) can :meth:`BlockEngine.insert` a request into a free row and :meth:`BlockEngine.release` it
-between steps. The approximate caches refresh every row at once and keep the rows' blocks in lockstep.
+Rows are independent. Each row has its own block counter, step, step budget (``num_steps`` [b] steps per block, one
+more in its first ``extra_steps`` [b] blocks) and sampling knobs (``State.knobs``, traced [b] arrays), and moves to
+its next block as soon as its own block is finished; one forward pass serves every row that needs one, and a row
+that did not need it keeps the logits it already had. So a row's tokens depend on its own canvas, key and knobs
+only, and a serving engine (``mercury_jax.serve``) can :meth:`BlockEngine.insert` a request into a free row and
+:meth:`BlockEngine.release` it between steps. The approximate caches refresh every row at once and keep the rows'
+blocks in lockstep.
 
 Steps. Within a block the step rules run on ``[batch, B]`` slices with ``num_steps`` steps per block: the confidence
 schedule commits ``ceil(open / steps_left)``, the ancestral rule walks the block's time grid from 1 to 0, revision
@@ -119,6 +120,7 @@ class BlockEngine:
     prefill: int | None = None,
     tables: constrained.Tables | None = None,
     healing: Healing | None = None,
+    extra_steps: jax.Array | None = None,
   ) -> State:
     """Lays the canvases into slots and runs the prefill (exact cache): the state before the first step.
 
@@ -136,6 +138,8 @@ class BlockEngine:
         ``min_length`` is ignored (the automaton says where text ends).
       healing: Token healing (:class:`~mercury_jax.sampling.state.Healing` with ``slot`` holding each row's healed
         canvas position, -1 for none): that position may only take the ``allowed`` tokens.
+      extra_steps: The first ``extra_steps`` step blocks of a row take one step more than ``num_steps`` ([] or [b];
+        default 0): what is left of a total budget (``settings.steps_per_block``).
     """
     plan, settings, block = self.plan, self.settings, self.plan.block
     tokens, kinds = jnp.asarray(canvas.tokens, jnp.int32), jnp.asarray(canvas.kinds, jnp.int32)
@@ -186,6 +190,7 @@ class BlockEngine:
       proposal=jnp.zeros((batch, block), jnp.int32),
       cache=self.cache.empty(batch),
       num_steps=jnp.maximum(per_row(num_steps, jnp.int32), 1),
+      extra_steps=per_row(0 if extra_steps is None else extra_steps, jnp.int32),
       knobs=Knobs(
         *(per_row(v, d) for v, d in zip(knobs, (jnp.float32, jnp.int32, jnp.float32, jnp.float32), strict=True))
       ),
@@ -262,9 +267,10 @@ class BlockEngine:
     wants_logits = jnp.where(st.fresh, has_open, (st.changed | self.network.time_conditioning) & has_open)
     previous_live = jnp.any(rows(st.segments, starts - block, block) != 0, axis=-1)
     wants_commit = st.fresh & previous_live & unfinished
-    steps_left = st.num_steps - st.step  # [b]
-    t = (1.0 - st.step / st.num_steps).astype(jnp.float32)
-    s = (1.0 - (st.step + 1) / st.num_steps).astype(jnp.float32)
+    num_steps = st.num_steps + (st.block < st.extra_steps).astype(jnp.int32)  # [b] this block's steps
+    steps_left = num_steps - st.step  # [b]
+    t = (1.0 - st.step / num_steps).astype(jnp.float32)
+    s = (1.0 - (st.step + 1) / num_steps).astype(jnp.float32)
     forward = self.cache.forward(params, st, Needs(starts, t, wants_logits, wants_commit))
 
     # Propose. The Gumbel noise is drawn only when some row samples (a row at temperature 0 ignores it), the rule's
@@ -299,14 +305,14 @@ class BlockEngine:
         score=rows(st.score, starts, block),
         k=(open_.sum(axis=-1, dtype=jnp.int32) + steps_left - 1) // steps_left,
         steps_left=steps_left,
-        block_steps=st.num_steps,
+        block_steps=num_steps,
         t=t,
         s=s,
         u=u,
         threshold=st.knobs.threshold,
       )
     )
-    is_last = (st.step >= st.num_steps - 1)[:, None]
+    is_last = (st.step >= num_steps - 1)[:, None]
     commit = (out.commit | is_last) & open_
     remask = out.remask & committed & ~is_last
     z_b = jnp.where(remask, mask_id, jnp.where(commit, x0, z_b))
@@ -417,7 +423,9 @@ class BlockEngine:
     knobs: Knobs | None = None,
     tables: constrained.Tables | None = None,
     healing: Healing | None = None,
+    extra_steps: jax.Array | None = None,
   ) -> SampleOutput:
     """The whole generation as one function: prefill, every block, output (see :meth:`init`)."""
-    st = self.advance(params, self.init(params, canvas, key, num_steps, knobs, tables=tables, healing=healing))
+    state = self.init(params, canvas, key, num_steps, knobs, tables=tables, healing=healing, extra_steps=extra_steps)
+    st = self.advance(params, state)
     return self.output(st, jnp.shape(canvas.tokens)[1])

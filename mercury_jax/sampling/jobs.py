@@ -45,7 +45,7 @@ class Job:
   settings: SamplerSettings
   canvas: cv.Canvas  # numpy, padded to the plan's length
   plan: BlockPlan
-  steps_per_block: np.ndarray  # int32 [rows]
+  budgets: np.ndarray  # int32 [rows, 2]: each row's steps per block, and its first blocks that take one step more
   seed: int
   rows: Rows | None = None
   layout: BatchLayout | None = None
@@ -99,26 +99,25 @@ class Jobs:
   def steps_per_block(
     self, steps: int | None, steps_per_block: int | None, kinds, block: int, settings: SamplerSettings
   ) -> np.ndarray:
-    """Each row's steps per block (int32 [rows]) for a total budget ``steps`` or an explicit ``steps_per_block``
-    (module docstring; ``settings.steps_per_block``): a row's budget depends on its own canvas only. The twin always
-    takes one.
+    """Each row's budget, int32 [rows, 2]: its steps per block and its first blocks that take one step more, for a
+    total budget ``steps`` or an explicit ``steps_per_block`` (``settings.steps_per_block``): a row's budget depends
+    on its own canvas only. The twin always takes one step per block.
 
     Raises:
       SettingError: Both given, one below 1, or ``steps`` below the blocks a row's generated positions lie in.
     """
     rows = np.shape(kinds)[0]
     if self.autoregressive:
-      return np.ones((rows,), np.int32)
+      return np.tile(np.asarray([1, 0], np.int32), (rows, 1))
     if steps is not None and steps_per_block is not None:
       raise SettingError("steps_per_block", steps_per_block, "and steps are two budgets; give one of them")
     if steps_per_block is not None:
       if steps_per_block < 1:
         raise SettingError("steps_per_block", steps_per_block, "must be >= 1")
-      return np.full((rows,), steps_per_block, np.int32)
+      return np.tile(np.asarray([steps_per_block, 0], np.int32), (rows, 1))
     capped = commits_every_step(settings)
-    return np.asarray(
-      [per_block_of(steps, block_loads(row, block), capped=capped) for row in np.asarray(kinds)], np.int32
-    )
+    budgets = [per_block_of(steps, block_loads(row, block), capped=capped) for row in np.asarray(kinds)]
+    return np.asarray(budgets, np.int32).reshape(rows, 2)
 
   def job(self, canvas, steps, steps_per_block, seed, settings, cache, layout, automata, healing_rows) -> Job:
     decoder = self.decoder(cache, settings.block_length)
@@ -215,7 +214,8 @@ class Jobs:
     job.rows = rows
     if request.show_steps and not self.autoregressive:  # One frame per step: steps per block times the blocks.
       blocks = max((len(block_loads(row, job.plan.block)) for row in np.asarray(job.canvas.kinds)), default=1)
-      job.settings = dataclasses.replace(settings, trace=int(job.steps_per_block.max(initial=1)) * max(blocks, 1))
+      most = int((job.budgets[:, 0] + (job.budgets[:, 1] > 0)).max(initial=1))  # steps of a row's longest block
+      job.settings = dataclasses.replace(settings, trace=most * max(blocks, 1))
     return job
 
   def healing(self, rows: Rows) -> Healing | None:

@@ -10,9 +10,10 @@ is :func:`~mercury_jax.sampling.decoders.choose`'s answer to ``generate(..., cac
 engine's two programs, ``init`` and ``advance`` to the end; ``stream`` runs the same two, ``advance`` a block (or a
 step) at a time, so both give the same tokens.
 
-Step budgets: ``steps`` is the refinement budget of each sample's generated positions. A row's blocks all get the
-same steps, the most that keep its total within ``steps`` (``settings.steps_per_block``; a block never takes more
-steps than it has positions), and a budget below one step per block is an error. ``steps_per_block`` sets the
+Step budgets: ``steps`` is the refinement budget of each sample's generated positions, never exceeded: a row's blocks
+get the same steps, the most that keep its total within ``steps``, and its first blocks one more while the budget
+lasts (``settings.steps_per_block``; a block never takes more steps than it has positions); a budget below one step
+per block is an error. ``steps_per_block`` sets the
 engine's steps per block directly. Neither: one token per step. A row's budget depends on its own canvas only.
 
 Several processes (a multi-host mesh) either all pass the same prompts and all get every sample, or, with
@@ -171,7 +172,8 @@ class Sampler:
     return self.jobs.plan(canvas, decoder, length)
 
   def steps_per_block(self, steps, steps_per_block, kinds, block: int, settings: SamplerSettings) -> np.ndarray:
-    """Each row's steps per block (:meth:`Jobs.steps_per_block <mercury_jax.sampling.jobs.Jobs.steps_per_block>`)."""
+    """Each row's budget, [rows, 2]: steps per block and blocks with one more
+    (:meth:`Jobs.steps_per_block <mercury_jax.sampling.jobs.Jobs.steps_per_block>`)."""
     return self.jobs.steps_per_block(steps, steps_per_block, kinds, block, settings)
 
   # ------------------------------------------------------------------------------------------- canvases
@@ -245,23 +247,30 @@ class Sampler:
     )
     before = program.compile_time
     start = time.perf_counter()
-    steps_placed = self._row_steps(job, batch)
-    state = program.init(self.params, placed, place.key(job.seed), steps_placed, knobs, tables, heal)
+    per_block, extra = self._row_steps(job, batch)
+    state = program.init(self.params, placed, place.key(job.seed), per_block, knobs, tables, heal, extra)
     state = jax.block_until_ready(state)
     compile_time = program.compile_time - before
     return program, state, compile_time, time.perf_counter() - start - compile_time
 
-  def _row_steps(self, job: Job, batch: int) -> jax.Array:
-    """Each row's steps per block placed like the canvas rows (padding rows take 1)."""
+  def _row_steps(self, job: Job, batch: int) -> tuple[jax.Array, jax.Array]:
+    """Each row's steps per block and blocks with one step more, placed like the canvas rows (padding rows: 1, 0)."""
     layout, place = job.layout, self.placement
-    pad = lambda a, n: np.pad(a, (0, n - a.shape[0]), constant_values=1)  # noqa: E731
+
+    def pad(a, n):
+      return np.concatenate([a, np.tile(np.asarray([1, 0], np.int32), (n - a.shape[0], 1))])
+
     if layout is None:
-      return place.put(pad(job.steps_per_block, batch), place.batched(1))
-    local = pad(job.steps_per_block, layout.local_rows)
-    if layout.own_devices:
-      return jax.make_array_from_process_local_data(place.batched(1), local, (batch,))
-    every = np.asarray(multihost_utils.process_allgather(local, tiled=True))
-    return place.put(pad(every, batch), place.batched(1))
+      budgets = pad(job.budgets, batch)
+    else:
+      local = pad(job.budgets, layout.local_rows)
+      if layout.own_devices:
+        return tuple(
+          jax.make_array_from_process_local_data(place.batched(1), np.ascontiguousarray(local[:, i]), (batch,))
+          for i in range(2)
+        )
+      budgets = pad(np.asarray(multihost_utils.process_allgather(local, tiled=True)), batch)
+    return tuple(place.put(np.ascontiguousarray(budgets[:, i]), place.batched(1)) for i in range(2))
 
   def _output(self, job: Job, state, engine) -> SampleOutput:
     """The finished canvases (numpy) of this process's rows."""

@@ -10,7 +10,7 @@ The step count is traced everywhere; the block engine also traces temperature, t
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from mercury_jax.config import ObjectiveConfig
 
@@ -174,15 +174,27 @@ def hole_loads(first: int, count: int, block: int) -> list[int]:
   return loads
 
 
-def steps_per_block(steps: int | None, loads, *, capped: bool = True) -> int:
-  """The engine's steps per block that honour a total budget of ``steps`` for a row whose blocks hold ``loads``
-  positions to generate (:func:`block_loads`).
+class Budget(NamedTuple):
+  """Steps per block of one row: ``per_block`` for every block, one more for its first ``extra`` blocks."""
+
+  per_block: int
+  extra: int = 0
+
+  def total(self, loads, *, capped: bool = True) -> int:
+    """The most steps the row can take with ``loads`` positions in its blocks."""
+    steps = [self.per_block + (j < self.extra) for j in range(len(loads))]
+    return sum(min(s, n) if capped else s for s, n in zip(steps, loads, strict=True))
+
+
+def steps_per_block(steps: int | None, loads, *, capped: bool = True) -> Budget:
+  """The engine's steps per block that spend a total budget of ``steps`` on a row whose blocks hold ``loads``
+  positions to generate (:func:`block_loads`), never more.
 
   With ``capped`` (rules that commit at least one position per step: confidence and threshold without revision) a
-  block never takes more steps than it has positions, so the answer is the most steps per block ``p`` whose total,
-  ``sum(min(p, n))`` over the blocks, stays within ``steps``. Otherwise (the ancestral rule, revision: a step may
-  commit nothing) every block takes its ``p`` steps, so ``p = steps // blocks``. ``steps`` None means one token per
-  step (``max(loads)``).
+  block never takes more steps than it has positions: every block gets the most steps ``p`` whose total,
+  ``sum(min(p, n))`` over the blocks, stays within ``steps``, and the first blocks one more while the budget lasts.
+  Otherwise (the ancestral rule, revision: a step may commit nothing) every block takes its steps: ``steps // blocks``
+  each, one more for the first ``steps % blocks``. ``steps`` None means one token per step (``max(loads)`` a block).
 
   Raises:
     SettingError: ``steps`` is below 1, or below the number of blocks: every block takes at least one step, so a
@@ -190,9 +202,9 @@ def steps_per_block(steps: int | None, loads, *, capped: bool = True) -> int:
   """
   loads = [n for n in loads if n > 0]
   if not loads:
-    return 1
+    return Budget(1)
   if steps is None:
-    return max(loads)
+    return Budget(max(loads))
   if steps < 1:
     raise SettingError("steps", steps, "must be >= 1")
   if steps < len(loads):
@@ -203,13 +215,16 @@ def steps_per_block(steps: int | None, loads, *, capped: bool = True) -> int:
       f"step, so give steps >= {len(loads)} (or generate fewer tokens)",
     )
   if not capped:
-    return steps // len(loads)
+    return Budget(steps // len(loads), steps % len(loads))
   best = 1
   for p in range(1, max(loads) + 1):
     if sum(min(p, n) for n in loads) > steps:
       break
     best = p
-  return best
+  if best == max(loads):  # One token per step already: more steps would never run.
+    return Budget(best)
+  spare = steps - sum(min(best, n) for n in loads)
+  return Budget(best, min(spare, len(loads)))
 
 
 def commits_every_step(settings: SamplerSettings) -> bool:

@@ -48,6 +48,7 @@ class State(NamedTuple):
   proposal: jax.Array  # [b, B] the last step's proposed tokens in its block (a draft's undecided positions)
   cache: Any  # the key-value cache (``mercury_jax.model.KVCache``; ``()`` without one)
   num_steps: jax.Array  # [b] steps per block
+  extra_steps: jax.Array  # [b] the row's first ``extra_steps`` step blocks take one step more (a total budget's rest)
   knobs: Knobs  # [b] each: temperature, top-k, top-p, threshold
   nfe: jax.Array  # [b] steps in which the row needed a forward pass (a pass it ran while it had a masked position)
   forwards: jax.Array  # [] steps that ran the network (prefill not included)

@@ -87,7 +87,7 @@ from sse_starlette import EventSourceResponse
 from starlette.exceptions import HTTPException
 
 from mercury_jax.sampling import healing
-from mercury_jax.sampling.settings import SettingError, hole_loads, steps_per_block
+from mercury_jax.sampling.settings import Budget, SettingError, hole_loads, steps_per_block
 from mercury_jax.serve import answers, protocol as api, structured
 from mercury_jax.serve.chat import ChatTemplate, TemplateError
 from mercury_jax.serve.guard import Guard
@@ -217,7 +217,7 @@ def _max_tokens(given: int | None, default: int, prompt: int, suffix: int, conte
   raise api.APIError(400, message, param="prompt" if room < 1 else field, code="context_length_exceeded")
 
 
-def _knobs(body: api.GenerationRequest, scheduler, first: int, generated: int) -> tuple[Knobs, int | None]:
+def _knobs(body: api.GenerationRequest, scheduler, first: int, generated: int) -> tuple[Knobs, Budget | None]:
   """``(knobs, steps per block)`` of a request whose hole of ``generated`` positions starts at canvas position
   ``first``: reasoning_effort first, explicit steps (or steps_per_block) and threshold over it; the engine's defaults
   for what is not given (steps per block None)."""
@@ -241,8 +241,9 @@ def _knobs(body: api.GenerationRequest, scheduler, first: int, generated: int) -
       param="block_length",
     )
   per_block, threshold = api.effort_knobs(body.reasoning_effort, block) if body.reasoning_effort else (None, None)
+  per_block = None if per_block is None else Budget(per_block)
   if body.steps_per_block is not None:
-    per_block = body.steps_per_block
+    per_block = Budget(body.steps_per_block)
   if body.steps is not None:
     try:
       per_block = steps_per_block(body.steps, hole_loads(first, generated, block))

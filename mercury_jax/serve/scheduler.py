@@ -278,6 +278,8 @@ class Scheduler:
     per_block = request.steps_per_block
     if per_block is not None and not 1 <= per_block <= self.max_length:
       raise SettingError("steps_per_block", per_block, f"must lie in [1, {self.max_length}]")
+    if not 0 <= request.extra_steps <= self.max_length:
+      raise SettingError("extra_steps", request.extra_steps, f"must lie in [0, {self.max_length}]")
     if not 0 <= request.seed <= MAX_SEED:
       raise SettingError("seed", request.seed, f"must lie in [0, {MAX_SEED}]")
     if not 0 <= request.stream <= MAX_STREAM:

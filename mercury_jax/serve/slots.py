@@ -75,6 +75,7 @@ class Request:
   diffusing: bool = False  # Also deliver the draft after every step.
   constraint: Automaton | None = None  # The hole's text must be accepted by it (structured output).
   heal: str = ""  # Token healing: the hole's first token starts with these characters (the prompt's backed-off end).
+  extra_steps: int = 0  # The hole's first ``extra_steps`` blocks take one step more (the rest of a total budget).
 
 
 class Command(NamedTuple):
@@ -89,6 +90,7 @@ class Command(NamedTuple):
   streams: np.ndarray  # [slots] int32
   keys: np.ndarray  # [slots, 2] uint32: PRNG key data of the requests' seeds
   steps: np.ndarray  # [slots] int32: steps per block
+  extra: np.ndarray  # [slots] int32: first blocks that take one step more
   knobs: Knobs  # [slots] each
   constraint: np.ndarray  # [slots] int32: bytes of an admitted request's constraint spec (0: none; see ``_specs``)
   heal: np.ndarray  # [slots] int32: bytes of an admitted request's healed characters (UTF-8; 0: none)
@@ -200,8 +202,10 @@ class SlotEngine:
       return st, news(engine, st, worked)
 
     def prefill(size: int):
-      fn = lambda p, c, k, n, kn, t, h: engine.init(p, c, k, n, kn, prefill=size, tables=t, healing=h)  # noqa: E731
-      return sh.MeshJit(fn, mesh, rules, in_shardings=(params, *[None] * 6))
+      def fn(p, c, k, n, kn, t, h, e):
+        return engine.init(p, c, k, n, kn, prefill=size, tables=t, healing=h, extra_steps=e)
+
+      return sh.MeshJit(fn, mesh, rules, in_shardings=(params, *[None] * 7))
 
     self._prefill = [prefill(size) for size in self.buckets]
     self._insert = sh.MeshJit(engine.insert, mesh, rules, donate_argnums=(0,))
@@ -236,6 +240,7 @@ class SlotEngine:
       streams=zeros(np.int32),
       keys=np.zeros((n, 2), np.uint32),
       steps=np.ones((n,), np.int32),
+      extra=zeros(np.int32),
       knobs=Knobs.of(self.settings, n),
       constraint=zeros(np.int32),
       heal=zeros(np.int32),
@@ -255,6 +260,7 @@ class SlotEngine:
     command.streams[slot] = request.stream
     command.keys[slot] = np.asarray(jax.random.key_data(jax.random.key(request.seed)))
     command.steps[slot] = 1 if self.autoregressive else (request.steps_per_block or self.default_steps)
+    command.extra[slot] = 0 if self.autoregressive or request.steps_per_block is None else request.extra_steps
     for column, value in zip(command.knobs, request.knobs or self.default_knobs, strict=True):
       column[slot] = value
     command.constraint[slot] = 0
@@ -311,7 +317,8 @@ class SlotEngine:
     fn = self._prefill[int(command.bucket[slot])]
     tables = self._tables([self._automata.pop(slot, None)])
     heal = self._healing([self._heals.pop(slot, "")], [int(np.argmax(command.kinds[slot] == K.TARGET))])
-    return fn(self.sampler.params, canvas, place(command.keys[slot]), place(command.steps[row]), knobs, tables, heal)
+    steps, extra = place(command.steps[row]), place(command.extra[row])
+    return fn(self.sampler.params, canvas, place(command.keys[slot]), steps, knobs, tables, heal, extra)
 
   def _healing(self, texts: list[str], positions: list[int]) -> Healing:
     """Rows' token-healing masks (every row has one, so one program serves all): a row with healed characters lets
@@ -398,7 +405,8 @@ class SlotEngine:
         init, tables = self._prefill[bucket], self._tables([None] * self.slots)
         heal = self._healing([""] * self.slots, [0] * self.slots)
         key = place(command.keys[0])
-        self.state = init(self.sampler.params, Canvas(*args), key, place(command.steps), knobs, tables, heal)
+        steps, extra = place(command.steps), place(command.extra)
+        self.state = init(self.sampler.params, Canvas(*args), key, steps, knobs, tables, heal, extra)
         self._sync(self.state)
       row = self._sync(self.prefill(command, 0))
       self.state = self._sync(self._insert(self.state, row, self._place(np.int32(0))))
