@@ -358,7 +358,19 @@ def create_app(scheduler, compiler, options: Options) -> FastAPI:
     seed = body.seed if body.seed is not None else secrets.randbelow(api.MAX_SEED + 1)
     diffusing = bool(body.diffusing and body.stream)
     requests = [
-      EngineRequest(tuple(prompt), max_tokens, tuple(suffix), knobs, per_block, seed, i, diffusing, constraint, healed)
+      EngineRequest(
+        tuple(prompt),
+        max_tokens,
+        tuple(suffix),
+        knobs,
+        None if per_block is None else per_block.per_block,
+        seed,
+        i,
+        diffusing,
+        constraint,
+        healed,
+        0 if per_block is None else per_block.extra,
+      )
       for i in range(body.n or 1)
     ]
     try:
