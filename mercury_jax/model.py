@@ -84,25 +84,31 @@ class KVCache(NamedTuple):
   def slots(self) -> int:
     return self.segments.shape[1]
 
+  def _slots(self, starts: jax.Array, size: int) -> tuple[jax.Array, jax.Array]:
+    """``(rows, slots)`` [batch, size] indices of the ``size`` slots from ``starts[r]`` of every row ``r``."""
+    batch = self.segments.shape[0]
+    starts = jnp.broadcast_to(jnp.asarray(starts, jnp.int32), (batch,))
+    return jnp.arange(batch)[:, None], starts[:, None] + jnp.arange(size)[None, :]
+
   def write(self, chunk: KVCache, starts: jax.Array) -> KVCache:
-    """This cache with ``chunk`` written at slots ``starts[r] ...`` of every row ``r`` (``starts``: [] or [batch])."""
-    starts = jnp.broadcast_to(jnp.asarray(starts, jnp.int32), self.segments.shape[:1])
-    put = jax.vmap(lambda a, new, s: jax.lax.dynamic_update_slice_in_dim(a, new, s, axis=1), in_axes=(1, 1, 0))
+    """This cache with ``chunk`` written at slots ``starts[r] ...`` of every row ``r`` (``starts``: [] or [batch]).
+
+    One scatter per array, indexed on the batch and slot axes where they lie (a ``vmap`` over the batch axis, which is
+    not the leading one, would transpose the whole cache twice at every write)."""
+    rows, slots = self._slots(starts, chunk.slots)
     return KVCache(
-      jnp.moveaxis(put(self.keys, chunk.keys.astype(self.keys.dtype), starts), 0, 1),
-      jnp.moveaxis(put(self.values, chunk.values.astype(self.values.dtype), starts), 0, 1),
-      jax.vmap(lambda a, new, s: jax.lax.dynamic_update_slice_in_dim(a, new, s, axis=0))(
-        self.segments, chunk.segments, starts
-      ),
+      self.keys.at[:, rows, slots].set(chunk.keys.astype(self.keys.dtype), mode="drop"),
+      self.values.at[:, rows, slots].set(chunk.values.astype(self.values.dtype), mode="drop"),
+      self.segments.at[rows, slots].set(chunk.segments, mode="drop"),
     )
 
   def rows(self, starts: jax.Array, size: int) -> KVCache:
     """The ``size`` slots from ``starts[r]`` of every row ``r``, as a chunk."""
-    take = jax.vmap(lambda a, s: jax.lax.dynamic_slice_in_dim(a, s, size, axis=1), in_axes=(1, 0), out_axes=1)
+    rows, slots = self._slots(starts, size)
     return KVCache(
-      take(self.keys, starts),
-      take(self.values, starts),
-      jax.vmap(lambda a, s: jax.lax.dynamic_slice_in_dim(a, s, size, axis=0))(self.segments, starts),
+      self.keys.at[:, rows, slots].get(mode="clip"),
+      self.values.at[:, rows, slots].get(mode="clip"),
+      self.segments.at[rows, slots].get(mode="clip"),
     )
 
 
