@@ -16,7 +16,7 @@ from mercury_jax.checkpoint import export_params
 from mercury_jax.config import Config, MeshConfig, ModelConfig, ObjectiveConfig
 from mercury_jax.model import Transformer, param_shardings
 from mercury_jax.sampling import canvas as cv
-from mercury_jax.sampling.engine import BlockEngine
+from mercury_jax.sampling.engine import BlockEngine, prefill_slots
 from mercury_jax.sampling.mesh import jit_on_mesh
 from mercury_jax.sampling.plan import plan_blocks
 from mercury_jax.sampling.sampler import Sampler
@@ -471,3 +471,27 @@ def test_the_engine_takes_the_steps_of_its_budget(sampler):
       first = len(sampler.tokenizer.encode(prompt))
       loads = hole_loads(first, 24, BLOCK)
       assert sample.nfe == steps_per_block(steps, loads).total(loads) <= steps, (prompt, steps)
+
+
+def test_the_prefill_covers_only_what_the_first_step_reads():
+  """``prefill_slots``: nothing for prompts within their first generated block, a power of two of blocks otherwise;
+  the tokens equal those of a prefill over every slot, for block diffusion and the twin."""
+  cfg = _model_cfg()
+  params, settings = _params(cfg), _settings(rule="threshold", threshold=0.6)
+  short = cv.make_canvas([cv.prefix([5, 6], 13), cv.prefix([5], 14)])
+  plan = plan_blocks(short.kinds, BLOCK, cache="exact")
+  assert prefill_slots(short.kinds, plan) == 0
+  for canvas in (short, _canvas()):
+    for causal, block in ((False, BLOCK), (True, 1)):
+      plan = plan_blocks(canvas.kinds, block, cache="exact", autoregressive=causal)
+      engine = BlockEngine(_model_cfg(causal=causal), settings, plan)
+      size = prefill_slots(canvas.kinds, plan)
+      run = lambda prefill, e=engine, c=canvas: (
+        jax.jit(  # noqa: E731
+          lambda p: e.advance(p, e.init(p, c, jax.random.key(2), jnp.full((c.tokens.shape[0],), 2), prefill=prefill))
+        )(params).z
+      )
+      np.testing.assert_array_equal(np.asarray(run(size)), np.asarray(run(None)))
+      assert size == 0 or (size % block == 0 and size <= plan.slots)
+  long = cv.make_canvas([cv.prefix(list(range(5, 30)), 6)])  # 25 prompt tokens: blocks 1..7 are the prompt
+  assert prefill_slots(long.kinds, plan_blocks(long.kinds, BLOCK, cache="exact")) == 8 * BLOCK

@@ -101,6 +101,7 @@ class ProgramKey:
   batch: int
   capacity: constrained.Capacity | None  # structured output's table sizes; None: no constraint
   healing: bool  # some row heals its prompt's last token
+  prefill: int | None = None  # slots the exact cache's prefill covers (``engine.prefill_slots``); None: every slot
 
 
 class Program:
@@ -110,8 +111,9 @@ class Program:
   of a decode (a stream's too).
   """
 
-  def __init__(self, engine: BlockEngine, mesh: Mesh, rules, param_shardings):
+  def __init__(self, engine: BlockEngine, mesh: Mesh, rules, param_shardings, prefill: int | None = None):
     self.engine, self.mesh, self.rules, self.param_shardings = engine, mesh, rules, param_shardings
+    self.prefill = prefill
     self._init = None
     self._advance = None
     self.compile_time = 0.0  # seconds spent compiling this program's functions so far
@@ -128,8 +130,10 @@ class Program:
     if self._init is None:
       engine = self.engine
 
+      prefill = self.prefill
+
       def fn(p, c, k, n, kn, t, h, e):
-        return engine.init(p, c, k, n, kn, tables=t, healing=h, extra_steps=e)
+        return engine.init(p, c, k, n, kn, prefill=prefill, tables=t, healing=h, extra_steps=e)
 
       jitted = sh.MeshJit(fn, self.mesh, self.rules, in_shardings=(self.param_shardings, *[None] * 7))
       self._init = self._compile(jitted, *args)
@@ -163,7 +167,7 @@ class Programs:
   def get(self, key: ProgramKey) -> Program:
     if key not in self._programs:
       engine = BlockEngine(self.network, key.settings, key.plan)
-      self._programs[key] = Program(engine, self.mesh, self.rules, self.param_shardings)
+      self._programs[key] = Program(engine, self.mesh, self.rules, self.param_shardings, key.prefill)
     return self._programs[key]
 
   def __len__(self) -> int:

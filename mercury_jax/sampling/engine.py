@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from mercury_jax import kinds as K
 from mercury_jax.config import ModelConfig
@@ -74,6 +75,21 @@ from mercury_jax.sampling.state import Constraint, Healing, State, put, rows
 
 RULE_NOISE = 0x7275  # Folded into a step's key for the step rule's own uniforms (the ancestral rule's).
 _BATCH_COUNTERS = ("forwards", "commit_passes", "iterations")
+
+
+def prefill_slots(kinds, plan: BlockPlan) -> int:
+  """The slots the exact cache's prefill must cover for these canvases (int [batch, length] kinds, host side): those
+  before each row's first generated block but one, rounded up to a power of two of blocks (a few compilations serve
+  every prompt length), at most every slot; 0 when every prompt lies within its first generated block."""
+  kinds = np.asarray(kinds)
+  target = kinds == K.TARGET
+  if not target.any():
+    return 0
+  first = (plan.block + np.argmax(target, axis=1)[target.any(axis=1)]) // plan.block  # each row's first block
+  blocks = int(first.max()) - 1  # slots [0, blocks * B) must be in the cache before the first step
+  if blocks <= 1:  # Only the padding block in front: nothing to write.
+    return 0
+  return min(plan.block * (1 << (blocks - 1).bit_length()), plan.slots)
 
 
 class BlockEngine:
@@ -131,8 +147,10 @@ class BlockEngine:
       num_steps: Steps per block: one for every row ([]) or one per row ([b]).
       knobs: The sampling knobs (traced), per row ([b] each) or for every row ([] each); default: the settings'
         own, as constants.
-      prefill: How many slots the exact cache's prefill runs over (static; default every slot): a serving engine
-        prefills a prompt over a bucket that covers its first block, not over the whole context.
+      prefill: How many slots the exact cache's prefill runs over (static; default every slot). The cache must
+        hold every slot before each row's first generated block but one (the first step's commit pass writes that
+        one), so a prompt that lies within its first generated block needs none (0: no prefill at all);
+        :func:`prefill_slots` gives the bucket a batch needs.
       tables: The rows' automata (:func:`mercury_jax.constrain.device.tables`): a constrained row's hole (it must
         have one) is generated as a valid prefix of its automaton's language, complete when the hole has room; its
         ``min_length`` is ignored (the automaton says where text ends).
@@ -203,7 +221,8 @@ class BlockEngine:
       constraint=constraint,
       healing=healing,
     )
-    return st._replace(cache=self.cache.prefill(params, st, plan.slots if prefill is None else prefill))
+    size = plan.slots if prefill is None else prefill
+    return st._replace(cache=self.cache.prefill(params, st, size)) if size else st
 
   def insert(self, st: State, row: State, slot: jax.Array) -> State:
     """``st`` with the one-row state ``row`` (an :meth:`init` of one canvas) in row ``slot``; the batch counters

@@ -52,6 +52,7 @@ from mercury_jax.sampling.decoders import (
   Programs,
   without_knobs,
 )
+from mercury_jax.sampling.engine import prefill_slots
 from mercury_jax.sampling.jobs import Job, Jobs
 from mercury_jax.sampling.network import Network
 from mercury_jax.sampling.placement import BatchLayout, Placement, own_rows, pad_rows
@@ -233,7 +234,10 @@ class Sampler:
           np.pad(job.healing.allowed, ((0, extra), (0, 0))), np.pad(job.healing.slot, (0, extra), constant_values=-1)
         )
       )
-    key = ProgramKey(without_knobs(settings), job.plan, batch, capacity, heal is not None)
+    prefill = None  # Every slot: per-process rows differ, and every process must run the same programs.
+    if job.plan.cache == "exact" and job.layout is None:
+      prefill = prefill_slots(np.asarray(job.canvas.kinds), job.plan)
+    key = ProgramKey(without_knobs(settings), job.plan, batch, capacity, heal is not None, prefill)
     program = self.programs.get(key)
     knobs = Knobs(
       *(
