@@ -495,3 +495,16 @@ def test_the_prefill_covers_only_what_the_first_step_reads():
       assert size == 0 or (size % block == 0 and size <= plan.slots)
   long = cv.make_canvas([cv.prefix(list(range(5, 30)), 6)])  # 25 prompt tokens: blocks 1..7 are the prompt
   assert prefill_slots(long.kinds, plan_blocks(long.kinds, BLOCK, cache="exact")) == 8 * BLOCK
+
+
+def test_the_engine_is_the_only_decoding_loop():
+  """One refinement loop: the whole-canvas loop module is gone, and no other sampling module runs a while loop."""
+  import importlib.util
+
+  from mercury_jax import sampling
+
+  assert importlib.util.find_spec("mercury_jax.sampling.loop") is None
+  assert importlib.util.find_spec("mercury_jax.sampling.blocks") is None
+  folder = Path(sampling.__file__).parent
+  loops = sorted(p.name for p in folder.glob("*.py") if "while_loop(" in p.read_text())
+  assert loops == ["engine.py"], loops
