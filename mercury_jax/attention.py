@@ -175,34 +175,12 @@ def attend(
   return fn(q, k, v, segment_ids, mask, diffusion_block)
 
 
-def cached_visibility(
-  segments: jax.Array, cache_segments: jax.Array, starts: jax.Array, mask: str, diffusion_block: int | None
-) -> tuple[jax.Array, jax.Array]:
-  """``(cache part [batch, chunk, slots], chunk part [batch, chunk, chunk])`` bool: what each query of a chunk sees.
-
-  The query ``i`` of row ``b`` sits at slot ``p = starts[b] + i``. It sees the cached key at slot ``s`` when
-  ``mask`` allows ``(p, s)`` in slot space, ``s`` is not one of the chunk's own slots (the chunk brings those keys
-  itself) and the key shares its segment; and the chunk's key ``j`` when ``mask`` allows ``(p, starts[b] + j)`` and
-  it shares its segment. A padding query (segment 0) sees nothing.
-  """
-  chunk, slots = segments.shape[1], cache_segments.shape[1]
-  query_slots = starts[:, None] + jnp.arange(chunk)  # [b, chunk]
-  cache_slots = jnp.arange(slots)
-  own = (cache_slots[None] >= starts[:, None]) & (cache_slots[None] < starts[:, None] + chunk)  # [b, slots]
-  live = (segments != 0)[:, :, None]
-  in_cache = masks.visible(query_slots[:, :, None], cache_slots[None, None], mask, block=diffusion_block)
-  in_cache &= ~own[:, None, :] & (cache_segments[:, None, :] == segments[:, :, None]) & live
-  in_chunk = masks.visible(query_slots[:, :, None], query_slots[:, None, :], mask, block=diffusion_block)
-  in_chunk &= (segments[:, None, :] == segments[:, :, None]) & live
-  return in_cache, in_chunk
-
-
 def _cached_xla(q, k, v, segments, cache_k, cache_v, cache_segments, starts, mask, diffusion_block):
   """Attention over ``[cache ; chunk]`` with two score blocks and one softmax, so the cache is never copied."""
   batch, chunk, heads, head_dim = q.shape
   kv_heads = k.shape[2]
   groups = heads // kv_heads
-  in_cache, in_chunk = cached_visibility(segments, cache_segments, starts, mask, diffusion_block)
+  in_cache, in_chunk = masks.cached(segments, cache_segments, starts, mask, block=diffusion_block, xp=jnp)
   q = q.reshape(batch, chunk, kv_heads, groups, head_dim).astype(jnp.float32) * head_dim**-0.5
   cached = jnp.einsum("bqkgd,bskd->bkgqs", q, cache_k.astype(jnp.float32))  # [b, kv, groups, chunk, slots]
   own = jnp.einsum("bqkgd,bjkd->bkgqj", q, k.astype(jnp.float32))  # [b, kv, groups, chunk, chunk]
@@ -278,7 +256,8 @@ def attend_cached(
   diffusion_block: int | None = None,
   implementation: str = "auto",
 ) -> jax.Array:
-  """Attention of a chunk over a key-value cache and its own keys and values (:func:`cached_visibility`).
+  """Attention of a chunk over a key-value cache and its own keys and values (what each query sees:
+  :func:`mercury_jax.kernels.masks.cached`).
 
   Args:
     q: ``[batch, chunk, heads, head_dim]``, the chunk's queries.

@@ -456,16 +456,10 @@ def visibility(
   mask: str,
   diffusion_block: int | None = None,
 ) -> jax.Array:
-  """``[batch, C, S + C]`` bool: True where chunk query ``i`` sees key ``j`` of ``[cache slots ; chunk keys]``."""
-  chunk, slots = segments.shape[1], cache_segments.shape[1]
-  query_slots = starts[:, None] + jnp.arange(chunk)  # [batch, C]
-  cache_slots = jnp.arange(slots)
-  in_chunk = (cache_slots >= starts[:, None]) & (cache_slots < starts[:, None] + chunk)  # [batch, S]: stale slots
-  seen = masks.visible(query_slots[:, :, None], cache_slots, mask, block=diffusion_block)  # [batch, C, S]
-  cache = seen & ~in_chunk[:, None, :] & (cache_segments[:, None, :] == segments[:, :, None])
-  seen = masks.visible(query_slots[:, :, None], query_slots[:, None, :], mask, block=diffusion_block)  # [b, C, C]
-  own = seen & (segments[:, None, :] == segments[:, :, None])
-  return jnp.concatenate([cache, own], axis=-1) & (segments != 0)[:, :, None]
+  """``[batch, C, S + C]`` bool: True where chunk query ``i`` sees key ``j`` of ``[cache slots ; chunk keys]``
+  (:func:`mercury_jax.kernels.masks.cached`)."""
+  in_cache, in_chunk = masks.cached(segments, cache_segments, starts, mask, block=diffusion_block, xp=jnp)
+  return jnp.concatenate([in_cache, in_chunk], axis=-1)
 
 
 def reference_cached_attention(

@@ -55,6 +55,27 @@ def visible(q, k, mask: str, *, block: int | None = None, half: int | None = Non
   raise ValueError(f"{mask=} must be one of {MASKS}")
 
 
+def cached(segments, cache_segments, starts, mask: str, *, block: int | None = None, xp=np):
+  """What each query of a chunk sees when it attends over a key-value cache and its own keys and values:
+  ``(cache part [batch, chunk, slots], chunk part [batch, chunk, chunk])`` bool.
+
+  The query ``i`` of row ``b`` sits at slot ``p = starts[b] + i``. It sees the cached key at slot ``s`` when ``mask``
+  allows ``(p, s)`` in slot space, ``s`` is not one of the chunk's own slots (the cache holds stale values there; the
+  chunk brings those keys itself) and the key shares its segment; and the chunk's key ``j`` when ``mask`` allows
+  ``(p, starts[b] + j)`` and it shares its segment. A padding query (segment 0) sees nothing.
+  """
+  chunk, slots = segments.shape[1], cache_segments.shape[1]
+  query_slots = starts[:, None] + xp.arange(chunk)  # [b, chunk]
+  cache_slots = xp.arange(slots)
+  own = (cache_slots[None] >= starts[:, None]) & (cache_slots[None] < starts[:, None] + chunk)  # [b, slots]
+  live = (segments != 0)[:, :, None]
+  in_cache = visible(query_slots[:, :, None], cache_slots[None, None], mask, block=block)
+  in_cache = in_cache & ~own[:, None, :] & (cache_segments[:, None, :] == segments[:, :, None]) & live
+  in_chunk = visible(query_slots[:, :, None], query_slots[:, None, :], mask, block=block)
+  in_chunk = in_chunk & (segments[:, None, :] == segments[:, :, None]) & live
+  return in_cache, in_chunk
+
+
 def dense(length: int, mask: str, *, block: int | None = None, half: int | None = None, xp=np):
   """``[length, length]`` bool, True where query ``i`` (row) may see key ``j`` (column); ``xp`` is numpy or jnp."""
   rows = xp.arange(length)[:, None]
