@@ -32,6 +32,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from mercury_jax.model import KVCache
 from mercury_jax.sampling.network import Network
 from mercury_jax.sampling.plan import BlockPlan
 from mercury_jax.sampling.state import State, chunk, rows
@@ -89,7 +90,7 @@ class NoCache(Strategy):
       twice(st.z),
       segments=twice(st.segments),
       positions=twice(st.positions),
-      mask="block_diffusion",
+      mask="verified" if plan.causal_context else "block_diffusion",
       diffusion_block=block,
       logits_length=plan.slots,
     )
@@ -106,7 +107,10 @@ class Exact(Strategy):
     return self.network.empty_cache(batch, self.plan.slots)
 
   def _mask(self) -> tuple[str, int | None]:
-    return ("causal", None) if self.plan.autoregressive else ("block_causal", self.plan.block)
+    """The mask of the prefill and the commit pass: causal for the twin and for a verified checkpoint's clean half
+    (``plan.causal_context``), block-causal for a block-diffusion checkpoint."""
+    plan = self.plan
+    return ("causal", None) if plan.autoregressive or plan.causal_context else ("block_causal", plan.block)
 
   def prefill(self, params, st: State, size: int):
     mask, block = self._mask()
@@ -127,7 +131,7 @@ class Exact(Strategy):
     net, block = self.network, self.plan.block
     mask, diffusion_block = self._mask()
 
-    def over_cache(cache, at, size, t=None, **kw):
+    def over_cache(cache, at, size, t=None, mask=mask, **kw):
       tokens, positions, segments = chunk(st, at, size)
       return net.chunk(
         params,
@@ -136,7 +140,7 @@ class Exact(Strategy):
         segments=segments,
         positions=positions,
         mask=mask,
-        diffusion_block=diffusion_block,
+        diffusion_block=block if mask == "block_causal" else diffusion_block,
         cache=cache,
         starts=at,
         **kw,
@@ -152,15 +156,62 @@ class Exact(Strategy):
     commit = jnp.any(needs.commit)
     kv = jax.lax.cond(
       commit,
-      lambda: over_cache(st.cache, previous, block, logits_length=0)[1],
+      lambda: over_cache(st.cache, previous, block, logits_length=0)[1],  # the commit pass: the context mask
       lambda: st.cache.rows(previous, block),  # Writing back what is there: one program either way.
     )
     cache = st.cache.write(kv, previous)
     run = jnp.any(needs.logits)
-    logits = jax.lax.cond(
-      run, lambda: over_cache(cache, needs.starts, block, needs.t, return_kv=False), lambda: st.logits
+    logits = jax.lax.cond(  # the block pass: the block sees itself whole and the cache before it
+      run,
+      lambda: over_cache(cache, needs.starts, block, needs.t, mask="block_causal", return_kv=False),
+      lambda: st.logits,
     )
     return Forward(logits, cache, run, commit)
+
+
+class Verified(Exact):
+  """The exact cache of verified decoding (:mod:`~mercury_jax.sampling.verify`): the prefill of the twin, then one
+  chunk per step, ``k`` causal tokens (the last committed one and ``k - 1`` drafts, whose keys and values are written)
+  and ``k`` pre-draft blocks of ``k`` tokens (``masks.verify_chunk``)."""
+
+  def window(self, params, st: State, starts: jax.Array, mask_id: int):
+    """``(next-token logits [b, k, vocab], block logits [b, k, k, vocab], cache)`` of the chunk whose causal part
+    starts at slot ``starts - 1`` (the last committed token), laid out by :func:`verify_chunk`."""
+    k = self.plan.draft
+    tokens, positions, segments = verify_chunk(st, starts, k, mask_id)
+    logits, kv = self.network.chunk(
+      params,
+      tokens,
+      segments=segments,
+      positions=positions,
+      mask="verify_chunk",
+      diffusion_block=k,
+      cache=st.cache,
+      starts=starts - 1,
+    )
+    causal = KVCache(kv.keys[:, :, :k], kv.values[:, :, :k], kv.segments[:, :k])
+    batch, vocab = logits.shape[0], logits.shape[-1]
+    return logits[:, :k], logits[:, k:].reshape(batch, k, k, vocab), st.cache.write(causal, starts - 1)
+
+
+def verify_chunk(st: State, starts: jax.Array, k: int, mask_id: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """``(tokens, positions, segments)`` [b, k + k * k] of one verified step's chunk.
+
+  The causal part is slots ``starts - 1 .. starts + k - 2``: the last committed token, then the drafts
+  (``State.draft``; a mask token where a row has fewer, the known token where the slot is fixed text). Pre-draft
+  block ``a`` is slots ``starts + a .. starts + a + k - 1`` as they stand (masked where still to generate): the block
+  the next step drafts from when this step accepts ``a`` drafts.
+  """
+  window = 2 * k
+  z, generate = rows(st.z, starts - 1, window), rows(st.generate, starts - 1, window)
+  positions, segments = rows(st.positions, starts - 1, window), rows(st.segments, starts - 1, window)
+  d = st.draft
+  is_open = generate[:, 1:k] & (z[:, 1:k] == mask_id)
+  drafted = jnp.where(jnp.arange(k - 1)[None, :] < d.count[:, None], d.tokens, mask_id)
+  causal = jnp.concatenate([z[:, :1], jnp.where(is_open, drafted, z[:, 1:k])], axis=1)  # [b, k]
+  blocks = (1 + jnp.arange(k)[:, None] + jnp.arange(k)[None, :]).reshape(-1)  # block a: window[1 + a : 1 + a + k]
+  lay = lambda a, first: jnp.concatenate([first, a[:, blocks]], axis=1)  # noqa: E731
+  return lay(z, causal), lay(positions, positions[:, :k]), lay(segments, segments[:, :k])
 
 
 class Dual(Strategy):
@@ -239,4 +290,4 @@ STRATEGIES = {"exact": Exact, "none": NoCache, "dual": Dual, "prefix": Prefix}
 
 def strategy(plan: BlockPlan, network: Network) -> Strategy:
   """The cache strategy of ``plan``."""
-  return STRATEGIES[plan.cache](plan, network)
+  return Verified(plan, network) if plan.draft else STRATEGIES[plan.cache](plan, network)

@@ -192,6 +192,7 @@ class SampleOutput(NamedTuple):
     canvases: int32 [trace, batch, length]: the canvas after each step, when ``settings.trace`` > 0.
     commits: int32 [trace, batch]: tokens committed at each step, when traced.
     remasks: int32 [trace, batch]: tokens re-masked at each step (revision), when traced.
+    accepted: int32 [batch, k]: verified decoding's steps that accepted 0, 1, ..., k - 1 drafts (None otherwise).
   """
 
   tokens: jax.Array
@@ -200,6 +201,7 @@ class SampleOutput(NamedTuple):
   canvases: jax.Array | None = None
   commits: jax.Array | None = None
   remasks: jax.Array | None = None
+  accepted: jax.Array | None = None
 
   @property
   def steps(self) -> jax.Array:

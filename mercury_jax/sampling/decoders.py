@@ -31,6 +31,9 @@ from mercury_jax.sampling.plan import CACHES, BlockPlan
 from mercury_jax.sampling.settings import SamplerSettings, SettingError
 
 CACHE_CHOICES = ("auto", *CACHES)  # What ``generate(cache=...)`` and ``--cache`` accept: auto picks the best exact one.
+# What ``generate(decode=...)``, ``--decode`` and the server's ``decode`` field accept: ``auto`` is the checkpoint's
+# best (``verified`` for a verified checkpoint, ``ar`` for the twin, ``diffusion`` for every diffusion checkpoint).
+DECODES = ("auto", "ar", "diffusion", "verified")
 APPROXIMATE_BLOCK = 32  # Block of the approximate caches of whole-sequence checkpoints when block_length is 0.
 LENGTH_BUCKET = 64  # Canvases are padded to a multiple of this, so varying prompt lengths share compilations.
 
@@ -42,21 +45,56 @@ class Decoder:
   Attributes:
     cache: One of :data:`~mercury_jax.sampling.plan.CACHES`.
     block: The block size; 0 for the whole canvas as one block (a whole-sequence checkpoint's refinement).
+    autoregressive: Decode left to right with the network's next-token head (the twin, or a verified checkpoint's
+      ``ar`` and ``verified`` modes).
+    draft: Verified decoding's draft length (0: off).
+    causal_context: The checkpoint's clean keys and values are causal (a verified checkpoint).
   """
 
   cache: str
   block: int
+  autoregressive: bool = False
+  draft: int = 0
+  causal_context: bool = False
+
+  @property
+  def decode(self) -> str:
+    """``ar``, ``diffusion`` or ``verified``."""
+    return "verified" if self.draft else "ar" if self.autoregressive else "diffusion"
 
 
-def choose(cfg: Config, cache: str = "auto", block_length: int = 0) -> Decoder:
+def choose(
+  cfg: Config, cache: str = "auto", block_length: int = 0, decode: str = "auto", draft_length: int = 0
+) -> Decoder:
   """The decoder a checkpoint runs (module docstring).
 
+  A verified checkpoint (``objective.name = "verified"``) decodes three ways: ``verified`` (its default: drafts of
+  ``draft_length`` tokens, default its trained ``objective.draft_length``, verified by its own next-token head),
+  ``ar`` (its next-token head alone, one token per forward pass: the distribution ``verified`` reproduces) and
+  ``diffusion`` (its draft half as a block-diffusion model over blocks of its draft length, against the causal
+  cache of its clean half).
+
   Raises:
-    SettingError: A cache this model does not have, or a block length that contradicts its training.
+    SettingError: A cache or decode mode this model does not have, or a block or draft length that contradicts its
+      training.
   """
   if cache not in CACHE_CHOICES:
     raise SettingError("cache", cache, f"is unknown; choose one of {', '.join(CACHE_CHOICES)}")
+  if decode not in DECODES:
+    raise SettingError("decode", decode, f"is unknown; choose one of {', '.join(DECODES)}")
+  if draft_length and cfg.objective.name != "verified":
+    raise SettingError("draft_length", draft_length, "needs a verified checkpoint (objective.name='verified')")
+  if cfg.objective.name == "verified":
+    return _choose_verified(cfg, cache, block_length, decode, draft_length)
   autoregressive, block_size = cfg.objective.autoregressive, cfg.objective.block_size
+  best = "ar" if autoregressive else "diffusion"
+  if decode not in ("auto", best):
+    raise SettingError(
+      "decode",
+      decode,
+      f"needs a verified checkpoint; this {'autoregressive' if autoregressive else 'diffusion'} "
+      f"model decodes with decode='{best}'",
+    )
   if autoregressive or block_size:
     if cache in ("dual", "prefix"):
       raise SettingError(
@@ -67,7 +105,7 @@ def choose(cfg: Config, cache: str = "auto", block_length: int = 0) -> Decoder:
       raise SettingError(
         "block_length", block_length, f"must be {block} (or 0): the block size this model was trained with"
       )
-    return Decoder("none" if cache == "none" else "exact", block)
+    return Decoder("none" if cache == "none" else "exact", block, autoregressive)
   if cache == "exact":
     raise SettingError(
       "cache",
@@ -78,6 +116,34 @@ def choose(cfg: Config, cache: str = "auto", block_length: int = 0) -> Decoder:
   if cache in ("auto", "none"):
     return Decoder("none", block_length)
   return Decoder(cache, block_length or APPROXIMATE_BLOCK)
+
+
+def _choose_verified(cfg: Config, cache: str, block_length: int, decode: str, draft_length: int) -> Decoder:
+  trained = cfg.objective.draft_length
+  if cache in ("dual", "prefix"):
+    raise SettingError(
+      "cache", cache, "is the approximate cache of whole-sequence checkpoints; this model has an exact cache"
+    )
+  if decode == "diffusion":
+    if block_length and block_length != trained:
+      raise SettingError(
+        "block_length", block_length, f"must be {trained} (or 0): the draft length this model was trained with"
+      )
+    if draft_length:
+      raise SettingError("draft_length", draft_length, "applies to decode='verified' only")
+    return Decoder("none" if cache == "none" else "exact", trained, causal_context=True)
+  if decode == "ar":
+    if draft_length:
+      raise SettingError("draft_length", draft_length, "applies to decode='verified' only")
+    return Decoder("none" if cache == "none" else "exact", 1, autoregressive=True, causal_context=True)
+  draft = draft_length or trained
+  if not 2 <= draft <= trained:
+    raise SettingError(
+      "draft_length", draft, f"must lie in [2, {trained}]: this model drafts blocks of {trained} tokens at most"
+    )
+  if cache == "none":
+    raise SettingError("cache", cache, "has no verified decoder; verified decoding runs the exact cache ('auto')")
+  return Decoder("exact", 1, autoregressive=True, draft=draft, causal_context=True)
 
 
 def bucketed_length(length: int, context: int) -> int:

@@ -72,6 +72,7 @@ from mercury_jax.sampling.proposal import Knobs, noise_width, propose_rows, unif
 from mercury_jax.sampling.rules import StepInputs, make_rule
 from mercury_jax.sampling.settings import SamplerSettings
 from mercury_jax.sampling.state import Constraint, Healing, State, put, rows
+from mercury_jax.sampling.verify import Verifier, empty_draft
 
 RULE_NOISE = 0x7275  # Folded into a step's key for the step rule's own uniforms (the ancestral rule's).
 _BATCH_COUNTERS = ("forwards", "commit_passes", "iterations")
@@ -103,11 +104,12 @@ class BlockEngine:
 
   def __init__(self, network: Network | ModelConfig, settings: SamplerSettings, plan: BlockPlan):
     network = Network(network) if isinstance(network, ModelConfig) else network
-    if plan.autoregressive != network.causal:
-      raise ValueError(f"plan.autoregressive={plan.autoregressive} does not fit a model with causal={network.causal}")
+    if network.causal and not plan.autoregressive:  # A bidirectional network may run its causal head (verified).
+      raise ValueError(f"plan.autoregressive={plan.autoregressive} does not fit a causal model")
     self.network, self.settings, self.plan = network, settings, plan
     self.cache = strategy(plan, network)
     self.rule = make_rule(settings)
+    self.verifier = Verifier(self) if plan.draft else None
 
   # ------------------------------------------------------------------------------------------------ rows
 
@@ -205,7 +207,7 @@ class BlockEngine:
       fresh=jnp.ones((batch,), bool),
       changed=jnp.ones((batch,), bool),
       logits=jnp.zeros((batch, block, self.network.vocab_size), jnp.float32),
-      proposal=jnp.zeros((batch, block), jnp.int32),
+      proposal=jnp.zeros((batch, plan.draft - 1 if plan.draft else block), jnp.int32),
       cache=self.cache.empty(batch),
       num_steps=jnp.maximum(per_row(num_steps, jnp.int32), 1),
       extra_steps=per_row(0 if extra_steps is None else extra_steps, jnp.int32),
@@ -220,6 +222,7 @@ class BlockEngine:
       trace=trace,
       constraint=constraint,
       healing=healing,
+      draft=empty_draft(batch, plan.draft, self.network.vocab_size) if plan.draft else None,
     )
     size = plan.slots if prefill is None else prefill
     return st._replace(cache=self.cache.prefill(params, st, size)) if size else st
@@ -273,6 +276,8 @@ class BlockEngine:
     return jax.random.wrap_key_data(chosen) if jnp.issubdtype(keys.dtype, jax.dtypes.prng_key) else chosen
 
   def _body(self, params, st: State) -> State:
+    if self.verifier is not None:  # Verified decoding's step: verify the drafts, commit, draft the next ones.
+      return self.verifier.step(params, st)
     plan, settings, block, mask_id = self.plan, self.settings, self.plan.block, self.settings.mask_id
     hooks = active_hooks(st, plan, settings)
     starts = self.starts(st)
@@ -431,7 +436,8 @@ class BlockEngine:
     if st.trace:
       canvases, commits, remasks = st.trace
       trace = (self.to_canvas(canvases, length), commits, remasks)
-    return SampleOutput(tokens, st.nfe, st.forwards, *trace)
+    out = SampleOutput(tokens, st.nfe, st.forwards, *trace)
+    return out._replace(accepted=st.draft.accepted) if st.draft is not None else out
 
   def sample(
     self,

@@ -76,9 +76,9 @@ class Jobs:
       **knobs,
     ).validate()
 
-  def decoder(self, cache: str = "auto", block_length: int = 0) -> Decoder:
-    """The engine's cache and block for this model (:func:`~mercury_jax.sampling.decoders.choose`)."""
-    return choose(self.cfg, cache, block_length)
+  def decoder(self, cache: str = "auto", block_length: int = 0, decode: str = "auto", draft_length: int = 0) -> Decoder:
+    """The engine's cache, block and decode mode for this model (:func:`~mercury_jax.sampling.decoders.choose`)."""
+    return choose(self.cfg, cache, block_length, decode, draft_length)
 
   def plan(self, canvas: cv.Canvas, decoder: Decoder, length: int | None = None) -> tuple[cv.Canvas, BlockPlan]:
     """``(canvas padded to the plan, plan)``: a whole-canvas decode (``decoder.block`` 0) runs one block of the
@@ -91,8 +91,10 @@ class Jobs:
       canvas.kinds,
       block,
       cache=decoder.cache,
-      autoregressive=self.autoregressive,
-      whole_sequence=not (self.autoregressive or self.block_size),
+      autoregressive=decoder.autoregressive,
+      whole_sequence=not (decoder.autoregressive or self.block_size or decoder.causal_context),
+      draft=decoder.draft,
+      causal_context=decoder.causal_context,
     )
     return canvas, plan
 
@@ -107,7 +109,7 @@ class Jobs:
       SettingError: Both given, one below 1, or ``steps`` below the blocks a row's generated positions lie in.
     """
     rows = np.shape(kinds)[0]
-    if self.autoregressive:
+    if block == 1:  # One token per block: the twin and the next-token modes of a verified checkpoint.
       return np.tile(np.asarray([1, 0], np.int32), (rows, 1))
     if steps is not None and steps_per_block is not None:
       raise SettingError("steps_per_block", steps_per_block, "and steps are two budgets; give one of them")
@@ -120,7 +122,7 @@ class Jobs:
     return np.asarray(budgets, np.int32).reshape(rows, 2)
 
   def job(self, canvas, steps, steps_per_block, seed, settings, cache, layout, automata, healing_rows) -> Job:
-    decoder = self.decoder(cache, settings.block_length)
+    decoder = self.decoder(cache, settings.block_length, settings.decode, settings.draft_length)
     constrained_rows = automata is not None and any(a is not None for a in automata)
     if constrained_rows and decoder.block == 0:  # The constrained program walks blocks, not a whole canvas.
       decoder = Decoder(decoder.cache, APPROXIMATE_BLOCK)
@@ -173,19 +175,22 @@ class Jobs:
     """Checks a request and builds its :class:`Job`, or None when no process has a prompt (``per_process``)."""
     spread = request.per_process and jax.process_count() > 1
     try:
-      check_knobs_for_model(
-        {"steps": request.steps, "steps_per_block": request.steps_per_block, **request.knobs}, self.autoregressive
+      knobs = request.knobs
+      decoder = self.decoder(  # A cache or mode the model lacks, at once.
+        request.cache, knobs.get("block_length") or 0, knobs.get("decode", "auto"), knobs.get("draft_length") or 0
       )
-      self.decoder(request.cache, request.knobs.get("block_length") or 0)  # A cache the model lacks, at once.
+      check_knobs_for_model(
+        {"steps": request.steps, "steps_per_block": request.steps_per_block, **knobs}, decoder.autoregressive
+      )
       heal = (
         request.token_healing
         and constraint is None
         and not request.per_process
         and not request.bos
-        and (self.autoregressive or self.block_size > 0)
+        and (decoder.autoregressive or decoder.causal_context or self.block_size > 0)
       )
       rows, _ = build_rows(
-        request, self.tokenizer, max_length=self.max_length, autoregressive=self.autoregressive, heal=heal
+        request, self.tokenizer, max_length=self.max_length, autoregressive=decoder.autoregressive, heal=heal
       )
     except ValueError:
       if spread:  # Tell the other processes, which would otherwise wait for this one.
@@ -212,7 +217,10 @@ class Jobs:
       healing_rows,
     )  # fmt: skip
     job.rows = rows
-    if request.show_steps and not self.autoregressive:  # One frame per step: steps per block times the blocks.
+    if request.show_steps and decoder.draft:  # One frame per step: at most one per generated position.
+      most = int((np.asarray(job.canvas.kinds) == K.TARGET).sum(axis=1).max(initial=1))
+      job.settings = dataclasses.replace(settings, trace=max(most, 1))
+    elif request.show_steps and not decoder.autoregressive:  # One frame per step: steps per block times the blocks.
       blocks = max((len(block_loads(row, job.plan.block)) for row in np.asarray(job.canvas.kinds)), default=1)
       most = int((job.budgets[:, 0] + (job.budgets[:, 1] > 0)).max(initial=1))  # steps of a row's longest block
       job.settings = dataclasses.replace(settings, trace=most * max(blocks, 1))

@@ -27,6 +27,7 @@ def jit_on_mesh(
   trace: int = 0,
   batched: Any = None,
   name: str = "the sampler",
+  accepted: bool = False,
 ) -> Callable[..., SampleOutput]:
   """``jax.jit`` of a sampler ``fn(params, canvas, key, *scalars) -> SampleOutput`` with its shardings on ``mesh``.
 
@@ -46,6 +47,7 @@ def jit_on_mesh(
     batched: A pytree of arrays passed after the scalars (the block engine's constraint tables), split over the batch
       axes on their first axis; None: no such argument.
     name: The caller, for the error message.
+    accepted: The output carries verified decoding's ``accepted`` counts ([batch, k]).
   """
   if mesh is None:
     return jax.jit(fn)
@@ -69,7 +71,9 @@ def jit_on_mesh(
       *[replicated] * scalars,
       *([] if batched is None else [jax.tree.map(lambda a: sh.batch_sharding(mesh, rules, a.ndim), batched)]),
     ),
-    out_shardings=SampleOutput(rows, vectors, replicated, traced_rows, traced_vectors, traced_vectors),
+    out_shardings=SampleOutput(
+      rows, vectors, replicated, traced_rows, traced_vectors, traced_vectors, rows if accepted else None
+    ),
   )
 
 

@@ -30,6 +30,13 @@ class BlockPlan:
     autoregressive: Decode a causal model: the distribution of block ``k`` comes from block ``k - 1``.
     whole_sequence: A bidirectional checkpoint trained on whole sequences (no block mask): its caches are
       approximate (``dual``, ``prefix``) and ``none`` runs the whole canvas bidirectionally at every step.
+    draft: Verified decoding's draft length k (0: off; :mod:`~mercury_jax.sampling.verify`): an autoregressive plan
+      of a verified checkpoint whose every step verifies the last step's k - 1 drafts with the network's own
+      next-token distribution and drafts the next ones, in one forward pass. The slots end with a tail of ``2 k``
+      padding slots, so the step's window never runs past them.
+    causal_context: The cache's clean keys and values are computed causally (a verified checkpoint's clean half),
+      not block-causally (a block-diffusion checkpoint's): the exact cache's prefill and commit pass use the causal
+      mask.
   """
 
   block: int
@@ -37,6 +44,8 @@ class BlockPlan:
   cache: Literal["exact", "none", "dual", "prefix"] = "exact"
   autoregressive: bool = False
   whole_sequence: bool = False
+  draft: int = 0
+  causal_context: bool = False
 
   def __post_init__(self):
     if self.block < 1 or self.slots % self.block or self.slots < 2 * self.block:
@@ -49,6 +58,8 @@ class BlockPlan:
       raise ValueError("a whole-sequence checkpoint has no exact cache; use 'dual' or 'prefix' (approximate) or 'none'")
     if not self.whole_sequence and self.cache in ("dual", "prefix"):
       raise ValueError(f"cache={self.cache!r} is the approximate cache of whole-sequence checkpoints")
+    if self.draft < 0 or (self.draft and not (self.autoregressive and self.cache == "exact")):
+      raise ValueError(f"draft={self.draft} must be >= 0, and > 0 only for an autoregressive plan with the exact cache")
 
   @property
   def blocks(self) -> int:
@@ -58,7 +69,7 @@ class BlockPlan:
   @property
   def length(self) -> int:
     """Canvas positions per row."""
-    return self.slots - self.block
+    return self.slots - self.block - 2 * self.draft
 
   @property
   def tail(self) -> int:
@@ -77,7 +88,14 @@ class BlockPlan:
 
 
 def plan_blocks(
-  kinds: np.ndarray, block: int, *, cache: str = "exact", autoregressive: bool = False, whole_sequence: bool = False
+  kinds: np.ndarray,
+  block: int,
+  *,
+  cache: str = "exact",
+  autoregressive: bool = False,
+  whole_sequence: bool = False,
+  draft: int = 0,
+  causal_context: bool = False,
 ) -> BlockPlan:
   """The :class:`BlockPlan` of a batch of canvases (host side: it is static under ``jax.jit``).
 
@@ -87,6 +105,8 @@ def plan_blocks(
     cache: See :data:`CACHES`.
     autoregressive: Whether the model is the autoregressive twin.
     whole_sequence: Whether the model is a bidirectional whole-sequence checkpoint.
+    draft: Verified decoding's draft length (0: off).
+    causal_context: The checkpoint's clean keys and values are causal (a verified checkpoint).
 
   Raises:
     ValueError: A bad block size or cache, or an autoregressive row whose first position is to be generated.
@@ -97,4 +117,5 @@ def plan_blocks(
   target = kinds == K.TARGET
   if autoregressive and (target.any(axis=1) & (np.argmax(target, axis=1) == 0)).any():
     raise ValueError("the autoregressive twin needs a known first token in every row (a prompt, or BOS)")
-  return BlockPlan(block, block + -(-kinds.shape[1] // block) * block, cache, autoregressive, whole_sequence)
+  slots = block + -(-kinds.shape[1] // block) * block + 2 * draft
+  return BlockPlan(block, slots, cache, autoregressive, whole_sequence, draft, causal_context)

@@ -170,6 +170,12 @@ def sample_tokens(logits: jax.Array, uniforms: jax.Array | None) -> jax.Array:
   return _gumbel_max(chunks, chunk_max, chunk_lse, uniforms)
 
 
+def greedy_tokens(logits: jax.Array) -> jax.Array:
+  """int32 [batch, length]: the most likely token of each position, ties broken as :func:`propose_rows` breaks them."""
+  chunks = _chunked(logits)
+  return _two_level_argmax(chunks, jnp.max(chunks, axis=-2), None)
+
+
 def _gumbel_max(chunks, chunk_max, chunk_lse, uniforms):
   if uniforms is None:
     return _two_level_argmax(chunks, chunk_max, None)

@@ -289,12 +289,13 @@ class Sampler:
     if state.trace:
       canvases, commits, remasks = state.trace
       trace = (engine.to_canvas(fetch(canvases, 1), length), fetch(commits, 1), fetch(remasks, 1))
+    accepted = None if state.draft is None else fetch(state.draft.accepted, 0)
     first = 0
     if layout is not None and not own:
       first = jax.process_index() * layout.local_rows
     rows = np.shape(job.canvas.tokens)[0]
     cut = slice(first, first + rows)
-    out = SampleOutput(tokens[cut], nfe[cut], forwards, *trace)
+    out = SampleOutput(tokens[cut], nfe[cut], forwards, *trace, accepted=None if accepted is None else accepted[cut])
     if trace:
       out = out._replace(canvases=out.canvases[:, cut], commits=out.commits[:, cut], remasks=out.remasks[:, cut])
     return out
@@ -392,7 +393,7 @@ class Sampler:
       tokens = [int(t) for t in region if t != settings.pad_id]
       trace = None
       if show_steps:
-        trace = frames(self.tokenizer, out, kinds, row, end, settings, self.autoregressive)
+        trace = frames(self.tokenizer, out, kinds, row, end, settings, job.plan.autoregressive and not job.plan.draft)
       samples.append(
         Sample(
           prompt=prompt,
@@ -406,6 +407,7 @@ class Sampler:
           tokens_per_forward=len(tokens) / max(int(out.nfe[row]), 1),
           complete=None if job.automata is None else self.jobs.accepted(job.automata[row], out.tokens, kinds, row),
           healed=rows.healed[row],
+          accepted=None if out.accepted is None else [int(n) for n in out.accepted[row]],
         )
       )
     return samples
@@ -478,6 +480,7 @@ class Sampler:
         for x in (state.z, state.generate, state.first, state.last, state.block, state.fresh, state.proposal, state.nfe)
       )
       pending = (generate & (z == settings.mask_id)).any(axis=1)
+      draft_count = gather(state.draft.count) if state.draft is not None else None
       for row in range(batch):
         if finished[row]:
           continue
@@ -495,9 +498,14 @@ class Sampler:
         draft = None
         if drafts and not row_done:
           slots = np.arange(length) + block
-          undecided = (tokens == settings.mask_id) & ((slots // block) == open_block)
           guess = tokens.copy()
-          guess[undecided] = proposal[row, (slots[undecided] % block)]
+          if job.plan.draft:  # The drafts the next step verifies, at the row's next positions.
+            ahead = slots - row_block
+            undecided = (tokens == settings.mask_id) & (ahead >= 0) & (ahead < int(draft_count[row]))
+            guess[undecided] = proposal[row, ahead[undecided]]
+          else:
+            undecided = (tokens == settings.mask_id) & ((slots // block) == open_block)
+            guess[undecided] = proposal[row, (slots[undecided] % block)]
           draft = decode(guess[rows.prompt_lengths[row] : ends[row]])
         if delta or draft is not None or row_done:
           sent[row] += delta

@@ -60,6 +60,10 @@ class SamplerSettings:
     bos_id: The beginning-of-sequence token (never proposed, unless it is also ``eos_id``).
     unk_id: The unknown token (never proposed, unless it is also ``eos_id``).
     num_tokens: The tokenizer's size: ids at or above it (a padded vocabulary) are never proposed; 0: no limit.
+    decode: ``auto`` (the checkpoint's best), ``ar``, ``diffusion`` or ``verified``
+      (:func:`~mercury_jax.sampling.decoders.choose`: which modes a checkpoint has).
+    draft_length: Verified decoding's draft length k (each step verifies up to k - 1 drafts and commits at most k
+      tokens); 0: the checkpoint's trained ``objective.draft_length``.
   """
 
   rule: Literal["ancestral", "confidence", "threshold"] = "threshold"
@@ -79,6 +83,8 @@ class SamplerSettings:
   bos_id: int = 2
   unk_id: int = 1
   num_tokens: int = 0
+  decode: Literal["auto", "ar", "diffusion", "verified"] = "auto"
+  draft_length: int = 0
 
   @property
   def mask_id(self) -> int:
@@ -106,6 +112,8 @@ class SamplerSettings:
       raise SettingError("min_length", self.min_length, "must be >= 0")
     if self.trace < 0:
       raise SettingError("trace", self.trace, "must be >= 0")
+    if self.draft_length < 0:
+      raise SettingError("draft_length", self.draft_length, "must be >= 0 (0: the checkpoint's own)")
     if self.num_tokens < 0:
       raise SettingError("num_tokens", self.num_tokens, "must be >= 0 (0: the model's whole vocabulary)")
     specials = {self.mask_id, self.pad_id, self.bos_id, self.unk_id, self.eos_id}

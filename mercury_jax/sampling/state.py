@@ -27,6 +27,15 @@ class Healing(NamedTuple):
   slot: jax.Array  # [b] int32: the healed position's slot; -1: the row heals nothing (or has written it)
 
 
+class Draft(NamedTuple):
+  """Verified decoding's part of the state (:mod:`mercury_jax.sampling.verify`): the drafts the next step verifies."""
+
+  tokens: jax.Array  # [b, k - 1] int32: drafts for the slots ``starts .. starts + k - 2`` (the row's next positions)
+  probs: jax.Array  # [b, k - 1, vocab] float32: the distributions they were drawn from (q, after the knobs)
+  count: jax.Array  # [b] int32: how many of them are drafts (0 before the first step and after an EOS)
+  accepted: jax.Array  # [b, k] int32: steps of the row that accepted 0, 1, ..., k - 1 drafts
+
+
 class State(NamedTuple):
   """The loop state carried between chunks (a pytree; arrays are per row unless noted)."""
 
@@ -58,6 +67,7 @@ class State(NamedTuple):
   trace: tuple[jax.Array, ...]  # (canvases, commits, remasks) in slot space, or ()
   constraint: Constraint | None  # structured output, or None: no row is constrained
   healing: Healing | None  # token healing, or None: no row heals
+  draft: Draft | None = None  # verified decoding, or None
 
 
 def rows(a: jax.Array, starts: jax.Array, size: int) -> jax.Array:

@@ -70,6 +70,8 @@ class Sample:
       the text is a valid prefix); None without one.
     healed: The prompt's last characters that token healing re-generated ("" when none): ``tokens`` starts with
       their token, ``text`` does not repeat them.
+    accepted: Verified decoding: the steps that accepted 0, 1, ..., k - 1 drafts (None for the other modes); a
+      step commits its accepted drafts and one token of the network's own.
   """
 
   prompt: str
@@ -83,6 +85,7 @@ class Sample:
   tokens_per_forward: float = 0.0
   complete: bool | None = None
   healed: str = ""
+  accepted: list[int] | None = None
 
 
 @dataclasses.dataclass
