@@ -7,8 +7,9 @@ sees nothing and every implementation returns zeros for it.
 
 Masks (``mask=``; ``causal=True`` is shorthand for ``mask="causal"``), each a function of (query, key) positions
 defined once in :mod:`mercury_jax.kernels.masks`: ``bidirectional``; ``causal``; ``block_causal``, where the query
-at position ``i`` sees the keys ``j`` with ``j // diffusion_block <= i // diffusion_block``; and ``block_diffusion``,
-BD3-LM's training mask over the concatenation ``x_t ⊕ x_0`` (the sequence's two halves, see ``masks``).
+at position ``i`` sees the keys ``j`` with ``j // diffusion_block <= i // diffusion_block``; ``block_diffusion``,
+BD3-LM's training mask over the concatenation ``x_t ⊕ x_0`` (the sequence's two halves, see ``masks``); and
+``verified``, TiDAR's: the same two halves with a causal clean half.
 
 Implementations: ``xla`` (``jax.nn.dot_product_attention`` with a boolean mask; the default off GPU), ``pallas``
 (our flash-attention kernel, ``mercury_jax.kernels.flash_attention``; the default on GPU, run in interpret mode
@@ -29,6 +30,8 @@ from mercury_jax import sharding
 from mercury_jax.kernels import masks
 
 IMPLEMENTATIONS = ("auto", "xla", "pallas", "cudnn")
+_BLOCK_MASKS = ("block_causal", "block_diffusion", "verified")  # The masks that take a diffusion_block.
+_TWO_HALVES = ("block_diffusion", "verified")  # The masks over two halves of equal length.
 
 
 def resolve_implementation(name: str) -> str:
@@ -47,15 +50,15 @@ def _resolve_mask(causal: bool, mask: str | None, diffusion_block: int | None) -
     raise ValueError(f"causal=True contradicts {mask=}; pass only one of them")
   if mask not in masks.MASKS:
     raise ValueError(f"{mask=} must be one of {masks.MASKS}")
-  if (mask in ("block_causal", "block_diffusion")) != (diffusion_block is not None):
+  if (mask in _BLOCK_MASKS) != (diffusion_block is not None):
     raise ValueError(f"{diffusion_block=} must be given exactly for the block masks (got {mask=})")
   return mask
 
 
 def _dense_mask(segment_ids: jax.Array | None, mask: str, diffusion_block: int | None, length: int):
   """``[batch or 1, 1, q, k]`` bool for ``jax.nn.dot_product_attention``, or None when nothing is masked."""
-  if mask == "block_diffusion" and length % 2:
-    raise ValueError(f"mask='block_diffusion' runs over x_t ⊕ x_0 and needs an even length, got {length=}")
+  if mask in _TWO_HALVES and length % 2:
+    raise ValueError(f"{mask=} runs over two halves (drafts ⊕ x_0) and needs an even length, got {length=}")
   visible = None
   if mask != "bidirectional":
     visible = masks.dense(length, mask, block=diffusion_block, half=length // 2, xp=jnp)[None, None]
@@ -166,8 +169,9 @@ def attend(
     causal: shorthand for ``mask="causal"``.
     segment_ids: optional int32 ``[batch, length]``; 0 marks padding (those queries output zeros).
     implementation: ``auto``, ``xla``, ``pallas`` or ``cudnn`` (see the module docstring).
-    mask: ``bidirectional``, ``causal``, ``block_causal`` or ``block_diffusion``; None follows ``causal``.
-    diffusion_block: block size of ``block_causal`` and ``block_diffusion``.
+    mask: ``bidirectional``, ``causal``, ``block_causal``, ``block_diffusion`` or ``verified``; None follows
+      ``causal``.
+    diffusion_block: block size of ``block_causal``, ``block_diffusion`` and ``verified``.
   """
   mask = _resolve_mask(causal, mask, diffusion_block)
   impl = resolve_implementation(implementation)
@@ -268,20 +272,23 @@ def attend_cached(
     cache_v: like ``cache_k``.
     cache_segments: ``[batch, slots]`` int32.
     starts: ``[batch]`` int32, each row's first slot of the chunk.
-    mask: ``causal``, ``block_causal`` or ``bidirectional``, in slot space.
-    diffusion_block: the block of ``block_causal``.
+    mask: ``causal``, ``block_causal`` or ``bidirectional``, in slot space; or ``verify_chunk``, a chunk of
+      ``k + k*k`` queries (``masks.verify_chunk``) over the slots before ``starts``.
+    diffusion_block: the block of ``block_causal``; the draft length ``k`` of ``verify_chunk``.
     implementation: ``auto``, ``xla``, ``pallas`` or ``cudnn`` (``cudnn`` runs the XLA path: cuDNN has no mask for a
-      cache with per-row chunk positions).
+      cache with per-row chunk positions; so does ``verify_chunk``, which the Pallas kernel does not implement).
 
   Returns:
     ``[batch, chunk, heads, head_dim]`` in ``v``'s dtype.
   """
-  if mask not in ("causal", "block_causal", "bidirectional"):
-    raise ValueError(f"{mask=} must be causal, block_causal or bidirectional for attention over a cache")
-  if (mask == "block_causal") != (diffusion_block is not None):
-    raise ValueError(f"{diffusion_block=} must be given exactly for mask='block_causal'")
+  if mask not in ("causal", "block_causal", "bidirectional", *masks.CHUNK_MASKS):
+    raise ValueError(
+      f"{mask=} must be causal, block_causal, bidirectional or one of {masks.CHUNK_MASKS} for attention over a cache"
+    )
+  if (mask in ("block_causal", *masks.CHUNK_MASKS)) != (diffusion_block is not None):
+    raise ValueError(f"{diffusion_block=} must be given exactly for mask='block_causal' and {masks.CHUNK_MASKS}")
   starts = jnp.broadcast_to(jnp.asarray(starts, jnp.int32), q.shape[:1])
   impl = resolve_implementation(implementation)
-  if impl == "pallas":
+  if impl == "pallas" and mask not in masks.CHUNK_MASKS:
     return _cached_pallas(q, k, v, segments, cache_k, cache_v, cache_segments, starts, mask, diffusion_block)
   return _cached_xla(q, k, v, segments, cache_k, cache_v, cache_segments, starts, mask, diffusion_block)

@@ -182,13 +182,14 @@ def _padded_visibility(plan):
   """``(visible [length, length], real [length])`` in the plan's padded layout, built from ``masks.dense``.
 
   ``visible[i, j]``: padded query ``i`` sees padded key ``j``; padding keys are seen by nobody. A padding query of a
-  ``block_diffusion`` half sees nothing; one at the end of a one-part sequence sees what its position sees.
+  two-halves (``block_diffusion``, ``verified``) half sees nothing; one at the end of a one-part sequence sees what its
+  position sees.
   """
   if plan.half:
     n, half = plan.q_len, plan.half
     where = np.concatenate([np.arange(n), half + np.arange(n)])  # The padded position of each real position.
     visible = np.zeros((plan.length, plan.length), bool)
-    visible[np.ix_(where, where)] = masks.dense(2 * n, "block_diffusion", block=plan.diffusion_block, half=n)
+    visible[np.ix_(where, where)] = masks.dense(2 * n, plan.mask, block=plan.diffusion_block, half=n)
     real = np.zeros(plan.length, bool)
     real[where] = True
     return visible, real
@@ -207,6 +208,9 @@ def _padded_visibility(plan):
     ("block_diffusion", 5),
     ("block_diffusion", 16),
     ("block_diffusion", 40),
+    ("verified", 4),
+    ("verified", 5),
+    ("verified", 40),
   ],
 )
 @pytest.mark.parametrize("padded", [False, True])
@@ -215,9 +219,9 @@ def test_loop_bounds_visit_exactly_the_visible_tiles(mask, diffusion_block, padd
   the unmasked ranges are seen whole by every query of the pair of tiles, padding included (no mask needed).
 
   Query tiles over key tiles are the forward and dq loops, key tiles over query tiles the dkv loop; both with the
-  larger and with the smaller tile on the outside. 64 padded positions; block_diffusion has two halves of 32.
+  larger and with the smaller tile on the outside. 64 padded positions; the two-halves masks have halves of 32.
   """
-  length, parts = 64, 2 if mask == "block_diffusion" else 1
+  length, parts = 64, 2 if mask in ("block_diffusion", "verified") else 1
   real = length // parts - (7 if padded else 0)  # Real positions per part.
   plan = fa._Plan(
     mask=mask,

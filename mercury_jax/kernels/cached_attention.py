@@ -366,6 +366,8 @@ def _check_args(q, k, v, segments, cache_k, cache_v, cache_segments, starts, mas
   ):
     if x.shape != shape or not jnp.issubdtype(x.dtype, jnp.integer):
       raise ValueError(f"{name}.shape={x.shape} ({x.dtype}) must be int32 {shape}")
+  if mask in masks.CHUNK_MASKS:
+    raise ValueError(f"{mask=} has no Pallas kernel: attention.attend_cached runs it on the XLA path")
   if mask not in MASKS:
     raise ValueError(f"{mask=} must be one of {MASKS}")
   if mask == "block_causal" and (not isinstance(diffusion_block, int) or diffusion_block < 1):

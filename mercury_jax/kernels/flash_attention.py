@@ -15,24 +15,26 @@ XLA path, the reference, these kernels and TPU splash attention (``masks.splash_
   and every earlier one; ``diffusion_block`` is unrelated to the tile sizes);
 * ``block_diffusion``: BD3-LM's training mask over ``x_t ⊕ x_0`` (an even length, ``half = length // 2``), blocks of
   ``diffusion_block`` tokens along each half: a noisy query (``i < half``) sees the noisy keys of its own block and
-  the clean keys of strictly earlier blocks, a clean query the clean keys of its own and earlier blocks.
+  the clean keys of strictly earlier blocks, a clean query the clean keys of its own and earlier blocks;
+* ``verified``: TiDAR's, the same two halves with a causal clean half: a clean query sees the clean keys up to
+  itself (its clean blocks are of one token, ``_Plan.clean_block``); the draft half is ``block_diffusion``'s.
 
-For every mask the keys a query sees are at most two intervals (one per half for ``block_diffusion``, else one) whose
+For every mask the keys a query sees are at most two intervals (one per half for the two-halves masks, else one) whose
 ends never decrease along the queries of a half; the same holds for the queries that see a key. A tile therefore
 meets, per interval, a contiguous range of tiles of the other side: the loop bounds come from the intervals of the
 tile's first and last positions, no fully masked tile is visited, the tiles seen whole are computed without a mask,
-and only the tiles at the interval ends evaluate ``masks.visible`` on the tile's position iotas. Under
-``block_diffusion`` a row can meet such a tile before any key it sees, so the online softmax guards its running max.
+and only the tiles at the interval ends evaluate ``masks.visible`` on the tile's position iotas. Under the
+two-halves masks a row can meet such a tile before any key it sees, so the online softmax guards its running max.
 ``segment_ids`` ``[batch, length]`` (non-negative int32) further restrict a query to the keys of its own segment;
 segment 0 is padding. A padding query sees no key at all and its output is defined as **zeros** (its log-sum-exp is
 stored as ``+inf``, so it gets and gives no gradient). With segment ids, a pair of tiles whose segment ranges do not
-overlap is skipped (through loop bounds computed before the kernels, per half). For ``block_diffusion`` the caller
-gives the ids of ``x_t`` and then the same ids again for ``x_0``.
+overlap is skipped (through loop bounds computed before the kernels, per half). For the two-halves masks the caller
+gives the ids of the first half and then the same ids again for ``x_0``.
 
-Lengths that are not a multiple of the tiles are zero-padded to one; ``block_diffusion`` pads each half on its own, so
-that no tile straddles the halves and the padded sequence is again a ``block_diffusion`` layout (of the padded half).
-The padding keys get no weight (through the segment ids when given, else through an explicit key bound; always the
-bound for ``block_diffusion``, whose padding queries see nothing) and the padding rows are sliced off. A ``head_dim``
+Lengths that are not a multiple of the tiles are zero-padded to one; the two-halves masks pad each half on its own, so
+that no tile straddles the halves and the padded sequence is again such a layout (of the padded half). The padding
+keys get no weight (through the segment ids when given, else through an explicit key bound; always the bound for the
+two-halves masks, whose padding queries see nothing) and the padding rows are sliced off. A ``head_dim``
 that is not a power of two (Triton tiles must be) is zero-padded too, which changes no score.
 """
 
@@ -51,7 +53,8 @@ from jax.experimental.pallas import triton as pltriton
 from mercury_jax.kernels import masks
 
 MASKS = masks.MASKS
-_BLOCK_MASKS = ("block_causal", "block_diffusion")  # The masks that take a diffusion_block.
+_BLOCK_MASKS = ("block_causal", "block_diffusion", "verified")  # The masks that take a diffusion_block.
+_TWO_HALVES = ("block_diffusion", "verified")  # The masks over two halves of equal length.
 _LOG2_E = math.log2(math.e)
 
 
@@ -125,8 +128,8 @@ class BlockSizes:
 class _Plan:
   """Everything static about one call, hashable so that it can be a ``custom_vjp`` non-differentiable argument.
 
-  The padded sequence is one part (``half == 0``) or, for ``block_diffusion``, two parts of ``half`` positions (the
-  padded ``x_t``, then the padded ``x_0``); each part holds its real positions first, then padding.
+  The padded sequence is one part (``half == 0``) or, for the two-halves masks, two parts of ``half`` positions (the
+  padded first half, then the padded ``x_0``); each part holds its real positions first, then padding.
   """
 
   mask: str
@@ -139,7 +142,12 @@ class _Plan:
   head_dim: int  # Padded head dimension.
   blocks: BlockSizes
   interpret: bool
-  half: int = 0  # block_diffusion: the padded length of each half, a multiple of every block; else 0.
+  half: int = 0  # The two-halves masks: the padded length of each half, a multiple of every block; else 0.
+
+  @property
+  def clean_block(self) -> int:
+    """The blocks of the clean half: ``diffusion_block`` for ``block_diffusion``, 1 (causal) for ``verified``."""
+    return 1 if self.mask == "verified" else self.diffusion_block
 
   @property
   def parts(self) -> int:
@@ -156,8 +164,8 @@ class _Plan:
   def visible(self, rows, cols):
     """Positional visibility of the keys ``cols`` from the queries ``rows`` (broadcast int32 arrays).
 
-    The padded ``block_diffusion`` layout is the ``block_diffusion`` layout with ``half = self.half`` (a position keeps
-    its half and its offset in it), so ``masks.visible`` applies to it directly; its padding queries see nothing.
+    The padded two-halves layout is the same layout with ``half = self.half`` (a position keeps its half and its offset
+    in it), so ``masks.visible`` applies to it directly; its padding queries see nothing.
     For the other masks a padding query (at the end of the sequence) sees what its position sees.
     """
     seen = masks.visible(rows, cols, self.mask, block=self.diffusion_block, half=self.half)
@@ -171,7 +179,7 @@ class _Plan:
     What ``tile_ranges`` relies on: along the real queries of a part both ends never decrease and the intervals of
     consecutive queries leave no gap between them (blocks of M_BD abut, the others are prefixes of their half), so
     their union is ``[lo(first), hi(last))``; ``lo`` never decreases over the padding tail of a part either. A
-    ``block_diffusion`` padding query sees nothing: ``(length, 0)``.
+    two-halves padding query sees nothing: ``(length, 0)``.
     """
     if not self.half:
       if self.mask == "bidirectional":
@@ -182,10 +190,12 @@ class _Plan:
         limit = jnp.minimum((lax.div(rows, self.diffusion_block) + 1) * self.diffusion_block, self.kv_len)
       return ((jnp.zeros_like(rows), limit),)
     clean = rows >= self.half
-    start = lax.div(rows - self._part_start(rows), self.diffusion_block) * self.diffusion_block  # Block start, in half.
+    index = rows - self._part_start(rows)  # Offset within the row's half.
+    start = lax.div(index, self.diffusion_block) * self.diffusion_block  # Block start, in half.
     end = jnp.minimum(start + self.diffusion_block, self.kv_len)
+    clean_end = jnp.minimum((lax.div(index, self.clean_block) + 1) * self.clean_block, self.kv_len)
     noisy_keys = (jnp.where(clean, self.length, start), jnp.where(clean, 0, end))  # M_BD: the own noisy block.
-    clean_keys = (jnp.full_like(rows, self.half), self.half + jnp.where(clean, end, start))  # M_BC, M_OBC.
+    clean_keys = (jnp.full_like(rows, self.half), self.half + jnp.where(clean, clean_end, start))  # M_BC, M_OBC.
     real = self.real(rows, keys=False)
     return tuple((jnp.where(real, lo, self.length), jnp.where(real, hi, 0)) for lo, hi in (noisy_keys, clean_keys))
 
@@ -206,12 +216,14 @@ class _Plan:
       every = jnp.full_like(cols, self.q_len)  # Not a where of two Python ints (see _part_start).
       return ((jnp.where(real, first, self.length), jnp.where(real, every, 0)),)
     clean = cols >= self.half
-    start = lax.div(cols - self._part_start(cols), self.diffusion_block) * self.diffusion_block
+    index = cols - self._part_start(cols)  # Offset within the key's half.
+    start = lax.div(index, self.diffusion_block) * self.diffusion_block
     end = jnp.minimum(start + self.diffusion_block, self.q_len)
+    clean_start = lax.div(index, self.clean_block) * self.clean_block
     # A noisy key: the noisy queries of its block (M_BD); a clean key: the noisy queries of later blocks (M_OBC).
     noisy_rows = (jnp.where(clean, end, start), jnp.where(clean, self.q_len, end))
     every = jnp.full_like(cols, self.half + self.q_len)  # Not a where of two Python ints (see _part_start).
-    clean_rows = (jnp.where(clean, self.half + start, self.length), jnp.where(clean, every, 0))  # M_BC
+    clean_rows = (jnp.where(clean, self.half + clean_start, self.length), jnp.where(clean, every, 0))  # M_BC
     return tuple((jnp.where(real, lo, self.length), jnp.where(real, hi, 0)) for lo, hi in (noisy_rows, clean_rows))
 
   def tile_ranges(self, tile, size: int, other: int, by_query: bool):
@@ -267,7 +279,7 @@ def _segment_ranges(q_seg, k_seg, block_q: int, block_k: int, per_query_tile: bo
     block_q: query tile size.
     block_k: key tile size.
     per_query_tile: True: for each query tile the range of key tiles; False: for each key tile the range of query tiles.
-    parts: 1, or 2 for the halves of ``block_diffusion`` (no tile straddles them).
+    parts: 1, or 2 for the halves of the two-halves masks (no tile straddles them).
   """
   batch, length = q_seg.shape
   q_tiles = q_seg.reshape(batch, length // block_q, block_q)  # [batch, q tiles, block_q]
@@ -324,7 +336,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_seg_ref, k_seg_ref, seg_range_ref, o_
   q_seg = None if q_seg_ref is None else q_seg_ref[...]
   scale = plan.sm_scale * _LOG2_E
   # Without segment ids and with a one-part mask every row has seen a key before a tile it sees nothing of (the whole
-  # tiles come first, and the first tile holds key 0), so m is finite. With segment ids, or with block_diffusion (a
+  # tiles come first, and the first tile holds key 0), so m is finite. With segment ids, or with two halves (a
   # masked range may start with tiles some rows see nothing of), a row may have seen only -inf: shift it by 0 then.
   guard = q_seg is not None or plan.half > 0
 
@@ -348,7 +360,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_seg_ref, k_seg_ref, seg_range_ref, o_
     jnp.zeros((block_q, plan.head_dim), jnp.float32),
   )
   m, ell, acc = _tile_loops(plan.tile_ranges(i, block_q, block_k, by_query=True), seg_range_ref, step, carry)
-  empty = ell == 0.0  # Only padding queries (segment 0, or the padding of a block_diffusion half) see no key.
+  empty = ell == 0.0  # Only padding queries (segment 0, or the padding of a two-halves half) see no key.
   o_ref[...] = (acc * (1.0 / jnp.where(empty, 1.0, ell))[:, None]).astype(o_ref.dtype)
   lse_ref[...] = jnp.where(empty, jnp.inf, m + jnp.log2(jnp.where(empty, 1.0, ell)))
 
@@ -554,8 +566,8 @@ def _check_args(q, k, v, segment_ids, mask, diffusion_block):
     raise ValueError(f"{diffusion_block=} must be a positive int for {mask=}")
   if mask not in _BLOCK_MASKS and diffusion_block is not None:
     raise ValueError(f"{diffusion_block=} is only meaningful for the masks {_BLOCK_MASKS}, got {mask=}")
-  if mask == "block_diffusion" and length % 2:
-    raise ValueError(f"{length=} must be even for mask='block_diffusion' (x_t ⊕ x_0: two halves of equal length)")
+  if mask in _TWO_HALVES and length % 2:
+    raise ValueError(f"{length=} must be even for {mask=} (drafts ⊕ x_0: two halves of equal length)")
   if segment_ids is not None and (
     segment_ids.shape != (batch, length) or not jnp.issubdtype(segment_ids.dtype, jnp.integer)
   ):
@@ -590,14 +602,15 @@ def flash_attention(
     k: keys ``[batch, length, kv_heads, head_dim]``; ``heads`` must be a multiple of ``kv_heads``.
     v: values, shaped like ``k``.
     segment_ids: optional int32 ``[batch, length]``, non-negative: a query sees only keys of its own segment; 0 marks
-      padding, whose queries see nothing and output zeros. For ``block_diffusion`` the ids of ``x_t`` followed by the
-      same ids for ``x_0``.
-    mask: ``"bidirectional"``, ``"causal"``, ``"block_causal"`` or ``"block_diffusion"`` (module docstring; the
-      latter needs an even ``length``: ``x_t`` then ``x_0``).
-    diffusion_block: block size of ``"block_causal"`` and ``"block_diffusion"``; must be None for the other masks.
+      padding, whose queries see nothing and output zeros. For the two-halves masks the ids of the first half
+      followed by the same ids for ``x_0``.
+    mask: ``"bidirectional"``, ``"causal"``, ``"block_causal"``, ``"block_diffusion"`` or ``"verified"`` (module
+      docstring; the last two need an even ``length``: ``x_t`` or the drafts, then ``x_0``).
+    diffusion_block: block size of ``"block_causal"``, ``"block_diffusion"`` and ``"verified"``; must be None for
+      the other masks.
     sm_scale: multiplies the scores; defaults to ``head_dim ** -0.5``.
     block_sizes: tiles; defaults to ``BlockSizes.get_default(head_dim, q.dtype)``. Blocks longer than the padded
-      length (of a half, for ``block_diffusion``) shrink to it.
+      length (of a half, for the two-halves masks) shrink to it.
     interpret: run the kernels with the Pallas interpreter (any backend; slow).
 
   Returns:
@@ -605,7 +618,7 @@ def flash_attention(
   """
   _check_args(q, k, v, segment_ids, mask, diffusion_block)
   batch, length, heads, head_dim = q.shape
-  parts = 2 if mask == "block_diffusion" else 1
+  parts = 2 if mask in _TWO_HALVES else 1
   real = length // parts  # Real positions per part.
   blocks = (block_sizes or BlockSizes.get_default(head_dim, q.dtype)).fit(real)
   padded = -(-real // blocks.largest) * blocks.largest  # Padded positions per part.
@@ -639,7 +652,7 @@ def flash_attention(
 def visibility(length: int, mask: str, diffusion_block: int | None = None) -> jax.Array:
   """``[length, length]`` bool, True where query ``i`` (row) may see key ``j`` (column) under ``mask``.
 
-  ``masks.dense``; ``block_diffusion`` runs over ``x_t ⊕ x_0``, so its ``half`` is ``length // 2``.
+  ``masks.dense``; ``block_diffusion`` and ``verified`` run over two halves, so their ``half`` is ``length // 2``.
   """
   return masks.dense(length, mask, block=diffusion_block, half=length // 2, xp=jnp)
 

@@ -16,13 +16,25 @@ union of three parts:
 
 A clean token never sees a noisy one, so the clean half computes exactly the keys and values a key-value cache of
 committed blocks holds at sampling time, and each noisy block sees exactly what it sees while it is being refined.
+
+``verified`` is the same layout with a strictly causal clean half (TiDAR, Liu et al. 2025, "TiDAR: Think in Diffusion,
+Talk in Autoregression", arXiv 2511.08923): the first half holds draft blocks of ``block`` tokens, each seeing
+itself and the clean tokens before its start, and a clean token sees the clean tokens up to itself, so the clean half
+is an autoregressive model's pass and the draft half a one-pass drafter conditioned on it. Both are one function,
+:func:`block_diffusion` with ``clean_block`` (``block`` for BD3-LM, 1 for ``verified``).
+
+``verify_chunk`` is the inference-time counterpart of ``verified`` (:func:`verify_chunk`): a chunk of ``k`` causal
+tokens followed by ``k`` pre-draft blocks of ``k`` tokens, under the same rule. It is a chunk mask
+(``CHUNK_MASKS``), used over a key-value cache through :func:`cached`, not a training mask.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-MASKS = ("bidirectional", "causal", "block_causal", "block_diffusion")
+MASKS = ("bidirectional", "causal", "block_causal", "block_diffusion", "verified")
+# Masks over a key-value cache and a chunk whose layout is not one query per consecutive slot (``cached`` only).
+CHUNK_MASKS = ("verify_chunk",)
 
 
 def block_causal(q, k, *, block: int):
@@ -30,20 +42,61 @@ def block_causal(q, k, *, block: int):
   return k // block <= q // block
 
 
-def block_diffusion(q, k, *, half: int, block: int):
-  """BD3-LM's mask over ``x_t ⊕ x_0`` of ``2 * half`` positions (module docstring): ``M_BD | M_OBC | M_BC``."""
-  q_noisy, k_noisy = q < half, k < half
-  q_block = (q - half * (1 - q_noisy)) // block  # Block index within the position's own half.
-  k_block = (k - half * (1 - k_noisy)) // block
-  diagonal = q_noisy & k_noisy & (k_block == q_block)  # M_BD
-  offset_causal = q_noisy & ~k_noisy & (k_block < q_block)  # M_OBC
-  causal = ~q_noisy & ~k_noisy & (k_block <= q_block)  # M_BC
+def drafts_over_clean(q_draft, k_draft, q_block, k_block, q_start, q_clean, k_clean, *, clean_block: int):
+  """The one rule of the two-halves masks: drafts (noisy blocks) over a clean sequence.
+
+  A draft query sees the draft keys of its own block (``M_BD``) and the clean keys before its block's start
+  (``M_OBC``); a clean query sees the clean keys of its own and earlier blocks of ``clean_block`` tokens (``M_BC``;
+  ``clean_block=1``: causal). Every argument is a broadcast array: whether the query / key is a draft token, its draft
+  block, the query's block start as a clean index, and the clean index of a clean query / key.
+  """
+  diagonal = q_draft & k_draft & (k_block == q_block)  # M_BD
+  offset_causal = q_draft & ~k_draft & (k_clean < q_start)  # M_OBC
+  causal = ~q_draft & ~k_draft & (k_clean // clean_block <= q_clean // clean_block)  # M_BC
   return diagonal | offset_causal | causal
+
+
+def block_diffusion(q, k, *, half: int, block: int, clean_block: int | None = None):
+  """BD3-LM's mask over ``x_t ⊕ x_0`` of ``2 * half`` positions (module docstring): ``M_BD | M_OBC | M_BC``.
+
+  ``clean_block`` (default ``block``) is the clean half's block; 1 gives ``verified``'s causal clean half.
+  """
+  q_noisy, k_noisy = q < half, k < half
+  q_index, k_index = q - half * (1 - q_noisy), k - half * (1 - k_noisy)  # Index within the position's own half.
+  q_block = q_index // block
+  clean_block = block if clean_block is None else clean_block
+  return drafts_over_clean(
+    q_noisy, k_noisy, q_block, k_index // block, q_block * block, q_index, k_index, clean_block=clean_block
+  )
+
+
+def verified(q, k, *, half: int, block: int):
+  """TiDAR's training mask over ``drafts ⊕ x_0``: ``block_diffusion`` with a causal clean half (module docstring)."""
+  return block_diffusion(q, k, half=half, block=block, clean_block=1)
+
+
+def verify_chunk(draft: int, xp=np):
+  """``[draft + draft**2, draft + draft**2]`` bool: what each query of a verify-and-draft chunk sees of the chunk.
+
+  The chunk holds ``k = draft`` causal tokens (index ``0 .. k-1``: the last committed token, then ``k - 1`` drafts at
+  the next positions), then ``k`` pre-draft blocks ``a = 0 .. k-1`` of ``k`` tokens each (block ``a`` at indices
+  ``k + a*k .. k + a*k + k-1``): the next block's drafts in case the first ``a`` drafts are accepted. A causal query
+  sees the causal keys up to itself; block ``a`` starts right after causal index ``a``, so its queries see the causal
+  keys ``0 .. a`` and their own block: ``verified``'s rule, with the causal part as the clean half.
+  """
+  k = draft
+  index = xp.arange(k + k * k)
+  is_draft = index >= k
+  block = xp.where(is_draft, (index - k) // k, -1)  # The pre-draft block a; -1 in the causal part.
+  q, kk = (lambda a: a[:, None]), (lambda a: a[None, :])
+  return drafts_over_clean(
+    q(is_draft), kk(is_draft), q(block), kk(block), q(block + 1), q(index), kk(index), clean_block=1
+  )
 
 
 def visible(q, k, mask: str, *, block: int | None = None, half: int | None = None):
   """``mask``'s visibility of key ``k`` from query ``q`` (broadcast integer arrays); ``block`` for the block masks,
-  ``half`` (the length of ``x_t``) for ``block_diffusion``."""
+  ``half`` (the length of the first half) for ``block_diffusion`` and ``verified``."""
   if mask == "bidirectional":
     return (q >= 0) & (k >= 0)  # Positions are non-negative: everything is visible.
   if mask == "causal":
@@ -52,6 +105,8 @@ def visible(q, k, mask: str, *, block: int | None = None, half: int | None = Non
     return block_causal(q, k, block=block)
   if mask == "block_diffusion":
     return block_diffusion(q, k, half=half, block=block)
+  if mask == "verified":
+    return verified(q, k, half=half, block=block)
   raise ValueError(f"{mask=} must be one of {MASKS}")
 
 
@@ -63,16 +118,26 @@ def cached(segments, cache_segments, starts, mask: str, *, block: int | None = N
   allows ``(p, s)`` in slot space, ``s`` is not one of the chunk's own slots (the cache holds stale values there; the
   chunk brings those keys itself) and the key shares its segment; and the chunk's key ``j`` when ``mask`` allows
   ``(p, starts[b] + j)`` and it shares its segment. A padding query (segment 0) sees nothing.
+
+  ``verify_chunk`` (``block`` = the draft length ``k``, a chunk of ``k + k*k``): every query sees the cached slots
+  before ``starts[b]`` (the committed context) and the chunk's keys that :func:`verify_chunk` allows, within its
+  segment.
   """
   chunk, slots = segments.shape[1], cache_segments.shape[1]
-  query_slots = starts[:, None] + xp.arange(chunk)  # [b, chunk]
-  cache_slots = xp.arange(slots)
-  own = (cache_slots[None] >= starts[:, None]) & (cache_slots[None] < starts[:, None] + chunk)  # [b, slots]
   live = (segments != 0)[:, :, None]
+  same_chunk = segments[:, None, :] == segments[:, :, None]  # [b, chunk, chunk]
+  cache_slots = xp.arange(slots)
+  same_cache = cache_segments[:, None, :] == segments[:, :, None]  # [b, chunk, slots]
+  if mask == "verify_chunk":
+    if block is None or chunk != block + block * block:
+      raise ValueError(f"mask='verify_chunk' needs block=k and a chunk of k + k*k queries, got {block=}, {chunk=}")
+    before = (cache_slots[None] < starts[:, None])[:, None, :]  # [b, 1, slots]
+    return before & same_cache & live, verify_chunk(block, xp=xp)[None] & same_chunk & live
+  query_slots = starts[:, None] + xp.arange(chunk)  # [b, chunk]
+  own = (cache_slots[None] >= starts[:, None]) & (cache_slots[None] < starts[:, None] + chunk)  # [b, slots]
   in_cache = visible(query_slots[:, :, None], cache_slots[None, None], mask, block=block)
-  in_cache = in_cache & ~own[:, None, :] & (cache_segments[:, None, :] == segments[:, :, None]) & live
-  in_chunk = visible(query_slots[:, :, None], query_slots[:, None, :], mask, block=block)
-  in_chunk = in_chunk & (segments[:, None, :] == segments[:, :, None]) & live
+  in_cache = in_cache & ~own[:, None, :] & same_cache & live
+  in_chunk = visible(query_slots[:, :, None], query_slots[:, None, :], mask, block=block) & same_chunk & live
   return in_cache, in_chunk
 
 
