@@ -58,7 +58,10 @@ from mercury_jax.sampling.settings import CONFIDENCES, SAMPLERS, SamplerSettings
 FRAME_SECONDS = 0.08  # Pause between frames of --show-steps on a terminal.
 PROCESS_PLACEHOLDER = "{process}"  # In a --prompts-file path: each process reads its own file.
 # The flags that are ``SamplerSettings`` fields (their argparse destinations are the field names).
-KNOBS = ("rule", "confidence", "temperature", "top_k", "top_p", "threshold", "block_length", "revision", "min_length")
+KNOBS = (
+  "rule", "confidence", "temperature", "top_k", "top_p", "threshold", "block_length", "revision", "min_length",
+  "decode", "draft_length",
+)  # fmt: skip
 
 EPILOG = """\
 autoregressive checkpoints (objective.name = "autoregressive") are decoded token by token with a key-value
@@ -147,6 +150,18 @@ def build_parser() -> argparse.ArgumentParser:
     help="key-value cache: auto (the model's best exact decoder), exact (block-diffusion and autoregressive "
     "checkpoints), none (recompute everything every step), dual or prefix (APPROXIMATE, Fast-dLLM's caches for "
     "whole-sequence checkpoints: faster, but a step sees stale keys and values of the other blocks)",
+  )
+  p.add_argument(
+    "--decode",
+    choices=("auto", "ar", "diffusion", "verified"),
+    help="how to decode (default auto: the model's best): verified (a verified checkpoint drafts blocks by diffusion "
+    "and keeps what its own next-token head accepts: exactly its autoregressive distribution, several tokens per "
+    "forward pass), ar (its next-token head alone) or diffusion (block-diffusion refinement)",
+  )
+  p.add_argument(
+    "--draft-length",
+    type=int,
+    help="verified decoding's draft length k: each forward pass commits 1 to k tokens (default: the trained one)",
   )
   p.add_argument("--stream", action="store_true", help="print text as each block is committed (block engine)")
   p.add_argument(
@@ -373,7 +388,8 @@ def main(argv: list[str] | None = None, *, compile_cache: bool = False) -> int:
   if not per_process and not distributed.is_primary():
     return 0
   process = jax.process_index() if per_process else None
-  unit = "token" if sampler.autoregressive else "step"
+  verified = bool(samples) and samples[0].accepted is not None
+  unit = "token" if sampler.autoregressive and not verified else "step"
   for i, s in enumerate(samples):
     if args.json:
       record = {
@@ -390,6 +406,8 @@ def main(argv: list[str] | None = None, *, compile_cache: bool = False) -> int:
         record["complete"] = s.complete
       if s.healed:
         record["healed"] = s.healed
+      if s.accepted is not None:
+        record["accepted"] = s.accepted  # steps that accepted 0, 1, ... drafts
       if process is not None:
         record["process"] = process
       if s.steps is not None:
@@ -406,9 +424,10 @@ def main(argv: list[str] | None = None, *, compile_cache: bool = False) -> int:
   if not args.json and samples:
     s = samples[0]
     where = f"process {process}: " if process is not None else ""
+    tpf = sum(len(x.tokens) for x in samples) / max(sum(x.nfe for x in samples), 1)
     sys.stderr.write(
       f"{where}{len(samples)} sample(s): NFE {max(x.nfe for x in samples)}, {s.wall_time:.3f} s, "
-      f"{s.tokens_per_s:,.0f} tokens/s (compile {s.compile_time:.1f} s)\n"
+      f"{s.tokens_per_s:,.0f} tokens/s, {tpf:.2f} tokens per forward (compile {s.compile_time:.1f} s)\n"
     )
   return 0
 

@@ -16,6 +16,7 @@ KINDS = {
   "block_diffusion": (False, ObjectiveConfig(block_size=4)),
   "autoregressive": (True, ObjectiveConfig(name="autoregressive")),
   "whole_sequence": (False, ObjectiveConfig()),
+  "verified": (False, ObjectiveConfig(name="verified", draft_length=4)),
 }
 
 

@@ -28,6 +28,7 @@ KINDS = {
   "block_diffusion": (ModelConfig(causal=False), ObjectiveConfig(block_size=4)),
   "autoregressive": (ModelConfig(causal=True), ObjectiveConfig(name="autoregressive")),
   "whole_sequence": (ModelConfig(causal=False), ObjectiveConfig()),
+  "verified": (ModelConfig(causal=False), ObjectiveConfig(name="verified", draft_length=4)),
 }
 
 

@@ -164,9 +164,9 @@ class Sampler:
     """Sampler settings with this model's schedule, mask, EOS and padding ids; ``knobs`` as in SamplerSettings."""
     return self.jobs.settings(**knobs)
 
-  def decoder(self, cache: str = "auto", block_length: int = 0) -> Decoder:
-    """The engine's cache and block for this model (:func:`~mercury_jax.sampling.decoders.choose`)."""
-    return self.jobs.decoder(cache, block_length)
+  def decoder(self, cache: str = "auto", block_length: int = 0, decode: str = "auto", draft_length: int = 0) -> Decoder:
+    """The engine's cache, block and decode mode for this model (:func:`~mercury_jax.sampling.decoders.choose`)."""
+    return self.jobs.decoder(cache, block_length, decode, draft_length)
 
   def plan(self, canvas: cv.Canvas, decoder: Decoder, length: int | None = None) -> tuple[cv.Canvas, BlockPlan]:
     """``(canvas padded to the plan, plan)`` (:meth:`Jobs.plan <mercury_jax.sampling.jobs.Jobs.plan>`)."""

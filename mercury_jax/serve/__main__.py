@@ -66,6 +66,15 @@ def build_parser() -> argparse.ArgumentParser:
     default=0,
     help="block of a whole-sequence checkpoint (default 32); block-diffusion checkpoints use their trained block",
   )
+  p.add_argument(
+    "--decode",
+    default="auto",
+    choices=("auto", "ar", "diffusion", "verified"),
+    help="how every request decodes (default auto: the model's best; a verified checkpoint: verified)",
+  )
+  p.add_argument(
+    "--draft-length", type=int, default=0, help="verified decoding's draft length (default 0: the checkpoint's)"
+  )
   p.add_argument("--model-name", help="the name clients see (default: the checkpoint folder's name)")
   p.add_argument(
     "--grace", type=float, default=30.0, help="seconds running requests get to finish on shutdown (default 30)"
@@ -189,10 +198,16 @@ def _load(args: argparse.Namespace):
     pool.start()
   try:
     scheduler = Scheduler(
-      sampler, slots=args.slots, max_queue=args.max_queue, block_length=args.block_length, capacity=args.capacity
+      sampler,
+      slots=args.slots,
+      max_queue=args.max_queue,
+      block_length=args.block_length,
+      decode=args.decode,
+      draft_length=args.draft_length,
+      capacity=args.capacity,
     )
   except SettingError as e:
-    _fail(e.named("--block-length" if e.field == "block_length" else e.field))
+    _fail(e.named("--" + e.field.replace("_", "-")))
   except ValueError as e:
     _fail(str(e))
   name = args.model_name or (

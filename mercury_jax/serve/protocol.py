@@ -81,6 +81,7 @@ NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's rule for function and respon
 TOOL_CHOICES = ("none", "auto", "required")
 # How pydantic names the members of a union it tried, at the end of an error's location.
 UNION_MEMBERS = ("str", "int", "float", "bool", "none", "list[str]", "list[ContentPart]")
+MAX_DRAFT = 64  # The longest draft_length a request may name (the served one is set at start).
 # The request fields that only a diffusion model has; an autoregressive model answers 400 naming them.
 DIFFUSION_FIELDS = ("steps", "steps_per_block", "threshold", "block_length", "diffusing", "reasoning_effort")
 
@@ -200,6 +201,10 @@ class GenerationRequest(BaseModel):
   threshold: float | None = Field(None, ge=0, le=1, allow_inf_nan=False)
   top_k: int | None = Field(None, ge=0)  # At most Limits.vocab; 0 keeps every token.
   diffusing: bool | None = None
+  # Verified decoding: the served mode and draft length (set at start, --decode / --draft-length; a request may only
+  # restate them).
+  decode: Literal["auto", "ar", "diffusion", "verified"] | None = None
+  draft_length: int | None = Field(None, ge=1, le=MAX_DRAFT)
   # Known, not implemented (UNSUPPORTED).
   logprobs: Any = None
   top_logprobs: Any = None

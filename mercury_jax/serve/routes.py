@@ -152,7 +152,9 @@ class ClientGone(Exception):
 
 
 def objective_name(scheduler) -> str:
-  """``autoregressive``, ``block_diffusion`` or ``masked_diffusion``: how the served model decodes."""
+  """``verified``, ``autoregressive``, ``block_diffusion`` or ``masked_diffusion``: how the served model decodes."""
+  if scheduler.draft:
+    return "verified"
   if scheduler.autoregressive:
     return "autoregressive"
   return "block_diffusion" if scheduler.cfg.objective.block_size else "masked_diffusion"
@@ -231,6 +233,20 @@ def _knobs(body: api.GenerationRequest, scheduler, first: int, generated: int) -
           "one token per forward pass)",
           param=field,
         )
+  if body.decode not in (None, "auto", scheduler.decode):
+    raise api.APIError(
+      400,
+      f"decode={api.shown(body.decode)} differs from the served mode {scheduler.decode!r} (set by --decode at start); "
+      f"omit it or send {scheduler.decode!r}",
+      param="decode",
+    )
+  if body.draft_length is not None and body.draft_length != scheduler.draft:
+    served = f"{scheduler.draft} (set by --draft-length at start)" if scheduler.draft else "none: it is not verified"
+    raise api.APIError(
+      400,
+      f"draft_length={api.shown(body.draft_length)} differs from the served draft length {served}",
+      param="draft_length",
+    )
   block = scheduler.block
   if body.block_length is not None and body.block_length != block:
     why = "the block it was trained with" if scheduler.block_length_fixed else "set by --block-length at start"
@@ -503,6 +519,8 @@ def create_app(scheduler, compiler, options: Options) -> FastAPI:
       "context_length": context,
       "block_length": scheduler.block,
       "objective": objective_name(scheduler),
+      "decode": scheduler.decode,
+      "draft_length": scheduler.draft,
     }
     return {"object": "list", "data": [card]}
 

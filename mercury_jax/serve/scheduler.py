@@ -200,6 +200,8 @@ class Scheduler:
     max_queue: Requests that may wait for a slot; beyond it :meth:`submit` raises :class:`QueueFull`.
     block_length: The block of a whole-sequence checkpoint (decoded without a cache, through the same engine);
       block-diffusion checkpoints use their trained block and the twin blocks of one token.
+    decode: How every request decodes (``auto``: the model's best; see ``sampling.decoders.choose``).
+    draft_length: Verified decoding's draft length (0: the checkpoint's).
     default_steps: Steps per block when a request gives none; default the block (one token per step).
     capacity: The automaton sizes each slot holds for structured output (``slots.DEFAULT_CAPACITY``); None turns
       structured output off.
@@ -212,6 +214,8 @@ class Scheduler:
     slots: int = 16,
     max_queue: int = 256,
     block_length: int = 0,
+    decode: str = "auto",
+    draft_length: int = 0,
     default_steps: int | None = None,
     capacity: constrained.Capacity | None = DEFAULT_CAPACITY,
   ):
@@ -219,11 +223,19 @@ class Scheduler:
       raise ValueError(f"max_queue={max_queue} must be >= 0")
     lowerings()  # Count from before the first compilation.
     self.engine = SlotEngine(
-      sampler, slots=slots, block_length=block_length, default_steps=default_steps, capacity=capacity
+      sampler,
+      slots=slots,
+      block_length=block_length,
+      decode=decode,
+      draft_length=draft_length,
+      default_steps=default_steps,
+      capacity=capacity,
     )
+    self.decode = self.engine.decoder.decode  # ar, diffusion or verified
     self.compiler = self.engine.compiler  # structured output: regex / JSON Schema -> automaton (None: off)
     self.sampler, self.tokenizer, self.cfg = sampler, sampler.tokenizer, sampler.cfg
     self.autoregressive, self.block, self.slots = self.engine.autoregressive, self.engine.block, slots
+    self.width, self.draft = self.engine.width, self.engine.plan.draft  # tokens a step commits at most; verified k
     self.block_length_fixed = not self.engine.whole_sequence
     self.max_length, self.max_queue = sampler.max_length, max_queue
     self.vocab_size = self.cfg.model.vocab_size
@@ -507,8 +519,8 @@ class Scheduler:
     if done and starts > worked:  # Tokens a constraint forced into the next block, which filled the hole.
       final.append((starts, view.upcoming[slot]))
     new = []
-    for first, tokens in final:
-      new += self._take(slot, active, first, tokens)
+    for first, tokens in final:  # An unfinished verified row's worked tokens are final up to its next slot only.
+      new += self._take(slot, active, first, tokens, None if done else starts)
     nfe = int(view.nfe[slot])
     if done:
       stopped = active.stopped
@@ -519,9 +531,9 @@ class Scheduler:
     draft = None
     if active.handle.request.diffusing:  # The final tokens, the open block's proposals, then masks.
       first, tokens = (starts, view.upcoming[slot]) if starts > worked else (worked, view.block[slot])
-      low, high = max(first, active.upto), min(first + self.block, active.end)
+      low, high = max(first, active.upto), min(first + self.width, active.end)
       piece = tokens[low - first : high - first]
-      if starts == worked:
+      if starts == worked or self.draft:  # verified: the drafts the next step verifies, from ``starts``
         piece = np.where(piece == self.mask_id, view.proposal[slot, low - first : high - first], piece)
       draft = active.tokens + piece.tolist()
       draft = tuple(draft + [self.mask_id] * (active.end - active.start - len(draft)))
@@ -529,11 +541,12 @@ class Scheduler:
       return [(active.handle, Update(tuple(new), draft, False, None, nfe, time=now))]
     return []
 
-  def _take(self, slot: int, active: _Active, first: int, tokens: np.ndarray) -> list[int]:
-    """The request's tokens in the final block of ``tokens`` at slot ``first``, up to its first EOS (recorded)."""
+  def _take(self, slot: int, active: _Active, first: int, tokens: np.ndarray, limit: int | None) -> list[int]:
+    """The request's tokens in the final block of ``tokens`` at slot ``first`` (before slot ``limit`` when given),
+    up to its first EOS (recorded)."""
     if active.stopped:
       return []
-    low, high = max(first, active.upto), min(first + self.block, active.end)
+    low, high = max(first, active.upto), min(first + self.width, active.end, limit or active.end)
     if low > active.upto:
       raise RuntimeError(f"row {slot} skipped slots {active.upto}..{low}: its blocks were not all reported")
     if high <= low:

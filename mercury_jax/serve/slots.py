@@ -117,7 +117,7 @@ class View(NamedTuple):
 
   @classmethod
   def unpack(cls, packed: np.ndarray, block: int) -> View:
-    """The view of :func:`news`' packed ``[slots, 3 B + 4]`` array."""
+    """The view of :func:`news`' packed ``[slots, 3 W + 4]`` array (``block``: ``W``)."""
     scalars = packed[:, 3 * block :]
     return cls(
       block=packed[:, :block],
@@ -130,12 +130,19 @@ class View(NamedTuple):
     )
 
 
+def width(plan: BlockPlan) -> int:
+  """The tokens a step can commit in a row from its worked slot: the block, or verified decoding's draft length."""
+  return max(plan.block, plan.draft)
+
+
 def news(engine: BlockEngine, st: State, worked: jax.Array) -> jax.Array:
-  """int32 [b, 3 B + 4]: a :class:`View` of ``st`` after a step that worked on the blocks at slots ``worked`` [b]."""
-  block, starts = engine.plan.block, engine.starts(st)
-  at = lambda first: jnp.take_along_axis(st.z, first[:, None] + jnp.arange(block)[None, :], axis=1)  # noqa: E731
+  """int32 [b, 3 W + 4]: a :class:`View` of ``st`` after a step that worked from slots ``worked`` [b] (``W``:
+  :func:`width`)."""
+  size, starts = width(engine.plan), engine.starts(st)
+  at = lambda first: jnp.take_along_axis(st.z, first[:, None] + jnp.arange(size)[None, :], axis=1)  # noqa: E731
+  proposal = jnp.pad(st.proposal, ((0, 0), (0, size - st.proposal.shape[1])))  # verified: k - 1 drafts at starts
   scalars = (worked, starts, engine.unfinished(st), st.nfe)
-  columns = [at(worked), at(starts), st.proposal, *(jnp.asarray(a)[:, None] for a in scalars)]  # [b, B] and [b, 1]
+  columns = [at(worked), at(starts), proposal, *(jnp.asarray(a)[:, None] for a in scalars)]  # [b, W] and [b, 1]
   return jnp.concatenate([c.astype(jnp.int32) for c in columns], axis=1)
 
 
@@ -147,6 +154,9 @@ class SlotEngine:
     slots: Rows of every step: requests refined at once.
     block_length: The block of a whole-sequence checkpoint (decoded without a cache); block-diffusion checkpoints
       use their trained block (a different one is an error) and the autoregressive twin blocks of one token.
+    decode: ``auto``, ``ar``, ``diffusion`` or ``verified`` (:func:`~mercury_jax.sampling.decoders.choose`): every
+      request of the engine decodes so (the plan is static).
+    draft_length: Verified decoding's draft length (0: the checkpoint's).
     default_steps: Steps per block when a request gives none; default the block (one token per step).
     capacity: The automaton sizes each slot holds for structured output (:data:`DEFAULT_CAPACITY`); None: no
       structured output (a request with a constraint fails).
@@ -158,6 +168,8 @@ class SlotEngine:
     *,
     slots: int,
     block_length: int = 0,
+    decode: str = "auto",
+    draft_length: int = 0,
     default_steps: int | None = None,
     capacity: constrained.Capacity | None = DEFAULT_CAPACITY,
   ):
@@ -175,17 +187,27 @@ class SlotEngine:
       )
     self._automata: dict[int, Automaton] = {}  # admitted requests' constraints, until their prefill
     self._heals: dict[int, str] = {}  # admitted requests' healed characters, until their prefill
-    self.autoregressive = sampler.autoregressive
-    self.whole_sequence = not (sampler.autoregressive or sampler.block_size)
+    decoder = sampler.decoder("auto", block_length, decode, draft_length)
+    self.decoder = decoder
+    self.autoregressive = decoder.autoregressive
+    self.whole_sequence = not (decoder.autoregressive or sampler.block_size or decoder.causal_context)
     if self.whole_sequence:
       cache, block = "none", block_length or APPROXIMATE_BLOCK
     else:
-      decoder = sampler.decoder("exact", block_length)
-      cache, block = decoder.cache, decoder.block
+      cache, block = "exact", decoder.block
     context = sampler.max_length
     self.block = block
-    self.plan = BlockPlan(block, block + -(-context // block) * block, cache, self.autoregressive, self.whole_sequence)
-    self.length = self.plan.slots - block  # canvas positions of a row
+    self.plan = BlockPlan(
+      block,
+      block + -(-context // block) * block + 2 * decoder.draft,
+      cache,
+      self.autoregressive,
+      self.whole_sequence,
+      decoder.draft,
+      decoder.causal_context,
+    )
+    self.length = self.plan.length  # canvas positions of a row
+    self.width = width(self.plan)
     self.settings = sampler.settings(rule="threshold")
     self.default_steps = 1 if self.autoregressive else (default_steps or block)
     settings = self.settings
@@ -216,11 +238,12 @@ class SlotEngine:
   # ------------------------------------------------------------------------------------------- requests
 
   def _buckets(self) -> tuple[int, ...]:
+    top = self.block + self.length  # the canvas's slots (verified decoding's tail is never prefilled)
     size, sizes = MIN_BUCKET, []
-    while size < self.plan.slots:
+    while size < top:
       sizes.append(-(-size // self.block) * self.block)
       size *= 2
-    return tuple(sorted({*(s for s in sizes if s < self.plan.slots), self.plan.slots}))
+    return tuple(sorted({*(s for s in sizes if s < top), top}))
 
   def bucket(self, request: Request) -> int:
     """The index of the smallest prefill bucket that covers the request's first block."""
@@ -363,7 +386,7 @@ class SlotEngine:
     if not bool(command.step):
       return None, failures
     self.state, packed = self._sync(self._step(self.sampler.params, self.state))
-    return View.unpack(self.sampler.placement.gather(packed), self.block), failures
+    return View.unpack(self.sampler.placement.gather(packed), self.width), failures
 
   def _sync(self, out):
     """``out``, computed, on a multi-host mesh. XLA:CPU runs programs without a data dependency between them
