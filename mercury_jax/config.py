@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import tomllib
 import typing
 from importlib import resources
@@ -16,7 +17,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 ATTENTION_IMPLS = ("auto", "xla", "pallas", "cudnn")
-OBJECTIVES = ("masked_diffusion", "autoregressive")
+OBJECTIVES = ("masked_diffusion", "autoregressive", "verified")
 SCHEDULES = ("linear", "cosine", "polynomial")
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -74,10 +75,12 @@ class ObjectiveConfig:
 
   The schedule fields apply to ``masked_diffusion`` (training and the ancestral sampler); ``autoregressive`` ignores
   them. ``block_size > 0`` turns masked diffusion into block diffusion (BD3-LM, Arriola et al. 2025): the sequence
-  is cut into blocks of ``block_size`` tokens, each denoised given the clean blocks before it.
+  is cut into blocks of ``block_size`` tokens, each denoised given the clean blocks before it. ``verified`` (TiDAR,
+  Liu et al. 2025) trains one network as a drafter of blocks of ``draft_length`` tokens and as an autoregressive
+  verifier, in one pass (``objectives.verified``).
   """
 
-  name: Literal["masked_diffusion", "autoregressive"] = "masked_diffusion"
+  name: Literal["masked_diffusion", "autoregressive", "verified"] = "masked_diffusion"
   schedule: Literal["linear", "cosine", "polynomial"] = "linear"
   exponent: float = 1.0  # Polynomial schedule: alpha_t = 1 - t**exponent.
   antithetic: bool = True  # Low-discrepancy t across the global batch (Kingma et al. 2021, VDM).
@@ -89,10 +92,21 @@ class ObjectiveConfig:
   # (uniform with the linear schedule). Evaluation always integrates all of [t_min, 1], so the ELBO stays a bound.
   mask_rate_min: float = 0.0
   mask_rate_max: float = 1.0
+  # verified: the draft block length k, the weight α of the next-token loss (loss = (α·L_AR + L_draft) / (1 + α)),
+  # and the range of the draft half's mask rate, drawn per (sequence, block); 1 and 1 masks every draft target
+  # (TiDAR's choice: one-step drafting), a range trains the drafter to refine a block over several steps.
+  draft_length: int = 4
+  ar_weight: float = 1.0
+  draft_mask_min: float = 1.0
+  draft_mask_max: float = 1.0
 
   @property
   def autoregressive(self) -> bool:
     return self.name == "autoregressive"
+
+  @property
+  def verified(self) -> bool:
+    return self.name == "verified"
 
   def validate(self) -> None:
     if self.exponent <= 0:
@@ -112,6 +126,15 @@ class ObjectiveConfig:
       raise ConfigError(
         f"objective.mask_rate_min={self.mask_rate_min} and objective.mask_rate_max={self.mask_rate_max} must "
         "satisfy 0 <= mask_rate_min < mask_rate_max <= 1 (e.g. 0.3 and 0.8)"
+      )
+    if self.draft_length < 1:
+      raise ConfigError(f"objective.draft_length={self.draft_length} must be >= 1 (e.g. 4)")
+    if self.ar_weight < 0:
+      raise ConfigError(f"objective.ar_weight={self.ar_weight} must be >= 0 (e.g. 1.0)")
+    if not 0.0 < self.draft_mask_min <= self.draft_mask_max <= 1.0:
+      raise ConfigError(
+        f"objective.draft_mask_min={self.draft_mask_min} and objective.draft_mask_max={self.draft_mask_max} must "
+        "satisfy 0 < draft_mask_min <= draft_mask_max <= 1 (e.g. 1.0 and 1.0: every draft token masked)"
       )
 
 
@@ -225,6 +248,21 @@ class Config:
       raise ConfigError(
         f"objective.block_size={block} draws one t per block, which model.time_conditioning=true (one t per "
         "sequence) cannot take; set model.time_conditioning=false"
+      )
+    if self.objective.verified and self.model.causal:
+      raise ConfigError(
+        "objective.name='verified' runs its own mask over drafts and a causal clean half; set model.causal=false"
+      )
+    if self.objective.verified and self.model.time_conditioning:
+      raise ConfigError(
+        "objective.name='verified' has no diffusion time (one pass drafts and verifies); set "
+        "model.time_conditioning=false"
+      )
+    k = self.objective.draft_length
+    if self.objective.verified and self.model.max_length % k:
+      raise ConfigError(
+        f"model.max_length={self.model.max_length} must be a multiple of objective.draft_length={k} "
+        f"(e.g. draft_length={math.gcd(self.model.max_length, 4)})"
       )
     if not self.objective.autoregressive and self.model.causal:
       raise ConfigError("model.causal=true is only meaningful with objective.name='autoregressive'")

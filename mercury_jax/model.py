@@ -365,17 +365,20 @@ def count_params(params) -> int:
   return sum(math.prod(p.shape) for p in jax.tree.leaves(params))
 
 
-def flops_per_token(cfg: ModelConfig, num_params: int, training: bool = True, doubled: bool = False) -> float:
+def flops_per_token(
+  cfg: ModelConfig, num_params: int, training: bool = True, doubled: bool = False, head_halves: int = 1
+) -> float:
   """Matmul FLOPs per token: 6N + 12·layers·length·heads·head_dim for training, a third of it for a forward pass.
 
   N excludes the embedding table (a gather, not a matmul) but includes the output head (Kaplan et al. 2020).
   ``doubled``: block diffusion's vectorised pass, whose layers run ``x_t ⊕ x_0`` (each data token twice, attending
-  over twice the length, counted dense) while the head runs the noisy half only.
+  over twice the length, counted dense) while the head runs the noisy half only, or both halves with
+  ``head_halves=2`` (the ``verified`` objective scores both).
   """
   head = cfg.vocab_size * cfg.d_model
   n = num_params - head * (0 if cfg.tie_embeddings else 1)
   attention = 2 * cfg.num_layers * cfg.max_length * cfg.num_heads * cfg.head_dim * 2  # QK^T and PV, forward.
   forward = 2 * n + attention
   if doubled:
-    forward = 2 * (2 * (n - head) + 2 * attention) + 2 * head
+    forward = 2 * (2 * (n - head) + 2 * attention) + 2 * head * head_halves
   return 3 * forward if training else forward

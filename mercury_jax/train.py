@@ -1,6 +1,8 @@
 """``python -m mercury_jax.train --config NAME --workdir DIR [--set key=value ...]``: the one training loop.
 
-Rerunning the same command resumes from the latest checkpoint in ``DIR/checkpoints``. SIGTERM saves a checkpoint
+Rerunning the same command resumes from the latest checkpoint in ``DIR/checkpoints``. ``--init-from CHECKPOINT``
+starts a fresh run (step 0, a new optimiser state) from another checkpoint's parameters; a workdir that already
+holds a checkpoint resumes from it instead. SIGTERM saves a checkpoint
 and exits cleanly; with several processes, SIGTERM to any one of them makes every process save the same step and
 exit cleanly (``distributed.Preemption``). A non-finite loss stops the run with an error; the step that produced it
 is discarded inside the compiled step, so the last good checkpoint is never overwritten by a bad state. Metrics are
@@ -28,11 +30,11 @@ from tensorboardX.summary import scalar
 
 from mercury_jax import distributed, sharding as sh
 from mercury_jax.bench.throughput import peak_flops
-from mercury_jax.checkpoint import TOKENIZER_FILE, Checkpointer
+from mercury_jax.checkpoint import TOKENIZER_FILE, Checkpointer, init_params_from
 from mercury_jax.config import Config, ConfigError, load_config, parse_set_args
 from mercury_jax.data import pipeline
 from mercury_jax.model import count_params, flops_per_token
-from mercury_jax.trainer import Trainer, learning_rate_schedule
+from mercury_jax.trainer import HALVES, Trainer, learning_rate_schedule, verified_losses
 
 
 class NonFiniteLoss(RuntimeError):
@@ -73,6 +75,10 @@ class _Summaries:
     "mfu": "perf/mfu",
     "eval_nats_per_token": "eval/nats_per_token",
     "eval_perplexity_bound": "eval/perplexity",
+    "ar_loss": "train/ar_loss",  # verified: the verifier's next-token loss and the drafter's loss
+    "draft_loss": "train/draft_loss",
+    "eval_ar_nats_per_token": "eval/ar_nats_per_token",
+    "eval_draft_nats_per_token": "eval/draft_nats_per_token",
   }
 
   def __init__(self, workdir: Path, resume_step: int, enabled: bool):
@@ -137,13 +143,29 @@ def _same_model(stored: Config, cfg: Config) -> None:
 
 
 def evaluate(trainer: Trainer, params, batches: list[dict[str, jax.Array]], seed: int) -> dict[str, float]:
-  """Held-out negative ELBO (or NLL) in nats per target token, with fixed keys so evaluations compare."""
-  nats = trainer.nats_per_token(params, batches, jax.random.key(seed))
-  return {"eval_nats_per_token": nats, "eval_perplexity_bound": math.exp(min(nats, 50.0))}
+  """Held-out negative ELBO (or NLL) in nats per target token, with fixed keys so evaluations compare.
+
+  A ``verified`` objective also reports its halves: the verifier's exact next-token NLL (whose perplexity is the
+  one reported) and the drafter's loss; ``eval_nats_per_token`` is then their weighted mean, the training loss.
+  """
+  if not trainer.cfg.objective.verified:
+    nats = trainer.nats_per_token(params, batches, jax.random.key(seed))
+    return {"eval_nats_per_token": nats, "eval_perplexity_bound": math.exp(min(nats, 50.0))}
+  losses = verified_losses(trainer.eval_sums(params, batches, jax.random.key(seed)), trainer.cfg.objective.ar_weight)
+  return {
+    "eval_nats_per_token": losses["loss"],
+    "eval_ar_nats_per_token": losses["ar"],
+    "eval_draft_nats_per_token": losses["draft"],
+    "eval_perplexity_bound": math.exp(min(losses["ar"], 50.0)),
+  }
 
 
-def train(cfg: Config, workdir: str | Path, *, log: bool = True) -> dict[str, Any]:
-  """Trains (or resumes) ``cfg`` in ``workdir``; returns the last metrics. See the module docstring."""
+def train(cfg: Config, workdir: str | Path, *, log: bool = True, init_from: str | Path | None = None) -> dict[str, Any]:
+  """Trains (or resumes) ``cfg`` in ``workdir``; returns the last metrics. See the module docstring.
+
+  ``init_from``: a checkpoint whose parameters start a fresh run (``checkpoint.init_params_from``); ignored when
+  ``workdir`` already holds a checkpoint, which is resumed.
+  """
   workdir = Path(workdir)
   primary = distributed.is_primary()
   if primary:
@@ -168,6 +190,8 @@ def train(cfg: Config, workdir: str | Path, *, log: bool = True) -> dict[str, An
     state = checkpointer.restore(trainer.abstract_state(), data_iter)
   else:
     state = trainer.init_state(cfg.train.seed)
+    if init_from is not None:  # Fresh optimiser state and step: only the parameters come from the other checkpoint.
+      state["params"] = init_params_from(init_from, trainer.abstract_state()["params"])
   start_step = int(jax.device_get(state["step"]))
   if primary:
     (workdir / "config.json").write_text(cfg.to_json())
@@ -188,8 +212,13 @@ def train(cfg: Config, workdir: str | Path, *, log: bool = True) -> dict[str, An
       )
     ]
   num_params = count_params(state["params"])
-  doubled = cfg.objective.block_size > 0  # Block diffusion runs x_t ⊕ x_0.
-  step_flops = flops_per_token(cfg.model, num_params, doubled=doubled) * cfg.data.batch_size * cfg.model.max_length
+  doubled = cfg.objective.block_size > 0 or cfg.objective.verified  # Block diffusion and verified run 2n tokens.
+  head_halves = 2 if cfg.objective.verified else 1  # Verified scores both halves.
+  step_flops = (
+    flops_per_token(cfg.model, num_params, doubled=doubled, head_halves=head_halves)
+    * cfg.data.batch_size
+    * cfg.model.max_length
+  )
   # On an accelerator MFU divides by every chip's datasheet peak; simulated CPU devices share one host's cores.
   peak, peak_source = peak_flops(jax.devices()[0], cfg.model.dtype)
   if peak is not None and jax.default_backend() != "cpu":
@@ -229,7 +258,7 @@ def train(cfg: Config, workdir: str | Path, *, log: bool = True) -> dict[str, An
           if cfg.train.eval_every and eval_batches and (done % cfg.train.eval_every == 0 or done == cfg.train.steps):
             last.update(evaluate(trainer, state["params"], eval_batches, cfg.train.seed))
           summaries.write(last)
-          bound = not cfg.objective.autoregressive
+          bound = cfg.objective.name == "masked_diffusion"
           progress.show(_status(last, cfg.train.steps, bound), final=done == cfg.train.steps)
         if save_now:
           checkpointer.save(state, data_iter, cfg)
@@ -252,13 +281,20 @@ def _finish_step(step: int, metrics, *, cfg: Config) -> dict[str, Any]:
       f"update was discarded and no checkpoint was written after it. Lower optim.learning_rate "
       f"(now {cfg.optim.learning_rate}) or check the data."
     )
-  return {"step": step, "loss": values["loss"], "grad_norm": values["grad_norm"]}
+  halves = {f"{h}_loss": values[f"{h}_loss"] for h in HALVES if f"{h}_loss" in values}  # verified
+  return {"step": step, "loss": values["loss"], "grad_norm": values["grad_norm"], **halves}
 
 
 def _status(m: dict[str, Any], total: int, bound: bool) -> str:
   mfu = "n/a" if m["mfu"] is None else f"{100 * m['mfu']:.1f}%"
-  text = f"step {m['step']}/{total} | loss {m['loss']:.4f} | {m['tokens_per_s']:,.0f} tok/s | MFU {mfu}"
-  if "eval_nats_per_token" in m:
+  loss = f"loss {m['loss']:.4f}"
+  if "ar_loss" in m:  # verified: the weighted mean, then the verifier's and the drafter's own losses
+    loss += f" (ar {m['ar_loss']:.4f}, draft {m['draft_loss']:.4f})"
+  text = f"step {m['step']}/{total} | {loss} | {m['tokens_per_s']:,.0f} tok/s | MFU {mfu}"
+  if "eval_ar_nats_per_token" in m:
+    ppl = f"ppl {m['eval_perplexity_bound']:.2f}"  # The verifier's exact NLL.
+    text += f" | eval ar {m['eval_ar_nats_per_token']:.4f} nats/tok ({ppl}), draft {m['eval_draft_nats_per_token']:.4f}"
+  elif "eval_nats_per_token" in m:
     ppl = f"ppl {'<= ' if bound else ''}{m['eval_perplexity_bound']:.2f}"  # An ELBO bounds it; the AR NLL is exact.
     text += f" | eval {m['eval_nats_per_token']:.4f} nats/tok ({ppl})"
   return text
@@ -269,6 +305,13 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--config", default="default", help="a preset name from configs/ or a TOML file")
   parser.add_argument("--workdir", required=True, help="checkpoints, metrics.jsonl and config.json go here")
   parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
+  parser.add_argument(
+    "--init-from",
+    metavar="CHECKPOINT",
+    help="start from the parameters of a train workdir, checkpoint folder or exported model (e.g. "
+    "mercury_jax/assets/default_ar), with a fresh optimiser and step 0; their shapes must match the new model's. "
+    "Ignored when --workdir already holds a checkpoint: that run resumes instead",
+  )
   distributed.add_arguments(parser)
   args = parser.parse_args(argv)
   try:
@@ -289,7 +332,7 @@ def main(argv: list[str] | None = None) -> None:
     raise SystemExit(2) from None
   try:
     distributed.initialize(args)
-    train(cfg, args.workdir)
+    train(cfg, args.workdir, init_from=args.init_from)
   except (ConfigError, FileNotFoundError) as e:
     print(f"error: {e}", file=sys.stderr)
     raise SystemExit(2) from None

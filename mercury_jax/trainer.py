@@ -22,6 +22,15 @@ from mercury_jax.model import Transformer, abstract_params, init_params, param_s
 
 State = dict[str, Any]
 Batch = dict[str, jax.Array]
+HALVES = ("ar", "draft")  # A verified objective's two losses: the verifier's (next token) and the drafter's.
+
+
+def verified_losses(totals: dict[str, float], ar_weight: float) -> dict[str, float]:
+  """A ``verified`` objective's per-token losses from sums over batches: ``{"ar", "draft", "loss"}`` (the weighted
+  mean ``(α · ar + draft) / (1 + α)`` of the two)."""
+  out = {half: totals[f"{half}_loss_sum"] / max(totals[f"{half}_tokens"], 1.0) for half in HALVES}
+  out["loss"] = (ar_weight * out["ar"] + out["draft"]) / (1.0 + ar_weight)
+  return out
 
 
 def learning_rate_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
@@ -47,12 +56,20 @@ def make_optimizer(cfg: OptimConfig, total_steps: int) -> optax.GradientTransfor
 
 
 def loss_terms(
-  params, batch: Batch, key: jax.Array, model: Transformer, cfg: Config, *, training: bool = False
+  params,
+  batch: Batch,
+  key: jax.Array,
+  model: Transformer,
+  cfg: Config,
+  *,
+  training: bool = False,
+  draft: str | None = None,
 ) -> dict[str, jax.Array]:
   """The configured objective's sums for one batch (``mercury_jax.objectives``).
 
   ``training`` is True only in the train step: it applies the clipped schedule (``objective.mask_rate_min/max``);
-  evaluation integrates the whole schedule so its diffusion estimate is a bound.
+  evaluation integrates the whole schedule so its diffusion estimate is a bound. ``draft`` picks how a ``verified``
+  objective noises its draft half (``objectives.verified.DRAFTS``; default: what ``training`` implies).
   """
   segment_ids = K.segment_ids(batch["kinds"])
   use_t = cfg.model.time_conditioning
@@ -62,7 +79,14 @@ def loss_terms(
     return model.apply({"params": params}, tokens, t if use_t else None, **kwargs)
 
   return objectives.loss_terms(
-    logits_fn, batch["tokens"], batch["kinds"], key, cfg.objective, segment_ids=segment_ids, training=training
+    logits_fn,
+    batch["tokens"],
+    batch["kinds"],
+    key,
+    cfg.objective,
+    segment_ids=segment_ids,
+    training=training,
+    draft=draft,
   )
 
 
@@ -81,6 +105,7 @@ class Trainer:
       )
     self.batch_sharding = sh.batch_sharding(mesh, self.rules, 2)
     self.state_shardings = self._state_shardings()
+    self._eval_steps = {}  # draft mode -> compiled eval step
 
   # -------------------------------------------------------------------------------------------- state
   def _init_state(self, key: jax.Array) -> State:
@@ -127,11 +152,14 @@ class Trainer:
     # stop with an error and no bad parameters can ever reach a checkpoint.
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     new_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old), new_state, state)
-    return new_state, {"loss": loss, "grad_norm": grad_norm, "tokens": terms["tokens"]}
+    metrics = {"loss": loss, "grad_norm": grad_norm, "tokens": terms["tokens"]}
+    for half in HALVES if self.cfg.objective.verified else ():  # The verifier's and the drafter's own losses.
+      metrics[f"{half}_loss"] = terms[f"{half}_loss_sum"] / jnp.maximum(terms[f"{half}_tokens"], 1.0)
+    return new_state, metrics
 
-  def _eval_step(self, params, batch: Batch, key: jax.Array) -> dict[str, jax.Array]:
-    terms = loss_terms(params, batch, key, self.model, self.cfg, training=False)
-    return {"loss_sum": terms["loss_sum"], "tokens": terms["tokens"]}
+  def _eval_step(self, params, batch: Batch, key: jax.Array, draft: str | None = None) -> dict[str, jax.Array]:
+    terms = loss_terms(params, batch, key, self.model, self.cfg, training=False, draft=draft)
+    return {k: v for k, v in terms.items() if k != "masked"}
 
   @functools.cached_property
   def train_step(self):
@@ -148,23 +176,40 @@ class Trainer:
 
   @functools.cached_property
   def eval_step(self):
-    """``(params, batch, key) -> {"loss_sum", "tokens"}`` with a fixed key, so evaluations are comparable."""
-    batch_sh = {"tokens": self.batch_sharding, "kinds": self.batch_sharding}
-    return sh.MeshJit(
-      self._eval_step, self.mesh, self.rules, in_shardings=(self.state_shardings["params"], batch_sh, None)
-    )
+    """``(params, batch, key) -> sums`` (``{"loss_sum", "tokens"}``, and a ``verified`` objective's halves)."""
+    return self.eval_step_for(None)
+
+  def eval_step_for(self, draft: str | None):
+    """:attr:`eval_step` with a ``verified`` objective's draft half noised as ``draft`` (``verified.DRAFTS``)."""
+    if draft not in self._eval_steps:
+      batch_sh = {"tokens": self.batch_sharding, "kinds": self.batch_sharding}
+      self._eval_steps[draft] = sh.MeshJit(
+        functools.partial(self._eval_step, draft=draft),
+        self.mesh,
+        self.rules,
+        in_shardings=(self.state_shardings["params"], batch_sh, None),
+      )
+    return self._eval_steps[draft]
+
+  def eval_sums(self, params, batches: list[Batch], key: jax.Array, draft: str | None = None) -> dict[str, float]:
+    """The objective's sums over ``batches``, batch i drawn with ``fold_in(key, i)``."""
+    totals: dict[str, float] = {}
+    for i, batch in enumerate(batches):
+      out = jax.device_get(self.eval_step_for(draft)(params, batch, jax.random.fold_in(key, i)))
+      for name, value in out.items():
+        totals[name] = totals.get(name, 0.0) + float(value)
+    return totals
 
   def nats_per_token(self, params, batches: list[Batch], key: jax.Array) -> float:
     """The objective over ``batches`` (batch i drawn with ``fold_in(key, i)``), in nats per target token.
 
-    For diffusion this is one Monte Carlo draw of the negative ELBO per sequence; for the AR twin the exact NLL.
+    For diffusion this is one Monte Carlo draw of the negative ELBO per sequence; for the AR twin the exact NLL;
+    for ``verified`` the weighted mean of its halves' losses (:func:`verified_losses`).
     """
-    loss_sum = tokens = 0.0
-    for i, batch in enumerate(batches):
-      out = self.eval_step(params, batch, jax.random.fold_in(key, i))
-      loss_sum += float(out["loss_sum"])
-      tokens += float(out["tokens"])
-    return loss_sum / max(tokens, 1.0)
+    totals = self.eval_sums(params, batches, key)
+    if self.cfg.objective.verified:
+      return verified_losses(totals, self.cfg.objective.ar_weight)["loss"]
+    return totals["loss_sum"] / max(totals["tokens"], 1.0)
 
   def lower_train_step(self):
     """Lowers the train step from abstract values only (ahead-of-time compile checks of big presets)."""

@@ -165,8 +165,11 @@ def test_cli_reports_config_errors_with_exit_code_2(tmp_path):
 SMALL_PRESETS = (
   "tiny",
   "tiny_bd",
+  "tiny_verified",
   "default",
   "default_ar",
+  "default_ar_continued",
+  "verified",
 )  # data = -1: compiled on the test's 8 devices as (2, 2, 2).
 ACCELERATOR_PRESETS = {"gpu8_125m": (8, 135e6), "pod64_1b": (64, 0.98e9)}  # Compiled on their own mesh size.
 # What GSPMD logs when it must replicate a tensor because two sharding annotations disagree.
