@@ -122,16 +122,9 @@ def restore_params(
   Returns:
     ``(params, config)`` with params sharded by the model's logical axis rules on ``mesh``.
   """
-  path = Path(path).absolute()
-  if not path.exists():
-    raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist")
-  root = _manager_root(path)
-  if step is None and path.name.isdigit() and root == path.parent:
-    step = int(path.name)
+  root, step = _locate(path, step)
   with ocp.CheckpointManager(root, item_names=("params", "config")) as manager:
-    step = manager.latest_step() if step is None else step
-    if step is None:
-      raise FileNotFoundError(f"no checkpoint found in {str(path)!r} (expected step folders written by train)")
+    step = _step(manager, path, step)
     try:
       cfg = config_from_dict(manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore())).config)
     except ConfigError:
@@ -143,6 +136,66 @@ def restore_params(
     target = abstract_params(Transformer(cfg.model), mesh, rules)
     params = manager.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(target))).params
   return params, cfg
+
+
+def _locate(path: str | Path, step: int | None) -> tuple[Path, int | None]:
+  """``(manager root, step or None for the latest)`` of a workdir, checkpoints folder, step folder or export."""
+  path = Path(path).absolute()
+  if not path.exists():
+    raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist")
+  root = _manager_root(path)
+  if step is None and path.name.isdigit() and root == path.parent:
+    step = int(path.name)
+  return root, step
+
+
+def _step(manager: ocp.CheckpointManager, path: str | Path, step: int | None) -> int:
+  step = manager.latest_step() if step is None else step
+  if step is None:
+    raise FileNotFoundError(f"no checkpoint found in {str(path)!r} (expected step folders written by train)")
+  return step
+
+
+def _shapes(tree) -> dict[str, tuple[int, ...]]:
+  """``{"blocks/attention/query": shape, ...}`` of a parameter tree (arrays, abstract arrays or Orbax metadata)."""
+  leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+  return {jax.tree_util.keystr(key, simple=True, separator="/"): tuple(leaf.shape) for key, leaf in leaves}
+
+
+def parameter_mismatch(stored, target) -> str | None:
+  """The first difference between two parameter trees' paths and shapes, in words; None if they match."""
+  stored, target = _shapes(stored), _shapes(target)
+  for name, shape in target.items():
+    if name not in stored:
+      return f"parameter {name} {shape} of the new model is missing from the checkpoint"
+    if stored[name] != shape:
+      return f"parameter {name} has shape {stored[name]} in the checkpoint but {shape} in the new model"
+  for name, shape in stored.items():
+    if name not in target:
+      return f"the checkpoint's parameter {name} {shape} is not in the new model"
+  return None
+
+
+def init_params_from(path: str | Path, target: Any, step: int | None = None) -> Any:
+  """Another checkpoint's parameters for a fresh run (``train --init-from``), restored onto ``target``.
+
+  Args:
+    path: a train workdir, its ``checkpoints`` folder, a step folder, or an exported model.
+    target: the new model's abstract parameters (shape, dtype and sharding), e.g. ``Trainer.abstract_state()``'s;
+      stored parameters are cast to its dtypes (an export stores bfloat16).
+    step: which step; default: the latest (or the step named by a step-folder path).
+
+  Raises:
+    ConfigError: the trees differ; the message names the first differing parameter and both shapes.
+  """
+  root, step = _locate(path, step)
+  handlers = {"params": ocp.StandardCheckpointHandler()}
+  with ocp.CheckpointManager(root, item_names=("params",), item_handlers=handlers) as manager:
+    step = _step(manager, path, step)
+    mismatch = parameter_mismatch(manager.item_metadata(step).params, target)
+    if mismatch:
+      raise ConfigError(f"--init-from {str(path)!r}: {mismatch}")
+    return manager.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(target))).params
 
 
 def export_params(path: str | Path, params: Any, cfg: Config, tokenizer_file: str | Path, step: int = 0) -> Path:
