@@ -181,6 +181,8 @@ def models(tmp_path_factory):
   train(load_config("tiny", {**SMALL, "data.path": str(data)}), root / "diffusion", log=False)
   train(load_config("default_ar", {**SMALL, **AR_SHAPE, "data.path": str(data)}), root / "ar", log=False)
   train(load_config("tiny_bd", {**SMALL, "data.path": str(data)}), root / "block", log=False)
+  verified = {**SMALL, **AR_SHAPE, "model.causal": "false", "objective.name": "verified", "data.path": str(data)}
+  train(load_config("default_ar", verified), root / "verified", log=False)
   return root
 
 
@@ -279,3 +281,23 @@ def test_bad_input_is_one_line_and_exit_2(models, capsys, swap):
   assert exit_info.value.code == 2 and len(err.strip().splitlines()) == 1
   expected = {"missing": "does not exist", "swapped": "pass it as --autoregressive", "temperature": "must be >= 0"}
   assert expected[swap] in err
+
+
+def test_smoke_bench_of_a_verified_model_reports_acceptance_and_the_forward_cost_ratio(models):
+  out = models / "out_verified"
+  argv = ["--verified", str(models / "verified"), "--autoregressive", str(models / "ar"), "--no-diffusion"]
+  bench.main([*argv, "--data", str(models / "data"), "--out", str(out), "--smoke", "--ar-temperatures", "1,0"])
+  result = json.loads((out / "results.json").read_text())
+  rows = {(r["name"], r["batch"]): r for r in result["rows"]}
+  assert set(rows) == {(n, b) for n in ("AR T=1", "AR greedy", "verified T=1", "verified greedy") for b in (1, 2)}
+  for batch in (1, 2):  # greedy verified decoding is the network's own greedy decoding: at most one pass per token
+    row = rows[("verified greedy", batch)]
+    assert 1.0 <= row["tokens_per_forward"] <= 4.0 and row["speedup_vs_ar"] > 0
+  summary = result["verified"]
+  for row in summary["rows"]:
+    shares = row["accepted_by_position"]
+    assert len(shares) == 3 and all(0 <= a <= 1 for a in shares) and shares == sorted(shares, reverse=True)
+    assert row["tokens_per_forward"] == pytest.approx(1 + sum(shares), rel=0.05)
+  assert [c["batch"] for c in summary["costs"]] == [1, 2]
+  assert all(c["cost_ratio"] > 0 and c["verified_overhead"] > 0 for c in summary["costs"])
+  assert "## Verified decoding" in (out / "results.md").read_text()

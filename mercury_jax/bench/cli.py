@@ -47,7 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mercury_jax import kinds as K, usage
-from mercury_jax.bench import prompts as bench_prompts, quality, report as bench_report
+from mercury_jax.bench import prompts as bench_prompts, quality, report as bench_report, verified as bench_verified
 from mercury_jax.bench.overhead import engine_overhead
 from mercury_jax.bench.throughput import time_call
 from mercury_jax.checkpoint import find_tokenizer, restore_params
@@ -70,15 +70,19 @@ PROBE_SIZE = 1024  # The load probe: one f32 matmul of this size per round.
 class Setting:
   """One way of generating: a diffusion step rule with its budget, or the twin's KV-cache decoding."""
 
-  model: str  # "diffusion" or "autoregressive"
-  rule: str  # "confidence", "threshold" or "kv-cache"
+  model: str  # "diffusion", "autoregressive" or "verified"
+  rule: str  # "confidence", "threshold", "kv-cache" or "verified"
   steps: int  # Step budget; 0 for the autoregressive twin (one token per forward pass).
   tau: float | None = None
   temperature: float = 1.0
   cache: str = "auto"  # The Sampler's cache (``none``: the uncached reference; ``dual``/``prefix``: approximate).
+  draft: int = 0  # verified: the draft length (0: the checkpoint's)
 
   @property
   def name(self) -> str:
+    if self.model == "verified":
+      how = "greedy" if self.temperature == 0 else f"T={self.temperature:g}"
+      return f"verified{f' k={self.draft}' if self.draft else ''} {how}"
     if self.model == "autoregressive":
       return f"AR {'greedy' if self.temperature == 0 else f'T={self.temperature:g}'}"
     name = f"{self.rule} steps={self.steps}" if self.tau is None else f"threshold tau={self.tau:g}"
@@ -86,21 +90,27 @@ class Setting:
     return name if self.cache == "auto" else f"{name} cache={self.cache}"
 
 
-def grid(length: int, steps, taus, temperatures, ar_temperatures, caches=()) -> list[Setting]:
+def grid(length: int, steps, taus, temperatures, ar_temperatures, caches=(), drafts=None) -> list[Setting]:
   """The settings measured: at each diffusion temperature, confidence at each step budget and threshold at each tau
   (budget ``length``); each of those at the first temperature again with every cache of ``caches``; then the twin
-  at each of its temperatures."""
+  at each of its temperatures; then, with ``drafts`` (draft lengths, 0: the checkpoint's), verified decoding at each
+  draft length and each of the twin's temperatures (no diffusion rows when ``temperatures`` is empty)."""
   settings = []
   for temperature in temperatures:
     settings += [Setting("diffusion", "confidence", s, None, temperature) for s in steps]
     settings += [Setting("diffusion", "threshold", length, t, temperature) for t in taus]
   first = [s for s in settings if s.temperature == temperatures[0]]
   settings += [dataclasses.replace(s, cache=cache) for cache in caches for s in first]
-  return settings + [Setting("autoregressive", "kv-cache", 0, None, t) for t in ar_temperatures]
+  settings += [Setting("autoregressive", "kv-cache", 0, None, t) for t in ar_temperatures]
+  verified = [Setting("verified", "verified", 0, None, t, draft=d) for d in drafts or () for t in ar_temperatures]
+  return settings + verified
 
 
-def load_models(diffusion_dir: str, ar_dir: str, data_dir: str) -> tuple[Tokenizer, dict[str, Sampler]]:
-  """The data's tokenizer and a :class:`Sampler` of each model (``"diffusion"``, ``"autoregressive"``).
+def load_models(
+  diffusion_dir: str | None, ar_dir: str, data_dir: str, verified_dir: str | None = None
+) -> tuple[Tokenizer, dict[str, Sampler]]:
+  """The data's tokenizer and a :class:`Sampler` of each model given (``"diffusion"``, ``"autoregressive"``,
+  ``"verified"``).
 
   Raises:
     ValueError: A path is missing, a checkpoint is of the wrong kind, the tokenizers differ, or a model does not fit
@@ -111,14 +121,19 @@ def load_models(diffusion_dir: str, ar_dir: str, data_dir: str) -> tuple[Tokeniz
   for model, flag, path in (
     ("diffusion", "--diffusion", diffusion_dir),
     ("autoregressive", "--autoregressive", ar_dir),
+    ("verified", "--verified", verified_dir),
   ):
+    if path is None:
+      continue
     if not Path(path).exists():
       raise ValueError(f"{flag} {path!r} does not exist; give a train workdir or exported checkpoint")
     try:
       params, cfg = restore_params(path)
     except FileNotFoundError as e:
       raise ValueError(f"{flag}: {e}") from None
-    if is_autoregressive(cfg) != (model == "autoregressive"):
+    if (cfg.objective.name == "verified") != (model == "verified"):
+      raise ValueError(f"{flag} {path!r} is a {cfg.objective.name} checkpoint; a verified one goes to --verified only")
+    if model != "verified" and is_autoregressive(cfg) != (model == "autoregressive"):
       other = "--autoregressive" if flag == "--diffusion" else "--diffusion"
       raise ValueError(f"{flag} {path!r} is a {cfg.objective.name} checkpoint; pass it as {other}")
     try:
@@ -162,6 +177,8 @@ class Runner:
   def settings(self, setting: Setting) -> SamplerSettings:
     """The ``SamplerSettings`` of a setting, with its model's ids and schedule."""
     knobs = {"rule": setting.rule, "threshold": setting.tau} if setting.model == "diffusion" else {}
+    if setting.model == "verified":
+      knobs = {"decode": "verified", "draft_length": setting.draft}
     knobs = {k: v for k, v in knobs.items() if v is not None}
     return self.samplers[setting.model].settings(temperature=setting.temperature, **knobs)
 
@@ -188,7 +205,7 @@ def measure(runner: Runner, settings: list[Setting], batches: dict[int, list[cv.
   probe = jax.jit(lambda x: x @ x)
   time_call(probe, probe_input)
   calls: dict[tuple[int, int], list[dict[str, Any]]] = {}
-  gflops, round_index, pad_id = [], 0, runner.samplers["diffusion"].tokenizer.pad_id
+  gflops, round_index, pad_id = [], 0, runner.samplers["autoregressive"].tokenizer.pad_id
   for batch, chunks in batches.items():
     for i, setting in enumerate(settings):
       runner.executable(setting, chunks[0])
@@ -207,6 +224,7 @@ def measure(runner: Runner, settings: list[Setting], batches: dict[int, list[cv.
               "tokens": out.tokens[:real],
               "nfe": out.nfe[:real],
               "generated": generated.sum(axis=-1),
+              "accepted": None if out.accepted is None else np.asarray(out.accepted)[:real],
             }
           )
         gflops.append(2 * PROBE_SIZE**3 / time_call(probe, probe_input) / 1e9)
@@ -280,23 +298,30 @@ def machine_info() -> dict[str, Any]:
 def run(args: argparse.Namespace) -> dict[str, Any]:
   """Runs the benchmark described by parsed CLI arguments and writes OUT_DIR; returns the results."""
   machine = machine_info()
-  tokenizer, samplers = load_models(args.diffusion, args.autoregressive, args.data)
+  tokenizer, samplers = load_models(args.diffusion, args.autoregressive, args.data, args.verified)
   ar = samplers["autoregressive"]
-  context = min(samplers["diffusion"].max_length, ar.max_length)
+  context = min(s.max_length for s in samplers.values())
   room = min(args.length, context // 2)
   prompts, spec = bench_prompts.select_prompts(
     args.data, args.prompts, lambda text: len(tokenizer.encode(text)) <= context - room, args.corpus
   )
   prompt_ids = [tokenizer.encode(p.text) for p in prompts]
-  settings = grid(args.length, args.steps, args.taus, args.temperatures, args.ar_temperatures, args.caches)
+  temperatures = args.temperatures if "diffusion" in samplers else ()
+  drafts = args.draft_lengths if "verified" in samplers else None
+  settings = grid(args.length, args.steps, args.taus, temperatures, args.ar_temperatures, args.caches, drafts)
   for cache in args.caches:  # Reject a cache the diffusion model does not have before anything is timed.
     samplers["diffusion"].decoder(cache)
+  if "verified" in samplers:  # A draft length the model cannot take, before anything is timed.
+    for draft in args.draft_lengths:
+      samplers["verified"].decoder(decode="verified", draft_length=draft)
   batches = {b: make_batches(prompt_ids, args.length, context, b, tokenizer.pad_id) for b in args.batch_sizes}
   runner = Runner(samplers, args.seed)
   calls, gflops = measure(runner, settings, batches, len(prompts), args.repeats)
   kinds = np.concatenate([np.asarray(c.kinds) for c in batches[args.batch_sizes[0]]])[: len(prompts)]
   reference = settings.index(next(s for s in settings if s.model == "autoregressive" and s.temperature == 1.0))
+  twin_at = {s.temperature: i for i, s in enumerate(settings) if s.model == "autoregressive"}
   rows, quality_cache, first_samples = [], {}, {}
+  verified_rows = []
   for batch in args.batch_sizes:
     for i, setting in enumerate(settings):
       done = completions(calls[(i, batch)], kinds, tokenizer.eos_id, tokenizer.pad_id)
@@ -304,16 +329,31 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
       if cache_key not in quality_cache:
         quality_cache[cache_key] = sample_quality(prompt_ids, [p.text for p in prompts], done, ar)
       executable = runner.executable(setting, batches[batch][0])
-      row = summarise(setting, batch, calls[(i, batch)], calls[(reference, batch)], runner.compile_s[executable])
+      ref = twin_at.get(setting.temperature, reference) if setting.model == "verified" else reference
+      row = summarise(setting, batch, calls[(i, batch)], calls[(ref, batch)], runner.compile_s[executable])
       first_samples.setdefault(i, done)
       rows.append({**row, **quality_cache[cache_key], "same_samples_as_first_batch": done == first_samples[i]})
+      if setting.model == "verified":
+        verified_rows.append({**row, **bench_verified.acceptance(calls[(i, batch)])})
   _cache_speedups(rows, settings, calls, args.batch_sizes)
-  diffusion = samplers["diffusion"]
-  first = next(s for s in settings if s.model == "diffusion" and s.cache == "auto")
-  overhead = {
-    "setting": first.name,
-    **engine_overhead(diffusion, batches[min(args.batch_sizes)][0], first.steps, runner.settings(first)),
-  }
+  overhead = None
+  first = next((s for s in settings if s.model == "diffusion" and s.cache == "auto"), None)
+  if first is not None:
+    overhead = {
+      "setting": first.name,
+      **engine_overhead(samplers["diffusion"], batches[min(args.batch_sizes)][0], first.steps, runner.settings(first)),
+    }
+  verified = None
+  if verified_rows:
+    setting = next(s for s in settings if s.model == "verified")
+    twin = next(s for s in settings if s.model == "autoregressive")
+    verified = {
+      "rows": verified_rows,
+      "costs": [
+        bench_verified.costs(samplers["verified"], ar, batches[b][0], runner.settings(setting), runner.settings(twin))
+        for b in args.batch_sizes
+      ],
+    }
   tol = bench_report.Tolerances(args.ppl_tolerance, args.entropy_tolerance, args.parse_tolerance)
   result = {
     "machine": machine,
@@ -338,13 +378,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     "matched_quality": tol.describe(),
     "rows": rows,
     "overhead": overhead,
+    "verified": verified,
   }
   result["headline"] = bench_report.headlines(rows, tol)
   out = Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
+  text = bench_report.markdown(result)
+  if verified:
+    text += "\n".join(bench_verified.markdown(verified)) + "\n"
   (out / "results.json").write_text(json.dumps(_finite(result), indent=2) + "\n")
-  (out / "results.md").write_text(bench_report.markdown(result))
+  (out / "results.md").write_text(text)
   result["plots"] = bench_report.plots(rows, out)
+  if verified and isinstance(result["plots"], list):
+    result["plots"].append(bench_verified.plot(verified, out))
+  result["markdown"] = text
   return result
 
 
@@ -399,6 +446,15 @@ def build_parser() -> argparse.ArgumentParser:
     "--autoregressive", help="its autoregressive twin, same tokenizer and data (default: the bundled default_ar)"
   )
   p.add_argument(
+    "--verified",
+    help="a verified checkpoint (objective.name = 'verified'), same tokenizer: its verified-decoding rows at each "
+    "--draft-lengths and each of the twin's temperatures, against the twin",
+  )
+  p.add_argument(
+    "--draft-lengths", type=_ints, default=(0,), help="verified draft lengths, comma-separated (0: the trained one)"
+  )
+  p.add_argument("--no-diffusion", action="store_true", help="leave the diffusion model's rows out")
+  p.add_argument(
     "--data",
     help="the prepared data directory both were trained on (default: the --diffusion checkpoint's folder when it "
     "carries the corpus's metadata.json, as the bundled models do: prompts then come from that corpus as installed "
@@ -434,16 +490,20 @@ def build_parser() -> argparse.ArgumentParser:
 def _bundled_defaults(args: argparse.Namespace) -> None:
   """Fills ``--diffusion``/``--autoregressive`` with the bundled models and ``--data`` with the diffusion
   checkpoint's folder (a bundle exported with ``--data`` carries the corpus metadata and the tokenizer)."""
-  for flag, name in (("diffusion", "default"), ("autoregressive", "default_ar")):
+  wanted = (("diffusion", "default"), ("autoregressive", "default_ar"))
+  if args.no_diffusion:
+    args.diffusion, wanted = None, wanted[1:]
+  for flag, name in wanted:
     if getattr(args, flag) is None:
       path = default_checkpoint(name)
       if path is None:
         _fail(f"no --{flag} given and the bundled model {name!r} is missing from mercury_jax/assets/{name}/")
       setattr(args, flag, str(path))
   if args.data is None:
-    folder = Path(args.diffusion)
+    flag, given = next((f, getattr(args, f)) for f in ("diffusion", "verified", "autoregressive") if getattr(args, f))
+    folder = Path(given)
     if not (folder / pipeline.METADATA_FILE).is_file() or not (folder / "tokenizer.model").is_file():
-      _fail(f"no --data given and --diffusion {args.diffusion!r} carries no corpus metadata; pass --data DATA_DIR")
+      _fail(f"no --data given and --{flag} {given!r} carries no corpus metadata; pass --data DATA_DIR")
     args.data = str(folder)
 
 
@@ -470,7 +530,7 @@ def main(argv: list[str] | None = None) -> None:
     result = run(args)
   except ValueError as e:
     _fail(str(e))
-  print(bench_report.markdown(result), end="")
+  print(result["markdown"], end="")
   plots = result["plots"]
   print(
     f"wrote {args.out}/results.json, results.md"

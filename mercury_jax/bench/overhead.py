@@ -42,7 +42,7 @@ def engine_overhead(
   passes: int = 32,
 ) -> dict[str, Any]:
   """The overhead ratio (module docstring) of ``sampler``'s engine on one canvas batch (one device)."""
-  decoder = sampler.decoder(cache, settings.block_length)
+  decoder = sampler.decoder(cache, settings.block_length, settings.decode, settings.draft_length)
   canvas = cv.Canvas(*(np.asarray(a) for a in canvas))
   canvas, plan = sampler.plan(canvas, decoder)
   whole_canvas = plan.whole_sequence and plan.block >= plan.length
@@ -58,6 +58,8 @@ def engine_overhead(
   if plan.cache == "exact":
     prefill = _median_seconds(init, params, canvas, key, per_block, extra, repeats=repeats)
   blocks = int((final.last - final.first).min()) + 1  # step blocks every row has
+  if plan.draft:  # Every step runs the same chunk (its first passes are the cost of the others).
+    final = final._replace(commit_passes=jnp.zeros_like(final.commit_passes))
 
   def probe(fresh: bool):
     def run(p, st):
@@ -67,7 +69,11 @@ def engine_overhead(
         moved = st._replace(
           block=jnp.full_like(st.block, i % blocks), fresh=jnp.full_like(st.fresh, fresh), cache=cache
         )
-        needs = Needs(engine.starts(moved), jnp.ones((batch,), jnp.float32), jnp.ones((batch,), bool), moved.fresh)
+        starts = engine.starts(moved)
+        if plan.draft:  # Verified decoding: the verify+draft chunk, every step alike.
+          logits, _, cache = engine.cache.window(p, moved, starts, settings.mask_id)
+          return total + logits[0, 0, 0], cache
+        needs = Needs(starts, jnp.ones((batch,), jnp.float32), jnp.ones((batch,), bool), moved.fresh)
         out = engine.cache.forward(p, moved, needs)
         return total + out.logits[0, 0, 0], out.cache
 

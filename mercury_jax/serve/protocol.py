@@ -4,8 +4,10 @@ Requests ignore fields they do not know (``extra="ignore"``). The fields in :dat
 implemented: a request that sets one to anything but its neutral value answers 400 naming it (see
 :func:`check_supported`); so do ``tools`` and ``tool_choice`` on ``/v1/completions`` (:data:`CHAT_ONLY`). Beyond
 OpenAI's fields, a request may carry the diffusion knobs ``steps``, ``steps_per_block``, ``threshold``, ``top_k``,
-``block_length``, ``diffusing`` and ``reasoning_effort`` (:data:`REASONING_EFFORT`), and ``usage`` has two extra
-fields: ``nfe`` (forward passes, summed over the choices) and ``tokens_per_forward``.
+``block_length``, ``diffusing`` and ``reasoning_effort`` (:data:`REASONING_EFFORT`), and the decode mode's
+``decode`` and ``draft_length`` (set for the whole server at start, ``--decode`` and ``--draft-length``: a request
+may restate them, anything else answers 400 naming the field); ``usage`` has two extra fields: ``nfe`` (forward
+passes, summed over the choices) and ``tokens_per_forward``.
 
 The step budgets, named for what they are (the same words as ``python -m mercury_jax.sample`` and
 ``Sampler.generate``):

@@ -1,0 +1,104 @@
+"""The benchmark's verified-decoding part: what the drafts buy and what a verify+draft forward costs.
+
+A verified checkpoint (``--verified``) samples exactly its own next-token head's distribution, so its quality is that
+head's by construction (its held-out bits/char come from ``python -m mercury_jax.evaluate``); what the benchmark
+measures is speed:
+
+* tokens per forward (TPF) and tokens/s ÷ the twin at the same temperature, from the interleaved rounds;
+* acceptance by draft position: the share of steps whose ``i``-th draft was accepted (a step commits its accepted
+  drafts and one token of the network's own, so TPF = 1 + the sum of these shares);
+* the cost of one verify+draft forward (``k + k²`` tokens over the cache) ÷ one twin step (one token), each timed
+  alone on the final state of a generation (:func:`~mercury_jax.bench.overhead.engine_overhead`). That ratio times
+  TPF is the speed-up any hardware can give; on a GPU, where a 20-token forward costs what a 1-token one does, the
+  ratio approaches 1;
+* the loop overhead: wall time ÷ (prefill + forward passes × that forward's cost).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from mercury_jax.bench.overhead import engine_overhead
+from mercury_jax.sampling import canvas as cv
+from mercury_jax.sampling.sampler import Sampler
+
+
+def acceptance(calls: list[dict[str, Any]]) -> dict[str, Any]:
+  """Acceptance figures of one verified setting's calls (each carries ``accepted`` [rows, k], the steps that
+  accepted 0 .. k - 1 drafts)."""
+  histogram = np.sum([np.asarray(c["accepted"]).sum(axis=0) for c in calls], axis=0).astype(np.float64)  # [k]
+  steps = histogram.sum()
+  at_least = histogram[::-1].cumsum()[::-1]  # steps that accepted >= i drafts, i = 0 .. k - 1
+  by_position = (at_least[1:] / max(steps, 1.0)).tolist()  # draft i (1-based) accepted
+  return {
+    "steps": int(steps),
+    "accepted_histogram": histogram.astype(int).tolist(),
+    "accepted_by_position": by_position,
+    "mean_accepted_per_step": float((histogram * np.arange(len(histogram))).sum() / max(steps, 1.0)),
+  }
+
+
+def costs(verified: Sampler, twin: Sampler, canvas: cv.Canvas, settings_v, settings_ar) -> dict[str, Any]:
+  """One verify+draft forward ÷ one twin step, and each engine's overhead ratio, on the same canvas batch."""
+  mine = engine_overhead(verified, canvas, None, settings_v)
+  theirs = engine_overhead(twin, canvas, None, settings_ar)
+  return {
+    "batch": int(np.shape(canvas.tokens)[0]),
+    "verify_forward_s": mine["pass_s"],
+    "ar_forward_s": theirs["pass_s"],
+    "cost_ratio": mine["pass_s"] / theirs["pass_s"] if theirs["pass_s"] > 0 else float("nan"),
+    "verified_overhead": mine["ratio"],
+    "ar_overhead": theirs["ratio"],
+    "verified_forwards": mine["forwards"],
+  }
+
+
+def markdown(summary: dict[str, Any]) -> list[str]:
+  """Lines for ``results.md``."""
+  lines = ["", "## Verified decoding", ""]
+  lines.append(
+    "Quality is exactly the network's own next-token head's (speculative sampling): the rows' gen ppl, entropy and "
+    "parse differ from the twin's through the network, not through the sampler."
+  )
+  lines += ["", "| setting | batch | TPF | mean accepted drafts per step | accepted by draft position |"]
+  lines.append("|---|---|---|---|---|")
+  for row in summary["rows"]:
+    shares = ", ".join(f"{p:.2f}" for p in row["accepted_by_position"])
+    lines.append(
+      f"| {row['name']} | {row['batch']} | {row['tokens_per_forward']:.2f} | {row['mean_accepted_per_step']:.2f} | "
+      f"{shares} |"
+    )
+  lines += ["", "| batch | verify+draft forward ms | AR step ms | cost ratio | TPF ÷ ratio | verified wall ÷ passes |"]
+  lines.append("|---|---|---|---|---|---|")
+  for cost in summary["costs"]:
+    tpf = max((r["tokens_per_forward"] for r in summary["rows"] if r["batch"] == cost["batch"]), default=float("nan"))
+    lines.append(
+      f"| {cost['batch']} | {cost['verify_forward_s'] * 1e3:.3f} | {cost['ar_forward_s'] * 1e3:.3f} | "
+      f"{cost['cost_ratio']:.2f} | {tpf / cost['cost_ratio']:.2f} | {cost['verified_overhead']:.3f} |"
+    )
+  return lines
+
+
+def plot(summary: dict[str, Any], out_dir: Path) -> str | None:
+  """``acceptance_by_position.png``: the share of steps whose i-th draft was accepted, one line per setting."""
+  try:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+  except ImportError:
+    return None
+  fig, ax = plt.subplots(figsize=(5, 4), constrained_layout=True)
+  for row in summary["rows"]:
+    shares = row["accepted_by_position"]
+    ax.plot(range(1, len(shares) + 1), shares, "o-", label=f"{row['name']}, batch {row['batch']}")
+  ax.set_xlabel("draft position")
+  ax.set_ylabel("share of steps that accepted it")
+  ax.set_ylim(0, 1)
+  ax.legend(fontsize=7)
+  fig.savefig(out_dir / "acceptance_by_position.png", dpi=120)
+  plt.close(fig)
+  return "acceptance_by_position.png"
