@@ -4,6 +4,7 @@ and the tiny preset learns both halves."""
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +14,7 @@ import pytest
 from mercury_jax import kinds as K, sharding as sh
 from mercury_jax.config import ConfigError, ModelConfig, ObjectiveConfig, load_config, parse_set_args
 from mercury_jax.data import pipeline
+from mercury_jax.evaluate import evaluate_params
 from mercury_jax.model import Transformer
 from mercury_jax.objectives import autoregressive, masked_diffusion, verified
 from mercury_jax.trainer import Trainer, verified_losses
@@ -203,3 +205,21 @@ def test_tiny_preset_learns_both_halves(data_dir):
   # mask, target shift or draft scoring leaves a half near the fresh model.
   assert trained["ar"] < fresh["ar"] - 1.0, (fresh, trained)
   assert trained["draft"] < fresh["draft"] - 0.8, (fresh, trained)
+
+
+def test_evaluation_scores_the_verifier_exactly_as_the_twin(data_dir):
+  """The same parameters as a verified model and as the causal twin: the same NLL over the same tokens and
+  characters; the drafter's figures come beside them."""
+  sets = {"model.max_length": "64", "model.vocab_size": "400", "data.path": str(data_dir)}
+  cfg = load_config("tiny_verified", sets)
+  twin = load_config("tiny", {**sets, "model.causal": "true", "objective.name": "autoregressive"})
+  params = Trainer(cfg, sh.make_mesh(cfg.mesh)).init_state(3)["params"]
+  options = {"batch_size": 8, "max_batches": 2, "t_samples": 2}
+  got, want = evaluate_params(params, cfg, data_dir, **options), evaluate_params(params, twin, data_dir, **options)
+  for name in ("scored_tokens", "characters", "records"):
+    assert got[name] == want[name], name
+  for name in ("nats_per_token", "bits_per_char", "perplexity"):
+    np.testing.assert_allclose(got[name], want[name], rtol=1e-5, err_msg=name)
+  draft = got["draft"]
+  assert draft["scored_tokens"] > got["scored_tokens"]  # Every target, the first of a record included.
+  assert math.isfinite(draft["all_mask_nats_per_token"]) and draft["elbo_nats_per_token_stderr"] > 0
