@@ -286,13 +286,13 @@ def test_cudnn_refuses_float32_with_a_clear_error():
     attention.attend(q, q, q, implementation="cudnn")
 
 
-@pytest.mark.parametrize("mask", ["bidirectional", "causal", "block_causal", "block_diffusion"])
+@pytest.mark.parametrize("mask", ["bidirectional", "causal", "block_causal", "block_diffusion", "verified"])
 def test_kernels_lower_to_triton_for_gpu(mask):
   """The GPU lowering (Pallas -> Triton IR) runs on any host; a missing Triton lowering rule fails here."""
   q = jax.ShapeDtypeStruct((2, 1000, 8, 128), jnp.bfloat16)
   k = jax.ShapeDtypeStruct((2, 1000, 2, 128), jnp.bfloat16)
   segment_ids = jax.ShapeDtypeStruct((2, 1000), jnp.int32)
-  diffusion_block = 100 if mask in ("block_causal", "block_diffusion") else None
+  diffusion_block = 100 if mask in ("block_causal", "block_diffusion", "verified") else None
 
   def loss(q, k, v, segment_ids):
     out = fa.flash_attention(q, k, v, segment_ids=segment_ids, mask=mask, diffusion_block=diffusion_block)

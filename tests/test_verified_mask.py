@@ -119,8 +119,22 @@ KERNEL_CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", KERNEL_CASES, ids=lambda c: f"b{c[0]}l{c[1]}h{c[2]}kv{c[3]}d{c[4]}-k{c[5]}")
+def _case_id(case) -> str:
+  return "b{}l{}h{}kv{}d{}-k{}".format(*case[:6])
+
+
+@pytest.mark.parametrize("case", KERNEL_CASES, ids=_case_id)
 def test_pallas_forward_and_grads_match_xla(case):
+  _check_kernel(case, interpret=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", KERNEL_CASES, ids=_case_id)
+def test_gpu_pallas_forward_and_grads_match_xla(case):
+  _check_kernel(case, interpret=False)
+
+
+def _check_kernel(case, interpret: bool):
   batch, length, heads, kv_heads, dim, k, segments, blocks = case
   rng = np.random.default_rng(length)
   q, do = (jnp.asarray(rng.standard_normal((batch, length, heads, dim)), jnp.float32) for _ in range(2))
@@ -138,13 +152,12 @@ def test_pallas_forward_and_grads_match_xla(case):
     return (out, *vjp(do))
 
   kernel = jax.jit(
-    lambda: out_and_grads(lambda q, k, v: fa.flash_attention(q, k, v, block_sizes=blocks, interpret=True, **options))
-  )()
-  xla = jax.jit(
     lambda: out_and_grads(
-      lambda q, k, v: attention.attend(q, k, v, implementation="xla", **{**options, "segment_ids": segment_ids})
+      lambda q, k, v: fa.flash_attention(q, k, v, block_sizes=blocks, interpret=interpret, **options)
     )
   )()
+  with jax.default_matmul_precision("float32"):  # No TF32 on a GPU: the XLA path is the float32 truth.
+    xla = jax.jit(lambda: out_and_grads(lambda q, k, v: attention.attend(q, k, v, implementation="xla", **options)))()
   tolerances = (F32_OUT, F32_GRAD, F32_GRAD, F32_GRAD)
   for name, g, w, tol in zip(("out", "dq", "dk", "dv"), kernel, xla, tolerances, strict=True):
     np.testing.assert_allclose(np.asarray(g), np.asarray(w), err_msg=name, **tol)
