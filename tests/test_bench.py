@@ -286,7 +286,8 @@ def test_bad_input_is_one_line_and_exit_2(models, capsys, swap):
 def test_smoke_bench_of_a_verified_model_reports_acceptance_and_the_forward_cost_ratio(models):
   out = models / "out_verified"
   argv = ["--verified", str(models / "verified"), "--autoregressive", str(models / "ar"), "--no-diffusion"]
-  bench.main([*argv, "--data", str(models / "data"), "--out", str(out), "--smoke", "--ar-temperatures", "1,0"])
+  argv += ["--prompts", "2", "--length", "16", "--batch-sizes", "1,2", "--ar-temperatures", "1,0"]  # --smoke, both T
+  bench.main([*argv, "--data", str(models / "data"), "--out", str(out)])
   result = json.loads((out / "results.json").read_text())
   rows = {(r["name"], r["batch"]): r for r in result["rows"]}
   assert set(rows) == {(n, b) for n in ("AR T=1", "AR greedy", "verified T=1", "verified greedy") for b in (1, 2)}
@@ -297,7 +298,8 @@ def test_smoke_bench_of_a_verified_model_reports_acceptance_and_the_forward_cost
   for row in summary["rows"]:
     shares = row["accepted_by_position"]
     assert len(shares) == 3 and all(0 <= a <= 1 for a in shares) and shares == sorted(shares, reverse=True)
-    assert row["tokens_per_forward"] == pytest.approx(1 + sum(shares), rel=0.05)
+    # A step commits its accepted drafts and at most one token of its own (none past the hole's end).
+    assert row["mean_accepted_per_step"] <= row["tokens_per_forward"] <= 1 + row["mean_accepted_per_step"] + 1e-9
   assert [c["batch"] for c in summary["costs"]] == [1, 2]
   assert all(c["cost_ratio"] > 0 and c["verified_overhead"] > 0 for c in summary["costs"])
   assert "## Verified decoding" in (out / "results.md").read_text()

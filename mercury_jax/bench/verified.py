@@ -6,7 +6,8 @@ measures is speed:
 
 * tokens per forward (TPF) and tokens/s ÷ the twin at the same temperature, from the interleaved rounds;
 * acceptance by draft position: the share of steps whose ``i``-th draft was accepted (a step commits its accepted
-  drafts and one token of the network's own, so TPF = 1 + the sum of these shares);
+  drafts and one token of the network's own, none past the hole's end or an EOS, so TPF is at most 1 + the sum of
+  these shares);
 * the cost of one verify+draft forward (``k + k²`` tokens over the cache) ÷ one twin step (one token), each timed
   alone on the final state of a generation (:func:`~mercury_jax.bench.overhead.engine_overhead`). That ratio times
   TPF is the speed-up any hardware can give; on a GPU, where a 20-token forward costs what a 1-token one does, the

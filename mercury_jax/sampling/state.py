@@ -33,7 +33,7 @@ class Draft(NamedTuple):
   tokens: jax.Array  # [b, k - 1] int32: drafts for the slots ``starts .. starts + k - 2`` (the row's next positions)
   probs: jax.Array  # [b, k - 1, vocab] float32: the distributions they were drawn from (q, after the knobs)
   count: jax.Array  # [b] int32: how many of them are drafts (0 before the first step and after an EOS)
-  accepted: jax.Array  # [b, k] int32: steps of the row that accepted 0, 1, ..., k - 1 drafts
+  accepted: jax.Array  # [b, k] int32: steps of the row that accepted and committed 0, 1, ..., k - 1 drafts
 
 
 class State(NamedTuple):

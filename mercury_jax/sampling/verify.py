@@ -195,11 +195,13 @@ class Verifier:
       st._replace(z=z, generate=generate, constraint=constraint), pick(block_logits)[:, 1:], after, fold(DRAFT_NOISE)
     )
     keep = active & ~has_eos & (count == a + 1)
+    # Drafts this step accepted and committed (fixed text passes, but is not a draft; an EOS cuts the rest).
+    drafted = jnp.sum(open_w & committed & (index < a[:, None]), axis=1)
     draft = Draft(
       jnp.where(active[:, None], drafts, d.tokens),
       jnp.where(active[:, None, None], probs, d.probs),
       jnp.where(keep, k - 1, jnp.where(active, 0, d.count)),
-      d.accepted + (jax.nn.one_hot(a, k, dtype=jnp.int32) * active[:, None]),
+      d.accepted + (jax.nn.one_hot(drafted, k, dtype=jnp.int32) * active[:, None]),
     )
     trace = st.trace
     if trace:
