@@ -111,3 +111,14 @@ def test_server_answers_as_the_sampler_alone_and_concurrently_without_compiling(
     assert len({t for t in solo}) > 4 and np.mean([len(t) for t in solo]) > 0
   finally:
     srv.stop()
+
+
+def test_decode_diffusion_runs_the_draft_half_and_its_cache_reproduces_the_uncached_pass(sampler):
+  """The draft half as a block-diffusion model over the causal cache of the clean half: the exact cache gives the
+  tokens of the uncached engine (``x_t ⊕ x_0`` under the ``verified`` mask), at several steps per block."""
+  for steps_per_block in (1, 4):
+    kw = dict(length=16, temperature=0.0, decode="diffusion", steps_per_block=steps_per_block, token_healing=False)
+    cached = sampler.generate(PROMPTS, **kw)
+    uncached = sampler.generate(PROMPTS, cache="none", **kw)
+    assert [s.tokens for s in cached] == [s.tokens for s in uncached]
+    assert all(s.accepted is None for s in cached)
