@@ -121,8 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
   which.add_argument(
     "--model",
     default="default",
-    help="a bundled model, without --checkpoint: default (block diffusion, the default) or default_ar (its "
-    "autoregressive twin, trained on the same data)",
+    help="a bundled model, without --checkpoint: default (verified decoding, the default), default_bd (block "
+    "diffusion) or default_ar (the autoregressive twin, trained on the same data)",
   )
   source = p.add_mutually_exclusive_group()
   source.add_argument("--prompt", help="text to continue (or to put before --template)")

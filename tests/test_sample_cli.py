@@ -126,7 +126,10 @@ def test_a_bad_sampler_setting_is_named_by_its_flag_before_the_checkpoint_is_rea
 @pytest.mark.parametrize(
   "flags,message",
   [
-    (["--model", "gpt"], "--model: no bundled model is called 'gpt'; the bundled models are default, default_ar"),
+    (
+      ["--model", "gpt"],
+      "--model: no bundled model is called 'gpt'; the bundled models are default, default_ar, default_bd",
+    ),
     (["--model", "default_ar", "--checkpoint", "runs/x"], "argument --checkpoint: not allowed with argument --model"),
   ],
 )

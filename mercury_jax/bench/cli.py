@@ -443,7 +443,7 @@ def build_parser() -> argparse.ArgumentParser:
     "--diffusion", help="the diffusion model: train workdir or exported checkpoint (default: the bundled default)"
   )
   p.add_argument(
-    "--autoregressive", help="its autoregressive twin, same tokenizer and data (default: the bundled default_ar)"
+    "--autoregressive", help="the autoregressive twin, same tokenizer and data (default: the bundled default_ar)"
   )
   p.add_argument(
     "--verified",
@@ -488,9 +488,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _bundled_defaults(args: argparse.Namespace) -> None:
-  """Fills ``--diffusion``/``--autoregressive`` with the bundled models and ``--data`` with the diffusion
-  checkpoint's folder (a bundle exported with ``--data`` carries the corpus metadata and the tokenizer)."""
-  wanted = (("diffusion", "default"), ("autoregressive", "default_ar"))
+  """Fills ``--diffusion``/``--autoregressive`` with the bundled ``default_bd`` and ``default_ar`` (and, when no model
+  flag is given, ``--verified`` with the bundled ``default``) and ``--data`` with the first model's folder (a bundle
+  exported with ``--data`` carries the corpus metadata and the tokenizer)."""
+  wanted = [("diffusion", "default_bd"), ("autoregressive", "default_ar")]
+  if not (args.diffusion or args.autoregressive or args.verified):  # No model flag: the bundled three.
+    wanted.append(("verified", "default"))
   if args.no_diffusion:
     args.diffusion, wanted = None, wanted[1:]
   for flag, name in wanted:

@@ -165,6 +165,7 @@ def plot(summary: dict[str, Any], out_dir: Path) -> str | None:
   for row in summary["rows"]:
     shares = row["accepted_by_position"]
     ax.plot(range(1, len(shares) + 1), shares, "o-", label=f"{row['name']}, batch {row['batch']}")
+  ax.set_xticks(range(1, 1 + max((len(r["accepted_by_position"]) for r in summary["rows"]), default=0)))
   ax.set_xlabel("draft position")
   ax.set_ylabel("share of steps that accepted it")
   ax.set_ylim(0, 1)

@@ -6,7 +6,11 @@ from pathlib import Path
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 DEFAULT_CHECKPOINT = ASSETS / "default"
-BUNDLED_MODELS = {"default": "the block-diffusion code model", "default_ar": "its autoregressive twin"}
+BUNDLED_MODELS = {
+  "default": "the verified code model (drafts blocks by diffusion, verified by its own next-token head)",
+  "default_ar": "its autoregressive twin (the fair baseline: the same data and tokens)",
+  "default_bd": "the block-diffusion code model (Mercury-style refinement)",
+}
 
 
 def default_checkpoint(name: str = "default") -> Path | None:

@@ -53,7 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
   which.add_argument(
     "--model",
     default="default",
-    help="a bundled model, without --checkpoint: default (block diffusion) or default_ar (its autoregressive twin)",
+    help="a bundled model, without --checkpoint: default (verified decoding), default_bd (block diffusion) or "
+    "default_ar (the autoregressive twin)",
   )
   p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0: every one)")
   p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000; 0: a free one)")
