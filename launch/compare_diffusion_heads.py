@@ -2,7 +2,7 @@
 block-diffusion checkpoint trained for refinement?
 
     python launch/compare_diffusion_heads.py --verified models/verified --diffusion models/bd --twin models/ar \
-        --data DATA_DIR [--prompts 64] [--length 64] [--steps 64,16] [--json OUT.json]
+        --data DATA_DIR [--prompts 64] [--length 64] [--steps 64,32] [--json OUT.json]
 
 Both decode the same documented-function prompts of the validation split (``mercury_jax.bench.prompts``) through
 ``Sampler.generate`` at temperature 1, with the threshold rule at each total step budget; the twin judges the
@@ -30,7 +30,7 @@ def main() -> None:
   p.add_argument("--corpus")
   p.add_argument("--prompts", type=int, default=64)
   p.add_argument("--length", type=int, default=64)
-  p.add_argument("--steps", default="64,16")
+  p.add_argument("--steps", default="64,32")
   p.add_argument("--json")
   args = p.parse_args()
   tokenizer = pipeline.load_tokenizer(args.data)
