@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import linen as nn
+from test_engine import _canvas  # four rows: prompts of 3, 7 and 1 tokens, and a two-hole template
 
 from mercury_jax import sharding as sh
 from mercury_jax.config import MeshConfig, ModelConfig, ObjectiveConfig
@@ -31,17 +32,6 @@ def _model_cfg() -> ModelConfig:
 def _params(cfg: ModelConfig, seed: int = 0, scale: float = 8.0):
   params = nn.meta.unbox(Transformer(cfg).init(jax.random.key(seed), jnp.zeros((1, 8), jnp.int32)))["params"]
   return jax.tree.map(lambda p: p * scale, params)
-
-
-def _canvas() -> cv.Canvas:
-  """Four rows: prompts of 3, 7 and 1 tokens, and a two-hole template."""
-  examples = [
-    cv.prefix([5, 6, 7], 13),
-    cv.prefix([5, 6, 7, 8, 9, 10, 11], 9),
-    [[9, 9], cv.Hole(5), [12, 13], cv.Hole(6)],
-    cv.prefix([20], 11),
-  ]
-  return cv.make_canvas(examples)
 
 
 def _decode(network, params, canvas, draft: int, *, seed=0, mesh=None, shardings=None, **knobs):
