@@ -1,7 +1,5 @@
 """The autoregressive twin through the block engine (blocks of one token) against plain full forward passes."""
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -114,8 +112,10 @@ def test_nfe_counts_prefill_and_decoding_passes():
   canvas = make_canvas([prefix([2, 9, 9], 6)], length=24)
   out = jit_decode(CFG, SamplerSettings(temperature=0.0, min_length=6))(PARAMS, canvas, jax.random.key(0))
   assert int(out.forwards) == 6  # One pass per token, the pass that feeds the token before it.
+  # A causal network cannot refine blocks bidirectionally; a bidirectional one may run an autoregressive plan only as
+  # a verified checkpoint's next-token head, which the sampler's decoder choice checks (test_verified_entry_points).
   with pytest.raises(ValueError, match="causal"):
-    jit_decode(dataclasses.replace(CFG, causal=False), SamplerSettings())
+    BlockEngine(CFG, SamplerSettings(), plan_blocks(canvas.kinds, 4))
 
 
 BIGRAM_CFG = ModelConfig(

@@ -125,6 +125,7 @@ class FakeScheduler:
     self.queue_depth, self.busy_slots, self.compilations, self.stats = 1, 2, 7, StepStats(5, 2.0, 0.25)
     self.error, self.queue_full_after, self.wait, self.per_stream = None, None, False, False
     self.refuse, self.down, self.healthy = None, False, True
+    self.decode, self.draft = ("ar" if autoregressive else "diffusion"), 0  # the served mode (verified: draft > 0)
     self.compiler = FakeCompiler()
     self.__dict__.update(options)
     self.requests, self.handles = [], []
