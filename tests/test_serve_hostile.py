@@ -89,7 +89,7 @@ def _rss(pid: int) -> int:
   return total
 
 
-@pytest.mark.parametrize("field", ["steps", "steps_per_block", "top_k"])
+@pytest.mark.parametrize("field", ["steps", "steps_per_block", "top_k", "draft_length"])
 def test_knobs_at_2_to_the_31_and_63_answer_400_and_the_engine_goes_on(server, field):
   for value in (2**31, 2**63):
     response = _post(server, {"prompt": PROMPT, "max_tokens": 4, field: value})

@@ -26,7 +26,7 @@ from mercury_jax.sampling.sampler import Sampler
 from mercury_jax.sampling.settings import SamplerSettings
 
 
-def _median_seconds(fn, *args, repeats: int) -> float:
+def median_seconds(fn, *args, repeats: int) -> float:
   jax.block_until_ready(fn(*args))  # compile and warm up
   return statistics.median(time_call(fn, *args) for _ in range(repeats))
 
@@ -53,10 +53,10 @@ def engine_overhead(
   init = jax.jit(lambda p, c, k, n, e: engine.init(p, c, k, n, extra_steps=e))
   whole = jax.jit(lambda p, c, k, n, e: engine.advance(p, engine.init(p, c, k, n, extra_steps=e)))
   final = whole(params, canvas, key, per_block, extra)
-  wall = _median_seconds(whole, params, canvas, key, per_block, extra, repeats=repeats)
+  wall = median_seconds(whole, params, canvas, key, per_block, extra, repeats=repeats)
   prefill = 0.0
   if plan.cache == "exact":
-    prefill = _median_seconds(init, params, canvas, key, per_block, extra, repeats=repeats)
+    prefill = median_seconds(init, params, canvas, key, per_block, extra, repeats=repeats)
   blocks = int((final.last - final.first).min()) + 1  # step blocks every row has
   if plan.draft:  # Every step runs the same chunk (its first passes are the cost of the others).
     final = final._replace(commit_passes=jnp.zeros_like(final.commit_passes))
@@ -79,7 +79,7 @@ def engine_overhead(
 
       return jax.lax.fori_loop(0, passes, body, (jnp.zeros((), jnp.float32), st.cache))
 
-    return _median_seconds(jax.jit(run), params, final, repeats=repeats) / passes
+    return median_seconds(jax.jit(run), params, final, repeats=repeats) / passes
 
   first_cost, later_cost = probe(True), probe(False)
   forwards, first = int(final.forwards), int(final.commit_passes)

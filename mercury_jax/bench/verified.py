@@ -17,7 +17,6 @@ measures is speed:
 
 from __future__ import annotations
 
-import statistics
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mercury_jax.bench.overhead import engine_overhead
-from mercury_jax.bench.throughput import time_call
+from mercury_jax.bench.overhead import engine_overhead, median_seconds
 from mercury_jax.sampling import canvas as cv
 from mercury_jax.sampling.sampler import Sampler
 
@@ -84,9 +82,7 @@ def chunk_costs(sampler: Sampler, batch: int, lengths, *, repeats: int = 5, pass
 
       return jax.lax.fori_loop(0, passes, body, jnp.zeros((), jnp.float32))
 
-    fn = jax.jit(run)
-    jax.block_until_ready(fn(sampler.params, cache))
-    out[length] = statistics.median(time_call(fn, sampler.params, cache) for _ in range(repeats)) / passes
+    out[length] = median_seconds(jax.jit(run), sampler.params, cache, repeats=repeats) / passes
   return out
 
 

@@ -176,9 +176,9 @@ class Verified(Exact):
 
   def window(self, params, st: State, starts: jax.Array, mask_id: int):
     """``(next-token logits [b, k, vocab], block logits [b, k, k, vocab], cache)`` of the chunk whose causal part
-    starts at slot ``starts - 1`` (the last committed token), laid out by :func:`verify_chunk`."""
+    starts at slot ``starts - 1`` (the last committed token), laid out by :func:`verify_inputs`."""
     k = self.plan.draft
-    tokens, positions, segments = verify_chunk(st, starts, k, mask_id)
+    tokens, positions, segments = verify_inputs(st, starts, k, mask_id)
     logits, kv = self.network.chunk(
       params,
       tokens,
@@ -194,7 +194,7 @@ class Verified(Exact):
     return logits[:, :k], logits[:, k:].reshape(batch, k, k, vocab), st.cache.write(causal, starts - 1)
 
 
-def verify_chunk(st: State, starts: jax.Array, k: int, mask_id: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+def verify_inputs(st: State, starts: jax.Array, k: int, mask_id: int) -> tuple[jax.Array, jax.Array, jax.Array]:
   """``(tokens, positions, segments)`` [b, k + k * k] of one verified step's chunk.
 
   The causal part is slots ``starts - 1 .. starts + k - 2``: the last committed token, then the drafts

@@ -109,7 +109,7 @@ class Jobs:
       SettingError: Both given, one below 1, or ``steps`` below the blocks a row's generated positions lie in.
     """
     rows = np.shape(kinds)[0]
-    if block == 1:  # One token per block: the twin and the next-token modes of a verified checkpoint.
+    if self.autoregressive:
       return np.tile(np.asarray([1, 0], np.int32), (rows, 1))
     if steps is not None and steps_per_block is not None:
       raise SettingError("steps_per_block", steps_per_block, "and steps are two budgets; give one of them")

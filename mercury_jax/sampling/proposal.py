@@ -103,6 +103,20 @@ def filter_rows(logits: jax.Array, knobs: Knobs) -> jax.Array:
   return jnp.where(logits >= cutoff, logits, -jnp.inf)
 
 
+def tempered(logits: jax.Array, knobs: Knobs) -> jax.Array:
+  """Each row's logits [b, l, vocab] divided by its temperature (a greedy row's left as they are) and, where the row
+  asks for it, top-k/top-p filtered (:func:`filter_rows`, behind a ``lax.cond`` that runs only when some sampling row
+  filters): the distribution a sampling row draws from."""
+  sampled = knobs.temperature > 0.0
+  scaled = logits / jnp.where(sampled, knobs.temperature, 1.0)[:, None, None]  # x / 1 is x, bit for bit
+  filtered = (knobs.top_k > 0) | (knobs.top_p < 1.0)
+  return jax.lax.cond(
+    jnp.any(filtered & sampled),
+    lambda: jnp.where(filtered[:, None, None], filter_rows(scaled, knobs), scaled),
+    lambda: scaled,
+  )
+
+
 def _chunk_size(vocab: int) -> int:
   return math.isqrt(vocab - 1) + 1 if vocab > 1 else 1
 
@@ -228,14 +242,7 @@ def propose_rows(
     x0 = greedy_x0
   else:
     sampled = knobs.temperature > 0.0
-    scaled = logits / jnp.where(sampled, knobs.temperature, 1.0)[:, None, None]  # x / 1 is x, bit for bit
-    filtered = (knobs.top_k > 0) | (knobs.top_p < 1.0)
-    scaled = jax.lax.cond(
-      jnp.any(filtered & sampled),
-      lambda: jnp.where(filtered[:, None, None], filter_rows(scaled, knobs), scaled),
-      lambda: scaled,
-    )
-    scaled_chunks = _chunked(scaled)
+    scaled_chunks = _chunked(tempered(logits, knobs))
     scaled_max, scaled_lse, _ = _chunk_stats(scaled_chunks)
     x0 = jnp.where(sampled[:, None], _gumbel_max(scaled_chunks, scaled_max, scaled_lse, uniforms), greedy_x0)
   return x0, _confidence(logits, x0, chunks, chunk_max, log_z, settings, False, greedy_x0)

@@ -2,10 +2,10 @@
 
 TiDAR (Liu et al. 2025, "Think in Diffusion, Talk in Autoregression", arXiv 2511.08923) trains one network with a
 causal clean half (next-token logits) and a draft half of blocks of ``k`` masks (``objectives.verified``). Decoding
-runs one forward pass per step over a chunk (``caches.verify_chunk``): the last committed token and the ``k - 1``
-drafts of the previous step, causal over the cache (their next-token logits verify the drafts, and their keys and
-values are written), and ``k`` pre-draft blocks, one per outcome: block ``a`` holds the masks of the ``k`` positions
-that follow the committed token and the first ``a`` drafts, and sees exactly those.
+runs one forward pass per step over a chunk (``caches.verify_inputs``; its mask ``masks.verify_chunk``): the last
+committed token and the ``k - 1`` drafts of the previous step, causal over the cache (their next-token logits verify
+the drafts, and their keys and values are written), and ``k`` pre-draft blocks, one per outcome: block ``a`` holds the
+masks of the ``k`` positions that follow the committed token and the first ``a`` drafts, and sees exactly those.
 
 Acceptance is speculative sampling (Leviathan et al. 2023, arXiv 2211.17192; Chen et al. 2023, arXiv 2302.01318),
 per row. ``p`` is the next-token distribution after the row's temperature, top-k and top-p (and the constraint,
@@ -41,10 +41,10 @@ from mercury_jax.constrain import device as constrained
 from mercury_jax.sampling.canvas import after_eos
 from mercury_jax.sampling.proposal import (
   clean_logits,
-  filter_rows,
   greedy_tokens,
   noise_width,
   sample_tokens,
+  tempered,
   uniform_noise,
 )
 from mercury_jax.sampling.state import Draft, State, put, rows
@@ -66,16 +66,9 @@ def knob_probs(clean: jax.Array, knobs) -> jax.Array:
   """``[b, n, vocab]`` the distribution each row samples from: the cleaned logits after its temperature, top-k and
   top-p, or the one-hot argmax at temperature 0 (the engine's two-level argmax, so greedy ties break as the
   autoregressive decoder's do)."""
-  sampled = knobs.temperature > 0.0
-  scaled = clean / jnp.where(sampled, knobs.temperature, 1.0)[:, None, None]
-  filtered = (knobs.top_k > 0) | (knobs.top_p < 1.0)
-  scaled = jax.lax.cond(
-    jnp.any(filtered & sampled),
-    lambda: jnp.where(filtered[:, None, None], filter_rows(scaled, knobs), scaled),
-    lambda: scaled,
-  )
   greedy = jax.nn.one_hot(greedy_tokens(clean), clean.shape[-1])
-  return jnp.where(sampled[:, None, None], jax.nn.softmax(scaled, axis=-1), greedy)
+  sampled = (knobs.temperature > 0.0)[:, None, None]
+  return jnp.where(sampled, jax.nn.softmax(tempered(clean, knobs), axis=-1), greedy)
 
 
 def draw(probs: jax.Array, uniforms: jax.Array) -> jax.Array:
