@@ -43,7 +43,25 @@ class ModelConfig:
   causal: bool = False  # True for the autoregressive twin; diffusion denoisers are bidirectional.
   time_conditioning: bool = False  # Adds an embedding of t to every block's input (MDLM/MD4 both work without).
   tie_embeddings: bool = False
-  dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # Compute dtype; parameters are always float32.
+  # Architecture features of public checkpoints (mercury_jax.convert); the defaults are this project's own models.
+  qkv_bias: bool = False  # Biases on the query, key and value projections (Qwen2: Dream, DiffuCoder, Fast-dLLM v2).
+  qk_norm: bool = False  # RMSNorm over head_dim on queries and keys before RoPE (Qwen3: SDAR).
+  scale_tied_logits: bool = True  # A tied head divides its logits by sqrt(d_model); Hugging Face's tied models don't.
+  # Position i's output predicts token i + 1, as in the AR model a checkpoint was adapted from (Dream, DiffuCoder,
+  # Fast-dLLM v2): the decoding engine reads a masked position's distribution from the position before it.
+  shifted_logits: bool = False
+  # RoPE scaling (mercury_jax.rope): none, linear (position interpolation), ntk (NTK-aware base change), yarn
+  # (Peng et al. 2023) or llama3; factor and the original context as in Hugging Face's rope_scaling.
+  rope_scaling: Literal["none", "linear", "ntk", "yarn", "llama3"] = "none"
+  rope_factor: float = 1.0
+  rope_original_length: int = 0  # original_max_position_embeddings (yarn, llama3); 0: max_length / rope_factor.
+  rope_beta_fast: float = 32.0  # yarn
+  rope_beta_slow: float = 1.0  # yarn
+  rope_attention_factor: float = 0.0  # yarn's cos/sin scale; 0: 0.1 * ln(factor) + 1.
+  rope_low_freq_factor: float = 1.0  # llama3
+  rope_high_freq_factor: float = 4.0  # llama3
+  param_dtype: Literal["float32", "bfloat16"] = "float32"  # Parameters' storage dtype (converted models: bfloat16).
+  dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # Compute dtype (parameters: param_dtype).
   attention: Literal["auto", "xla", "pallas", "cudnn"] = "auto"  # auto: pallas on GPU, xla elsewhere.
   remat: bool = False  # Rematerialise each block in the backward pass (saves activation memory).
   # Compile the layer stack unrolled instead of as a loop: 1.5-1.9x faster backward on XLA:CPU, slower to compile
@@ -67,6 +85,12 @@ class ModelConfig:
     ):
       if getattr(self, name) < 1:
         raise ConfigError(f"model.{name}={getattr(self, name)} must be >= 1")
+    if self.rope_scaling != "none" and not self.rope_factor >= 1.0:
+      raise ConfigError(f"model.rope_factor={self.rope_factor} must be >= 1 with rope_scaling={self.rope_scaling!r}")
+    if self.rope_original_length < 0:
+      raise ConfigError(f"model.rope_original_length={self.rope_original_length} must be >= 0 (0: derived)")
+    if self.head_dim % 2:
+      raise ConfigError(f"model.head_dim={self.head_dim} must be even (rotary embeddings rotate pairs)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -207,6 +231,34 @@ class TrainConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+  """A checkpoint's recommended decoding defaults: what the sampler, the CLI and the server use for a knob the user
+  leaves unset. Converted public checkpoints carry their authors' settings (``mercury_jax.convert``: ``source``
+  says where each came from); this project's own models keep the built-in defaults below."""
+
+  rule: Literal["ancestral", "confidence", "threshold"] = "threshold"
+  confidence: Literal["prob", "margin", "entropy"] = "prob"
+  threshold: float = 0.9
+  block_length: int = 0  # Semi-autoregressive blocks of a whole-sequence model (0: one block).
+  steps_per_block: int = 0  # 0: one token per step (the engine's default budget).
+  temperature: float = 1.0
+  top_p: float = 1.0
+  top_k: int = 0
+  source: str = ""  # Where these defaults come from (a paper, a repository's generate script).
+
+  def validate(self) -> None:
+    if self.block_length < 0 or self.steps_per_block < 0:
+      raise ConfigError(
+        f"sampling.block_length={self.block_length} and sampling.steps_per_block={self.steps_per_block} must be >= 0"
+      )
+    if not self.temperature >= 0 or not 0.0 < self.top_p <= 1.0 or self.top_k < 0:
+      raise ConfigError(
+        f"sampling.temperature={self.temperature} must be >= 0, sampling.top_p={self.top_p} in (0, 1] and "
+        f"sampling.top_k={self.top_k} >= 0"
+      )
+
+
+@dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
   every: int = 200
   max_to_keep: int = 3
@@ -228,6 +280,7 @@ class Config:
   mesh: MeshConfig = MeshConfig()
   train: TrainConfig = TrainConfig()
   checkpoint: CheckpointConfig = CheckpointConfig()
+  sampling: SamplingConfig = SamplingConfig()
   name: str = "custom"
 
   def validate(self) -> Config:

@@ -20,6 +20,7 @@ from jax.sharding import Mesh
 from mercury_jax import sharding as sh
 from mercury_jax.attention import attend, attend_cached
 from mercury_jax.config import ModelConfig, dtype_of
+from mercury_jax.rope import rotary
 
 _INIT = nn.initializers.normal(stddev=0.02)
 
@@ -35,30 +36,24 @@ def dense(x: jax.Array, w: jax.Array, contract: int = 1) -> jax.Array:
   return y.reshape(*lead, *out)
 
 
-def _param(module: nn.Module, name: str, shape: tuple[int, ...], axes: tuple[str, ...], init=_INIT) -> jax.Array:
-  return module.param(name, nn.with_logical_partitioning(init, axes), shape, jnp.float32)
+def _param(
+  module: nn.Module, name: str, shape: tuple[int, ...], axes: tuple[str, ...], init=_INIT, dtype=jnp.float32
+) -> jax.Array:
+  return module.param(name, nn.with_logical_partitioning(init, axes), shape, dtype)
 
 
 class RMSNorm(nn.Module):
   eps: float
   dtype: jnp.dtype
+  param_dtype: jnp.dtype = jnp.float32
+  axis: str = sh.EMBED  # The logical axis of the normalised (last) dimension.
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
-    scale = _param(self, "scale", (x.shape[-1],), (sh.EMBED,), nn.initializers.ones)
+    scale = _param(self, "scale", (x.shape[-1],), (self.axis,), nn.initializers.ones, self.param_dtype)
     x32 = x.astype(jnp.float32)
     normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-    return (normed * scale).astype(self.dtype)
-
-
-def rotary(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
-  """Applies rotary position embeddings (Su et al. 2021) to ``x`` of shape [batch, length, heads, head_dim]."""
-  half = x.shape[-1] // 2
-  inv_freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
-  angles = positions[..., None].astype(jnp.float32) * inv_freq  # [batch, length, half]
-  sin, cos = jnp.sin(angles)[:, :, None, :], jnp.cos(angles)[:, :, None, :]
-  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+    return (normed * scale.astype(jnp.float32)).astype(self.dtype)
 
 
 class KVCache(NamedTuple):
@@ -129,27 +124,32 @@ class Attention(nn.Module):
   ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     """``(output [batch, length, embed], (keys, values) of this chunk)``; ``cache``: this layer's cached keys and
     values, the cache's segments and each row's first slot of the chunk (:class:`KVCache`)."""
-    cfg, dtype = self.config, dtype_of(self.config.dtype)
+    cfg, dtype, pdt = self.config, dtype_of(self.config.dtype), dtype_of(self.config.param_dtype)
     d, h, kv, hd = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    w_q = _param(self, "query", (d, h, hd), (sh.EMBED, sh.HEADS, sh.HEAD_DIM)).astype(dtype)
-    w_k = _param(self, "key", (d, kv, hd), (sh.EMBED, sh.KV_HEADS, sh.HEAD_DIM)).astype(dtype)
-    w_v = _param(self, "value", (d, kv, hd), (sh.EMBED, sh.KV_HEADS, sh.HEAD_DIM)).astype(dtype)
+
+    def project(name: str, heads: int, heads_axis: str) -> jax.Array:  # [batch, length, heads, head_dim]
+      w = _param(self, name, (d, heads, hd), (sh.EMBED, heads_axis, sh.HEAD_DIM), dtype=pdt).astype(dtype)
+      y = dense(x, w)
+      if cfg.qkv_bias:
+        bias = _param(self, f"{name}_bias", (heads, hd), (heads_axis, sh.HEAD_DIM), nn.initializers.zeros, pdt)
+        y = y + bias.astype(dtype)
+      if cfg.qk_norm and name != "value":
+        y = RMSNorm(cfg.norm_eps, dtype, pdt, sh.HEAD_DIM, name=f"{name}_norm")(y)
+      return y
+
     w_o = _param(
       self,
       "out",
       (h, hd, d),
       (sh.HEADS, sh.HEAD_DIM, sh.EMBED),
       nn.initializers.normal(stddev=0.02 / math.sqrt(2 * cfg.num_layers)),
+      pdt,
     ).astype(dtype)
-    q = dense(x, w_q)  # [batch, length, heads, head_dim]
-    k = dense(x, w_k)  # [batch, length, kv_heads, head_dim]
-    v = dense(x, w_v)
-    q = nn.with_logical_constraint(
-      rotary(q, positions, cfg.rope_theta), (sh.BATCH, sh.LENGTH, sh.ACT_HEADS, sh.HEAD_DIM)
-    )
-    k = nn.with_logical_constraint(
-      rotary(k, positions, cfg.rope_theta), (sh.BATCH, sh.LENGTH, sh.ACT_KV_HEADS, sh.HEAD_DIM)
-    )
+    q = project("query", h, sh.HEADS)  # [batch, length, heads, head_dim]
+    k = project("key", kv, sh.KV_HEADS)  # [batch, length, kv_heads, head_dim]
+    v = project("value", kv, sh.KV_HEADS)
+    q = nn.with_logical_constraint(rotary(q, positions, cfg), (sh.BATCH, sh.LENGTH, sh.ACT_HEADS, sh.HEAD_DIM))
+    k = nn.with_logical_constraint(rotary(k, positions, cfg), (sh.BATCH, sh.LENGTH, sh.ACT_KV_HEADS, sh.HEAD_DIM))
     v = nn.with_logical_constraint(v, (sh.BATCH, sh.LENGTH, sh.ACT_KV_HEADS, sh.HEAD_DIM))
     if cache is None:
       out = attend(
@@ -186,15 +186,16 @@ class SwiGLU(nn.Module):
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
-    cfg, dtype = self.config, dtype_of(self.config.dtype)
-    w_gate = _param(self, "gate", (cfg.d_model, cfg.mlp_dim), (sh.EMBED, sh.MLP)).astype(dtype)
-    w_up = _param(self, "up", (cfg.d_model, cfg.mlp_dim), (sh.EMBED, sh.MLP)).astype(dtype)
+    cfg, dtype, pdt = self.config, dtype_of(self.config.dtype), dtype_of(self.config.param_dtype)
+    w_gate = _param(self, "gate", (cfg.d_model, cfg.mlp_dim), (sh.EMBED, sh.MLP), dtype=pdt).astype(dtype)
+    w_up = _param(self, "up", (cfg.d_model, cfg.mlp_dim), (sh.EMBED, sh.MLP), dtype=pdt).astype(dtype)
     w_down = _param(
       self,
       "down",
       (cfg.mlp_dim, cfg.d_model),
       (sh.MLP, sh.EMBED),
       nn.initializers.normal(stddev=0.02 / math.sqrt(2 * cfg.num_layers)),
+      pdt,
     ).astype(dtype)
     hidden = jax.nn.silu(dense(x, w_gate)) * dense(x, w_up)  # [batch, length, mlp]
     hidden = nn.with_logical_constraint(hidden, (sh.BATCH, sh.LENGTH, sh.ACT_MLP))
@@ -212,14 +213,14 @@ class Block(nn.Module):
 
   @nn.compact
   def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None, layer_cache, cache_rest):
-    cfg, dtype = self.config, dtype_of(self.config.dtype)
+    cfg, dtype, pdt = self.config, dtype_of(self.config.dtype), dtype_of(self.config.param_dtype)
     x = nn.with_logical_constraint(x, (sh.BATCH, sh.LENGTH, sh.ACT_EMBED))
     cache = None if layer_cache is None else (*layer_cache, *cache_rest)
     attended, kv = Attention(cfg, self.mask, self.diffusion_block, name="attention")(
-      RMSNorm(cfg.norm_eps, dtype, name="attention_norm")(x), positions, segment_ids, cache
+      RMSNorm(cfg.norm_eps, dtype, pdt, name="attention_norm")(x), positions, segment_ids, cache
     )
     x = x + attended
-    x = x + SwiGLU(cfg, name="mlp")(RMSNorm(cfg.norm_eps, dtype, name="mlp_norm")(x))
+    x = x + SwiGLU(cfg, name="mlp")(RMSNorm(cfg.norm_eps, dtype, pdt, name="mlp_norm")(x))
     return nn.with_logical_constraint(x, (sh.BATCH, sh.LENGTH, sh.ACT_EMBED)), kv if self.return_kv else None
 
 
@@ -277,12 +278,12 @@ class Transformer(nn.Module):
       ``[batch, length, vocab]`` float32 logits (``[batch, logits_length, vocab]`` with ``logits_length``), and with
       ``return_kv`` the chunk's :class:`KVCache`.
     """
-    cfg, dtype = self.config, dtype_of(self.config.dtype)
+    cfg, dtype, pdt = self.config, dtype_of(self.config.dtype), dtype_of(self.config.param_dtype)
     batch, length = tokens.shape
     if positions is None:
       positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
     embedding = _param(
-      self, "embedding", (cfg.vocab_size, cfg.d_model), (sh.VOCAB, sh.EMBED), nn.initializers.normal(1.0)
+      self, "embedding", (cfg.vocab_size, cfg.d_model), (sh.VOCAB, sh.EMBED), nn.initializers.normal(1.0), pdt
     )
     # Gather from a replicated table: a gather from a vocab- and fsdp-sharded table makes GSPMD replicate its output.
     table = nn.with_logical_constraint(embedding, (None, sh.ACT_EMBED))
@@ -319,11 +320,13 @@ class Transformer(nn.Module):
     x, kv = stack(cfg, name="blocks")(x, positions, segment_ids, layer_cache, cache_rest)
     if logits_length is not None:
       x = x[:, :logits_length]
-    x = RMSNorm(cfg.norm_eps, dtype, name="final_norm")(x)
+    x = RMSNorm(cfg.norm_eps, dtype, pdt, name="final_norm")(x)
     if cfg.tie_embeddings:
-      logits = jnp.einsum("bld,vd->blv", x, embedding.astype(dtype)) / math.sqrt(cfg.d_model)
+      logits = jnp.einsum("bld,vd->blv", x, embedding.astype(dtype))
+      if cfg.scale_tied_logits:
+        logits = logits / math.sqrt(cfg.d_model)
     else:
-      head = _param(self, "head", (cfg.d_model, cfg.vocab_size), (sh.EMBED, sh.VOCAB)).astype(dtype)
+      head = _param(self, "head", (cfg.d_model, cfg.vocab_size), (sh.EMBED, sh.VOCAB), dtype=pdt).astype(dtype)
       logits = dense(x, head)  # [batch, length, vocab]
     logits = nn.with_logical_constraint(logits.astype(jnp.float32), (sh.BATCH, sh.LENGTH, sh.ACT_VOCAB))
     if not return_kv:
