@@ -49,7 +49,7 @@ def frequencies(cfg: ModelConfig) -> tuple[np.ndarray, float]:
       return (cfg.head_dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(cfg.rope_theta))
 
     low = max(math.floor(pair(cfg.rope_beta_fast)), 0)
-    high = min(math.ceil(pair(cfg.rope_beta_slow)), half - 1)
+    high = min(math.ceil(pair(cfg.rope_beta_slow)), cfg.head_dim - 1)  # bounded by head_dim - 1, as in the reference
     high = high + 0.001 if low == high else high  # avoids a division by zero in the ramp
     ramp = np.clip((np.arange(half, dtype=np.float64) - low) / (high - low), 0.0, 1.0)
     keep = 1.0 - ramp  # 1: extrapolate (the original frequency), 0: interpolate

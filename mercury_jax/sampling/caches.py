@@ -20,6 +20,9 @@ avoid (on XLA:CPU a ``lax.cond`` whose branches both return the cache copied it 
 * :class:`Dual` (bidirectional models; approximate): a block's first step runs the whole canvas and caches every
   slot; its other steps run the block alone over that cache (Fast-dLLM's DualCache, Wu et al. 2025,
   arXiv 2505.22618: prefix and suffix are both stale until the next block).
+* A shifted-logits checkpoint (``Network.shift``: Dream, Fast-dLLM v2) predicts slot ``i`` from the output at
+  ``i - 1``: every block pass then runs from the slot before the block (``B + 1`` tokens, that slot's keys and values
+  the same as cached), and the whole-context passes read one slot earlier.
 * :class:`Prefix` (bidirectional models; approximate): like :class:`Dual`, but the later steps recompute the block
   and everything after it (Fast-dLLM's PrefixCache); a ``lax.switch`` picks the shortest of a few chunk lengths that
   covers every row's suffix.
@@ -85,15 +88,14 @@ class NoCache(Strategy):
       )
       return rows(logits, needs.starts - block, block)
     twice = lambda a: jnp.concatenate([a, a], axis=1)  # noqa: E731  x_t ⊕ x_0
-    logits = net.logits(
-      params,
-      twice(st.z),
-      segments=twice(st.segments),
-      positions=twice(st.positions),
-      mask="verified" if plan.causal_context else "block_diffusion",
-      diffusion_block=block,
-      logits_length=plan.slots,
-    )
+    mask = "verified" if plan.causal_context else "block_diffusion"
+    args = dict(segments=twice(st.segments), positions=twice(st.positions), mask=mask, diffusion_block=block)
+    if net.shift:  # Slot i reads the output at i - 1: in its own noisy block, or the clean slot before its block.
+      raw = net.chunk(params, twice(st.z), **args, return_kv=False)  # [b, 2 * slots, vocab]
+      slot = jnp.arange(plan.slots)
+      logits = raw[:, jnp.maximum(jnp.where(slot % block == 0, plan.slots + slot - 1, slot - 1), 0)]
+    else:
+      logits = net.logits(params, twice(st.z), **args, logits_length=plan.slots)
     return rows(logits, needs.starts, block)
 
   def forward(self, params, st: State, needs: Needs) -> Forward:
@@ -161,9 +163,12 @@ class Exact(Strategy):
     )
     cache = st.cache.write(kv, previous)
     run = jnp.any(needs.logits)
+    shift = net.shift  # A shifted-logits model reads the block's distributions one slot earlier (Network.shift).
     logits = jax.lax.cond(  # the block pass: the block sees itself whole and the cache before it
       run,
-      lambda: over_cache(cache, needs.starts, block, needs.t, mask="block_causal", return_kv=False),
+      lambda: over_cache(
+        cache, needs.starts - shift, block + shift, needs.t, mask="block_causal", logits_length=block, return_kv=False
+      ),
       lambda: st.logits,
     )
     return Forward(logits, cache, run, commit)
@@ -223,11 +228,11 @@ class Dual(Strategy):
     logits, kv = self.network.chunk(
       params, st.z, needs.t, segments=st.segments, positions=st.positions, mask="bidirectional"
     )
-    return rows(logits, needs.starts, self.plan.block), kv
+    return rows(logits, needs.starts - self.network.shift, self.plan.block), kv
 
   def _later(self, params, st: State, needs: Needs):
-    block = self.plan.block
-    tokens, positions, segments = chunk(st, needs.starts, block)
+    block, shift = self.plan.block, self.network.shift
+    tokens, positions, segments = chunk(st, needs.starts - shift, block + shift)
     logits = self.network.chunk(
       params,
       tokens,
@@ -236,7 +241,8 @@ class Dual(Strategy):
       positions=positions,
       mask="bidirectional",
       cache=st.cache,
-      starts=needs.starts,
+      starts=needs.starts - shift,
+      logits_length=block,
       return_kv=False,
     )
     return logits, st.cache
@@ -258,11 +264,11 @@ class Dual(Strategy):
 
 class Prefix(Dual):
   def _later(self, params, st: State, needs: Needs):
-    plan = self.plan
+    plan, shift = self.plan, self.network.shift
 
     def suffix(size: int):
       def run():
-        tokens, positions, segments = chunk(st, needs.starts, size, pad=plan.tail)
+        tokens, positions, segments = chunk(st, needs.starts - shift, size + shift, pad=plan.tail + shift)
         logits = self.network.chunk(
           params,
           tokens,
@@ -271,7 +277,7 @@ class Prefix(Dual):
           positions=positions,
           mask="bidirectional",
           cache=st.cache,
-          starts=needs.starts,
+          starts=needs.starts - shift,
           logits_length=plan.block,
           return_kv=False,
         )

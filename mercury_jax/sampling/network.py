@@ -22,12 +22,18 @@ class Network:
     vocab_size: Logits per position.
     causal: A causal model (the autoregressive twin).
     time_conditioning: The model reads the diffusion time ``t``.
+    shift: 1 for a shifted-logits checkpoint (``ModelConfig.shifted_logits``: Dream, DiffuCoder, Fast-dLLM v2), whose
+      output at position ``i`` is the distribution of token ``i + 1``; else 0. :meth:`logits` returns every
+      position's own distribution either way (the first position, which is never generated, keeps its own output,
+      as Dream's ``_sample`` does); :meth:`chunk` returns the raw outputs, and a cache strategy that wants the
+      distributions of slots ``s .. s + B - 1`` runs the chunk from slot ``s - shift``.
   """
 
   def __init__(self, cfg: ModelConfig):
     self.cfg = cfg
     self.model = Transformer(cfg)
     self.vocab_size, self.causal, self.time_conditioning = cfg.vocab_size, cfg.causal, cfg.time_conditioning
+    self.shift = int(cfg.shifted_logits)
 
   def _t(self, t: jax.Array | None, batch: int) -> jax.Array | None:
     if not self.time_conditioning:
@@ -35,8 +41,8 @@ class Network:
     return jnp.zeros((batch,), jnp.float32) if t is None else t
 
   def logits(self, params, tokens, t=None, *, segments, positions, mask=None, diffusion_block=None, logits_length=None):
-    """``[b, l or logits_length, vocab]`` logits of a whole context (no cache)."""
-    return self.model.apply(
+    """``[b, l or logits_length, vocab]`` logits of a whole context (no cache), each position's own distribution."""
+    logits = self.model.apply(
       {"params": params},
       tokens,
       self._t(t, tokens.shape[0]),
@@ -46,6 +52,7 @@ class Network:
       diffusion_block=diffusion_block,
       logits_length=logits_length,
     )
+    return unshift(logits) if self.shift else logits
 
   def chunk(
     self,
@@ -82,6 +89,12 @@ class Network:
     return KVCache.empty(self.cfg, batch, slots)
 
 
+def unshift(logits: jax.Array) -> jax.Array:
+  """Each position's distribution from a shifted-logits pass ``[b, l, vocab]``: position ``i > 0`` takes the output
+  at ``i - 1``; position 0 keeps its own."""
+  return jnp.concatenate([logits[:, :1], logits[:, :-1]], axis=1)
+
+
 class FunctionNetwork:
   """A ``denoise_fn(z_t, t) -> logits`` as a network without a cache (``cache="none"`` plans only).
 
@@ -91,6 +104,7 @@ class FunctionNetwork:
 
   causal = False
   time_conditioning = True
+  shift = 0
 
   def __init__(self, denoise_fn: DenoiseFn, vocab_size: int):
     self.denoise_fn, self.vocab_size = denoise_fn, vocab_size
