@@ -238,6 +238,7 @@ class SamplingConfig:
 
   rule: Literal["ancestral", "confidence", "threshold"] = "threshold"
   confidence: Literal["prob", "margin", "entropy"] = "prob"
+  commit_counts: Literal["even", "timesteps"] = "even"  # LLaDA's even split, or Dream's time grid.
   threshold: float = 0.9
   block_length: int = 0  # Semi-autoregressive blocks of a whole-sequence model (0: one block).
   steps_per_block: int = 0  # 0: one token per step (the engine's default budget).

@@ -168,9 +168,9 @@ def build_parser() -> argparse.ArgumentParser:
     "--sampler", dest="rule", metavar="SAMPLER", help=f"step rule: {', '.join(SAMPLERS)} (default threshold)"
   )
   p.add_argument("--confidence", help=f"what ranks positions: {', '.join(CONFIDENCES)} (default prob)")
-  p.add_argument("--temperature", type=float, default=1.0, help="0 is greedy")
-  p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: all)")
-  p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1]")
+  p.add_argument("--temperature", type=float, help="0 is greedy (default 1, or the checkpoint's own)")
+  p.add_argument("--top-k", type=int, help="sample among the k most likely tokens (default 0: all)")
+  p.add_argument("--top-p", type=float, help="nucleus sampling mass in (0, 1] (default 1)")
   p.add_argument("--threshold", type=float, help="confidence bar of --sampler threshold (default 0.9)")
   p.add_argument("--block-length", type=int, help="semi-autoregressive blocks (default 0: one block)")
   p.add_argument(

@@ -17,7 +17,7 @@ import jax
 import numpy as np
 
 from mercury_jax import kinds as K
-from mercury_jax.config import Config
+from mercury_jax.config import Config, SamplingConfig
 from mercury_jax.data.tokenizer import Tokenizer
 from mercury_jax.sampling import canvas as cv, healing
 from mercury_jax.sampling.decoders import APPROXIMATE_BLOCK, Decoder, bucketed_length, choose
@@ -33,6 +33,11 @@ from mercury_jax.sampling.settings import (
 )
 from mercury_jax.sampling.state import Healing
 from mercury_jax.sampling.text import Request, Rows, build_rows
+
+# The knobs a checkpoint's ``[sampling]`` section may default (its own decoding recipe); steps_per_block is the budget.
+CHECKPOINT_KNOBS = (
+  "rule", "confidence", "commit_counts", "threshold", "block_length", "temperature", "top_p", "top_k",
+)  # fmt: skip
 
 if TYPE_CHECKING:  # The host half of structured output loads on first use (outlines-core, jsonschema).
   from mercury_jax.constrain.automaton import Automaton
@@ -63,9 +68,17 @@ class Jobs:
     self.block_size = cfg.objective.block_size
     self.max_length = cfg.model.max_length
 
+  def defaults(self) -> dict:
+    """The checkpoint's own decoding defaults (``cfg.sampling``, e.g. a converted model's authors' settings) where
+    they differ from the built-in ones: the knobs a request that leaves them unset gets."""
+    own, builtin = self.cfg.sampling, SamplingConfig()
+    return {name: getattr(own, name) for name in CHECKPOINT_KNOBS if getattr(own, name) != getattr(builtin, name)}
+
   def settings(self, **knobs) -> SamplerSettings:
-    """Sampler settings with this model's schedule, mask, EOS and padding ids; ``knobs`` as in SamplerSettings."""
+    """Sampler settings with this model's schedule, mask, EOS and padding ids; ``knobs`` as in SamplerSettings, and
+    the checkpoint's :meth:`defaults` for those not given."""
     tok = self.tokenizer
+    knobs = {**self.defaults(), **knobs}
     return SamplerSettings(
       objective=self.cfg.objective,
       eos_id=tok.eos_id,
@@ -174,6 +187,9 @@ class Jobs:
   def prepare(self, request: Request, constraint) -> Job | None:
     """Checks a request and builds its :class:`Job`, or None when no process has a prompt (``per_process``)."""
     spread = request.per_process and jax.process_count() > 1
+    request = dataclasses.replace(request, knobs={**self.defaults(), **request.knobs})
+    if request.steps is None and request.steps_per_block is None and self.cfg.sampling.steps_per_block:
+      request = dataclasses.replace(request, steps_per_block=self.cfg.sampling.steps_per_block)
     try:
       knobs = request.knobs
       decoder = self.decoder(  # A cache or mode the model lacks, at once.

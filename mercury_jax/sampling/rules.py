@@ -165,6 +165,26 @@ def low_confidence_remasking(rule: Rule, eta: float) -> Rule:
   return revised
 
 
+DREAM_EPS = 1e-3  # The last time of Dream's grid, linspace(1, eps, steps + 1) (Ye et al. 2025, generation_utils).
+
+
+def timestep_counts(rule: Rule, eps: float = DREAM_EPS) -> Rule:
+  """``rule`` with Dream's commit count: ``floor(open * (1 - s' / t'))`` on the grid ``t' = eps + (1 - eps) t``.
+
+  The engine's times run ``t = 1 - step / steps``, so ``t'`` is Dream's ``linspace(1, eps, steps + 1)[step]``. The
+  count may be 0 (an early step of a long block commits nothing); the loop commits whatever is open at the block's
+  last step, as Dream's last step does.
+  """
+
+  def counted(inputs: StepInputs) -> StepOutput:
+    t = eps + (1.0 - eps) * inputs.t
+    s = eps + (1.0 - eps) * inputs.s
+    num_open = inputs.open.sum(axis=-1).astype(jnp.float32)
+    return rule(inputs._replace(k=jnp.floor(num_open * (1.0 - s / t)).astype(jnp.int32)))
+
+  return counted
+
+
 def make_rule(settings: SamplerSettings) -> Rule:
   """The step rule named by ``settings.rule``, with revision when ``settings.revision > 0``.
 
@@ -178,4 +198,6 @@ def make_rule(settings: SamplerSettings) -> Rule:
     rule = above_threshold(settings.threshold)
   else:
     raise ValueError(f"sampler {settings.rule!r} is unknown")
+  if settings.commit_counts == "timesteps":
+    rule = timestep_counts(rule)
   return low_confidence_remasking(rule, settings.revision) if settings.revision > 0 else rule

@@ -16,8 +16,11 @@ from mercury_jax.config import ObjectiveConfig
 
 SAMPLERS = ("ancestral", "confidence", "threshold")
 CONFIDENCES = ("prob", "margin", "entropy")
+COMMIT_COUNTS = ("even", "timesteps")
 # ``generate`` arguments that only the refinement loop has; an autoregressive model rejects them.
-DIFFUSION_ONLY = ("steps", "steps_per_block", "rule", "confidence", "threshold", "block_length", "revision")
+DIFFUSION_ONLY = (
+  "steps", "steps_per_block", "rule", "confidence", "threshold", "block_length", "revision", "commit_counts",
+)  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +65,10 @@ class SamplerSettings:
     num_tokens: The tokenizer's size: ids at or above it (a padded vocabulary) are never proposed; 0: no limit.
     decode: ``auto`` (the checkpoint's best), ``ar``, ``diffusion`` or ``verified``
       (:func:`~mercury_jax.sampling.decoders.choose`: which modes a checkpoint has).
+    commit_counts: How many positions the ``confidence`` rule commits at a step (the ``threshold`` rule's minimum):
+      ``even`` spreads a block's open positions evenly over its steps left, ``ceil(open / steps_left)`` (LLaDA's
+      ``get_num_transfer_tokens``: the same counts); ``timesteps`` takes ``floor(open * (1 - s / t))`` on Dream's
+      time grid ``linspace(1, 1e-3, steps + 1)`` (Dream's ``_sample``, which may commit nothing at a step).
     draft_length: Verified decoding's draft length k (each step verifies up to k - 1 drafts and commits at most k
       tokens); 0: the checkpoint's trained ``objective.draft_length``.
   """
@@ -85,6 +92,7 @@ class SamplerSettings:
   num_tokens: int = 0
   decode: Literal["auto", "ar", "diffusion", "verified"] = "auto"
   draft_length: int = 0
+  commit_counts: Literal["even", "timesteps"] = "even"
 
   @property
   def mask_id(self) -> int:
@@ -94,6 +102,8 @@ class SamplerSettings:
     """Returns ``self`` or raises :class:`SettingError` naming the bad setting and its allowed range."""
     if self.rule not in SAMPLERS:
       raise SettingError("rule", self.rule, f"is unknown; choose one of {', '.join(SAMPLERS)}")
+    if self.commit_counts not in COMMIT_COUNTS:
+      raise SettingError("commit_counts", self.commit_counts, f"is unknown; choose one of {', '.join(COMMIT_COUNTS)}")
     if self.confidence not in CONFIDENCES:
       raise SettingError("confidence", self.confidence, f"is unknown; choose one of {', '.join(CONFIDENCES)}")
     if not self.temperature >= 0.0:
