@@ -1,36 +1,117 @@
-"""``python -m mercury_jax.aot --config NAME``: lower and compile a preset's train step ahead of time.
+"""``python -m mercury_jax.aot``: compile a train step or a sampling program ahead of time, without weights.
 
-With no accelerator at hand, the preset's mesh is simulated with that many CPU devices (the module sets
+With no accelerator at hand, the mesh is simulated with that many CPU devices (the module sets
 ``--xla_force_host_platform_device_count`` itself when run as a command), so a mesh or sharding mistake in an
-accelerator-scale preset shows up on a laptop. Prints the parameter count, per-device memory and FLOPs.
+accelerator-scale model shows up on a laptop. Two modes:
+
+* ``--config NAME``: lowers and compiles a preset's train step on the preset's mesh; prints the parameter count,
+  per-device memory and FLOPs.
+* ``--sample`` with ``--checkpoint DIR`` (a converted or trained checkpoint: only its stored config is read),
+  ``--hf-config PATH`` (a Hugging Face ``config.json``, mapped by :func:`mercury_jax.convert.config_from_hf`) or
+  ``--family F [--size S]`` (a public model's ``config.json`` shipped in ``configs/public/``): lowers and compiles
+  the decoding engine's whole generation (:meth:`~mercury_jax.sampling.engine.BlockEngine.sample`: prefill and
+  every block) for the decoder the checkpoint runs (:func:`~mercury_jax.sampling.decoders.choose` with its
+  ``[sampling]`` defaults: whole canvas, semi-autoregressive blocks or the exact cache), with abstract parameters in
+  the checkpoint's dtype split over ``fsdp`` x ``tensor`` by the model's logical axis rules, at each ``--batch``
+  size, on a canvas of ``--length`` positions (prompt and generation: the split is traced data and does not change
+  the program). A batch is padded to the data-parallel size as the sampler pads it (``rows``). Prints per-device
+  argument, temporary and output bytes from XLA's memory analysis; the step count is traced, so it changes nothing.
+
+Example::
+
+  python -m mercury_jax.aot --sample --family llada --batch 1,16 --length 1024 --mesh data=1,fsdp=4,tensor=2
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import math
 import os
 import sys
+from importlib import resources
+from pathlib import Path
+
+from mercury_jax.config import Config, ConfigError, MeshConfig
+
+# Public models' config.json files shipped in configs/public/ (provenance in its README.md): family -> size -> file.
+# A family's first size is its default.
+PUBLIC_CONFIGS = {
+  "llada": {"8b": "llada-8b-instruct.json"},
+  "dream": {"7b": "dream-v0-instruct-7b.json"},
+  "sdar": {"8b": "sdar-8b-chat.json", "4b": "sdar-4b-chat.json"},
+  "fast_dllm_v2": {"7b": "fast-dllm-v2-7b.json"},
+}
+DEFAULT_MESH = "data=1,fsdp=4,tensor=2"
+MESH_AXES = ("data", "fsdp", "tensor")
+GIB = 2**30
+
+
+class AotError(ValueError):
+  """Bad input to the command (one line: the value and what would be right); the command exits with status 2."""
+
+
+def _parser() -> argparse.ArgumentParser:
+  parser = argparse.ArgumentParser(prog="python -m mercury_jax.aot", description=__doc__.split("\n")[0])
+  parser.add_argument("--config", help="train-step mode: a preset name from configs/ or a TOML file")
+  parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
+  parser.add_argument("--sample", action="store_true", help="sampling mode: compile the decoding engine")
+  source = parser.add_mutually_exclusive_group()
+  source.add_argument("--checkpoint", help="a mercury_jax checkpoint folder (its stored config only)")
+  source.add_argument("--hf-config", help="a Hugging Face config.json")
+  source.add_argument("--family", help=f"a public model shipped in configs/public: {', '.join(PUBLIC_CONFIGS)}")
+  parser.add_argument("--size", help="the public model's size (with --family), e.g. 8b; default: the family's first")
+  parser.add_argument("--batch", default="1,16", help="comma-separated batch sizes (default 1,16)")
+  parser.add_argument("--length", type=int, default=1024, help="canvas positions: prompt + generation (default 1024)")
+  parser.add_argument("--mesh", default=DEFAULT_MESH, help=f"mesh sizes (default {DEFAULT_MESH})")
+  parser.add_argument("--cache", default="auto", help="the decoder's cache: auto (the checkpoint's), exact, none, ...")
+  return parser
+
+
+def parse_mesh(spec: str) -> MeshConfig:
+  """``"data=1,fsdp=4,tensor=2"`` as a :class:`MeshConfig` (axes left out have size 1).
+
+  Raises:
+    AotError: an unknown axis or a size that is not a positive integer.
+  """
+  sizes = dict.fromkeys(MESH_AXES, 1)
+  for item in spec.split(","):
+    axis, sep, value = item.partition("=")
+    if not sep or axis.strip() not in sizes or not value.strip().isdigit() or int(value) < 1:
+      raise AotError(f"--mesh {spec!r} must be axis=size pairs over {', '.join(MESH_AXES)}, e.g. {DEFAULT_MESH}")
+    sizes[axis.strip()] = int(value)
+  return MeshConfig(**sizes)
+
+
+def _batches(spec: str) -> list[int]:
+  try:
+    batches = [int(b) for b in spec.split(",")]
+  except ValueError:
+    batches = []
+  if not batches or min(batches) < 1:
+    raise AotError(f"--batch {spec!r} must be comma-separated positive integers, e.g. 1,16")
+  return batches
 
 
 def _mesh_devices(argv: list[str] | None) -> int | None:
-  """Reads the preset's mesh size before jax is imported (the simulated device count must be set first)."""
-  from mercury_jax.config import ConfigError, load_config, parse_set_args
+  """Reads the mesh size before jax is imported (the simulated device count must be set first)."""
+  from mercury_jax.config import load_config, parse_set_args
 
   args, _ = _parser().parse_known_args(argv)
+  if args.sample:
+    try:
+      return math.prod(dataclasses.astuple(parse_mesh(args.mesh))[:3])
+    except AotError:
+      return None
+  if args.config is None:
+    return None
   try:
     cfg = load_config(args.config, parse_set_args(args.set))
   except ConfigError:
     return None
   sizes = (cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
   return None if -1 in sizes else math.prod(sizes)
-
-
-def _parser() -> argparse.ArgumentParser:
-  parser = argparse.ArgumentParser(prog="python -m mercury_jax.aot", description=__doc__.split("\n")[0])
-  parser.add_argument("--config", required=True, help="a preset name from configs/ or a TOML file")
-  parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
-  return parser
 
 
 def compile_report(cfg) -> dict[str, float]:
@@ -59,18 +140,266 @@ def compile_report(cfg) -> dict[str, float]:
   return report
 
 
+# ------------------------------------------------------------------------------------------------ sampling
+
+
+def public_config_file(family: str, size: str | None = None):
+  """The shipped ``config.json`` of a public model (``configs/public/``; ``mercury_jax.configs`` in a wheel).
+
+  Raises:
+    AotError: an unknown family or size.
+  """
+  if family not in PUBLIC_CONFIGS:
+    raise AotError(f"--family {family!r} is unknown; shipped families: {', '.join(PUBLIC_CONFIGS)}")
+  sizes = PUBLIC_CONFIGS[family]
+  size = next(iter(sizes)) if size is None else size.lower()
+  if size not in sizes:
+    raise AotError(f"--size {size!r} is not shipped for family {family}; sizes: {', '.join(sizes)}")
+  try:
+    folder = resources.files("mercury_jax.configs") / "public"
+  except ModuleNotFoundError:
+    folder = Path(__file__).resolve().parent.parent / "configs" / "public"
+  return folder / sizes[size]
+
+
+def _hf_config(path, family: str = "auto") -> Config:
+  from mercury_jax.convert import ConvertError, config_from_hf
+
+  if not path.is_file():
+    raise AotError(f"--hf-config {str(path)!r}: no such file (expected a Hugging Face config.json)")
+  try:
+    hf = json.loads(path.read_text())
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    raise AotError(f"--hf-config {str(path)!r} is not JSON: {e}") from None
+  if not isinstance(hf, dict):
+    raise AotError(f"--hf-config {str(path)!r} holds a {type(hf).__name__}, not a config.json object")
+  try:
+    return config_from_hf(hf, family)
+  except ConvertError as e:
+    raise AotError(f"{path.name}: {e}") from None
+
+
+def checkpoint_config(path: str | Path) -> Config:
+  """The stored config of a checkpoint (a converted model's folder, a train workdir, its ``checkpoints`` folder or
+  a step folder), read without its parameters.
+
+  Raises:
+    AotError: no such folder, or no readable config in it.
+  """
+  import orbax.checkpoint as ocp
+
+  from mercury_jax.config import config_from_dict
+
+  root, step = Path(path).absolute(), None
+  if not root.is_dir():
+    raise AotError(f"--checkpoint {str(path)!r}: no such folder")
+  if (root / "checkpoints").is_dir():
+    root = root / "checkpoints"
+  elif root.name.isdigit() and (root / "config").is_dir():
+    root, step = root.parent, int(root.name)
+  with ocp.CheckpointManager(root, item_names=("config",)) as manager:
+    step = manager.latest_step() if step is None else step
+    if step is None:
+      raise AotError(f"--checkpoint {str(path)!r} has no step folders (expected a converted or trained checkpoint)")
+    try:
+      tree = manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore())).config
+    except Exception as e:  # Orbax raises several types for a missing or foreign item.
+      raise AotError(f"--checkpoint {str(path)!r} step {step} has no readable mercury_jax config: {e}") from None
+  return config_from_dict(tree)
+
+
+def sample_config(args: argparse.Namespace) -> Config:
+  """The config that ``--checkpoint``, ``--hf-config`` or ``--family``/``--size`` name, with ``--set`` applied.
+
+  Raises:
+    AotError: no source or a bad one.
+  """
+  from mercury_jax.config import apply_overrides, parse_set_args
+
+  if args.size and not args.family:
+    raise AotError(f"--size {args.size!r} needs --family")
+  if args.checkpoint:
+    cfg = checkpoint_config(args.checkpoint)
+  elif args.hf_config:
+    cfg = _hf_config(Path(args.hf_config))
+  elif args.family:
+    cfg = _hf_config(public_config_file(args.family, args.size), args.family)
+  else:
+    raise AotError("--sample needs --checkpoint DIR, --hf-config PATH or --family NAME")
+  return apply_overrides(cfg, parse_set_args(args.set)).validate()
+
+
+@dataclasses.dataclass(frozen=True)
+class _TokenIds:
+  """The special ids the engine's settings need, where no tokenizer is read (they are compile-time constants that
+  change no shape): mercury_jax's own layout."""
+
+  vocab_size: int
+  pad_id: int = 0
+  unk_id: int = 1
+  bos_id: int = 2
+  eos_id: int = 3
+
+
+def check_divides(params, mesh) -> None:
+  """Every parameter dimension split over mesh axes is a multiple of their size.
+
+  Raises:
+    AotError: naming the parameter, its dimension and the axes.
+  """
+  import jax
+
+  for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+    for dim, (size, axes) in enumerate(zip(leaf.shape, leaf.sharding.spec, strict=False)):
+      axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+      ways = math.prod(mesh.shape[a] for a in axes)
+      if size % ways:
+        name = "/".join(str(getattr(k, "key", k)) for k in path)
+        split = "x".join(f"{a}={mesh.shape[a]}" for a in axes)
+        raise AotError(
+          f"parameter {name} has {size} along dimension {dim}, which {split} does not divide; resize --mesh"
+        )
+
+
+def sample_report(cfg: Config, mesh_cfg: MeshConfig, batch: int, length: int, cache: str = "auto") -> dict:
+  """Lowers and compiles the engine's whole generation for ``cfg`` at ``batch`` x ``length`` on a mesh of the first
+  devices, with abstract parameters (no weights); returns sizes and per-device memory.
+
+  Returns:
+    A dict: ``params`` (count), ``param_bytes`` (all of them), ``param_bytes_per_device`` (the largest device's share
+    by the shardings), ``rows`` (the batch padded to the data-parallel size), ``length`` (the planned canvas),
+    ``decoder`` (cache and block), and ``argument``, ``temp``, ``output``, ``alias`` and ``total`` bytes per device.
+
+  Raises:
+    AotError: a mesh that does not fit the devices or the parameters, a length the model cannot take, or a cache
+      the model does not have.
+  """
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  from mercury_jax import kinds as K, sharding as sh
+  from mercury_jax.model import Transformer, abstract_params
+  from mercury_jax.sampling import canvas as cv
+  from mercury_jax.sampling.decoders import without_knobs
+  from mercury_jax.sampling.engine import BlockEngine
+  from mercury_jax.sampling.jobs import Jobs
+  from mercury_jax.sampling.mesh import jit_on_mesh
+  from mercury_jax.sampling.network import Network
+  from mercury_jax.sampling.settings import SettingError
+
+  devices = math.prod((mesh_cfg.data, mesh_cfg.fsdp, mesh_cfg.tensor))
+  if devices > len(jax.devices()):
+    raise AotError(f"--mesh needs {devices} devices but {len(jax.devices())} are available")
+  if not 1 <= length <= cfg.model.max_length:
+    raise AotError(f"--length {length} must lie in [1, {cfg.model.max_length}] (the model's max_length)")
+  # The sampler runs the layer stack as a loop (Sampler.__init__), whatever the training chose.
+  cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, unroll_layers=False))
+  mesh = sh.make_mesh(mesh_cfg, jax.devices()[:devices])
+  rules = sh.axis_rules(cfg.mesh)
+  params = abstract_params(Transformer(cfg.model), mesh, rules)
+  check_divides(params, mesh)
+
+  jobs = Jobs(cfg, _TokenIds(cfg.model.vocab_size), None)  # no placement: nothing is put on devices
+  try:
+    settings = jobs.settings()
+    decoder = jobs.decoder(cache, settings.block_length, settings.decode, settings.draft_length)
+  except SettingError as e:
+    raise AotError(e.named(f"--{e.field.replace('_', '-')}")) from None
+  prompt = length // 2 if length > 1 else 0
+  kinds = np.full((batch, length), K.TARGET, np.int32)
+  kinds[:, :prompt] = K.FIXED
+  canvas = cv.Canvas(np.zeros_like(kinds), kinds, np.arange(batch, dtype=np.int32))
+  canvas, plan = jobs.plan(canvas, decoder)
+  canvas = cv.pad_batch(canvas, sh.data_parallel_size(mesh, rules))
+  engine = BlockEngine(Network(cfg.model), without_knobs(settings), plan)
+  fn = jit_on_mesh(engine.sample, mesh, rules, jax.tree.map(lambda p: p.sharding, params), scalars=1)
+  abstract = lambda a: jax.ShapeDtypeStruct(np.shape(a), jnp.int32)  # noqa: E731
+  compiled = fn.lower(
+    params,
+    cv.Canvas(*(abstract(a) for a in canvas)),
+    jax.ShapeDtypeStruct((2,), jnp.uint32),  # the key's data, as Placement.key places it
+    jax.ShapeDtypeStruct((), jnp.int32),  # steps per block (traced)
+  ).compile()
+  memory = compiled.memory_analysis()
+  leaves = jax.tree.leaves(params)
+  report = {
+    "params": sum(math.prod(p.shape) for p in leaves),
+    "param_bytes": sum(math.prod(p.shape) * p.dtype.itemsize for p in leaves),
+    "param_bytes_per_device": sum(math.prod(p.sharding.shard_shape(p.shape)) * p.dtype.itemsize for p in leaves),
+    "rows": int(np.shape(canvas.tokens)[0]),
+    "length": int(np.shape(canvas.tokens)[1]),
+    "decoder": f"cache={plan.cache} block={plan.block}",
+    "devices": mesh.size,
+  }
+  if memory is not None:
+    report |= {
+      "argument": memory.argument_size_in_bytes,
+      "temp": memory.temp_size_in_bytes,
+      "output": memory.output_size_in_bytes,
+      "alias": memory.alias_size_in_bytes,
+    }
+    report["total"] = report["argument"] + report["temp"] + report["output"] - report["alias"]
+  return report
+
+
+def _sample_main(args: argparse.Namespace) -> None:
+  batches = _batches(args.batch)
+  mesh_cfg = parse_mesh(args.mesh)
+  cfg = sample_config(args)
+  name = cfg.name
+  if args.family:
+    name = f"{args.family}-{(args.size or next(iter(PUBLIC_CONFIGS[args.family]))).lower()}"
+  reports = []
+  for batch in batches:
+    reports.append(sample_report(cfg, mesh_cfg, batch, args.length, args.cache))
+    if len(reports) == 1:
+      first = reports[0]
+      print(
+        f"{name}: {cfg.model.param_dtype} parameters, {cfg.model.dtype} activations, {first['decoder']}, mesh "
+        f"{args.mesh} ({first['devices']} devices); parameters {first['param_bytes'] / GIB:.2f} GiB in all, "
+        f"{first['param_bytes_per_device'] / GIB:.3f} GiB per device by their shardings"
+      )
+      print(
+        f"{'model':<16} {'params (B)':>10} {'batch':>5} {'rows':>4} {'length':>6} {'args GiB':>9} {'temp GiB':>9} "
+        f"{'out GiB':>8} {'total GiB':>9}"
+      )
+    r = reports[-1]
+    if "total" not in r:
+      print(f"{name:<16} {r['params'] / 1e9:>10.2f} {batch:>5} {r['rows']:>4} {r['length']:>6}  (no memory analysis)")
+      continue
+    print(
+      f"{name:<16} {r['params'] / 1e9:>10.2f} {batch:>5} {r['rows']:>4} {r['length']:>6} {r['argument'] / GIB:>9.3f} "
+      f"{r['temp'] / GIB:>9.3f} {r['output'] / GIB:>8.4f} {r['total'] / GIB:>9.3f}",
+      flush=True,
+    )
+  import jax
+
+  if jax.default_backend() == "cpu" and "bfloat16" in (cfg.model.param_dtype, cfg.model.dtype):
+    print(
+      "note: XLA:CPU widens bfloat16 matmuls to float32 and hoists the widened weights out of the decoding loop: "
+      "temp includes float32 copies of the weights that a GPU or TPU compilation does not hold"
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
   devices = _mesh_devices(argv)
   if devices and "jax" not in sys.modules:
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}"
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-  from mercury_jax.config import ConfigError, load_config, parse_set_args
+  from mercury_jax.config import load_config, parse_set_args
 
   args = _parser().parse_args(argv)
+  if args.sample == bool(args.config):
+    print("error: give exactly one of --config NAME (train step) and --sample (sampling)", file=sys.stderr)
+    raise SystemExit(2)
   try:
+    if args.sample:
+      _sample_main(args)
+      return
     cfg = load_config(args.config, parse_set_args(args.set))
     report = compile_report(cfg)
-  except ConfigError as e:
+  except (ConfigError, AotError) as e:
     print(f"error: {e}", file=sys.stderr)
     raise SystemExit(2) from None
   print(
