@@ -50,9 +50,9 @@ from mercury_jax import kinds as K, usage
 from mercury_jax.bench import prompts as bench_prompts, quality, report as bench_report, verified as bench_verified
 from mercury_jax.bench.overhead import engine_overhead
 from mercury_jax.bench.throughput import time_call
-from mercury_jax.checkpoint import find_tokenizer, restore_params
+from mercury_jax.checkpoint import restore_params
 from mercury_jax.data import pipeline
-from mercury_jax.data.tokenizer import Tokenizer
+from mercury_jax.data.tokenizer import Tokenizer, load_tokenizer
 from mercury_jax.sampling import canvas as cv
 from mercury_jax.sampling.canvas import SampleOutput
 from mercury_jax.sampling.decoders import bucketed_length
@@ -137,7 +137,7 @@ def load_models(
       other = "--autoregressive" if flag == "--diffusion" else "--diffusion"
       raise ValueError(f"{flag} {path!r} is a {cfg.objective.name} checkpoint; pass it as {other}")
     try:
-      own = find_tokenizer(path).read_bytes()
+      own = load_tokenizer(path).to_bytes()
     except FileNotFoundError:
       own = None
     if own is not None and own != tokenizer.to_bytes():

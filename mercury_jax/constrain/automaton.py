@@ -13,8 +13,9 @@ renumbers them into the dense int32 arrays that :mod:`mercury_jax.constrain.devi
   spending model confidence, and which is what the tokenizer would write, so canonical text stays accepted.
 * ``distance`` counts the fewest tokens to acceptance, so a block never runs out of room mid-structure.
 
-Only the tokenizer's text pieces are used: the control ids, the unknown id and byte pieces of bytes >= 0x80 (halves
-of UTF-8 characters) are forbidden everywhere but in ``DONE``. :class:`Compiler` is the front door: regexes,
+Only the tokenizer's text pieces are used: its special ids (``special_mask``) and the tokens whose bytes
+(``token_bytes``) are not whole UTF-8 text (a byte piece >= 0x80, a byte-level BPE piece that holds part of a
+character) are forbidden everywhere but in ``DONE``. :class:`Compiler` is the front door: regexes,
 JSON Schemas (:mod:`mercury_jax.constrain.schema`) and "any JSON object", compiled once per tokenizer and cached.
 
 Size limits hold before anything large is built: outlines-core's automaton (before minimizing) may have at most
@@ -41,7 +42,7 @@ import outlines_core
 
 from mercury_jax.constrain import regexes, schema as schema_lib
 from mercury_jax.constrain.schema import Budget, ConstraintError
-from mercury_jax.data.tokenizer import NUM_SPECIAL, Tokenizer
+from mercury_jax.data.tokenizer import TextTokenizer
 
 __all__ = ["Automaton", "Compiler", "ConstraintError"]
 
@@ -50,7 +51,6 @@ FORCED_TEXT_LIMIT = 64  # Characters of fixed text looked ahead per state (a sho
 # before minimizing and pruning; more is refused before the dense table (from a static estimate, before outlines-core
 # runs too). A json_object 4 deep (JSON_OBJECT_DEPTH) builds 4001 states for 335 final ones: within 8 * 512.
 PRE_PRUNING_FACTOR = 8
-_BYTE_PIECE = re.compile(r"<0x([0-9A-F]{2})>")
 
 
 @dataclasses.dataclass(frozen=True, eq=False, repr=False)
@@ -70,6 +70,7 @@ class Automaton:
     forced: int32 [states]: the one token allowed in a state (EOS counted), or -1.
     start: The initial state.
     eos_id: The end-of-sequence id: allowed in accepting states, where it leads to ``DONE``.
+    mask_id: The tokenizer's mask id, allowed nowhere but in ``DONE`` (ids past the vocabulary take its class).
   """
 
   kind: str
@@ -83,6 +84,7 @@ class Automaton:
   forced: np.ndarray
   start: int
   eos_id: int
+  mask_id: int
   DONE: ClassVar[int] = 0  # The state after EOS: accepting, and every token stays there.
 
   @property
@@ -135,34 +137,29 @@ class Automaton:
 class _Vocab:
   """The tokenizer as the automaton builder sees it."""
 
-  tokenizer: Tokenizer
-  index_vocabulary: outlines_core.Vocabulary  # Text pieces, every byte piece and the sentinel, as UTF-8 bytes.
+  tokenizer: TextTokenizer
+  index_vocabulary: outlines_core.Vocabulary  # Every non-special token's bytes, and the sentinel.
   texts: tuple[str | None, ...]  # Each id's text, None for ids the automaton never allows outside DONE.
   first: np.ndarray  # int32 [vocab]: the code point a token's text starts with, -1 for None texts
   lengths: np.ndarray  # int32 [vocab]: characters of each token's text
-  excluded: np.ndarray  # int64: ids outlines may use (bytes >= 0x80) that the automaton forbids
+  excluded: np.ndarray  # int64: ids outlines may use (part of a UTF-8 character) that the automaton forbids
   digest: bytes  # sha256 of the serialized tokenizer
   spells_ascii: bool  # Every ASCII character is a token: outlines' states are the regex's, as min_states counts.
 
   @classmethod
-  def of(cls, tokenizer: Tokenizer) -> _Vocab:
-    sizes = tokenizer.characters_per_token()
+  def of(cls, tokenizer: TextTokenizer) -> _Vocab:
     texts: list[str | None] = [None] * tokenizer.vocab_size
     raw: dict[bytes, list[int]] = collections.defaultdict(list)
     excluded = []
-    for token_id in range(NUM_SPECIAL, tokenizer.vocab_size):
-      piece = tokenizer.id_to_piece(token_id)
-      byte = _BYTE_PIECE.fullmatch(piece)
-      if byte and sizes[token_id] <= 1:
-        value = int(byte.group(1), 16)
-        raw[bytes([value])].append(token_id)
-        if value < 0x80:
-          texts[token_id] = chr(value)
-        else:
-          excluded.append(token_id)  # Half a character: outlines may walk it, the automaton forbids it.
-      elif piece:
-        texts[token_id] = piece.replace("\u2581", " ")
-        raw[texts[token_id].encode()].append(token_id)
+    for token_id in np.flatnonzero(~tokenizer.special_mask).tolist():
+      data = tokenizer.token_bytes(token_id)
+      if not data:
+        continue
+      raw[data].append(token_id)
+      try:
+        texts[token_id] = data.decode("utf-8")
+      except UnicodeDecodeError:
+        excluded.append(token_id)  # Part of a character: outlines may walk it, the automaton forbids it.
     raw[regexes.SENTINEL.encode()].append(tokenizer.vocab_size)  # An id past the vocabulary (see full_match).
     first = np.array([ord(t[0]) if t else -1 for t in texts], np.int32)
     return cls(
@@ -456,6 +453,7 @@ def build(kind: str, source: str, regex: str, key: str, vocab: _Vocab, limits: _
     forced=forced,
     start=start,
     eos_id=vocab.tokenizer.eos_id,
+    mask_id=vocab.tokenizer.mask_id,
   )
   for name, size, most in (
     ("states", automaton.num_states, limits.max_states),
@@ -492,7 +490,7 @@ class Compiler:
 
   def __init__(
     self,
-    tokenizer: Tokenizer,
+    tokenizer: TextTokenizer,
     *,
     max_states: int = 4096,
     max_classes: int = 1024,

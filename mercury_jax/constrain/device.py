@@ -36,7 +36,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mercury_jax.data.tokenizer import MASK_ID
 from mercury_jax.sampling.proposal import Knobs, filter_rows, sample_tokens
 
 if TYPE_CHECKING:
@@ -135,7 +134,7 @@ def tables(automata: Sequence[Automaton | None], capacity: Capacity, vocab: int)
     size = min(vocab, a.classes.shape[0])
     out.on[row], out.start[row] = True, a.start
     out.classes[row, :size] = a.classes[:size]
-    out.classes[row, size:] = a.classes[MASK_ID]  # the mask's class: allowed nowhere but in DONE
+    out.classes[row, size:] = a.classes[a.mask_id]  # the mask's class: allowed nowhere but in DONE
     out.table[row, :n, :k] = a.table
     out.distance[row, :n] = a.distance
     out.forced[row, :n] = a.forced

@@ -8,6 +8,11 @@ Training settings suit code: byte fallback (nothing is ever ``unk``; this reserv
 no normalisation, whitespace kept exactly and runs of spaces allowed as pieces, and no dummy prefix, so encoding
 two strings separately and concatenating the ids decodes to the concatenated strings. ``decode(encode(s)) == s``
 for any string.
+
+Converted Hugging Face checkpoints bring their own vocabulary and special ids instead
+(:class:`~mercury_jax.data.hf_tokenizer.HFTokenizer`). Both backends satisfy :class:`TextTokenizer`, the interface
+the engine, the structured-output compiler and the server use; :func:`load_tokenizer` finds a checkpoint's tokenizer
+of either kind and :func:`tokenizer_from_bytes` rebuilds one from its ``to_bytes()``.
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ import io
 import os
 import random
 from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 import sentencepiece as spm
@@ -34,6 +41,46 @@ MIN_VOCAB_SIZE = NUM_BYTE_PIECES + NUM_SPECIAL + 128
 MAX_TRAINING_SENTENCES = 50_000  # Training sentences are chunks of up to LINES_PER_SENTENCE lines.
 LINES_PER_SENTENCE = 16
 MAX_SENTENCE_CHARS = 8192  # Longer chunks are cut; sentencepiece would silently skip them.
+SENTENCEPIECE_FILE = "tokenizer.model"  # A checkpoint's sentencepiece tokenizer (``checkpoint.TOKENIZER_FILE``).
+
+
+@runtime_checkable
+class TextTokenizer(Protocol):
+  """What every tokenizer backend provides: :class:`Tokenizer` (sentencepiece, ids 0-4 special) and
+  :class:`~mercury_jax.data.hf_tokenizer.HFTokenizer` (a converted checkpoint's ``tokenizer.json``).
+
+  ``vocab_size``, ``pad_id``, ``unk_id``, ``bos_id``, ``eos_id`` and ``mask_id`` are ints; ``encode`` adds no special
+  tokens; ``decode`` drops special ids and renders the mask as ``mask_text``; ``to_bytes`` is everything the
+  tokenizer is (:func:`tokenizer_from_bytes` rebuilds it, and its hash names it).
+  """
+
+  vocab_size: int
+  pad_id: int
+  unk_id: int
+  bos_id: int
+  eos_id: int
+  mask_id: int
+  stop_ids: tuple[int, ...]  # The ids that end an answer, EOS first.
+  add_bos: bool  # A chat prompt starts with bos_id when the rendered template did not write it.
+  special_mask: np.ndarray  # bool [vocab_size]: ids that never stand for text (structured output and healing).
+  chat_template: str | None  # The tokenizer's own chat template (a converted checkpoint's), or None.
+  template_tokens: dict[str, str]  # The special-token texts a chat template sees (bos_token, ...).
+
+  def id_to_piece(self, token_id: int) -> str: ...
+
+  def token_bytes(self, token_id: int) -> bytes: ...
+
+  def characters_per_token(self) -> np.ndarray: ...
+
+  def encode(self, text: str) -> list[int]: ...
+
+  def encode_batch(self, texts: Sequence[str], num_threads: int = 2) -> list[list[int]]: ...
+
+  def decode(self, ids: Iterable[int] | np.ndarray, *, stop_at_eos: bool = False, mask_text: str = "") -> str: ...
+
+  def to_bytes(self) -> bytes: ...
+
+  def save(self, path: str | os.PathLike) -> None: ...
 
 
 class Tokenizer:
@@ -66,6 +113,9 @@ class Tokenizer:
       )
     self._special = np.zeros(sp.get_piece_size(), dtype=bool)
     self._special[[PAD_ID, BOS_ID, EOS_ID, MASK_ID]] = True
+    self._never_text = np.zeros(sp.get_piece_size(), dtype=bool)
+    self._never_text[:NUM_SPECIAL] = True
+    self._never_text.flags.writeable = False
 
   # --------------------------------------------------------------------------------------------- I/O
 
@@ -127,9 +177,43 @@ class Tokenizer:
   def mask_id(self) -> int:
     return MASK_ID
 
+  @property
+  def stop_ids(self) -> tuple[int, ...]:
+    return (EOS_ID,)
+
+  @property
+  def add_bos(self) -> bool:
+    """True: SFT records, and so chat prompts, are ``[BOS] + prompt``."""
+    return True
+
+  @property
+  def special_mask(self) -> np.ndarray:
+    """bool [vocab_size]: ids 0-4."""
+    return self._never_text
+
+  @property
+  def chat_template(self) -> str | None:
+    """None: a mercury_jax model's template is its config's ``data.chat_template``."""
+    return None
+
+  @property
+  def template_tokens(self) -> dict[str, str]:
+    """Empty: the special tokens are ids, not text, so a template's ``bos_token`` renders as ""."""
+    return {}
+
   def id_to_piece(self, token_id: int) -> str:
     """The piece string of one id, e.g. ``"▁self"`` or ``"<0x0A>"`` (for debugging)."""
     return self._sp.id_to_piece(int(token_id))
+
+  def token_bytes(self, token_id: int) -> bytes:
+    """The bytes one id writes: a byte piece its byte, a text piece its UTF-8 with ``▁`` as a space, ids 0-4 b""."""
+    token_id = int(token_id)
+    if self._sp.is_control(token_id) or self._sp.is_unknown(token_id):
+      return b""
+    piece = self._sp.id_to_piece(token_id)
+    if self._sp.is_byte(token_id):
+      return bytes([int(piece[3:5], 16)])
+    return piece.replace("\u2581", " ").encode()
 
   def characters_per_token(self) -> np.ndarray:
     """``int64[vocab_size]``: how many characters of decoded text each id stands for.
@@ -187,6 +271,50 @@ class Tokenizer:
         run.append(token_id)
     pieces.append(self._sp.decode(run))
     return "".join(pieces)
+
+
+def load_tokenizer(path: str | os.PathLike) -> TextTokenizer:
+  """The tokenizer of a checkpoint (an export, a step folder or a train workdir), looked for in ``path`` and the two
+  folders above it: ``tokenizer.model`` gives a sentencepiece :class:`Tokenizer`, ``tokenizer.json`` with
+  ``special_tokens.json`` (a converted Hugging Face checkpoint) an
+  :class:`~mercury_jax.data.hf_tokenizer.HFTokenizer`. ``path`` may also be a ``tokenizer.model`` file.
+
+  Raises:
+    FileNotFoundError: Neither is found.
+    ValueError: A tokenizer file is malformed.
+  """
+  from mercury_jax.data import hf_tokenizer
+
+  path = Path(path).absolute()
+  if path.is_file() and path.suffix == ".model":
+    return Tokenizer.load(path)
+  half = None
+  for folder in (path, path.parent, path.parent.parent):
+    if (folder / SENTENCEPIECE_FILE).is_file():
+      return Tokenizer.load(folder / SENTENCEPIECE_FILE)
+    if (folder / hf_tokenizer.TOKENIZER_JSON).is_file():
+      if (folder / hf_tokenizer.SPECIAL_TOKENS_FILE).is_file():
+        return hf_tokenizer.HFTokenizer.load(folder)
+      half = half or folder
+  hint = (
+    f" ({str(half)!r} has {hf_tokenizer.TOKENIZER_JSON} but no {hf_tokenizer.SPECIAL_TOKENS_FILE}; write it with "
+    "mercury_jax.data.hf_tokenizer.write_special_tokens)"
+    if half
+    else ""
+  )
+  raise FileNotFoundError(
+    f"no tokenizer in {str(path)!r} or the two folders above it: expected {SENTENCEPIECE_FILE} or "
+    f"{hf_tokenizer.TOKENIZER_JSON} with {hf_tokenizer.SPECIAL_TOKENS_FILE}{hint}"
+  )
+
+
+def tokenizer_from_bytes(data: bytes) -> TextTokenizer:
+  """Rebuilds a tokenizer of either backend from its ``to_bytes()``."""
+  from mercury_jax.data import hf_tokenizer
+
+  if data.startswith(hf_tokenizer.MAGIC):
+    return hf_tokenizer.HFTokenizer.from_bytes(data)
+  return Tokenizer.from_bytes(data)
 
 
 def _training_sentences(texts: Iterable[str], max_sentences: int, seed: int) -> list[str]:

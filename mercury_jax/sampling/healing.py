@@ -23,12 +23,12 @@ import functools
 
 import numpy as np
 
-from mercury_jax.data.tokenizer import NUM_SPECIAL, Tokenizer
+from mercury_jax.data.tokenizer import NUM_SPECIAL, TextTokenizer
 
 CACHE_SIZE = 1024  # Masks kept per tokenizer: a prompt's last token is one of a few thousand.
 
 
-def back_off(tokenizer: Tokenizer, prompt: str, ids: list[int]) -> tuple[list[int], str]:
+def back_off(tokenizer: TextTokenizer, prompt: str, ids: list[int]) -> tuple[list[int], str]:
   """``(ids without their last token, that token's characters)``, or ``(ids, "")`` when there is nothing to heal:
   fewer than two tokens (one must stay, BOS counts), or a last token whose text is not the prompt's end (a tokenizer
   that normalises text)."""
@@ -40,7 +40,7 @@ def back_off(tokenizer: Tokenizer, prompt: str, ids: list[int]) -> tuple[list[in
   return ids[:-1], prompt[len(head) :]
 
 
-def healable(tokenizer: Tokenizer, healed: str) -> bool:
+def healable(tokenizer: TextTokenizer, healed: str) -> bool:
   """Whether some token's text starts with ``healed`` (otherwise the prompt is used as tokenised)."""
   try:
     _allowed(tokenizer, healed)
@@ -58,17 +58,21 @@ def strip(text: str, healed: str) -> str:
 
 
 @functools.lru_cache(maxsize=8)
-def token_texts(tokenizer: Tokenizer) -> tuple[str | None, ...]:
-  """Each id's text, as decoding it alone writes it; None for the special ids and for ids that write no text or half
-  a character (a byte of a multi-byte one), which healing never proposes."""
+def token_texts(tokenizer: TextTokenizer) -> tuple[str | None, ...]:
+  """Each id's text, as decoding it alone writes it; None for the special ids (``special_mask``; ids 0-4, the
+  sentencepiece layout, for a tokenizer without one) and for ids that write no text or part of a character (a byte
+  of a multi-byte one, a byte-level piece that splits one), which healing never proposes."""
+  special = getattr(tokenizer, "special_mask", None)
+  if special is None:
+    special = np.arange(tokenizer.vocab_size) < NUM_SPECIAL
   texts: list[str | None] = [None] * tokenizer.vocab_size
-  for token_id in range(NUM_SPECIAL, tokenizer.vocab_size):
+  for token_id in np.flatnonzero(~special).tolist():
     text = tokenizer.decode([token_id])
     texts[token_id] = text if text and "\ufffd" not in text else None
   return tuple(texts)
 
 
-def allowed_tokens(tokenizer: Tokenizer, healed: str, vocab_size: int) -> np.ndarray:
+def allowed_tokens(tokenizer: TextTokenizer, healed: str, vocab_size: int) -> np.ndarray:
   """bool [vocab_size]: the tokens whose text starts with ``healed`` (ids beyond the tokenizer: never).
 
   Cached per tokenizer and text (:data:`CACHE_SIZE` entries), so a server's prompts ending alike cost one scan of the
@@ -84,7 +88,7 @@ def allowed_tokens(tokenizer: Tokenizer, healed: str, vocab_size: int) -> np.nda
 
 
 @functools.lru_cache(maxsize=CACHE_SIZE)
-def _allowed(tokenizer: Tokenizer, healed: str) -> np.ndarray:
+def _allowed(tokenizer: TextTokenizer, healed: str) -> np.ndarray:
   if not healed:
     raise ValueError("the healed text is empty; there is nothing to heal")
   mask = np.fromiter((t is not None and t.startswith(healed) for t in token_texts(tokenizer)), bool)

@@ -36,10 +36,10 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
 from mercury_jax import kinds as K, sharding as sh
-from mercury_jax.checkpoint import find_tokenizer, restore_params
+from mercury_jax.checkpoint import restore_params
 from mercury_jax.config import Config, MeshConfig
 from mercury_jax.constrain import device as constrained
-from mercury_jax.data.tokenizer import Tokenizer
+from mercury_jax.data.tokenizer import Tokenizer, load_tokenizer
 from mercury_jax.model import param_shardings
 from mercury_jax.sampling import canvas as cv, healing
 from mercury_jax.sampling.canvas import SampleOutput
@@ -152,7 +152,7 @@ class Sampler:
       if path is None:
         raise FileNotFoundError(f"no default model is bundled yet ({DEFAULT_CHECKPOINT} is empty)")
     mesh = mesh if mesh is not None else sh.make_mesh(MeshConfig(data=1), jax.devices()[:1])
-    tokenizer = Tokenizer.load(find_tokenizer(path))
+    tokenizer = load_tokenizer(path)
     params, cfg = restore_params(path, mesh=mesh, step=step)
     return cls(params, cfg, tokenizer, mesh=mesh)
 

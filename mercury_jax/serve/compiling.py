@@ -51,7 +51,7 @@ class CompilerSpec:
   """What a worker process needs to build its compiler: the tokenizer and the limits (pickled to the process).
 
   Attributes:
-    tokenizer: The serialized sentencepiece model (``Tokenizer.to_bytes()``).
+    tokenizer: The serialized tokenizer (``tokenizer.to_bytes()``, either backend).
     max_states, max_classes, max_edges: The automaton limits (the slots' constraint capacity).
     remedy: What a refusal above a limit tells the user to do (``{name}``: states, classes or edges).
   """
@@ -76,12 +76,12 @@ def _limit_memory(extra: int) -> None:
 def _work(fd: int) -> None:
   """The worker process: builds its compiler from the spec the server sends first, then compiles jobs for ever."""
   from mercury_jax.constrain.automaton import Compiler
-  from mercury_jax.data.tokenizer import Tokenizer
+  from mercury_jax.data.tokenizer import tokenizer_from_bytes
 
   conn = Connection(fd)
   spec, memory = conn.recv()
   compiler = Compiler(
-    Tokenizer.from_bytes(spec.tokenizer),
+    tokenizer_from_bytes(spec.tokenizer),
     max_states=spec.max_states,
     max_classes=spec.max_classes,
     max_edges=spec.max_edges,

@@ -89,7 +89,7 @@ from starlette.exceptions import HTTPException
 from mercury_jax.sampling import healing
 from mercury_jax.sampling.settings import Budget, SettingError, hole_loads, steps_per_block
 from mercury_jax.serve import answers, protocol as api, structured
-from mercury_jax.serve.chat import ChatTemplate, TemplateError
+from mercury_jax.serve.chat import TemplateError, chat_template_of, prompt_ids
 from mercury_jax.serve.guard import Guard
 from mercury_jax.serve.metrics import Metrics
 from mercury_jax.serve.scheduler import EngineDown, Knobs, QueueFull, Request as EngineRequest, ShuttingDown
@@ -317,8 +317,7 @@ def create_app(scheduler, compiler, options: Options) -> FastAPI:
   app.state.draining = False
   tokenizer, context = scheduler.tokenizer, scheduler.max_length
   limits = api.Limits(context=context, vocab=scheduler.vocab_size, block=scheduler.block)
-  source = scheduler.cfg.data.chat_template
-  template = ChatTemplate(source) if source else None
+  template = chat_template_of(scheduler.cfg.data.chat_template, tokenizer)
   metrics = app.state.metrics = Metrics(scheduler)
   timeout = api.APIError(
     504,
@@ -474,12 +473,12 @@ def create_app(scheduler, compiler, options: Options) -> FastAPI:
     return await complete(request, body, CHAT_MAX_TOKENS)
 
   def tokenise_chat(body: api.ChatRequest, tools: list[dict]) -> _Text:
-    """A chat request's :class:`_Text`: the rendered template's ids after BOS."""
+    """A chat request's :class:`_Text`: the rendered template's ids, BOS in front once (:func:`chat.prompt_ids`)."""
     try:
       rendered = template.render([m.as_dict() for m in body.messages], tools=tools)
     except TemplateError as e:
       raise api.APIError(400, str(e), param="messages") from None
-    prompt = [tokenizer.bos_id, *_encode(tokenizer, rendered, "messages")]
+    prompt = prompt_ids(tokenizer, _encode(tokenizer, rendered, "messages"))
     field, given = "max_tokens", body.max_tokens
     if body.max_completion_tokens is not None:
       if given is not None and given != body.max_completion_tokens:
