@@ -98,14 +98,16 @@ SPECS = {
     SamplingConfig(
       rule="confidence",
       confidence="entropy",
+      commit_counts="timesteps",
       block_length=0,
       steps_per_block=0,
       temperature=0.2,
       top_p=0.95,
       source=(
         "HKUNLP/Dream README (a1b4472): diffusion_generate(steps = max_new_tokens, temperature 0.2, top_p 0.95, "
-        "alg='entropy'): whole canvas, one token per step ranked by negative entropy (DiffuCoder's README: the same "
-        "with temperature 0.2-0.4)"
+        "alg='entropy'): whole canvas ranked by negative entropy, commit counts on the time grid "
+        "linspace(1, 1e-3, steps + 1) of generation_utils._sample (DiffuCoder's README: the same with temperature "
+        "0.2-0.4)"
       ),
     ),
   ),
