@@ -28,13 +28,13 @@ A converted checkpoint's folder holds (the converter copies the first two and wr
 Encoding never adds special tokens itself (``add_special_tokens=False``; ``add_bos`` decides, where the caller
 builds the prompt), but the text of an added token (``<|im_start|>``, ``<|start_header_id|>``) encodes to its id, so
 a rendered chat template gets the ids the model was trained on. The mask token's text is the exception: it encodes
-as plain text, so no prompt ever holds a mask id. Every id at or above the largest piece's id + 1 and below
-``vocab_size`` (a declared special id with no piece) has no text.
+as plain text, so no prompt ever holds a mask id. A declared special id may lie past the tokenizer's pieces
+(``vocab_size`` then covers it); it has no text.
 
 Token bytes: a byte-level BPE piece stands for bytes through GPT-2's byte-to-unicode table (:func:`bytes_to_unicode`),
 so :meth:`HFTokenizer.token_bytes` is exact even for a piece that holds part of a UTF-8 character (where decoding the
 one id alone would write U+FFFD). Decoding joins the ids' bytes and reads them as UTF-8, so ``decode(encode(s)) ==
-s`` for any string. A vocabulary without a ``ByteLevel`` decoder (sentencepiece-style ``▁`` and ``<0xNN>`` pieces)
+s`` for any string without special tokens' texts. A vocabulary without a ``ByteLevel`` decoder (sentencepiece-style ``▁`` and ``<0xNN>`` pieces)
 has its pieces read the sentencepiece way and decodes through the library.
 """
 
@@ -202,7 +202,7 @@ class HFTokenizer:
     name: Where it came from, for error messages.
 
   Raises:
-    ValueError: ``tokenizer_json`` is not a tokenizer, or a special id is not below the vocabulary.
+    ValueError: ``tokenizer_json`` is not a tokenizer.
   """
 
   def __init__(
@@ -238,7 +238,9 @@ class HFTokenizer:
       if token_id in added:
         self._bytes[token_id] = added[token_id].content.encode()
       elif self._byte_level:
-        self._bytes[token_id] = bytes(unicode_to_byte[c] if c in unicode_to_byte else ord(c) for c in piece)
+        self._bytes[token_id] = b"".join(
+          bytes([unicode_to_byte[c]]) if c in unicode_to_byte else c.encode() for c in piece
+        )
       elif byte_fallback and _BYTE_PIECE.fullmatch(piece):
         self._bytes[token_id] = bytes([int(piece[3:5], 16)])
       else:
