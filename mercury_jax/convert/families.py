@@ -342,7 +342,8 @@ def config_from_hf(
   cfg = Config(
     model=model,
     objective=ObjectiveConfig(mask_id=mask, block_size=block),
-    sampling=spec.sampling,
+    # A block-causal family's block is its trained block_size (the engine's exact cache); block_length stays 0.
+    sampling=dataclasses.replace(spec.sampling, block_length=0) if block else spec.sampling,
     name=family,
   )
   cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, chat_template=chat_template))

@@ -239,7 +239,9 @@ class SlotEngine:
 
   def _buckets(self) -> tuple[int, ...]:
     top = self.block + self.length  # the canvas's slots (verified decoding's tail is never prefilled)
-    size, sizes = MIN_BUCKET, []
+    # A request's first block ends at least two blocks in (the padding block, then its own): smaller buckets would
+    # never be used (blocks of 32 tokens and more: Fast-dLLM v2, a whole-sequence model's default block).
+    size, sizes = max(MIN_BUCKET, 2 * self.block), []
     while size < top:
       sizes.append(-(-size // self.block) * self.block)
       size *= 2
