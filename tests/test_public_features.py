@@ -144,3 +144,19 @@ def test_rope_frequencies_equal_transformers(scaling, params):
   got, scale = rope.frequencies(ours)
   np.testing.assert_allclose(got, want.numpy(), rtol=1e-6)
   assert np.isclose(scale, want_scale)
+
+
+def test_stop_ids_end_a_turn_as_one_event_with_eos():
+  """A chat model's end-of-turn ids are merged into EOS: EOS's probability becomes their sum, they are never proposed,
+  and a row where EOS is banned (min_length) can propose none of them."""
+  from mercury_jax.sampling.proposal import clean_logits
+
+  settings = SamplerSettings(eos_id=EOS, num_tokens=VOCAB, stop_ids=(40, 41)).validate()
+  logits = jnp.zeros((2, 1, VOCAB)).at[:, :, 40].set(5.0).at[:, :, 41].set(4.0).at[:, :, EOS].set(1.0)
+  banned = jnp.asarray([[False], [True]])
+  cleaned = clean_logits(logits, banned, settings)
+  p = jax.nn.softmax(cleaned, axis=-1)
+  q = jax.nn.softmax(clean_logits(logits, banned, SamplerSettings(eos_id=EOS, num_tokens=VOCAB).validate()), -1)
+  np.testing.assert_allclose(p[0, 0, EOS], q[0, 0, EOS] + q[0, 0, 40] + q[0, 0, 41], rtol=1e-6)
+  assert p[0, 0, 40] == 0 and p[0, 0, 41] == 0 and int(jnp.argmax(cleaned[0, 0])) == EOS
+  assert p[1, 0, EOS] == 0 and p[1, 0, 40] == 0 and p[1, 0, 41] == 0

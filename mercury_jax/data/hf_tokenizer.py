@@ -34,8 +34,8 @@ as plain text, so no prompt ever holds a mask id. A declared special id may lie 
 Token bytes: a byte-level BPE piece stands for bytes through GPT-2's byte-to-unicode table (:func:`bytes_to_unicode`),
 so :meth:`HFTokenizer.token_bytes` is exact even for a piece that holds part of a UTF-8 character (where decoding the
 one id alone would write U+FFFD). Decoding joins the ids' bytes and reads them as UTF-8, so ``decode(encode(s)) ==
-s`` for any string without special tokens' texts. A vocabulary without a ``ByteLevel`` decoder (sentencepiece-style ``▁`` and ``<0xNN>`` pieces)
-has its pieces read the sentencepiece way and decodes through the library.
+s`` for any string without special tokens' texts. A vocabulary without a ``ByteLevel`` decoder (sentencepiece-style
+``▁`` and ``<0xNN>`` pieces) has its pieces read the sentencepiece way and decodes through the library.
 """
 
 from __future__ import annotations

@@ -85,6 +85,7 @@ class Jobs:
       pad_id=tok.pad_id,
       bos_id=tok.bos_id,
       unk_id=tok.unk_id,
+      stop_ids=tuple(i for i in tok.stop_ids if i != tok.eos_id),
       num_tokens=tok.vocab_size,
       **knobs,
     ).validate()

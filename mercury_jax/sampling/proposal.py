@@ -62,11 +62,18 @@ def excluded_ids(vocab: int, settings: SamplerSettings) -> np.ndarray:
 
 
 def clean_logits(logits: jax.Array, eos_banned: jax.Array, settings: SamplerSettings) -> jax.Array:
-  """Float32 logits of the clean token: :func:`excluded_ids` removed (-inf), EOS too where ``eos_banned`` [b, l]."""
+  """Float32 logits of the clean token: :func:`excluded_ids` removed (-inf), EOS too where ``eos_banned`` [b, l];
+  ``settings.stop_ids`` merged into EOS (the log of their summed probability) and removed."""
   vocab = logits.shape[-1]
+  logits = logits.astype(jnp.float32)
   is_eos = jnp.arange(vocab) == settings.eos_id
   removed = jnp.asarray(excluded_ids(vocab, settings)) | (is_eos & eos_banned[..., None])  # [b, l, vocab]
-  return jnp.where(removed, -jnp.inf, logits.astype(jnp.float32))
+  stops = [i for i in settings.stop_ids if i != settings.eos_id and 0 <= i < vocab]
+  if stops:
+    ending = jax.nn.logsumexp(logits[..., [settings.eos_id, *stops]], axis=-1)  # [b, l]
+    logits = jnp.where(is_eos, ending[..., None], logits)
+    removed = removed | jnp.isin(jnp.arange(vocab), jnp.asarray(stops))
+  return jnp.where(removed, -jnp.inf, logits)
 
 
 def filter_logits(logits: jax.Array, settings: SamplerSettings) -> jax.Array:

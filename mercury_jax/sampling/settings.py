@@ -69,6 +69,10 @@ class SamplerSettings:
       ``even`` spreads a block's open positions evenly over its steps left, ``ceil(open / steps_left)`` (LLaDA's
       ``get_num_transfer_tokens``: the same counts); ``timesteps`` takes ``floor(open * (1 - s / t))`` on Dream's
       time grid ``linspace(1, 1e-3, steps + 1)`` (Dream's ``_sample``, which may commit nothing at a step).
+    stop_ids: Other tokens that end a turn as EOS does (a converted chat model's ``<|eot_id|>`` or ``<|im_end|>``):
+      the engine treats them as one event with EOS, whose probability is their sum (their logits are merged into
+      EOS's by a log-sum-exp and they are never proposed themselves), so every EOS rule (``min_length``, ``eos_to_pad``,
+      a stream's end) applies to them.
     draft_length: Verified decoding's draft length k (each step verifies up to k - 1 drafts and commits at most k
       tokens); 0: the checkpoint's trained ``objective.draft_length``.
   """
@@ -93,6 +97,7 @@ class SamplerSettings:
   decode: Literal["auto", "ar", "diffusion", "verified"] = "auto"
   draft_length: int = 0
   commit_counts: Literal["even", "timesteps"] = "even"
+  stop_ids: tuple[int, ...] = ()
 
   @property
   def mask_id(self) -> int:
