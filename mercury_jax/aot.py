@@ -239,6 +239,7 @@ class _TokenIds:
   unk_id: int = 1
   bos_id: int = 2
   eos_id: int = 3
+  stop_ids: tuple[int, ...] = (3,)
 
 
 def check_divides(params, mesh) -> None:

@@ -137,6 +137,10 @@ class Attention(nn.Module):
         y = RMSNorm(cfg.norm_eps, dtype, pdt, sh.HEAD_DIM, name=f"{name}_norm")(y)
       return y
 
+    # Parameters are created in this order (query, key, value, out): Flax derives each one's init key from it.
+    q = project("query", h, sh.HEADS)  # [batch, length, heads, head_dim]
+    k = project("key", kv, sh.KV_HEADS)  # [batch, length, kv_heads, head_dim]
+    v = project("value", kv, sh.KV_HEADS)
     w_o = _param(
       self,
       "out",
@@ -145,9 +149,6 @@ class Attention(nn.Module):
       nn.initializers.normal(stddev=0.02 / math.sqrt(2 * cfg.num_layers)),
       pdt,
     ).astype(dtype)
-    q = project("query", h, sh.HEADS)  # [batch, length, heads, head_dim]
-    k = project("key", kv, sh.KV_HEADS)  # [batch, length, kv_heads, head_dim]
-    v = project("value", kv, sh.KV_HEADS)
     q = nn.with_logical_constraint(rotary(q, positions, cfg), (sh.BATCH, sh.LENGTH, sh.ACT_HEADS, sh.HEAD_DIM))
     k = nn.with_logical_constraint(rotary(k, positions, cfg), (sh.BATCH, sh.LENGTH, sh.ACT_KV_HEADS, sh.HEAD_DIM))
     v = nn.with_logical_constraint(v, (sh.BATCH, sh.LENGTH, sh.ACT_KV_HEADS, sh.HEAD_DIM))

@@ -33,6 +33,7 @@ def tiny_automaton(table: np.ndarray, accepting: np.ndarray, start: int):
     num_states=states,
     num_classes=vocab,
     num_edges=int((table >= 0).sum()),
+    mask_id=MASK,
   )
 
 
