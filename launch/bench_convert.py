@@ -6,7 +6,7 @@ process, and prints a markdown table: source GB, seconds, GB/s, the child's peak
 parameters' size (the target is <= 1.3). The work folder (default: a new temporary folder) is deleted afterwards::
 
   python launch/bench_convert.py                 # about 2.3 GB per layout
-  python launch/bench_convert.py --gb 4 --keep --workdir /tmp/bench_convert
+  python launch/bench_convert.py --gb 4 --keep --workdir runs/bench_convert
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ good checkpoint, and ``max_to_keep`` only removes old steps after a newer one is
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -213,3 +214,15 @@ def export_params(path: str | Path, params: Any, cfg: Config, tokenizer_file: st
     )
     manager.wait_until_finished()
   return root / str(step)
+
+
+def replace_folder(staging: Path, out: Path) -> None:
+  """Puts the finished folder ``staging`` (a sibling of ``out``) at ``out``, replacing what is there: a reader sees the
+  old folder or the new one, never a partial one (``export`` and ``convert`` build their output this way)."""
+  if out.exists():
+    retired = out.with_name(f".{out.name}.old-{os.getpid()}")
+    out.rename(retired)
+    staging.rename(out)
+    shutil.rmtree(retired)
+  else:
+    staging.rename(out)

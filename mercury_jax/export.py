@@ -62,7 +62,7 @@ def export(
   import jax
   import jax.numpy as jnp
 
-  from mercury_jax.checkpoint import export_params, find_tokenizer, restore_params
+  from mercury_jax.checkpoint import export_params, find_tokenizer, replace_folder, restore_params
 
   if dtype not in DTYPES:
     raise ValueError(f"dtype={dtype!r} must be one of {', '.join(DTYPES)}")
@@ -98,13 +98,7 @@ def export(
         (staging / METADATA_FILE).write_text(json.dumps(portable_metadata(metadata), indent=2) + "\n")
     if card is not None:
       shutil.copyfile(card, staging / CARD_FILE)
-    if out.exists():
-      retired = out.with_name(f".{out.name}.old-{os.getpid()}")
-      out.rename(retired)
-      staging.rename(out)
-      shutil.rmtree(retired)
-    else:
-      staging.rename(out)
+    replace_folder(staging, out)
   except BaseException:
     shutil.rmtree(staging, ignore_errors=True)
     raise

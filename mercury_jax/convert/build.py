@@ -18,6 +18,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from mercury_jax.checkpoint import replace_folder
 from mercury_jax.config import Config, ModelConfig
 from mercury_jax.convert import safetensors_io as st
 from mercury_jax.convert.families import SPECS, ConvertError, Target, block_size, config_from_hf, tensor_plan
@@ -29,7 +30,7 @@ from mercury_jax.convert.tokens import (
   special_tokens,
   write_tokenizer,
 )
-from mercury_jax.data.hf_tokenizer import TOKENIZER_CONFIG, TOKENIZER_JSON, SpecialTokens
+from mercury_jax.data.hf_files import TOKENIZER_CONFIG, TOKENIZER_JSON, SpecialTokens
 
 CARD_FILE = "MODEL_CARD.md"
 ORBAX_COMMIT_MARKER = "commit_success.txt"
@@ -186,16 +187,6 @@ def _staging(out: Path, force: bool) -> Path:
   return staging
 
 
-def _replace(staging: Path, out: Path) -> None:
-  if out.exists():
-    retired = out.with_name(f".{out.name}.old-{os.getpid()}")
-    out.rename(retired)
-    staging.rename(out)
-    shutil.rmtree(retired)
-  else:
-    staging.rename(out)
-
-
 def convert(
   src: str | os.PathLike,
   out: str | os.PathLike,
@@ -262,7 +253,7 @@ def convert(
     del params
     write_tokenizer(src, staging, special)
     (staging / CARD_FILE).write_text(model_card(src, hf, cfg, special, dtype))
-    _replace(staging, out)
+    replace_folder(staging, out)
   except BaseException:
     shutil.rmtree(staging, ignore_errors=True)
     raise

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from mercury_jax.convert.families import SPECS, ConvertError
-from mercury_jax.data.hf_tokenizer import (
+from mercury_jax.data.hf_files import (
   CHAT_TEMPLATE_FILE,
   TOKENIZER_CONFIG,
   TOKENIZER_JSON,

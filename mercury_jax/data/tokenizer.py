@@ -283,7 +283,7 @@ def load_tokenizer(path: str | os.PathLike) -> TextTokenizer:
     FileNotFoundError: Neither is found.
     ValueError: A tokenizer file is malformed.
   """
-  from mercury_jax.data import hf_tokenizer
+  from mercury_jax.data import hf_files, hf_tokenizer
 
   path = Path(path).absolute()
   if path.is_file() and path.suffix == ".model":
@@ -292,19 +292,19 @@ def load_tokenizer(path: str | os.PathLike) -> TextTokenizer:
   for folder in (path, path.parent, path.parent.parent):
     if (folder / SENTENCEPIECE_FILE).is_file():
       return Tokenizer.load(folder / SENTENCEPIECE_FILE)
-    if (folder / hf_tokenizer.TOKENIZER_JSON).is_file():
-      if (folder / hf_tokenizer.SPECIAL_TOKENS_FILE).is_file():
+    if (folder / hf_files.TOKENIZER_JSON).is_file():
+      if (folder / hf_files.SPECIAL_TOKENS_FILE).is_file():
         return hf_tokenizer.HFTokenizer.load(folder)
       half = half or folder
   hint = (
-    f" ({str(half)!r} has {hf_tokenizer.TOKENIZER_JSON} but no {hf_tokenizer.SPECIAL_TOKENS_FILE}; write it with "
-    "mercury_jax.data.hf_tokenizer.write_special_tokens)"
+    f" ({str(half)!r} has {hf_files.TOKENIZER_JSON} but no {hf_files.SPECIAL_TOKENS_FILE}; write it with "
+    "mercury_jax.data.hf_files.write_special_tokens)"
     if half
     else ""
   )
   raise FileNotFoundError(
     f"no tokenizer in {str(path)!r} or the two folders above it: expected {SENTENCEPIECE_FILE} or "
-    f"{hf_tokenizer.TOKENIZER_JSON} with {hf_tokenizer.SPECIAL_TOKENS_FILE}{hint}"
+    f"{hf_files.TOKENIZER_JSON} with {hf_files.SPECIAL_TOKENS_FILE}{hint}"
   )
 
 
