@@ -7,6 +7,8 @@ that computes their reference logits (transformers' own classes; tests only).
 * LLaDA's math is Llama's (RMSNorm, rotate-half RoPE, SwiGLU with ``ff_proj`` as the gate): a ``LlamaForCausalLM``
   whose tensors are renamed to LLaDA's (:data:`LLADA_NAMES`) and whose config.json is rewritten in LLaDA's keys
   (``d_model``, ``n_layers``, ...), stored in bfloat16 as LLaDA ships.
+* ``qwen2``, ``qwen3`` and ``llama`` are the plain causal models (:data:`PLAIN`) the diffusion families were adapted
+  from, saved by transformers unchanged: what ``convert --family autoregressive`` reads.
 
 Every parameter (norm scales and biases included) is drawn at random, so a mis-mapped tensor changes the logits.
 """
@@ -20,6 +22,7 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+PLAIN = ("qwen2", "qwen3", "llama")
 VOCAB = 320  # The model's vocabulary: larger than the tokenizer's (a padded vocabulary, as in Qwen's 152064).
 SPECIALS = (
   "<|endoftext|>", "<|startoftext|>", "<|im_start|>", "<|im_end|>", "<|eot_id|>", "<|mdm_mask|>", "<|mask|>",
@@ -91,14 +94,14 @@ def build(folder: Path, family: str, *, tied: bool = False, shard_size: str | No
     vocab_size=VOCAB, max_position_embeddings=256, rope_theta=10_000.0, rms_norm_eps=1e-6, tie_word_embeddings=tied,
     bos_token_id=ids["<|startoftext|>"], eos_token_id=ids["<|endoftext|>"], pad_token_id=ids["<|endoftext|>"], **SHAPE,
   )  # fmt: skip
-  if family in ("dream", "fast_dllm_v2"):
+  if family in ("dream", "fast_dllm_v2", "qwen2"):
     model = Qwen2ForCausalLM(Qwen2Config(**common))
-  elif family == "sdar":
+  elif family in ("sdar", "qwen3"):
     model = Qwen3ForCausalLM(Qwen3Config(head_dim=16, **common))
-  elif family == "llada":
+  elif family in ("llada", "llama"):
     model = LlamaForCausalLM(LlamaConfig(**common))
   else:
-    raise ValueError(f"family={family!r} must be llada, dream, sdar or fast_dllm_v2")
+    raise ValueError(f"family={family!r} must be llada, dream, sdar, fast_dllm_v2 or one of {PLAIN}")
   _randomize(model, seed)
   model.eval()
   if family == "llada":
@@ -108,6 +111,8 @@ def build(folder: Path, family: str, *, tied: bool = False, shard_size: str | No
     _write_llada(folder, model, ids)
     return model, ids
   model.save_pretrained(folder, max_shard_size=shard_size or "5GB")
+  if family in PLAIN:
+    return model, ids
   if family == "dream":
     _patch_config(folder, model_type="Dream", architectures=["DreamModel"], mask_token_id=ids["<|mask|>"])
   elif family == "fast_dllm_v2":  # Its mask id comes from the tokenizer's "|<MASK>|" (no mask_token_id key).

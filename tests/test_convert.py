@@ -1,5 +1,6 @@
 """The converter (mercury_jax.convert): tiny random checkpoints of every family, written by transformers in the
-family's file format (tests/hf_reference.py), convert to checkpoints whose logits equal the reference forward's."""
+family's file format (tests/hf_reference.py), convert to checkpoints whose logits equal the reference forward's; a
+plain causal model converts as the autoregressive model it is."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from mercury_jax.convert.__main__ import main
 from mercury_jax.data.hf_tokenizer import HFTokenizer
 from mercury_jax.model import Transformer
 from mercury_jax.sampling.network import Network
+from mercury_jax.sampling.sampler import Sampler
 
 # family -> (build options, the tokenizer text of its mask, trained block, shifted logits)
 FAMILIES = {
@@ -38,7 +40,7 @@ def sources(tmp_path_factory):
   def get(family: str):
     if family not in built:
       folder = root / family
-      built[family] = (folder, *ref.build(folder, family, **FAMILIES[family][0]))
+      built[family] = (folder, *ref.build(folder, family, **FAMILIES.get(family, ({},))[0]))
     return built[family]
 
   return get
@@ -66,6 +68,41 @@ def test_float32_logits_equal_the_reference_forward(family, sources, tmp_path):
   read = np.asarray(Network(cfg.model).logits(params, TOKENS, segments=None, positions=None, mask="bidirectional"))
   want = np.concatenate([bidirectional[:, :1], bidirectional[:, :-1]], axis=1) if shifted else bidirectional
   np.testing.assert_allclose(read, want, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("layout", ref.PLAIN)
+def test_a_plain_causal_model_converts_as_autoregressive_with_the_reference_logits(layout, sources, tmp_path):
+  src, model, ids = sources(layout)
+  params, cfg = restore_params(convert(src, tmp_path / "out", "autoregressive", "float32"))
+  assert (cfg.name, cfg.objective.name, cfg.objective.block_size) == ("autoregressive", "autoregressive", 0)
+  assert cfg.model.causal and not cfg.model.shifted_logits and cfg.model.qk_norm == (layout == "qwen3")
+  # The mask placeholder is the first embedding row after the tokenizer's ids: no text, never proposed.
+  pieces = len(json.loads((src / "tokenizer.json").read_text())["model"]["vocab"])
+  assert cfg.objective.mask_id == pieces < ref.VOCAB and ids["<|im_end|>"] < pieces
+  expected = ref.reference_logits(model, TOKENS, "causal")
+  got = np.asarray(Transformer(cfg.model).apply({"params": params}, TOKENS))  # A causal model's default mask.
+  np.testing.assert_allclose(got, expected, atol=1e-4, rtol=1e-5)
+
+
+def test_a_converted_autoregressive_model_decodes_greedily_as_its_reference(sources, tmp_path):
+  """Through ``Sampler.from_checkpoint`` (what ``sample`` and ``serve`` load): token by token, the reference network's
+  argmax over the ids the engine proposes (no mask, BOS or ids past the tokenizer; stop ids merged into EOS)."""
+  src, model, _ = sources("qwen2")
+  out = convert(src, tmp_path / "out", "autoregressive", "float32")
+  sampler = Sampler.from_checkpoint(out)
+  assert sampler.autoregressive and sampler.cfg.sampling.temperature == 0.0  # No do_sample: greedy by default.
+  tok, special = sampler.tokenizer, json.loads((out / "special_tokens.json").read_text())
+  prompt = tok.encode("def add(a, b):")
+  want: list[int] = []
+  while len(want) < 12 and special["eos_id"] not in want:
+    logits = ref.reference_logits(model, np.array([prompt + want]), "causal")[0, -1].astype(np.float64)
+    stops = special["stop_ids"]
+    logits[special["eos_id"]] = np.logaddexp.reduce(logits[[special["eos_id"], *stops]])
+    logits[[special["mask_id"], special["bos_id"], *stops]] = -np.inf
+    logits[tok.vocab_size :] = -np.inf
+    want.append(int(logits.argmax()))
+  got = sampler.generate("def add(a, b):", length=12, token_healing=False, eos_to_pad=False)[0].tokens
+  assert got[: len(want)] == want
 
 
 def test_cli_writes_a_bfloat16_checkpoint_with_tokenizer_files_and_defaults(sources, tmp_path, capsys):
@@ -138,9 +175,19 @@ def test_config_from_hf_maps_the_full_size_configs():
   yarn = {**qwen, "model_type": "Dream", "rope_scaling": {"type": "yarn", "factor": 4.0}}
   model = config_from_hf(yarn, "auto").model
   assert (model.rope_scaling, model.rope_factor, model.rope_original_length) == ("yarn", 4.0, 131072)
-  with pytest.raises(ConvertError, match="pass --family"):
+  with pytest.raises(ConvertError, match="pass --family autoregressive to convert the model as it is, or a diffusion"):
     config_from_hf({**qwen, "model_type": "qwen2"}, "auto")
   assert config_from_hf({**qwen, "model_type": "qwen2"}, "dream").model.shifted_logits
+  with pytest.raises(ConvertError, match="'Dream' is a Dream diffusion model"):
+    config_from_hf({**qwen, "model_type": "Dream"}, "autoregressive")
+  # A plain model's decoding defaults are its generation_config.json, as transformers' generate reads it.
+  sampling = {"do_sample": True, "temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05}
+  qwen_ar = config_from_hf({**qwen, "model_type": "qwen2"}, "autoregressive", generation=sampling)
+  assert qwen_ar.model.causal and qwen_ar.objective.autoregressive and qwen_ar.objective.mask_id < 152064
+  s = qwen_ar.sampling
+  assert (s.temperature, s.top_p, s.top_k) == (0.7, 0.8, 20) and "repetition_penalty 1.05 is not applied" in s.source
+  unfiltered = config_from_hf({**qwen, "model_type": "llama"}, "autoregressive", generation={"do_sample": True})
+  assert (unfiltered.sampling.temperature, unfiltered.sampling.top_p, unfiltered.sampling.top_k) == (1.0, 1.0, 50)
 
 
 def _edit_config(folder: Path, **fields) -> None:

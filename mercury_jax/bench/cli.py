@@ -18,7 +18,15 @@ than cut (a cut prompt loses its ``def`` line). Canvases are padded to a multipl
 (within the context), as the sampling command line runs them.
 
 Both models run through the engine the command line and the Python API use: one
-:class:`~mercury_jax.sampling.sampler.Sampler` per model, whose ``run`` compiles once per (settings, shape).
+:class:`~mercury_jax.sampling.sampler.Sampler` per model, whose ``run`` compiles once per (settings, shape). Every
+setting samples the whole tempered distribution (no top-p or top-k from a checkpoint's defaults).
+
+Converted public checkpoints (``python -m mercury_jax.convert``: a diffusion model and, with ``--family
+autoregressive``, its parent) carry their own tokenizer: leave ``--data`` out and name the prompts' corpus::
+
+  python -m mercury_jax.bench --diffusion models/fast-dllm-v2 --autoregressive models/qwen2.5 --corpus python-stdlib
+
+The two tokenizers must be one (``mercury_jax.bench.models``); each model keeps its own mask, EOS and padding ids.
 
 Timing: a shared host's capacity can change 2x for minutes at a time, so absolute numbers from different runs do
 not compare. Each executable is compiled (timed separately) and run once untimed; then every round runs each setting
@@ -48,16 +56,16 @@ import numpy as np
 
 from mercury_jax import kinds as K, usage
 from mercury_jax.bench import prompts as bench_prompts, quality, report as bench_report, verified as bench_verified
+from mercury_jax.bench.models import load_models
 from mercury_jax.bench.overhead import engine_overhead
 from mercury_jax.bench.throughput import time_call
-from mercury_jax.checkpoint import restore_params
 from mercury_jax.data import pipeline
-from mercury_jax.data.tokenizer import Tokenizer, load_tokenizer
+from mercury_jax.data.hf_files import SPECIAL_TOKENS_FILE, TOKENIZER_JSON
 from mercury_jax.sampling import canvas as cv
 from mercury_jax.sampling.canvas import SampleOutput
 from mercury_jax.sampling.decoders import bucketed_length
 from mercury_jax.sampling.registry import default_checkpoint
-from mercury_jax.sampling.sampler import Sampler, check_compatible, is_autoregressive
+from mercury_jax.sampling.sampler import Sampler
 from mercury_jax.sampling.settings import SamplerSettings
 
 STEPS = (4, 8, 16, 32, 64, 128, 256)
@@ -106,50 +114,6 @@ def grid(length: int, steps, taus, temperatures, ar_temperatures, caches=(), dra
   return settings + verified
 
 
-def load_models(
-  diffusion_dir: str | None, ar_dir: str, data_dir: str, verified_dir: str | None = None
-) -> tuple[Tokenizer, dict[str, Sampler]]:
-  """The data's tokenizer and a :class:`Sampler` of each model given (``"diffusion"``, ``"autoregressive"``,
-  ``"verified"``).
-
-  Raises:
-    ValueError: A path is missing, a checkpoint is of the wrong kind, the tokenizers differ, or a model does not fit
-      the tokenizer (:func:`~mercury_jax.sampling.sampler.check_compatible`).
-  """
-  tokenizer = pipeline.load_tokenizer(data_dir)
-  samplers = {}
-  for model, flag, path in (
-    ("diffusion", "--diffusion", diffusion_dir),
-    ("autoregressive", "--autoregressive", ar_dir),
-    ("verified", "--verified", verified_dir),
-  ):
-    if path is None:
-      continue
-    if not Path(path).exists():
-      raise ValueError(f"{flag} {path!r} does not exist; give a train workdir or exported checkpoint")
-    try:
-      params, cfg = restore_params(path)
-    except FileNotFoundError as e:
-      raise ValueError(f"{flag}: {e}") from None
-    if (cfg.objective.name == "verified") != (model == "verified"):
-      raise ValueError(f"{flag} {path!r} is a {cfg.objective.name} checkpoint; a verified one goes to --verified only")
-    if model != "verified" and is_autoregressive(cfg) != (model == "autoregressive"):
-      other = "--autoregressive" if flag == "--diffusion" else "--diffusion"
-      raise ValueError(f"{flag} {path!r} is a {cfg.objective.name} checkpoint; pass it as {other}")
-    try:
-      own = load_tokenizer(path).to_bytes()
-    except FileNotFoundError:
-      own = None
-    if own is not None and own != tokenizer.to_bytes():
-      raise ValueError(f"{flag} {path!r} was trained with another tokenizer than the one in --data {data_dir!r}")
-    try:
-      check_compatible(cfg, tokenizer)
-    except ValueError as e:
-      raise ValueError(f"{flag} {path!r}: {e}") from None
-    samplers[model] = Sampler(params, cfg, tokenizer)
-  return tokenizer, samplers
-
-
 def make_batches(prompt_ids: list[list[int]], length: int, context: int, batch: int, pad_id: int) -> list[cv.Canvas]:
   """All prompts as canvases of ``batch`` rows (streams = prompt index; the last batch padded with empty rows).
 
@@ -175,12 +139,13 @@ class Runner:
     self.compile_s: dict[tuple, float] = {}
 
   def settings(self, setting: Setting) -> SamplerSettings:
-    """The ``SamplerSettings`` of a setting, with its model's ids and schedule."""
+    """The ``SamplerSettings`` of a setting, with its model's ids and schedule; every setting samples its whole
+    tempered distribution (no top-p or top-k, whatever a checkpoint's ``[sampling]`` defaults say)."""
     knobs = {"rule": setting.rule, "threshold": setting.tau} if setting.model == "diffusion" else {}
     if setting.model == "verified":
       knobs = {"decode": "verified", "draft_length": setting.draft}
     knobs = {k: v for k, v in knobs.items() if v is not None}
-    return self.samplers[setting.model].settings(temperature=setting.temperature, **knobs)
+    return self.samplers[setting.model].settings(temperature=setting.temperature, top_p=1.0, top_k=0, **knobs)
 
   def executable(self, setting: Setting, canvas: cv.Canvas) -> tuple:
     """The key of ``setting``'s executable for ``canvas``'s shape in ``compile_s``; compiles it the first time."""
@@ -205,7 +170,7 @@ def measure(runner: Runner, settings: list[Setting], batches: dict[int, list[cv.
   probe = jax.jit(lambda x: x @ x)
   time_call(probe, probe_input)
   calls: dict[tuple[int, int], list[dict[str, Any]]] = {}
-  gflops, round_index, pad_id = [], 0, runner.samplers["autoregressive"].tokenizer.pad_id
+  gflops, round_index = [], 0
   for batch, chunks in batches.items():
     for i, setting in enumerate(settings):
       runner.executable(setting, chunks[0])
@@ -216,6 +181,7 @@ def measure(runner: Runner, settings: list[Setting], batches: dict[int, list[cv.
         order = [(round_index + k) % len(settings) for k in range(len(settings))]
         for i in order:
           out, wall = runner.call(settings[i], canvas)
+          pad_id = runner.samplers[settings[i].model].tokenizer.pad_id  # Each model pads with its own id.
           generated = (np.asarray(canvas.kinds)[:real] == K.TARGET) & (out.tokens[:real] != pad_id)
           calls[(i, batch)].append(
             {
@@ -324,7 +290,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
   verified_rows = []
   for batch in args.batch_sizes:
     for i, setting in enumerate(settings):
-      done = completions(calls[(i, batch)], kinds, tokenizer.eos_id, tokenizer.pad_id)
+      own = samplers[setting.model].tokenizer  # Its own EOS and padding (one text vocabulary for all models).
+      done = completions(calls[(i, batch)], kinds, own.eos_id, own.pad_id)
       cache_key = json.dumps(done)
       if cache_key not in quality_cache:
         quality_cache[cache_key] = sample_quality(prompt_ids, [p.text for p in prompts], done, ar)
@@ -361,6 +328,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     "canvas": {
       "prompts": len(prompts),
       "prompt_source": f"documented functions of the validation split of {spec!r}",
+      "tokenizer": f"the sentencepiece one of --data {args.data!r}" if args.data else "the checkpoints' own",
       "length": args.length,
       "canvas_length": int(batches[args.batch_sizes[0]][0].tokens.shape[1]),
       "rule": f"each prompt generates min({args.length}, {context} - prompt) tokens; prompts over "
@@ -458,10 +426,14 @@ def build_parser() -> argparse.ArgumentParser:
     "--data",
     help="the prepared data directory both were trained on (default: the --diffusion checkpoint's folder when it "
     "carries the corpus's metadata.json, as the bundled models do: prompts then come from that corpus as installed "
-    "here)",
+    "here); leave it out for converted checkpoints, which carry their own tokenizer, and give --corpus",
   )
   p.add_argument("--out", default="runs/bench", help="where results.json, results.md and the plots go")
-  p.add_argument("--corpus", help="read the prompts' corpus from here instead of the one named in DATA/metadata.json")
+  p.add_argument(
+    "--corpus",
+    help="read the prompts' corpus from here instead of the one named in DATA/metadata.json (a corpus spec: "
+    "python-stdlib, a glob, ...); without --data, the checkpoints' own tokenizer encodes them",
+  )
   p.add_argument("--smoke", action="store_true", help="a tiny grid for tests and CI (overrides the grid flags)")
   p.add_argument("--prompts", type=int, default=64, help="how many prompts")
   p.add_argument("--length", type=int, default=256, help="tokens to generate per prompt (cut to the context)")
@@ -490,7 +462,8 @@ def build_parser() -> argparse.ArgumentParser:
 def _bundled_defaults(args: argparse.Namespace) -> None:
   """Fills ``--diffusion``/``--autoregressive`` with the bundled ``default_bd`` and ``default_ar`` (and, when no model
   flag is given, ``--verified`` with the bundled ``default``) and ``--data`` with the first model's folder (a bundle
-  exported with ``--data`` carries the corpus metadata and the tokenizer)."""
+  exported with ``--data`` carries the corpus metadata and the tokenizer). Without that, ``--corpus`` leaves
+  ``--data`` unset: the checkpoints' own tokenizer (a converted checkpoint's) then encodes the prompts."""
   wanted = [("diffusion", "default_bd"), ("autoregressive", "default_ar")]
   if not (args.diffusion or args.autoregressive or args.verified):  # No model flag: the bundled three.
     wanted.append(("verified", "default"))
@@ -505,9 +478,15 @@ def _bundled_defaults(args: argparse.Namespace) -> None:
   if args.data is None:
     flag, given = next((f, getattr(args, f)) for f in ("diffusion", "verified", "autoregressive") if getattr(args, f))
     folder = Path(given)
-    if not (folder / pipeline.METADATA_FILE).is_file() or not (folder / "tokenizer.model").is_file():
-      _fail(f"no --data given and --{flag} {given!r} carries no corpus metadata; pass --data DATA_DIR")
-    args.data = str(folder)
+    if (folder / pipeline.METADATA_FILE).is_file() and (folder / pipeline.TOKENIZER_FILE).is_file():
+      args.data = str(folder)
+    elif args.corpus is None:  # With --corpus, the checkpoints' own tokenizers (bench.models).
+      if (folder / TOKENIZER_JSON).is_file() and (folder / SPECIAL_TOKENS_FILE).is_file():
+        _fail(f"--{flag} {given!r} carries its own tokenizer but no corpus; name the prompts' corpus with --corpus")
+      _fail(
+        f"no --data given and --{flag} {given!r} carries no corpus metadata; pass --data DATA_DIR (or --corpus to "
+        "use the checkpoints' own tokenizer)"
+      )
 
 
 def main(argv: list[str] | None = None) -> None:

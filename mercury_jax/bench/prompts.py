@@ -64,12 +64,12 @@ def corpus_prompts(spec: str, split: str = corpus_lib.VALIDATION) -> list[Prompt
 
 
 def select_prompts(
-  data_dir: str | Path, n: int, fits: Callable[[str], bool], corpus: str | None = None
+  data_dir: str | Path | None, n: int, fits: Callable[[str], bool], corpus: str | None = None
 ) -> tuple[list[Prompt], str]:
-  """``n`` prompts spread over the validation split of the corpus that ``data_dir`` was prepared from.
+  """``n`` prompts spread over the validation split of the corpus that ``data_dir`` was prepared from (or ``corpus``).
 
   Args:
-    data_dir: A prepared data directory; its ``metadata.json`` names the corpus.
+    data_dir: A prepared data directory; its ``metadata.json`` names the corpus (None: ``corpus`` is needed).
     n: How many prompts.
     fits: Keeps a prompt text (e.g. it leaves room to generate in the model's context).
     corpus: Read this corpus instead of the one named in the metadata (e.g. a glob relative to another folder).
@@ -80,6 +80,8 @@ def select_prompts(
   Raises:
     ValueError: The data directory is not prepared, the corpus cannot be read, or no prompt fits.
   """
+  if corpus is None and data_dir is None:
+    raise ValueError("no corpus to take prompts from: give --corpus (or --data, a prepared data directory)")
   spec = corpus or pipeline.read_metadata(data_dir)["corpus"]
   candidates = [p for p in corpus_prompts(spec) if fits(p.text)]
   if not candidates:

@@ -1,4 +1,5 @@
-"""Public diffusion-LM checkpoints (LLaDA, Dream / DiffuCoder, SDAR, Fast-dLLM v2) as mercury_jax checkpoints.
+"""Public diffusion-LM checkpoints (LLaDA, Dream / DiffuCoder, SDAR, Fast-dLLM v2), and their autoregressive parents
+(plain Qwen2 / Qwen3 / Llama models, ``--family autoregressive``), as mercury_jax checkpoints.
 
 ``python -m mercury_jax.convert --from DIR --out models/NAME`` reads a Hugging Face folder (``config.json``,
 safetensors, tokenizer files) without torch and writes a params-only Orbax checkpoint that

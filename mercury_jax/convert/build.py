@@ -154,6 +154,15 @@ def model_card(src: Path, hf: dict[str, Any], cfg: Config, special: SpecialToken
   m, s, spec = cfg.model, cfg.sampling, SPECS[cfg.name]
   name = hf.get("_name_or_path") or src.name
   block = f"block diffusion, blocks of {cfg.objective.block_size}" if cfg.objective.block_size else "whole sequence"
+  mask = f"mask id {cfg.objective.mask_id}"
+  knobs = (
+    f"rule `{s.rule}`, confidence `{s.confidence}`, threshold {s.threshold}, block_length {s.block_length},\n"
+    f"steps_per_block {s.steps_per_block} (0: one token per step)"
+  )
+  if cfg.objective.autoregressive:
+    knobs = "one token per step"
+    block = "autoregressive, one token per step over the exact key-value cache"
+    mask += " (a placeholder for positions still to come: no output the decoder reads depends on it)"
   return f"""# {name} (converted)
 
 Converted from the Hugging Face checkpoint `{src.name}` (`model_type` `{hf.get("model_type")}`, architectures
@@ -163,14 +172,12 @@ Converted from the Hugging Face checkpoint `{src.name}` (`model_type` `{hf.get("
 - Model: {m.num_layers} layers, d_model {m.d_model}, {m.num_heads} heads ({m.num_kv_heads} key/value heads) of
   {m.head_dim}, MLP {m.mlp_dim}, vocabulary {m.vocab_size}, RoPE theta {m.rope_theta:g} ({m.rope_scaling} scaling),
   q/k/v bias {m.qkv_bias}, qk-norm {m.qk_norm}, tied embeddings {m.tie_embeddings}; parameters stored in {dtype}.
-- Decoding: {block}; shifted logits {m.shifted_logits} (position i's output predicts token i + 1); mask id
-  {cfg.objective.mask_id}; EOS {special.eos_id}, stop ids {list(special.stop_ids)}; context {m.max_length} tokens.
+- Decoding: {block}; shifted logits {m.shifted_logits} (position i's output predicts token i + 1); {mask};
+  EOS {special.eos_id}, stop ids {list(special.stop_ids)}; context {m.max_length} tokens.
 
 ## Sampling defaults (`[sampling]` of the stored config)
 
-rule `{s.rule}`, confidence `{s.confidence}`, threshold {s.threshold}, block_length {s.block_length},
-steps_per_block {s.steps_per_block} (0: one token per step), temperature {s.temperature}, top_p {s.top_p},
-top_k {s.top_k}.
+{knobs}, temperature {s.temperature}, top_p {s.top_p}, top_k {s.top_k}.
 
 Source: {s.source}.
 """
@@ -197,14 +204,16 @@ def convert(
   force: bool = False,
   progress: bool = False,
 ) -> Path:
-  """Converts the Hugging Face checkpoint folder ``src`` into a mercury_jax inference checkpoint at ``out``.
+  """Converts the Hugging Face checkpoint folder ``src`` into a mercury_jax inference checkpoint at ``out``: a diffusion
+  family's, or (``family="autoregressive"``) a plain causal model's, which decodes token by token.
 
   Args:
     src: a folder with ``config.json``, safetensors weights (one file or an index and its shards) and
       ``tokenizer.json`` (``tokenizer_config.json`` and ``generation_config.json`` when present).
     out: the folder to write: the Orbax ``params`` and ``config`` items (step 0), the tokenizer files,
       ``special_tokens.json`` and ``MODEL_CARD.md``.
-    family: ``"auto"`` (from ``model_type``) or one of :data:`~mercury_jax.convert.families.FAMILIES`.
+    family: ``"auto"`` (from ``model_type``; a plain ``qwen2``/``qwen3``/``llama`` needs the family named) or one
+      of :data:`~mercury_jax.convert.families.FAMILIES`.
     dtype: the parameters' dtype, ``"bfloat16"`` or ``"float32"``.
     max_length: the model's context; default: the source's, capped at 4096.
     force: replace a non-empty ``out``.
@@ -236,7 +245,13 @@ def convert(
   if not special.mask_id < resolved.model.vocab_size:
     raise ConvertError(f"mask id {special.mask_id} is not below the model's vocabulary {resolved.model.vocab_size}")
   cfg = config_from_hf(
-    hf, resolved.name, dtype=dtype, max_length=max_length, mask_id=special.mask_id, chat_template=chat_template(src)
+    hf,
+    resolved.name,
+    dtype=dtype,
+    max_length=max_length,
+    mask_id=special.mask_id,
+    chat_template=chat_template(src),
+    generation=generation,
   )
   assert block_size(hf, cfg.name) == cfg.objective.block_size
   plan = tensor_plan(hf, cfg.model)

@@ -13,7 +13,17 @@ dream (``Dream``)         Qwen2        bidirectional    shifted     151666 (Drea
 sdar (``sdar``)           Qwen3        block-causal 4   own         151669 ``<|MASK|>``
 fast_dllm_v2              Qwen2        block-causal 32  shifted     151665 ``|<MASK>|``
 (``Fast_dLLM_Qwen``)
+autoregressive            Qwen2 /      causal           own         a spare id: a placeholder
+(``qwen2``, ``qwen3``,    Qwen3 /                                   (``tokens.autoregressive_mask_id``)
+``llama``; explicit)      Llama
 ========================  ===========  ===============  ==========  ===============================
+
+``autoregressive`` converts a plain causal model as itself (the parent of a diffusion family: Qwen2.5 for Dream and
+Fast-dLLM v2, Qwen3 for SDAR): ``objective.name = "autoregressive"``, a causal model, the engine's token-by-token
+decoding with the exact key-value cache, and ``[sampling]`` defaults from its ``generation_config.json`` as
+transformers' ``generate`` reads it. A plain ``model_type`` never selects a family by itself: the same layout also
+converts into a diffusion family (``--family dream`` initialises Dream from a Qwen2.5), and a diffusion model
+adapted from one may keep its parent's ``model_type``.
 """
 
 from __future__ import annotations
@@ -23,7 +33,9 @@ from typing import Any
 
 from mercury_jax.config import Config, ModelConfig, ObjectiveConfig, SamplingConfig
 
-FAMILIES = ("llada", "dream", "sdar", "fast_dllm_v2")
+DIFFUSION_FAMILIES = ("llada", "dream", "sdar", "fast_dllm_v2")
+AUTOREGRESSIVE = "autoregressive"  # A plain causal model, converted as the autoregressive model it is.
+FAMILIES = (*DIFFUSION_FAMILIES, AUTOREGRESSIVE)
 # model_type (lower case) -> family; plain autoregressive types convert only with an explicit family.
 MODEL_TYPES = {"llada": "llada", "dream": "dream", "sdar": "sdar", "fast_dllm_qwen": "fast_dllm_v2"}
 PLAIN_TYPES = ("qwen2", "qwen3", "llama")
@@ -47,10 +59,12 @@ class Family:
     shifted: Position i's output predicts token i + 1 (``ModelConfig.shifted_logits``).
     block_key: The config.json key of the trained block size of a block-diffusion family (None: whole-sequence).
     block_default: The block size when ``block_key`` is absent.
-    mask_id: The mask token id when neither config.json nor the tokenizer names one.
+    mask_id: The mask token id when neither config.json nor the tokenizer names one (None: the autoregressive
+      placeholder, chosen from the tokenizer by :func:`~mercury_jax.convert.tokens.autoregressive_mask_id`).
     mask_tokens: The mask token's text in the family's tokenizers (looked up when config.json has no id).
     chat_stops: Tokens that end an assistant turn in the family's chat template (stop ids when the tokenizer has them).
-    sampling: The authors' recommended decoding defaults, with ``source``.
+    sampling: The authors' recommended decoding defaults, with ``source`` (an autoregressive model's come from its
+      ``generation_config.json``: :func:`generation_defaults`).
   """
 
   name: str
@@ -58,7 +72,7 @@ class Family:
   shifted: bool
   block_key: str | None
   block_default: int
-  mask_id: int
+  mask_id: int | None
   mask_tokens: tuple[str, ...]
   chat_stops: tuple[str, ...]
   sampling: SamplingConfig
@@ -158,7 +172,36 @@ SPECS = {
       ),
     ),
   ),
+  AUTOREGRESSIVE: Family(
+    AUTOREGRESSIVE,
+    "plain autoregressive",
+    False,
+    None,
+    0,
+    None,
+    (),
+    ("<|im_end|>", "<|eot_id|>"),  # Qwen's and Llama 3's end of turn, where the tokenizer has them.
+    SamplingConfig(),
+  ),
 }
+TRANSFORMERS_TOP_K = 50  # GenerationConfig's top_k when generation_config.json does not set it.
+
+
+def generation_defaults(generation: dict[str, Any]) -> SamplingConfig:
+  """An autoregressive model's ``[sampling]`` defaults: its ``generation_config.json`` as transformers' ``generate``
+  reads it. Greedy unless ``do_sample`` is true; then its temperature, top_p and top_k (transformers' 1.0, 1.0 and
+  50 where absent). A repetition penalty, which the engine does not have, is named in ``source`` as not applied."""
+  if not generation.get("do_sample") or generation.get("temperature") == 0:
+    source = "generation_config.json (absent, or without do_sample true): transformers' generate decodes greedily"
+    return SamplingConfig(temperature=0.0, source=source)
+  temperature = float(generation.get("temperature") or 1.0)
+  top_p = float(generation.get("top_p") or 1.0)
+  top_k = int(generation.get("top_k", TRANSFORMERS_TOP_K) or 0)  # An explicit null turns top-k off.
+  source = f"generation_config.json: do_sample true, temperature {temperature:g}, top_p {top_p:g}, top_k {top_k}"
+  penalty = generation.get("repetition_penalty")
+  if penalty not in (None, 1, 1.0):
+    source += f"; its repetition_penalty {penalty} is not applied (the engine has no repetition penalty)"
+  return SamplingConfig(temperature=temperature, top_p=top_p, top_k=top_k, source=source)
 
 
 def _is_moe(hf: dict[str, Any]) -> bool:
@@ -187,11 +230,17 @@ def detect(hf: dict[str, Any], family: str = "auto") -> str:
   if family != "auto":
     if kind == "llada" and family != "llada":
       raise ConvertError(f"model_type 'llada' has LLaDA's layout; --family {family} needs a Qwen2/Qwen3/Llama layout")
+    if family == AUTOREGRESSIVE and kind not in PLAIN_TYPES:
+      raise ConvertError(
+        f"--family {AUTOREGRESSIVE} converts a plain causal model (model_type {', '.join(PLAIN_TYPES)}); model_type "
+        f"{model_type!r} is a {SPECS[MODEL_TYPES[kind]].title} diffusion model"
+      )
     return family
-  if kind in PLAIN_TYPES:
+  if kind in PLAIN_TYPES:  # The layout of an AR model and of diffusion models adapted from one: the user says which.
     raise ConvertError(
-      f"model_type {model_type!r} is an autoregressive layout with no diffusion family; pass --family "
-      f"({', '.join(FAMILIES)})"
+      f"model_type {model_type!r} is a plain causal layout, which does not say how the weights were trained; pass "
+      f"--family {AUTOREGRESSIVE} to convert the model as it is, or a diffusion family "
+      f"({', '.join(DIFFUSION_FAMILIES)}) to adapt it"
     )
   return MODEL_TYPES[kind]
 
@@ -301,6 +350,7 @@ def config_from_hf(
   max_length: int | None = None,
   mask_id: int | None = None,
   chat_template: str = "",
+  generation: dict[str, Any] | None = None,
 ) -> Config:
   """The mercury_jax config of a Hugging Face ``config.json`` dict (no weights are read).
 
@@ -310,8 +360,11 @@ def config_from_hf(
     dtype: the parameters' storage and compute dtype, ``"bfloat16"`` or ``"float32"``.
     max_length: the context (the sampler's canvas limit); default: the source's, capped at :data:`DEFAULT_CONTEXT`,
       rounded down to a multiple of the block size.
-    mask_id: the mask token id; default: config.json's ``mask_token_id``, else the family's.
+    mask_id: the mask token id; default: config.json's ``mask_token_id``, else the family's (an autoregressive
+      model's: ``vocab_size - 1``, any id of its embedding; the converter passes the one chosen from the tokenizer).
     chat_template: the tokenizer's chat template, stored as ``data.chat_template``.
+    generation: the source's ``generation_config.json`` (an autoregressive model's ``[sampling]`` defaults:
+      :func:`generation_defaults`).
 
   Raises:
     ConvertError: an unsupported config (the message names the key and what is supported).
@@ -319,7 +372,7 @@ def config_from_hf(
   if dtype not in ("bfloat16", "float32"):
     raise ConvertError(f"dtype={dtype!r} must be bfloat16 or float32")
   family = detect(hf_config, family)
-  spec = SPECS[family]
+  spec, autoregressive = SPECS[family], family == AUTOREGRESSIVE
   is_llada = str(hf_config.get("model_type", "")).lower() == "llada"
   fields, source_context = (_llada_model if is_llada else _qwen_model)(hf_config)
   block = block_size(hf_config, family)
@@ -331,21 +384,21 @@ def config_from_hf(
   model = ModelConfig(
     **fields,
     max_length=max_length,
-    causal=False,
+    causal=autoregressive,
     scale_tied_logits=False,
     shifted_logits=spec.shifted,
     param_dtype=dtype,
     dtype=dtype,
   )
   mask = mask_id if mask_id is not None else hf_config.get("mask_token_id")
-  mask = int(mask) if mask is not None else spec.mask_id
-  cfg = Config(
-    model=model,
-    objective=ObjectiveConfig(mask_id=mask, block_size=block),
-    # A block-causal family's block is its trained block_size (the engine's exact cache); block_length stays 0.
-    sampling=dataclasses.replace(spec.sampling, block_length=0) if block else spec.sampling,
-    name=family,
-  )
+  mask = int(mask) if mask is not None else spec.mask_id if spec.mask_id is not None else model.vocab_size - 1
+  # A block-causal family's block is its trained block_size (the engine's exact cache); block_length stays 0.
+  sampling = dataclasses.replace(spec.sampling, block_length=0) if block else spec.sampling
+  objective = ObjectiveConfig(mask_id=mask, block_size=block)
+  if autoregressive:
+    sampling = generation_defaults(generation or {})
+    objective = dataclasses.replace(objective, name="autoregressive")
+  cfg = Config(model=model, objective=objective, sampling=sampling, name=family)
   cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, chat_template=chat_template))
   try:
     return cfg.validate()

@@ -2,8 +2,8 @@
 
 The ids come from the source's ``config.json``, then ``generation_config.json``, then the token texts of
 ``tokenizer_config.json`` looked up in ``tokenizer.json``; the mask id falls back to the family's known mask token
-(or id). They are written as ``special_tokens.json`` (:mod:`mercury_jax.data.hf_tokenizer`), beside copies of the
-tokenizer files.
+(or id), and an autoregressive model's is a placeholder (:func:`autoregressive_mask_id`). They are written as
+``special_tokens.json`` (:mod:`mercury_jax.data.hf_tokenizer`), beside copies of the tokenizer files.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from mercury_jax.convert.families import SPECS, ConvertError
+from mercury_jax.convert.families import AUTOREGRESSIVE, SPECS, ConvertError
 from mercury_jax.data.hf_files import (
   CHAT_TEMPLATE_FILE,
   TOKENIZER_CONFIG,
@@ -46,7 +46,8 @@ class TokenTable:
     model = spec.get("model") or {}
     vocab = model.get("vocab")
     self.ids: dict[str, int] = dict(vocab) if isinstance(vocab, dict) else {}
-    self.ids.update({t["content"]: int(t["id"]) for t in spec.get("added_tokens") or () if "content" in t})
+    self.added = {t["content"]: int(t["id"]) for t in spec.get("added_tokens") or () if "content" in t}
+    self.ids.update(self.added)
     self.unk_text = model.get("unk_token")
     self.post_processor = spec.get("post_processor") or {}
 
@@ -80,6 +81,39 @@ def _first(*candidates) -> int | None:
   return None
 
 
+def autoregressive_mask_id(table: TokenTable, vocab_size: int, taken: set[int], unk: int | None) -> int:
+  """The mask id of an autoregressive model: a placeholder for the positions of its canvas still to be generated.
+
+  The engine needs one for every model, but an autoregressive model never reads it: the decoder reads the network's
+  output only at the last committed position, which attends (causally) to committed positions alone; the exact
+  cache's prefill keeps the placeholder slots in segment 0, which nothing attends to, and rewrites a slot's keys and
+  values when its token is committed; and the sampler never proposes the mask id. So it must only be a row of the
+  embedding that is no text: the first id after the tokenizer's (Qwen2.5: 151665, Qwen3: 151669, where Fast-dLLM v2
+  and SDAR put their mask tokens), else the last reserved special token (Llama 3's), else the unknown id.
+
+  Args:
+    table: The source's tokenizer.
+    vocab_size: The model's embedding rows.
+    taken: Ids with a role (EOS, BOS, padding, stops).
+    unk: The unknown id, or None.
+
+  Raises:
+    ConvertError: The tokenizer fills every row and has neither a reserved token nor an unknown id.
+  """
+  spare = max(len(table), *(i + 1 for i in taken))
+  if spare < vocab_size:
+    return spare
+  reserved = [i for text, i in table.added.items() if "reserved" in text and i not in taken and i < vocab_size]
+  if reserved:
+    return max(reserved)
+  if unk is not None and unk not in taken:
+    return unk
+  raise ConvertError(
+    f"the tokenizer uses all {vocab_size} embedding rows and has no reserved special token or unknown id to hold the "
+    "engine's mask placeholder"
+  )
+
+
 def special_tokens(
   hf: dict[str, Any], generation: dict[str, Any], tok_config: dict[str, Any], table: TokenTable, family: str
 ) -> SpecialTokens:
@@ -90,15 +124,18 @@ def special_tokens(
   """
   spec = SPECS[family]
   look = lambda key: table.lookup(tok_config.get(key))  # noqa: E731
-  mask = _first(hf.get("mask_token_id"), generation.get("mask_token_id"), look("mask_token"))
-  if mask is None:
-    mask = next((table.lookup(t) for t in spec.mask_tokens if table.lookup(t) is not None), None)
-  if mask is None and spec.mask_id < int(hf.get("vocab_size") or hf.get("embedding_size") or 0):
-    mask = spec.mask_id
-  if mask is None:
-    raise ConvertError(
-      f"no mask token id: config.json has no mask_token_id and the tokenizer has no {' or '.join(spec.mask_tokens)}"
-    )
+  vocab_size = int(hf.get("vocab_size") or hf.get("embedding_size") or 0)
+  mask = None  # An autoregressive model's is a placeholder, chosen below once the ids with a role are known.
+  if family != AUTOREGRESSIVE:
+    mask = _first(hf.get("mask_token_id"), generation.get("mask_token_id"), look("mask_token"))
+    if mask is None:
+      mask = next((table.lookup(t) for t in spec.mask_tokens if table.lookup(t) is not None), None)
+    if mask is None and spec.mask_id < vocab_size:
+      mask = spec.mask_id
+    if mask is None:
+      raise ConvertError(
+        f"no mask token id: config.json has no mask_token_id and the tokenizer has no {' or '.join(spec.mask_tokens)}"
+      )
   eos = _first(hf.get("eos_token_id"), generation.get("eos_token_id"), look("eos_token"))
   if eos is None:
     raise ConvertError("no end-of-sequence id: config.json and generation_config.json have no eos_token_id")
@@ -109,6 +146,8 @@ def special_tokens(
   stops = [*_ids(generation.get("eos_token_id")), *_ids(hf.get("eos_token_id")), look("eos_token")]
   stops += [table.lookup(t) for t in spec.chat_stops]
   stop_ids = tuple(dict.fromkeys(s for s in stops if s is not None and s != eos))
+  if mask is None:
+    mask = autoregressive_mask_id(table, vocab_size, {eos, pad, *stop_ids} | ({bos} - {None}), unk)
   add_bos = bos is not None and (bool(tok_config.get("add_bos_token", False)) or table.starts_with(bos))
   try:
     return SpecialTokens(

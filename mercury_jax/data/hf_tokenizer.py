@@ -247,6 +247,11 @@ class HFTokenizer:
     return self._special_tokens
 
   @property
+  def tokenizer_json(self) -> str:
+    """The text of ``tokenizer.json``: the vocabulary, merges, added tokens and text pipeline."""
+    return self._json
+
+  @property
   def special_mask(self) -> np.ndarray:
     """bool [vocab_size]: ids that are never text (the declared ones and the added tokens marked special)."""
     return self._special
