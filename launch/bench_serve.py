@@ -49,9 +49,14 @@ run, and the lowest level at which the twin's out tok/s reaches or passes that m
 Writes ``OUT/results.json`` (every request's record), ``OUT/results.md`` (the table, the command line and the
 machine) and ``OUT/latency_throughput.png``. Each server is stopped with SIGTERM and must exit 0; the script exits 1
 when a server failed to start, to stop cleanly, or a level had errors. The client runs on the same machine as the
-server and shares its CPUs: on a small host its own parsing shows up in the latencies. The server's engine step
-always computes ``--slots`` rows, so the solo latency (and every level's) depends on ``--slots``: compare models at
-the same value.
+server and shares its CPUs: on a small host its own parsing shows up in the latencies. The server's engine step runs
+the smallest batch bucket (1, 2, 4, ... up to ``--slots`` rows) that holds its busy requests.
+
+``--baseline-slots N`` also starts a ``--slots N`` server for each model (``--slots 1``: the command line's cost)
+and runs the concurrency-1 level against both servers in turn, request by request (the two servers never work at
+once, and the machine's speed drifts alike for both): the summary gives each model's concurrency-1 out tok/s with
+``--slots`` over that with ``--baseline-slots``. Each server's start-up line on its key-value cache (pages, memory)
+goes into the results.
 """
 
 from __future__ import annotations
@@ -134,6 +139,12 @@ def build_parser() -> argparse.ArgumentParser:
     "--slots", type=int, default=64, help="the server's --slots (each engine step computes all of them, even at 1)"
   )
   p.add_argument("--max-queue", type=int, default=4096, help="the server's --max-queue")
+  p.add_argument(
+    "--baseline-slots",
+    type=int,
+    default=0,
+    help="also serve each model with this many slots and run the concurrency-1 level against both, in turn (0: no)",
+  )
   p.add_argument("--extra", type=_extra, default={}, help="JSON object of request fields for diffusion models")
   p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (0: greedy; default 1.0)")
   p.add_argument("--seed", type=int, default=0, help="request i gets seed SEED + i; also seeds the arrivals")
@@ -167,6 +178,7 @@ class Server:
     self.command = [sys.executable, "-m", "mercury_jax.serve", "--checkpoint", checkpoint, "--port", "0"]
     self.command += ["--slots", str(slots), "--max-queue", str(max_queue)]
     self.url: str | None = None
+    self.kv_cache = ""  # The server's start-up line on its key-value cache.
     self.last_line = ""  # The server's latest non-empty output line, for the error when it fails.
     self._ready = threading.Event()
     self._log = log.open("w")
@@ -181,6 +193,8 @@ class Server:
       self._log.write(line)
       self._log.flush()
       self.last_line = line.strip() or self.last_line
+      if line.startswith("kv cache:"):
+        self.kv_cache = line.strip()
       match = SERVING.match(line)
       if match and self.url is None:
         self.url = match.group(2)
@@ -298,6 +312,16 @@ async def _sequential(client, url: str, bodies: list[dict]) -> list[Record]:
   records = []
   for i, body in enumerate(bodies):
     records.append(await _request(client, url, body, Record(i, time.perf_counter() - origin), origin))
+  return records
+
+
+async def _alternating(client, urls: tuple[str, str], bodies: list[dict]) -> tuple[list[Record], list[Record]]:
+  """Each body sent to both servers, one request at a time, in turn: the sequential level of each."""
+  origin = time.perf_counter()
+  records: tuple[list[Record], list[Record]] = ([], [])
+  for i, body in enumerate(bodies):
+    for url, out in zip(urls, records, strict=True):
+      out.append(await _request(client, url, body, Record(i, time.perf_counter() - origin), origin))
   return records
 
 
@@ -508,8 +532,11 @@ def machine() -> dict:
 # ------------------------------------------------------------------------------------------------ the run
 
 
-async def bench_model(url: str, args, prompts: list[str], rng: np.random.Generator) -> dict:
-  """Warm-up, solo latency and every level against the server at ``url``."""
+async def bench_model(
+  url: str, args, prompts: list[str], rng: np.random.Generator, baseline: str | None = None
+) -> dict:
+  """Warm-up, solo latency and every level against the server at ``url`` (and the concurrency-1 level against the
+  ``baseline`` server too, in turn)."""
   import httpx
 
   limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
@@ -517,21 +544,25 @@ async def bench_model(url: str, args, prompts: list[str], rng: np.random.Generat
   async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
     card = (await client.get(f"{url}/v1/models")).json()["data"][0]
     extra = {} if card.get("objective") == "autoregressive" else args.extra
-    warm = await _request(client, url, _body(0, prompts, args, extra), Record(-1, 0.0), time.perf_counter())
-    if warm.error:
-      raise RuntimeError(f"the warm-up request failed: {warm.error}")
+    for server_url in (url,) if baseline is None else (url, baseline):
+      warm = await _request(client, server_url, _body(0, prompts, args, extra), Record(-1, 0.0), time.perf_counter())
+      if warm.error:
+        raise RuntimeError(f"the warm-up request failed: {warm.error}")
     solo = await _sequential(client, url, [_body(i, prompts, args, extra) for i in range(args.solo_requests)])
     failed = [r.error for r in solo if r.error]
     if failed:
       raise RuntimeError(f"a solo request failed: {failed[0]}")
     solo_latency = float(np.mean([r.latency for r in solo]))
     print(f"  {card['id']}: objective {card.get('objective')}, solo latency {1000 * solo_latency:.0f} ms", flush=True)
-    levels = []
+    levels, baseline_row = [], None
     for level in args.concurrency:
       count = max(args.requests_per_level, level)
       bodies = [_body(i, prompts, args, extra) for i in range(count)]
       before = await _counters(client, url)
-      if level == 1:
+      if level == 1 and baseline is not None:
+        (records, base), rate, load = await _alternating(client, (url, baseline), bodies), None, "sequential"
+        baseline_row = summarize(base, level, load, rate)
+      elif level == 1:
         records, rate, load = await _sequential(client, url, bodies), None, "sequential"
       elif args.load == "closed":
         records, rate, load = await _closed_loop(client, url, bodies, level), None, "closed"
@@ -554,7 +585,13 @@ async def bench_model(url: str, args, prompts: list[str], rng: np.random.Generat
         f"{row['errors']} errors{split}",
         flush=True,
       )
-  return {"card": card, "extra": extra, "solo_latency_s": solo_latency, "levels": levels}
+  out = {"card": card, "extra": extra, "solo_latency_s": solo_latency, "levels": levels}
+  if baseline_row is not None:
+    out["baseline_level"] = baseline_row
+    ours = next(row for row in levels if row["concurrency"] == 1)
+    ratio = ours["output_tokens_per_s"] / baseline_row["output_tokens_per_s"]
+    print(f"  concurrency 1: {ratio:.2f}x the out tok/s of the --slots {args.baseline_slots} server", flush=True)
+  return out
 
 
 def _prompts(path: str | None) -> list[str]:
@@ -582,15 +619,25 @@ def main(argv: list[str] | None = None) -> int:
   for name, checkpoint in args.model:
     print(f"{name}: starting the server on {checkpoint}", flush=True)
     server = Server(checkpoint, out / f"server-{name}.log", args.slots, args.max_queue)
+    base = None
+    if args.baseline_slots:
+      base = Server(checkpoint, out / f"server-{name}-baseline.log", args.baseline_slots, args.max_queue)
     model: dict = {"checkpoint": checkpoint, "server_command": shlex.join(server.command)}
     try:
       url = server.wait(args.startup_timeout)
-      print(f"  listening on {url}", flush=True)
+      base_url = None if base is None else base.wait(args.startup_timeout)
+      print(f"  listening on {url}" + ("" if base is None else f" (--slots {args.baseline_slots}: {base_url})"))
+      model["kv_cache"] = server.kv_cache
+      if base is not None:
+        model["baseline_kv_cache"] = base.kv_cache
       rng = np.random.default_rng(args.seed)
-      model.update(asyncio.run(bench_model(url, args, prompts, rng)))
+      model.update(asyncio.run(bench_model(url, args, prompts, rng, base_url)))
     except Exception as e:  # The model's failure is reported; the other models still run.
       model["error"] = f"{type(e).__name__}: {e}"
       print(f"  failed: {model['error']}", flush=True)
+      failed = True
+    if base is not None and base.stop() != 0:
+      print(f"  the --slots {args.baseline_slots} server did not exit 0 after SIGTERM")
       failed = True
     code = server.stop()
     model["server_exit_code"] = code
@@ -621,6 +668,19 @@ def main(argv: list[str] | None = None) -> int:
       if row.get("compilations"):
         compiled = f"{row['compilations']:.0f} programs during level {row['concurrency']}"
         notes.append(f"{name}: the server compiled {compiled}")
+  for name, model in models.items():
+    if model.get("kv_cache"):
+      notes.append(f"{name} (--slots {args.slots}): {model['kv_cache']}")
+    if model.get("baseline_kv_cache"):
+      notes.append(f"{name} (--slots {args.baseline_slots}): {model['baseline_kv_cache']}")
+    row, base = next((r for r in model.get("levels", []) if r["concurrency"] == 1), None), model.get("baseline_level")
+    if row and base:
+      comparison.append(
+        f"- {name}, concurrency 1, out tok/s: {row['output_tokens_per_s']:.1f} with --slots {args.slots}, "
+        f"{base['output_tokens_per_s']:.1f} with --slots {args.baseline_slots} (interleaved): "
+        f"{row['output_tokens_per_s'] / base['output_tokens_per_s']:.2f}x; TTFT p50 "
+        f"{_ms(row['ttft_p50_s'])} / {_ms(base['ttft_p50_s'])} ms"
+      )
   print()
   print(table)
   print()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +20,7 @@ from jax.sharding import Mesh
 from mercury_jax import sharding as sh
 from mercury_jax.attention import attend, attend_cached
 from mercury_jax.config import ModelConfig, dtype_of
+from mercury_jax.kvcache import KVCache, PagedKVCache, read_pages
 from mercury_jax.rope import rotary
 
 _INIT = nn.initializers.normal(stddev=0.02)
@@ -56,57 +57,6 @@ class RMSNorm(nn.Module):
     return (normed * scale.astype(jnp.float32)).astype(self.dtype)
 
 
-class KVCache(NamedTuple):
-  """Keys and values of every layer at every slot of a batch of rows: a plain pytree its owner carries and writes.
-
-  The model never writes it: a pass over a chunk returns the chunk's own keys and values (``return_kv``), and the
-  caller writes them with :meth:`write` where it wants them. A chunk's keys and values have the same layout, with the
-  chunk's length in place of ``slots``.
-  """
-
-  keys: jax.Array  # [layers, batch, slots, kv_heads, head_dim]
-  values: jax.Array  # [layers, batch, slots, kv_heads, head_dim]
-  segments: jax.Array  # [batch, slots] int32: each slot's segment (0: empty or padding, which nothing sees)
-
-  @classmethod
-  def empty(cls, cfg: ModelConfig, batch: int, slots: int) -> KVCache:
-    """An all-empty cache (every slot in segment 0)."""
-    shape = (cfg.num_layers, batch, slots, cfg.num_kv_heads, cfg.head_dim)
-    dtype = dtype_of(cfg.dtype)
-    return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch, slots), jnp.int32))
-
-  @property
-  def slots(self) -> int:
-    return self.segments.shape[1]
-
-  def _slots(self, starts: jax.Array, size: int) -> tuple[jax.Array, jax.Array]:
-    """``(rows, slots)`` [batch, size] indices of the ``size`` slots from ``starts[r]`` of every row ``r``."""
-    batch = self.segments.shape[0]
-    starts = jnp.broadcast_to(jnp.asarray(starts, jnp.int32), (batch,))
-    return jnp.arange(batch)[:, None], starts[:, None] + jnp.arange(size)[None, :]
-
-  def write(self, chunk: KVCache, starts: jax.Array) -> KVCache:
-    """This cache with ``chunk`` written at slots ``starts[r] ...`` of every row ``r`` (``starts``: [] or [batch]).
-
-    One scatter per array, indexed on the batch and slot axes where they lie (a ``vmap`` over the batch axis, which is
-    not the leading one, would transpose the whole cache twice at every write)."""
-    rows, slots = self._slots(starts, chunk.slots)
-    return KVCache(
-      self.keys.at[:, rows, slots].set(chunk.keys.astype(self.keys.dtype), mode="drop"),
-      self.values.at[:, rows, slots].set(chunk.values.astype(self.values.dtype), mode="drop"),
-      self.segments.at[rows, slots].set(chunk.segments, mode="drop"),
-    )
-
-  def rows(self, starts: jax.Array, size: int) -> KVCache:
-    """The ``size`` slots from ``starts[r]`` of every row ``r``, as a chunk."""
-    rows, slots = self._slots(starts, size)
-    return KVCache(
-      self.keys.at[:, rows, slots].get(mode="clip"),
-      self.values.at[:, rows, slots].get(mode="clip"),
-      self.segments.at[rows, slots].get(mode="clip"),
-    )
-
-
 class Attention(nn.Module):
   """Multi-head / grouped-query self-attention under ``mask``; given a cache, over the cache and the chunk together."""
 
@@ -120,10 +70,11 @@ class Attention(nn.Module):
     x: jax.Array,
     positions: jax.Array,
     segment_ids: jax.Array | None,
-    cache: tuple[jax.Array, jax.Array, jax.Array, jax.Array] | None,
+    cache: tuple[jax.Array, ...] | None,
   ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     """``(output [batch, length, embed], (keys, values) of this chunk)``; ``cache``: this layer's cached keys and
-    values, the cache's segments and each row's first slot of the chunk (:class:`KVCache`)."""
+    values, the cache's segments and each row's first slot of the chunk (:class:`KVCache`), then a paged cache's
+    table (:class:`PagedKVCache`: the keys and values are this layer's pages)."""
     cfg, dtype, pdt = self.config, dtype_of(self.config.dtype), dtype_of(self.config.param_dtype)
     d, h, kv, hd = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
 
@@ -163,7 +114,9 @@ class Attention(nn.Module):
         diffusion_block=self.diffusion_block,
       )
     else:
-      cache_k, cache_v, cache_segments, starts = cache
+      cache_k, cache_v, cache_segments, starts, *paged = cache
+      if paged:  # A paged cache: this layer's pages, read through the rows' tables.
+        cache_k, cache_v = (read_pages(pool, paged[0], cache_segments.shape[1]) for pool in (cache_k, cache_v))
       segment_ids = jnp.ones(q.shape[:2], jnp.int32) if segment_ids is None else segment_ids
       out = attend_cached(
         q,
@@ -249,7 +202,7 @@ class Transformer(nn.Module):
     mask: str | None = None,
     diffusion_block: int | None = None,
     logits_length: int | None = None,
-    cache: KVCache | None = None,
+    cache: KVCache | PagedKVCache | None = None,
     cache_start: jax.Array | None = None,
     return_kv: bool = False,
   ) -> jax.Array | tuple[jax.Array, KVCache]:
@@ -304,8 +257,8 @@ class Transformer(nn.Module):
     if cache is not None:
       if cache_start is None:
         raise ValueError("a pass over a cache needs cache_start, each row's first slot of the chunk")
-      layer_cache = (cache.keys, cache.values)  # scanned over layers
-      cache_rest = (cache.segments, jnp.broadcast_to(jnp.asarray(cache_start, jnp.int32), (batch,)))
+      layer_cache, paging = cache.layers()  # keys and values scanned over layers; a paged cache's table
+      cache_rest = (cache.segments, jnp.broadcast_to(jnp.asarray(cache_start, jnp.int32), (batch,)), *paging)
     block = Block
     if cfg.remat:
       block = nn.remat(block, prevent_cse=False, policy=jax.checkpoint_policies.nothing_saveable)

@@ -567,6 +567,9 @@ def test_disconnect_mid_stream_frees_the_slot_and_serving_goes_on(server):
   while server.metric("mercury_busy_slots") > 0 and time.monotonic() < deadline:
     time.sleep(0.05)
   assert server.metric("mercury_busy_slots") == 0
+  while server.metric("mercury_kv_pages_free") < server.metric("mercury_kv_pages") and time.monotonic() < deadline:
+    time.sleep(0.05)
+  assert server.metric("mercury_kv_pages_free") == server.metric("mercury_kv_pages") > 0  # its pages came back
   text, reason = _text(server.client(), prompt="user: sort 2 1\nassistant:", max_tokens=6, temperature=0)
   assert reason in ("stop", "length") and text
 
@@ -579,6 +582,7 @@ def test_models_health_and_metrics(server):
   for name in (
     "mercury_queue_depth",
     "mercury_busy_slots",
+    "mercury_kv_pages_free",
     "mercury_time_to_first_token_seconds_bucket",
     "mercury_request_nfe_bucket",
     "mercury_tokens_per_forward_bucket",

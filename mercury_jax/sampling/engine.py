@@ -62,7 +62,7 @@ import numpy as np
 from mercury_jax import kinds as K
 from mercury_jax.config import ModelConfig
 from mercury_jax.constrain import device as constrained
-from mercury_jax.model import KVCache
+from mercury_jax.kvcache import KVCache, PagedKVCache
 from mercury_jax.sampling.caches import Needs, strategy
 from mercury_jax.sampling.canvas import Canvas, SampleOutput, after_eos
 from mercury_jax.sampling.hooks import Structured, View, active_hooks
@@ -71,11 +71,10 @@ from mercury_jax.sampling.plan import BlockPlan
 from mercury_jax.sampling.proposal import Knobs, noise_width, propose_rows, uniform_noise
 from mercury_jax.sampling.rules import StepInputs, make_rule
 from mercury_jax.sampling.settings import SamplerSettings
-from mercury_jax.sampling.state import Constraint, Healing, State, put, rows
+from mercury_jax.sampling.state import BATCH_COUNTERS, Constraint, Healing, State, put, rows
 from mercury_jax.sampling.verify import Verifier, empty_draft
 
 RULE_NOISE = 0x7275  # Folded into a step's key for the step rule's own uniforms (the ancestral rule's).
-_BATCH_COUNTERS = ("forwards", "commit_passes", "iterations")
 
 
 def prefill_slots(kinds, plan: BlockPlan) -> int:
@@ -227,19 +226,22 @@ class BlockEngine:
     size = plan.slots if prefill is None else prefill
     return st._replace(cache=self.cache.prefill(params, st, size)) if size else st
 
-  def insert(self, st: State, row: State, slot: jax.Array) -> State:
+  def insert(self, st: State, row: State, slot: jax.Array, table: jax.Array | None = None) -> State:
     """``st`` with the one-row state ``row`` (an :meth:`init` of one canvas) in row ``slot``; the batch counters
-    stay ``st``'s. A serving engine's admission: prefill a request alone, then insert it."""
+    stay ``st``'s. A serving engine's admission: prefill a request alone, then insert it. Into a paged cache
+    (:class:`~mercury_jax.kvcache.PagedKVCache`), the row's keys and values go to the pages ``table``."""
 
     def put_at(axis):
       return lambda a, r: jax.lax.dynamic_update_slice_in_dim(a, r.astype(a.dtype), slot, axis=axis)
 
     fields = {}
     for name in State._fields:
-      if name in _BATCH_COUNTERS:
+      if name in BATCH_COUNTERS:
         continue
       mine, theirs = getattr(st, name), getattr(row, name)
-      if name == "cache" and isinstance(mine, KVCache):  # [layers, b, ...] keys and values, [b, S] segments
+      if name == "cache" and isinstance(mine, PagedKVCache):
+        fields[name] = mine.insert(slot, table, theirs)
+      elif name == "cache" and isinstance(mine, KVCache):  # [layers, b, ...] keys and values, [b, S] segments
         fields[name] = KVCache(
           put_at(1)(mine.keys, theirs.keys),
           put_at(1)(mine.values, theirs.values),
@@ -260,8 +262,10 @@ class BlockEngine:
 
   def release(self, st: State, slot: jax.Array) -> State:
     """``st`` with row ``slot`` given up: it has nothing left to generate, takes no more steps, and its hooks let it
-    go (its constraint no longer runs)."""
+    go (its constraint no longer runs); a paged cache's row gives up its pages."""
     st = st._replace(generate=st.generate.at[slot].set(False))
+    if isinstance(st.cache, PagedKVCache):  # Its pages go back to the pool: the row reads and writes the sink.
+      st = st._replace(cache=st.cache.forget(slot))
     for hook in active_hooks(st, self.plan, self.settings):
       st = hook.release(st, slot)
     return st

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from mercury_jax.constrain import device as constrained
+from mercury_jax.kvcache import KVCache, PagedKVCache
 from mercury_jax.sampling.proposal import Knobs
 
 
@@ -55,7 +56,7 @@ class State(NamedTuple):
   changed: jax.Array  # [b] bool: the block changed since its last forward pass
   logits: jax.Array  # [b, B, vocab] the last forward pass's logits of the block
   proposal: jax.Array  # [b, B] the last step's proposed tokens in its block (a draft's undecided positions)
-  cache: Any  # the key-value cache (``mercury_jax.model.KVCache``; ``()`` without one)
+  cache: Any  # the key-value cache (``mercury_jax.kvcache``: dense or paged; ``()`` without one)
   num_steps: jax.Array  # [b] steps per block
   extra_steps: jax.Array  # [b] the row's first ``extra_steps`` step blocks take one step more (a total budget's rest)
   knobs: Knobs  # [b] each: temperature, top-k, top-p, threshold
@@ -87,3 +88,59 @@ def chunk(st: State, starts: jax.Array, size: int, pad: int = 0) -> tuple[jax.Ar
   if pad:
     arrays = tuple(jnp.pad(a, ((0, 0), (0, pad))) for a in arrays)
   return tuple(rows(a, starts, size) for a in arrays)
+
+
+BATCH_COUNTERS = ("forwards", "commit_passes", "iterations")  # [] counters of the whole batch, not of a row
+
+
+def _row_axis(name: str) -> int:
+  return 1 if name == "trace" else 0  # the trace is [frames, b, ...]
+
+
+def take_rows(st: State, rows_: jax.Array) -> State:
+  """The state of the rows ``rows_`` [n] (distinct) alone: a batch bucket of a serving engine. A paged cache keeps
+  its whole pool (the rows read their own pages); the batch counters stay ``st``'s."""
+  fields = {}
+  for name in State._fields:
+    value = getattr(st, name)
+    if name in BATCH_COUNTERS or value is None:
+      continue
+    if isinstance(value, PagedKVCache):
+      fields[name] = value.take(rows_)
+    elif isinstance(value, KVCache):  # [layers, b, ...] keys and values, [b, S] segments
+      fields[name] = KVCache(value.keys[:, rows_], value.values[:, rows_], value.segments[rows_])
+    elif name == "constraint":
+      fields[name] = Constraint(*(jax.tree.map(lambda a: a[rows_], v) for v in value[:3]), value.passes)
+    else:
+      axis = _row_axis(name)
+      fields[name] = jax.tree.map(lambda a, axis=axis: jnp.take(a, rows_, axis=axis), value)
+  return st._replace(**fields)
+
+
+def put_rows(st: State, rows_: jax.Array, part: State) -> State:
+  """``st`` after a step over :func:`take_rows` ``(st, rows_)``: ``part``'s rows written back, its batch counters
+  and its paged pool taken. The constraint's automata and token healing's allowed tokens, which no step changes,
+  are not written back (they are the largest per-row arrays)."""
+  fields = {name: getattr(part, name) for name in BATCH_COUNTERS}
+  for name in State._fields:
+    mine, theirs = getattr(st, name), getattr(part, name)
+    if name in BATCH_COUNTERS or mine is None:
+      continue
+    if isinstance(mine, PagedKVCache):
+      fields[name] = mine.put(rows_, theirs)
+    elif isinstance(mine, KVCache):
+      fields[name] = KVCache(
+        mine.keys.at[:, rows_].set(theirs.keys),
+        mine.values.at[:, rows_].set(theirs.values),
+        mine.segments.at[rows_].set(theirs.segments),
+      )
+    elif name == "constraint":
+      dfa, end = (getattr(mine, f).at[rows_].set(getattr(theirs, f)) for f in ("dfa", "end"))
+      fields[name] = Constraint(mine.tables, dfa, end, theirs.passes)
+    elif name == "healing":
+      fields[name] = Healing(mine.allowed, mine.slot.at[rows_].set(theirs.slot))
+    elif name == "trace":
+      fields[name] = jax.tree.map(lambda a, b: a.at[:, rows_].set(b), mine, theirs)
+    else:
+      fields[name] = jax.tree.map(lambda a, b: a.at[rows_].set(b), mine, theirs)
+  return st._replace(**fields)

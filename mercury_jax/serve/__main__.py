@@ -60,6 +60,13 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000; 0: a free one)")
   p.add_argument("--slots", type=int, default=16, help="requests generated at once, the engine's batch (default 16)")
   p.add_argument("--max-queue", type=int, default=256, help="requests that may wait for a slot; more get 429")
+  p.add_argument(
+    "--kv-pages",
+    type=int,
+    help="pages of the key-value cache's pool, the sink page included; a request holds the pages its prompt and "
+    "max_tokens cover and waits in the queue until enough are free (default: every slot can hold a whole context)",
+  )
+  p.add_argument("--page-size", type=int, default=16, help="slots of a page of the key-value cache (default 16)")
   p.add_argument("--mesh", help="DATA,FSDP,TENSOR sizes (default: every device on the data axis)")
   p.add_argument(
     "--block-length",
@@ -132,6 +139,10 @@ def _check_args(args: argparse.Namespace) -> None:
     _fail(f"--slots={args.slots} must be >= 1")
   if args.max_queue < 0:
     _fail(f"--max-queue={args.max_queue} must be >= 0")
+  if args.kv_pages is not None and args.kv_pages < 2:
+    _fail(f"--kv-pages={args.kv_pages} must be >= 2 (page 0 is the sink; each request needs at least one more)")
+  if not 1 <= args.page_size <= 4096:
+    _fail(f"--page-size={args.page_size} must lie in [1, 4096]")
   if args.block_length < 0:
     _fail(f"--block-length={args.block_length} must be >= 0 (0: the model's own)")
   if not args.grace >= 0:
@@ -206,6 +217,8 @@ def _load(args: argparse.Namespace):
       decode=args.decode,
       draft_length=args.draft_length,
       capacity=args.capacity,
+      page_size=args.page_size,
+      kv_pages=args.kv_pages,
     )
   except SettingError as e:
     _fail(e.named("--" + e.field.replace("_", "-")))
@@ -214,7 +227,24 @@ def _load(args: argparse.Namespace):
   name = args.model_name or (
     BUNDLED_NAME.format(model=args.model) if args.checkpoint is None else Path(path).resolve().name
   )
+  _print_memory(scheduler.engine)
   return scheduler, pool, name
+
+
+def _print_memory(engine) -> None:
+  """The start-up line on the key-value cache: the pool, what a slot can hold, and a dense cache's size."""
+  memory = engine.memory()
+  if not memory["pool"]:
+    print("kv cache: none (a whole-sequence model runs every step over its canvas)", flush=True)
+    return
+  mib = lambda n: f"{n / 2**20:.1f} MiB"  # noqa: E731
+  dense = engine.slots * memory["dense_row"]
+  print(
+    f"kv cache: {memory['pages'] - 1} pages of {memory['page_size']} slots ({mib(memory['page'])} each), "
+    f"{mib(memory['pool'])} in all; a whole context takes {engine.pages_per_row} pages; a dense cache of "
+    f"{engine.slots} slots would take {mib(dense)}",
+    flush=True,
+  )
 
 
 async def _serve(server, name: str, host: str, pool) -> None:

@@ -64,7 +64,8 @@ class Metrics:
   """The metrics of one server.
 
   Args:
-    scheduler: Read at scrape time: ``queue_depth``, ``busy_slots``, ``slots``, ``compilations`` and ``stats``.
+    scheduler: Read at scrape time: ``queue_depth``, ``busy_slots``, ``slots``, ``free_pages``, ``engine.pool``,
+      ``compilations`` and ``stats``.
     clock: Seconds on the clock of ``Update.time`` (``time.perf_counter``).
   """
 
@@ -77,6 +78,12 @@ class Metrics:
     )
     Gauge("mercury_busy_slots", "Engine slots generating", registry=registry).set_function(lambda: scheduler.busy_slots)
     Gauge("mercury_slots", "Engine slots", registry=registry).set_function(lambda: scheduler.slots)
+    Gauge(
+      "mercury_kv_pages", "Pages of the key-value cache's pool (the sink excluded)", registry=registry
+    ).set_function(lambda: scheduler.engine.pool.capacity if scheduler.engine.paged else 0)
+    Gauge("mercury_kv_pages_free", "Free pages of the key-value cache's pool", registry=registry).set_function(
+      lambda: scheduler.free_pages
+    )
     Gauge(
       "mercury_tokens_per_second", f"Generated tokens per second over the last {RATE_WINDOW:g} s", registry=registry
     ).set_function(self.tokens_per_second)

@@ -39,7 +39,8 @@ from mercury_jax.constrain import device as constrained
 from mercury_jax.sampling.proposal import Knobs
 from mercury_jax.sampling.sampler import Sampler
 from mercury_jax.sampling.settings import SettingError
-from mercury_jax.serve.slots import DEFAULT_CAPACITY, Request, SlotEngine, View
+from mercury_jax.serve.pages import NoPages
+from mercury_jax.serve.slots import DEFAULT_CAPACITY, DEFAULT_PAGE_SIZE, Request, SlotEngine, View
 
 __all__ = [
   "EngineDown",
@@ -205,6 +206,9 @@ class Scheduler:
     default_steps: Steps per block when a request gives none; default the block (one token per step).
     capacity: The automaton sizes each slot holds for structured output (``slots.DEFAULT_CAPACITY``); None turns
       structured output off.
+    page_size: Slots of a page of the paged key-value cache.
+    kv_pages: Pages of the cache's pool (the sink included); default: every slot can hold a whole context. With
+      fewer, a request waits in the queue until running requests give back the pages it needs.
   """
 
   def __init__(
@@ -218,6 +222,8 @@ class Scheduler:
     draft_length: int = 0,
     default_steps: int | None = None,
     capacity: constrained.Capacity | None = DEFAULT_CAPACITY,
+    page_size: int = DEFAULT_PAGE_SIZE,
+    kv_pages: int | None = None,
   ):
     if max_queue < 0:
       raise ValueError(f"max_queue={max_queue} must be >= 0")
@@ -230,6 +236,8 @@ class Scheduler:
       draft_length=draft_length,
       default_steps=default_steps,
       capacity=capacity,
+      page_size=page_size,
+      kv_pages=kv_pages,
     )
     self.decode = self.engine.decoder.decode  # ar, diffusion or verified
     self.compiler = self.engine.compiler  # structured output: regex / JSON Schema -> automaton (None: off)
@@ -266,6 +274,12 @@ class Scheduler:
   @property
   def busy_slots(self) -> int:
     return len(self._active)
+
+  @property
+  def free_pages(self) -> int:
+    """Pages of the key-value cache no request holds (0 without a paged cache)."""
+    with self._lock:
+      return len(self.engine.pool.free) if self.engine.paged else 0
 
   @property
   def healthy(self) -> bool:
@@ -307,6 +321,14 @@ class Scheduler:
         "max_tokens",
         request.max_tokens,
         f"does not fit: the {what}, together {used} positions, but the model's context is {self.max_length} tokens",
+      )
+    pages, capacity = self.engine.pages_needed(request), self.engine.pool.capacity
+    if pages > capacity:
+      raise SettingError(
+        "max_tokens",
+        request.max_tokens,
+        f"does not fit the key-value cache: {used} positions take {pages} pages of {self.engine.page_size} slots, "
+        f"the pool has {capacity} (start the server with a larger --kv-pages)",
       )
     vocab = self.vocab_size
     if any(not 0 <= t < vocab for t in (*request.prompt, *request.suffix)):
@@ -385,10 +407,10 @@ class Scheduler:
     try:
       while True:
         with self._lock:
-          while not (self._active or self._waiting or self._stopping):
+          while not (self._active or self._waiting or self._released or self._stopping):
             if not self._lock.wait(timeout=IDLE_TICK) and self.engine.multiprocess:
               self.engine.run(self.engine.command())  # Keeps the followers' collectives alive.
-          if self._stopping and not self._active and not self._waiting:
+          if self._stopping and not (self._active or self._waiting or self._released):
             return
         try:
           self._iterate()
@@ -432,11 +454,11 @@ class Scheduler:
     now = time.perf_counter()
     with self._lock:
       for slot in self._released:
-        command.release[slot] = True
+        engine.give_back(command, slot)
       self._released.clear()
       for slot, active in list(self._active.items()):
         if active.handle.cancelled:
-          command.release[slot] = True
+          engine.give_back(command, slot)
           del self._active[slot]
           active.handle._deliver(Update((), None, True, "cancelled", 0, time=now))
       free = [slot for slot in range(self.slots) if slot not in self._active]
@@ -447,6 +469,9 @@ class Scheduler:
           continue
         try:
           engine.admit(command, free[0], handle.request)
+        except NoPages:  # It waits at the head of the queue until running requests give pages back.
+          self._waiting.appendleft(handle)
+          break
         except Exception as error:  # noqa: BLE001  This request fails alone.
           logger.exception("request %d: admission failed", handle.id)
           command.bucket[free[0]] = -1

@@ -6,21 +6,35 @@ engine behind every other entry point:
 * **prefill** (:meth:`BlockEngine.init` of one request): the request's canvas is laid into slots and its prompt runs
   through the model over the smallest *bucket* of slots that covers its first block, giving its keys and values.
   One compilation per bucket, all made at start-up (:meth:`SlotEngine.warm_up`).
-* **insert**: that one-row state is written into a free row of the batch state (its cache rows too).
-* **generate**: one jitted step advances every busy slot by one refinement step of its own block. Each slot has its
-  own block, step, step budget, sampling knobs and random stream, all traced arrays; the host then reads back, in
-  one copy, only what the step can have changed: two blocks of each row and four scalars (:class:`View`), never
-  the ``[slots, S]`` canvas.
-* **release**: a finished or cancelled request's row stops taking steps, and its constraint stops running.
+* **insert**: that one-row state is written into a free row of the batch state, its keys and values into the pages
+  the request was given (:class:`PagePool`).
+* **generate**: one jitted step advances every busy slot by one refinement step of its own block, over the smallest
+  *batch bucket* (1, 2, 4, ... rows, up to ``slots``) that holds every busy row: the busy rows' state is taken out
+  of the batch (:func:`~mercury_jax.sampling.state.take_rows`), stepped and put back, and each row reads and writes
+  its keys and values through its own page table (:class:`~mercury_jax.kvcache.PagedKVCache`), so no cache is
+  copied to compact the rows. A lone request costs a batch of one, not ``slots`` rows. Each slot has its own block,
+  step, step budget, sampling knobs and random stream, all traced arrays; the host then reads back, in one copy,
+  only what the step can have changed: two blocks of each row and four scalars (:class:`View`), never the
+  ``[slots, S]`` canvas.
+* **release**: a finished or cancelled request's row stops taking steps, its constraint stops running, and its pages
+  go back to the pool (:meth:`SlotEngine.give_back`).
+
+Pages. The cache is one pool of ``kv_pages`` pages of ``page_size`` slots (page 0 is the sink that free rows and the
+slots past a canvas point at). A request holds the pages its canvas covers (prompt, ``max_tokens``, suffix and the
+padding block in front) from admission to release; when too few are free it waits in the queue (:class:`NoPages`),
+and one that needs more than the pool holds is refused up front. The default pool lets every slot hold a whole
+context, the memory of a dense cache; a smaller one serves more slots in the same memory when requests are short.
 
 A :class:`Command` says what one iteration does (which rows to release, which requests to admit where, whether to
 step). It is a fixed-shape tree of host arrays, so on a multi-host mesh process 0 (which serves HTTP and owns the
 queue) broadcasts it and every process runs the same programs in the same order (:meth:`SlotEngine.run`,
 :meth:`SlotEngine.follow`).
 
-Nothing a request asks for compiles: its knobs are arrays, its prompt length picks a bucket compiled at start-up and
-the batch is always ``slots`` rows. A request draws from ``fold_in(key(seed), stream)`` and runs alone in its
-prefill and in its own row of a fixed-shape step, so its tokens are the same whatever else is being served.
+Nothing a request asks for compiles: its knobs are arrays, its prompt length picks a prefill bucket and the busy rows
+a batch bucket, all compiled at start-up. A request draws from ``fold_in(key(seed), stream)``, runs alone in its
+prefill, and its row of a step runs alone through the network (:class:`~mercury_jax.sampling.network.RowwiseNetwork`:
+a batched product may round otherwise as the bucket grows), so its tokens are the same in every bucket, whatever else
+is being served.
 """
 
 from __future__ import annotations
@@ -37,20 +51,24 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from mercury_jax import kinds as K, sharding as sh
 from mercury_jax.constrain import device as constrained
 from mercury_jax.constrain.automaton import Automaton, Compiler
+from mercury_jax.kvcache import SINK, PagedKVCache
 from mercury_jax.sampling import healing
 from mercury_jax.sampling.canvas import Canvas
 from mercury_jax.sampling.decoders import APPROXIMATE_BLOCK
 from mercury_jax.sampling.engine import BlockEngine
+from mercury_jax.sampling.network import RowwiseNetwork
 from mercury_jax.sampling.plan import BlockPlan
 from mercury_jax.sampling.proposal import Knobs
 from mercury_jax.sampling.sampler import Sampler
-from mercury_jax.sampling.state import Healing, State
+from mercury_jax.sampling.state import BATCH_COUNTERS, Healing, State, put_rows, take_rows
+from mercury_jax.serve.pages import NoPages, PagePool
 
 MIN_BUCKET = 32  # The smallest prefill bucket, in slots; buckets double up to the whole context.
 # The automaton sizes every slot can hold (structured output): states, token classes, transitions. A constraint that
 # compiles to more is refused (HTTP 400); ``--constraint-capacity`` changes it.
 DEFAULT_CAPACITY = constrained.Capacity(states=512, classes=256, edges=16384)
 CAPACITY_REMEDY = "start the server with a larger --constraint-capacity (STATES,CLASSES,EDGES)"
+DEFAULT_PAGE_SIZE = 16  # Slots of a page of the paged key-value cache (vLLM's default block size).
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,6 +112,7 @@ class Command(NamedTuple):
   knobs: Knobs  # [slots] each
   constraint: np.ndarray  # [slots] int32: bytes of an admitted request's constraint spec (0: none; see ``_specs``)
   heal: np.ndarray  # [slots] int32: bytes of an admitted request's healed characters (UTF-8; 0: none)
+  tables: np.ndarray  # [slots, pages per row] int32: an admitted request's pages (the sink past its canvas)
 
 
 class View(NamedTuple):
@@ -160,6 +179,13 @@ class SlotEngine:
     default_steps: Steps per block when a request gives none; default the block (one token per step).
     capacity: The automaton sizes each slot holds for structured output (:data:`DEFAULT_CAPACITY`); None: no
       structured output (a request with a constraint fails).
+    page_size: Slots of a page of the paged key-value cache.
+    kv_pages: Pages of the pool, the sink included; default: enough for every slot to hold a whole context (the
+      memory of a dense cache). Fewer make requests wait for pages (:class:`NoPages`) under load.
+    batch_invariant: A request's tokens are the same in every batch bucket, alone or beside any other requests: the
+      model multiplies each row's activations alone (``ModelConfig.rowwise_matmuls``), since a product over more rows
+      may round differently. False batches the rows' products (faster under load on accelerators), and a sampled
+      token may then change with the load.
   """
 
   def __init__(
@@ -172,9 +198,14 @@ class SlotEngine:
     draft_length: int = 0,
     default_steps: int | None = None,
     capacity: constrained.Capacity | None = DEFAULT_CAPACITY,
+    page_size: int = DEFAULT_PAGE_SIZE,
+    kv_pages: int | None = None,
+    batch_invariant: bool = True,
   ):
     if slots < 1:
       raise ValueError(f"slots={slots} must be >= 1")
+    if page_size < 1:
+      raise ValueError(f"page_size={page_size} must be >= 1")
     self.sampler, self.slots, self.capacity = sampler, slots, capacity
     self.compiler = None
     if capacity is not None:
@@ -213,15 +244,40 @@ class SlotEngine:
     settings = self.settings
     self.default_knobs = Knobs(settings.temperature, settings.top_k, settings.top_p, settings.threshold)
     self.buckets = self._buckets()
-    self.engine = engine = BlockEngine(sampler.network, self.settings, self.plan)
+    network = sampler.network
+    if batch_invariant:  # A row's tokens must not depend on its bucket: the network runs row by row.
+      network = RowwiseNetwork(sampler.cfg.model, group=sh.data_parallel_size(sampler.mesh, sampler.rules))
+    self.batch_invariant = batch_invariant
+    self.engine = engine = BlockEngine(network, self.settings, self.plan)
     self.multiprocess = jax.process_count() > 1
-
     mesh, rules, params = sampler.mesh, sampler.rules, sampler.param_shardings
+    # Batch buckets: a step runs the smallest that holds every busy row (multiples of the data-parallel size).
+    parallel = sh.data_parallel_size(mesh, rules)
+    self.row_buckets = tuple(
+      sorted({*(parallel << i for i in range(slots.bit_length()) if parallel << i < slots), slots})
+    )
+    # The paged cache (a model with a cache): pages of ``page_size`` slots, a page table per row, a host free list.
+    self.paged = self.plan.cache == "exact"
+    self.page_size, self.pages_per_row = page_size, -(-self.plan.slots // page_size)
+    kv_pages = slots * self.pages_per_row + 1 if kv_pages is None else kv_pages
+    if self.paged and kv_pages < 2:
+      raise ValueError(f"kv_pages={kv_pages} must be >= 2 (page 0 is the sink)")
+    self.pool = PagePool(kv_pages if self.paged else 1)
+    self.busy: set[int] = set()  # rows holding a request (the same on every process: it follows the commands)
 
-    def step(params, st: State):
-      worked = engine.starts(st)
-      st = engine.advance(params, st, max_steps=jnp.ones((), jnp.int32))
-      return st, news(engine, st, worked)
+    def step(params, st: State, live: jax.Array):
+      part = take_rows(st, live)
+      worked = engine.starts(part)
+      part = engine.advance(params, part, max_steps=jnp.ones((), jnp.int32))
+      return put_rows(st, live, part), news(engine, part, worked)
+
+    def blank(row: State) -> State:  # the batch state of ``slots`` copies of a one-row state, over an empty pool
+      st = jax.tree.map(lambda a: jnp.repeat(a, slots, axis=0) if jnp.ndim(a) else a, row._replace(trace=(), cache=()))
+      trace = jax.tree.map(lambda a: jnp.repeat(a, slots, axis=1), row.trace)
+      cache = st.cache
+      if self.paged:
+        cache = PagedKVCache.empty(sampler.cfg.model, slots, self.plan.slots, self.pool.pages, page_size)
+      return st._replace(trace=trace, cache=cache, **{name: getattr(row, name) for name in BATCH_COUNTERS})
 
     def prefill(size: int):
       def fn(p, c, k, n, kn, t, h, e):
@@ -232,8 +288,38 @@ class SlotEngine:
     self._prefill = [prefill(size) for size in self.buckets]
     self._insert = sh.MeshJit(engine.insert, mesh, rules, donate_argnums=(0,))
     self._release = sh.MeshJit(engine.release, mesh, rules, donate_argnums=(0,))
-    self._step = sh.MeshJit(step, mesh, rules, in_shardings=(params, None), donate_argnums=(1,))
+    self._step = sh.MeshJit(step, mesh, rules, in_shardings=(params, None, None), donate_argnums=(1,))
+    self._blank = sh.MeshJit(blank, mesh, rules)
     self.state: State | None = None
+
+  # ------------------------------------------------------------------------------------------- memory
+
+  @property
+  def kv_bytes_per_slot(self) -> int:
+    """Bytes of keys and values one slot of the canvas holds (every layer)."""
+    model = self.sampler.cfg.model
+    return 2 * model.num_layers * model.num_kv_heads * model.head_dim * jnp.dtype(model.dtype).itemsize
+
+  def pages_needed(self, request: Request) -> int:
+    """Pages the request's canvas covers (the padding block in front included); 0 without a paged cache."""
+    if not self.paged:
+      return 0
+    end = self.block + len(request.prompt) + request.max_tokens + len(request.suffix)
+    return -(-min(end, self.plan.slots) // self.page_size)
+
+  def memory(self) -> dict[str, int]:
+    """The key-value cache's sizes: ``pool`` bytes of the paged pool (0: no cache), ``dense_row`` bytes one row of a
+    dense cache would hold, ``page`` bytes of a page, ``pages`` and ``page_size``."""
+    if not self.paged:
+      return {"pool": 0, "dense_row": 0, "page": 0, "pages": 0, "page_size": 0}
+    page = self.page_size * self.kv_bytes_per_slot
+    return {
+      "pool": self.pool.pages * page,
+      "dense_row": self.plan.slots * self.kv_bytes_per_slot,
+      "page": page,
+      "pages": self.pool.pages,
+      "page_size": self.page_size,
+    }
 
   # ------------------------------------------------------------------------------------------- requests
 
@@ -269,10 +355,18 @@ class SlotEngine:
       knobs=Knobs.of(self.settings, n),
       constraint=zeros(np.int32),
       heal=zeros(np.int32),
+      tables=np.full((n, self.pages_per_row), SINK, np.int32),
     )
 
-  def admit(self, command: Command, slot: int, request: Request) -> None:
-    """Writes ``request`` into ``command`` as the admission of row ``slot`` (host arrays, in place)."""
+  def admit(self, command: Command, slot: int, request: Request, *, pages: bool = True) -> None:
+    """Writes ``request`` into ``command`` as the admission of row ``slot`` (host arrays, in place), with the pages
+    its canvas covers (``pages`` False: none, the row reads and writes the sink; the warm-up's programs only).
+
+    Raises:
+      NoPages: Too few pages are free now (``command`` is untouched): the request must wait.
+    """
+    if pages and self.pages_needed(request) > len(self.pool.free):
+      raise NoPages(f"{self.pages_needed(request)} pages needed, {len(self.pool.free)} free")
     p, m, s = len(request.prompt), request.max_tokens, len(request.suffix)
     command.tokens[slot] = self.settings.pad_id
     command.tokens[slot, :p] = request.prompt
@@ -299,6 +393,15 @@ class SlotEngine:
         raise ValueError("this engine has no structured output (capacity None)")
       command.constraint[slot] = len(_spec(request.constraint))
       self._automata[slot] = request.constraint
+    command.tables[slot] = SINK
+    if self.paged and pages:  # Last: nothing above can fail once the pages are taken.
+      command.tables[slot, : self.pages_needed(request)] = self.pool.take(slot, self.pages_needed(request))
+
+  def give_back(self, command: Command, slot: int) -> None:
+    """Marks row ``slot`` for release in ``command`` and returns its pages to the pool: an admission later in the
+    same command may take them (the command releases before it admits)."""
+    command.release[slot] = True
+    self.pool.give_back(slot)
 
   def _specs(self, command: Command) -> None:
     """Every process's automata and healed characters of the command's admissions: process 0 broadcasts their specs
@@ -378,17 +481,36 @@ class SlotEngine:
     self._specs(command)
     for slot in np.flatnonzero(command.release):
       self.state = self._sync(self._release(self.state, self._place(np.int32(slot))))
+      self.busy.discard(int(slot))
     failures = {}
     for slot in np.flatnonzero(command.bucket >= 0):
       try:
         row = self._sync(self.prefill(command, int(slot)))
-        self.state = self._sync(self._insert(self.state, row, self._place(np.int32(slot))))
+        table = self._place(command.tables[slot])
+        self.state = self._sync(self._insert(self.state, row, self._place(np.int32(slot)), table))
+        self.busy.add(int(slot))
       except Exception as error:  # noqa: BLE001  The request fails alone; the engine keeps serving.
         failures[int(slot)] = f"{type(error).__name__}: {error}"
-    if not bool(command.step):
+        self.pool.give_back(int(slot))
+    if not bool(command.step) or not self.busy:
       return None, failures
-    self.state, packed = self._sync(self._step(self.sampler.params, self.state))
-    return View.unpack(self.sampler.placement.gather(packed), self.width), failures
+    live = self.live_rows()
+    self.state, packed = self._sync(self._step(self.sampler.params, self.state, self._place(live)))
+    return self._view(live, self.sampler.placement.gather(packed)), failures
+
+  def live_rows(self) -> np.ndarray:
+    """int32 [n]: the rows the next step runs, the busy ones then free ones up to the smallest batch bucket ``n``
+    that holds every busy row."""
+    busy = sorted(self.busy)
+    size = next(n for n in self.row_buckets if n >= len(busy))
+    free = [slot for slot in range(self.slots) if slot not in self.busy]
+    return np.asarray(busy + free[: size - len(busy)], np.int32)
+
+  def _view(self, live: np.ndarray, packed: np.ndarray) -> View:
+    """The :class:`View` of every slot from a bucket's packed rows (rows outside the bucket: nothing to report)."""
+    full = np.zeros((self.slots, packed.shape[1]), packed.dtype)
+    full[live] = packed
+    return View.unpack(full, self.width)
 
   def _sync(self, out):
     """``out``, computed, on a multi-host mesh. XLA:CPU runs programs without a data dependency between them
@@ -414,30 +536,39 @@ class SlotEngine:
     self.state = None
     self.warm_up()
 
+  def _admit_now(self, command: Command, slot: int) -> None:
+    """Warm-up: prefills and inserts the admission of ``slot`` in ``command``."""
+    row = self._sync(self.prefill(command, slot))
+    table = self._place(command.tables[slot])
+    self.state = self._sync(self._insert(self.state, row, self._place(np.int32(slot)), table))
+    self.busy.add(slot)
+
   def warm_up(self) -> None:
-    """Builds the batch state with every row free, compiling every program a request can reach on the way: each
-    bucket's prefill, insert, release and the step."""
+    """Builds the batch state with every row free and an empty page pool, compiling every program a request can
+    reach on the way: each prefill bucket's prefill, insert, release and the step of each batch bucket."""
+    self.pool.reset()
+    self.busy.clear()
     command = self.command()
     bos = self.settings.bos_id
     for bucket, size in enumerate(self.buckets):  # A prompt whose first block ends at the bucket's end.
-      self.admit(command, 0, Request(prompt=(bos,) * max(1, size - 2 * self.block), max_tokens=1))
+      request = Request(prompt=(bos,) * max(1, size - 2 * self.block), max_tokens=1)
+      self.admit(command, 0, request, pages=False)
       assert command.bucket[0] == bucket
-      if self.state is None:  # The batch state: every row that request, all released below.
-        full = Canvas(*(np.repeat(a[:1], self.slots, axis=0) for a in (command.tokens, command.kinds, command.streams)))
-        place = lambda a: self._place(a)  # noqa: E731
-        knobs = Knobs(*(place(k) for k in command.knobs))
-        args = (place(full.tokens), place(full.kinds), place(full.streams))
-        init, tables = self._prefill[bucket], self._tables([None] * self.slots)
-        heal = self._healing([""] * self.slots, [0] * self.slots)
-        key = place(command.keys[0])
-        steps, extra = place(command.steps), place(command.extra)
-        self.state = init(self.sampler.params, Canvas(*args), key, steps, knobs, tables, heal, extra)
-        self._sync(self.state)
-      row = self._sync(self.prefill(command, 0))
-      self.state = self._sync(self._insert(self.state, row, self._place(np.int32(0))))
-    self.state, _ = self._sync(self._step(self.sampler.params, self.state))
+      if self.state is None:
+        self.state = self._sync(self._blank(self.prefill(command, 0)))
+      self._admit_now(command, 0)
+      self.state = self._sync(self._release(self.state, self._place(np.int32(0))))
+      self.busy.discard(0)
+    small = Request(prompt=(bos,), max_tokens=1)
+    for slot in range(self.slots):  # Every row busy, then the step of each batch bucket.
+      self.admit(command, slot, small, pages=False)
+      self._admit_now(command, slot)
+    for size in self.row_buckets:
+      live = np.arange(size, dtype=np.int32)
+      self.state, _ = self._sync(self._step(self.sampler.params, self.state, self._place(live)))
     for slot in range(self.slots):
       self.state = self._sync(self._release(self.state, self._place(np.int32(slot))))
+    self.busy.clear()
 
 
 def _spec(automaton: Automaton) -> bytes:

@@ -1,0 +1,176 @@
+"""Key-value caches of the decoding engine: one dense row per request, or a shared pool of pages.
+
+Both are plain pytrees with the same interface (``slots``, :meth:`write`, :meth:`rows`, ``segments``), so the engine's
+cache strategies (:mod:`mercury_jax.sampling.caches`) and the model's attention read either one:
+
+* :class:`KVCache`: ``[layers, batch, slots, ...]``. The command line and the Python ``Sampler`` decode fixed
+  batches with it: every row holds a whole canvas anyway, and the attention reads it without an index.
+* :class:`PagedKVCache`: keys and values live in a pool of pages of ``page_size`` slots shared by every row; row
+  ``r``'s slot ``s`` is slot ``s % page_size`` of page ``table[r, s // page_size]`` (vLLM's PagedAttention, Kwon et
+  al. 2023, arXiv 2309.06180). The serving engine keeps one pool for all its slots: a request holds only the pages
+  its canvas covers, and a step over any subset of the rows (a batch bucket) reads the rows' pages through their
+  tables without copying a cache. Page 0 is the *sink*: the table of a free row, and the table entries past a row's
+  canvas, point at it. Writes there are thrown away in effect (nothing reads them as live: their slots are in
+  segment 0, which no query sees), so a free row in a bucket can run the step's uniform program harmlessly.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from mercury_jax.config import ModelConfig, dtype_of
+
+SINK = 0  # The page every unassigned table entry points at (never handed to a request).
+
+
+class KVCache(NamedTuple):
+  """Keys and values of every layer at every slot of a batch of rows: a plain pytree its owner carries and writes.
+
+  The model never writes it: a pass over a chunk returns the chunk's own keys and values (``return_kv``), and the
+  caller writes them with :meth:`write` where it wants them. A chunk's keys and values have the same layout, with the
+  chunk's length in place of ``slots``.
+  """
+
+  keys: jax.Array  # [layers, batch, slots, kv_heads, head_dim]
+  values: jax.Array  # [layers, batch, slots, kv_heads, head_dim]
+  segments: jax.Array  # [batch, slots] int32: each slot's segment (0: empty or padding, which nothing sees)
+
+  @classmethod
+  def empty(cls, cfg: ModelConfig, batch: int, slots: int) -> KVCache:
+    """An all-empty cache (every slot in segment 0)."""
+    shape = (cfg.num_layers, batch, slots, cfg.num_kv_heads, cfg.head_dim)
+    dtype = dtype_of(cfg.dtype)
+    return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch, slots), jnp.int32))
+
+  @property
+  def slots(self) -> int:
+    return self.segments.shape[1]
+
+  def _slots(self, starts: jax.Array, size: int) -> tuple[jax.Array, jax.Array]:
+    """``(rows, slots)`` [batch, size] indices of the ``size`` slots from ``starts[r]`` of every row ``r``."""
+    batch = self.segments.shape[0]
+    starts = jnp.broadcast_to(jnp.asarray(starts, jnp.int32), (batch,))
+    return jnp.arange(batch)[:, None], starts[:, None] + jnp.arange(size)[None, :]
+
+  def write(self, chunk: KVCache, starts: jax.Array) -> KVCache:
+    """This cache with ``chunk`` written at slots ``starts[r] ...`` of every row ``r`` (``starts``: [] or [batch]).
+
+    One scatter per array, indexed on the batch and slot axes where they lie (a ``vmap`` over the batch axis, which is
+    not the leading one, would transpose the whole cache twice at every write)."""
+    rows, slots = self._slots(starts, chunk.slots)
+    return KVCache(
+      self.keys.at[:, rows, slots].set(chunk.keys.astype(self.keys.dtype), mode="drop"),
+      self.values.at[:, rows, slots].set(chunk.values.astype(self.values.dtype), mode="drop"),
+      self.segments.at[rows, slots].set(chunk.segments, mode="drop"),
+    )
+
+  def rows(self, starts: jax.Array, size: int) -> KVCache:
+    """The ``size`` slots from ``starts[r]`` of every row ``r``, as a chunk."""
+    rows, slots = self._slots(starts, size)
+    return KVCache(
+      self.keys.at[:, rows, slots].get(mode="clip"),
+      self.values.at[:, rows, slots].get(mode="clip"),
+      self.segments.at[rows, slots].get(mode="clip"),
+    )
+
+  def layers(self) -> tuple[tuple[jax.Array, jax.Array], tuple[jax.Array, ...]]:
+    """``((keys, values) scanned over layers, what every layer reads besides)`` for the model's layer scan."""
+    return (self.keys, self.values), ()
+
+
+class PagedKVCache(NamedTuple):
+  """Keys and values in a pool of pages shared by the rows, addressed through a per-row page table (see the module
+  docstring). The segments stay one dense ``[batch, slots]`` array: a few bytes a slot, gathered with the rows."""
+
+  keys: jax.Array  # [layers, pages, page_size, kv_heads, head_dim] (page 0: the sink)
+  values: jax.Array  # [layers, pages, page_size, kv_heads, head_dim]
+  segments: jax.Array  # [batch, slots] int32
+  table: jax.Array  # [batch, ceil(slots / page_size)] int32: each run of page_size slots' page
+
+  @classmethod
+  def empty(cls, cfg: ModelConfig, batch: int, slots: int, pages: int, page_size: int) -> PagedKVCache:
+    """A pool of ``pages`` pages (the sink included), every row's table on the sink."""
+    if pages < 2:
+      raise ValueError(f"pages={pages} must be >= 2 (page 0 is the sink)")
+    if page_size < 1:
+      raise ValueError(f"page_size={page_size} must be >= 1")
+    shape = (cfg.num_layers, pages, page_size, cfg.num_kv_heads, cfg.head_dim)
+    dtype = dtype_of(cfg.dtype)
+    table = jnp.full((batch, -(-slots // page_size)), SINK, jnp.int32)
+    return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch, slots), jnp.int32), table)
+
+  @property
+  def slots(self) -> int:
+    return self.segments.shape[1]
+
+  @property
+  def page_size(self) -> int:
+    return self.keys.shape[2]
+
+  def _address(self, starts: jax.Array, size: int) -> tuple[jax.Array, ...]:
+    """``(rows, slots, pages, offsets)`` [batch, size] of the ``size`` slots from ``starts[r]`` of every row ``r``;
+    ``slots`` may run past the row's end, ``pages`` and ``offsets`` are those of the slot clipped to the last one."""
+    batch, size_p = self.segments.shape[0], self.page_size
+    starts = jnp.broadcast_to(jnp.asarray(starts, jnp.int32), (batch,))
+    rows, slots = jnp.arange(batch)[:, None], starts[:, None] + jnp.arange(size)[None, :]
+    clipped = jnp.minimum(slots, self.slots - 1)
+    return rows, slots, self.table[rows, clipped // size_p], clipped % size_p
+
+  def write(self, chunk: KVCache, starts: jax.Array) -> PagedKVCache:
+    """This cache with ``chunk`` (a dense chunk, as the model returns it) written at slots ``starts[r] ...`` of every
+    row ``r``, through the rows' tables (slots past a row's end are dropped)."""
+    rows, slots, pages, offsets = self._address(starts, chunk.slots)
+    pages = jnp.where(slots < self.slots, pages, self.keys.shape[1])  # past the pool: dropped
+    return self._replace(
+      keys=self.keys.at[:, pages, offsets].set(chunk.keys.astype(self.keys.dtype), mode="drop"),
+      values=self.values.at[:, pages, offsets].set(chunk.values.astype(self.values.dtype), mode="drop"),
+      segments=self.segments.at[rows, slots].set(chunk.segments, mode="drop"),
+    )
+
+  def rows(self, starts: jax.Array, size: int) -> KVCache:
+    """The ``size`` slots from ``starts[r]`` of every row ``r``, as a dense chunk."""
+    rows, slots, pages, offsets = self._address(starts, size)
+    slots = jnp.minimum(slots, self.slots - 1)
+    return KVCache(self.keys[:, pages, offsets], self.values[:, pages, offsets], self.segments[rows, slots])
+
+  def layers(self) -> tuple[tuple[jax.Array, jax.Array], tuple[jax.Array, ...]]:
+    """``((key pages, value pages) scanned over layers, (table,))``: each layer reads its rows through the table
+    (:func:`read_pages`)."""
+    return (self.keys, self.values), (self.table,)
+
+  def insert(self, row: jax.Array, table: jax.Array, dense: KVCache) -> PagedKVCache:
+    """This cache with row ``row`` on the pages ``table`` [ceil(slots / page_size)] holding the one-row dense cache
+    ``dense`` (an admitted request's prefill); slots whose table entry is the sink keep nothing."""
+    slots = jnp.arange(self.slots)
+    pages, offsets = table[slots // self.page_size], slots % self.page_size
+    return PagedKVCache(
+      self.keys.at[:, pages, offsets].set(dense.keys[:, 0].astype(self.keys.dtype)),
+      self.values.at[:, pages, offsets].set(dense.values[:, 0].astype(self.values.dtype)),
+      self.segments.at[row].set(dense.segments[0]),
+      self.table.at[row].set(table),
+    )
+
+  def forget(self, row: jax.Array) -> PagedKVCache:
+    """This cache with row ``row`` holding no page (its table on the sink, every slot in segment 0)."""
+    return self._replace(segments=self.segments.at[row].set(0), table=self.table.at[row].set(SINK))
+
+  def take(self, rows: jax.Array) -> PagedKVCache:
+    """The rows ``rows`` [n] over the same pool (a batch bucket's view: nothing of the pool is copied)."""
+    return self._replace(segments=self.segments[rows], table=self.table[rows])
+
+  def put(self, rows: jax.Array, part: PagedKVCache) -> PagedKVCache:
+    """This cache after a step over :meth:`take` ``(rows)``: ``part``'s pool, and its rows' segments and tables."""
+    return PagedKVCache(
+      part.keys, part.values, self.segments.at[rows].set(part.segments), self.table.at[rows].set(part.table)
+    )
+
+
+def read_pages(pool: jax.Array, table: jax.Array, slots: int) -> jax.Array:
+  """``[batch, slots, kv_heads, head_dim]``: one layer's pages ``pool`` [pages, page_size, ...] laid out as each
+  row's slots through ``table`` [batch, ceil(slots / page_size)]."""
+  batch, per_row = table.shape
+  gathered = pool[table]  # [batch, per_row, page_size, kv_heads, head_dim]
+  return gathered.reshape(batch, per_row * pool.shape[1], *pool.shape[2:])[:, :slots]
