@@ -139,6 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     "--slots", type=int, default=64, help="the server's --slots (each engine step computes all of them, even at 1)"
   )
   p.add_argument("--max-queue", type=int, default=4096, help="the server's --max-queue")
+  p.add_argument("--server-args", default="", help="more flags for every server, e.g. '--no-batch-invariance'")
   p.add_argument(
     "--baseline-slots",
     type=int,
@@ -172,11 +173,12 @@ class Server:
     log: The file that receives the server's stdout and stderr.
     slots: The server's ``--slots``.
     max_queue: The server's ``--max-queue``.
+    extra: More flags for the server (``--server-args``).
   """
 
-  def __init__(self, checkpoint: str, log: Path, slots: int, max_queue: int):
+  def __init__(self, checkpoint: str, log: Path, slots: int, max_queue: int, extra: tuple[str, ...] = ()):
     self.command = [sys.executable, "-m", "mercury_jax.serve", "--checkpoint", checkpoint, "--port", "0"]
-    self.command += ["--slots", str(slots), "--max-queue", str(max_queue)]
+    self.command += ["--slots", str(slots), "--max-queue", str(max_queue), *extra]
     self.url: str | None = None
     self.kv_cache = ""  # The server's start-up line on its key-value cache.
     self.last_line = ""  # The server's latest non-empty output line, for the error when it fails.
@@ -618,10 +620,11 @@ def main(argv: list[str] | None = None) -> int:
   failed = False
   for name, checkpoint in args.model:
     print(f"{name}: starting the server on {checkpoint}", flush=True)
-    server = Server(checkpoint, out / f"server-{name}.log", args.slots, args.max_queue)
+    extra = tuple(shlex.split(args.server_args))
+    server = Server(checkpoint, out / f"server-{name}.log", args.slots, args.max_queue, extra)
     base = None
     if args.baseline_slots:
-      base = Server(checkpoint, out / f"server-{name}-baseline.log", args.baseline_slots, args.max_queue)
+      base = Server(checkpoint, out / f"server-{name}-baseline.log", args.baseline_slots, args.max_queue, extra)
     model: dict = {"checkpoint": checkpoint, "server_command": shlex.join(server.command)}
     try:
       url = server.wait(args.startup_timeout)

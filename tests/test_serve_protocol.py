@@ -990,6 +990,9 @@ def test_parse_tool_call_reads_only_a_call_object():
     (["--request-timeout", "0"], "--request-timeout=0.0 must be > 0 seconds"),
     (["--compile-workers", "0"], "--compile-workers=0 must be >= 1"),
     (["--compile-timeout", "nan"], "--compile-timeout=nan must be > 0 seconds"),
+    (["--kv-pages", "1"], "--kv-pages=1 must be >= 2 (page 0 is the sink"),
+    (["--page-size", "0"], "--page-size=0 must lie in [1, 4096]"),
+    (["--no-batch-invariance", "--slots", "0"], "--slots=0 must be >= 1"),
   ],
 )
 def test_bad_server_flags_are_one_line_and_exit_code_2(flags, message, capsys):

@@ -67,6 +67,14 @@ def build_parser() -> argparse.ArgumentParser:
     "max_tokens cover and waits in the queue until enough are free (default: every slot can hold a whole context)",
   )
   p.add_argument("--page-size", type=int, default=16, help="slots of a page of the key-value cache (default 16)")
+  p.add_argument(
+    "--no-batch-invariance",
+    dest="batch_invariant",
+    action="store_false",
+    help="batch the rows of a step through the network (faster under load) instead of running each row alone; a "
+    "sampled token may then depend on how many requests share the step (default: every request's tokens are the "
+    "same whatever runs beside it)",
+  )
   p.add_argument("--mesh", help="DATA,FSDP,TENSOR sizes (default: every device on the data axis)")
   p.add_argument(
     "--block-length",
@@ -219,6 +227,7 @@ def _load(args: argparse.Namespace):
       capacity=args.capacity,
       page_size=args.page_size,
       kv_pages=args.kv_pages,
+      batch_invariant=args.batch_invariant,
     )
   except SettingError as e:
     _fail(e.named("--" + e.field.replace("_", "-")))

@@ -209,6 +209,8 @@ class Scheduler:
     page_size: Slots of a page of the paged key-value cache.
     kv_pages: Pages of the cache's pool (the sink included); default: every slot can hold a whole context. With
       fewer, a request waits in the queue until running requests give back the pages it needs.
+    batch_invariant: Each request's tokens are the same whatever runs beside it (``SlotEngine``); False batches the
+      rows through the network (faster under load, tokens equal only up to rounding).
   """
 
   def __init__(
@@ -224,6 +226,7 @@ class Scheduler:
     capacity: constrained.Capacity | None = DEFAULT_CAPACITY,
     page_size: int = DEFAULT_PAGE_SIZE,
     kv_pages: int | None = None,
+    batch_invariant: bool = True,
   ):
     if max_queue < 0:
       raise ValueError(f"max_queue={max_queue} must be >= 0")
@@ -238,6 +241,7 @@ class Scheduler:
       capacity=capacity,
       page_size=page_size,
       kv_pages=kv_pages,
+      batch_invariant=batch_invariant,
     )
     self.decode = self.engine.decoder.decode  # ar, diffusion or verified
     self.compiler = self.engine.compiler  # structured output: regex / JSON Schema -> automaton (None: off)
