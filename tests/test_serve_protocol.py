@@ -123,6 +123,7 @@ class FakeScheduler:
     self.block_length_fixed, self.slots, self.mask_id, self.default_steps = True, 4, MASK, block
     self.vocab_size, self.default_knobs = self.tokenizer.vocab_size, Knobs(1.0, 0, 1.0, 0.9)
     self.queue_depth, self.busy_slots, self.compilations, self.stats = 1, 2, 7, StepStats(5, 2.0, 0.25)
+    self.kv_pages, self.free_pages = 40, 31
     self.error, self.queue_full_after, self.wait, self.per_stream = None, None, False, False
     self.refuse, self.down, self.healthy = None, False, True
     self.decode, self.draft = ("ar" if autoregressive else "diffusion"), 0  # the served mode (verified: draft > 0)
@@ -696,6 +697,8 @@ def test_metrics_read_the_scheduler_and_count_requests_tokens_and_forward_passes
   for line in (
     "mercury_queue_depth 1.0",
     "mercury_busy_slots 2.0",
+    "mercury_kv_pages 40.0",
+    "mercury_kv_pages_free 31.0",
     "mercury_compilations_total 7.0",
     "mercury_engine_iterations_total 5.0",
     "mercury_engine_seconds_total 2.0",

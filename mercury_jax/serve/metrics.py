@@ -64,7 +64,7 @@ class Metrics:
   """The metrics of one server.
 
   Args:
-    scheduler: Read at scrape time: ``queue_depth``, ``busy_slots``, ``slots``, ``free_pages``, ``engine.pool``,
+    scheduler: Read at scrape time: ``queue_depth``, ``busy_slots``, ``slots``, ``kv_pages``, ``free_pages``,
       ``compilations`` and ``stats``.
     clock: Seconds on the clock of ``Update.time`` (``time.perf_counter``).
   """
@@ -80,7 +80,7 @@ class Metrics:
     Gauge("mercury_slots", "Engine slots", registry=registry).set_function(lambda: scheduler.slots)
     Gauge(
       "mercury_kv_pages", "Pages of the key-value cache's pool (the sink excluded)", registry=registry
-    ).set_function(lambda: scheduler.engine.pool.capacity if scheduler.engine.paged else 0)
+    ).set_function(lambda: scheduler.kv_pages)
     Gauge("mercury_kv_pages_free", "Free pages of the key-value cache's pool", registry=registry).set_function(
       lambda: scheduler.free_pages
     )

@@ -280,6 +280,11 @@ class Scheduler:
     return len(self._active)
 
   @property
+  def kv_pages(self) -> int:
+    """Pages of the key-value cache a request can hold (the sink excluded; 0 without a paged cache)."""
+    return self.engine.pool.capacity if self.engine.paged else 0
+
+  @property
   def free_pages(self) -> int:
     """Pages of the key-value cache no request holds (0 without a paged cache)."""
     with self._lock:

@@ -183,9 +183,9 @@ class SlotEngine:
     kv_pages: Pages of the pool, the sink included; default: enough for every slot to hold a whole context (the
       memory of a dense cache). Fewer make requests wait for pages (:class:`NoPages`) under load.
     batch_invariant: A request's tokens are the same in every batch bucket, alone or beside any other requests: the
-      model multiplies each row's activations alone (``ModelConfig.rowwise_matmuls``), since a product over more rows
-      may round differently. False batches the rows' products (faster under load on accelerators), and a sampled
-      token may then change with the load.
+      network runs each row alone (:class:`~mercury_jax.sampling.network.RowwiseNetwork`), since a product over more
+      rows may round differently. False batches the rows (faster under load), and a sampled token may then change
+      with the load.
   """
 
   def __init__(
