@@ -536,12 +536,14 @@ class SlotEngine:
     self.state = None
     self.warm_up()
 
-  def _admit_now(self, command: Command, slot: int) -> None:
-    """Warm-up: prefills and inserts the admission of ``slot`` in ``command``."""
-    row = self._sync(self.prefill(command, slot))
+  def _admit_now(self, command: Command, slot: int, row: State | None = None) -> State:
+    """Warm-up: inserts the admission of ``slot`` in ``command``, prefilled here unless ``row`` is its prefill
+    already (the same request in every slot); returns the prefill."""
+    row = self._sync(self.prefill(command, slot)) if row is None else row
     table = self._place(command.tables[slot])
     self.state = self._sync(self._insert(self.state, row, self._place(np.int32(slot)), table))
     self.busy.add(slot)
+    return row
 
   def warm_up(self) -> None:
     """Builds the batch state with every row free and an empty page pool, compiling every program a request can
@@ -559,10 +561,10 @@ class SlotEngine:
       self._admit_now(command, 0)
       self.state = self._sync(self._release(self.state, self._place(np.int32(0))))
       self.busy.discard(0)
-    small = Request(prompt=(bos,), max_tokens=1)
-    for slot in range(self.slots):  # Every row busy, then the step of each batch bucket.
+    small, row = Request(prompt=(bos,), max_tokens=1), None
+    for slot in range(self.slots):  # Every row busy (one prefill for all), then the step of each batch bucket.
       self.admit(command, slot, small, pages=False)
-      self._admit_now(command, slot)
+      row = self._admit_now(command, slot, row)
     for size in self.row_buckets:
       live = np.arange(size, dtype=np.int32)
       self.state, _ = self._sync(self._step(self.sampler.params, self.state, self._place(live)))
