@@ -28,6 +28,7 @@ from jax.sharding import AxisType, PartitionSpec as P
 
 from mercury_jax import sharding
 from mercury_jax.kernels import masks
+from mercury_jax.kvcache import read_pages
 
 IMPLEMENTATIONS = ("auto", "xla", "pallas", "cudnn")
 _BLOCK_MASKS = ("block_causal", "block_diffusion", "verified")  # The masks that take a diffusion_block.
@@ -201,10 +202,16 @@ def _cached_xla(q, k, v, segments, cache_k, cache_v, cache_segments, starts, mas
   return out.reshape(batch, chunk, heads, head_dim).astype(v.dtype)
 
 
-def _cached_pallas(q, k, v, segments, cache_k, cache_v, cache_segments, starts, mask, diffusion_block):
+def _cached_pallas(q, k, v, segments, cache_k, cache_v, cache_segments, starts, mask, diffusion_block, table=None):
   """The Pallas kernel (:mod:`mercury_jax.kernels.cached_attention`; interpret mode off GPU), per shard on a mesh:
   rows over the data axes, heads over ``tensor`` (kv heads with them when they split alike, else whole on every
-  shard, which then reads the kv heads its query heads use)."""
+  shard, which then reads the kv heads its query heads use).
+
+  With ``table``, ``cache_k`` and ``cache_v`` are one layer's pools ``[pages, page_size, kv_heads, head_dim]``, read
+  in place. A pool is not split by rows (any row's table may name any page): on a mesh it is replicated over the data
+  axes, its kv heads split like the chunk's (``P(None, None, kv heads' axes, None)``), while the tables, like the
+  segments, split by rows. When the kv heads do not split like the query heads, each shard takes the kv heads it
+  reads out of the whole pool, a copy of the pool."""
   from mercury_jax.kernels import cached_attention as ca
 
   kernel = functools.partial(
@@ -212,7 +219,7 @@ def _cached_pallas(q, k, v, segments, cache_k, cache_v, cache_segments, starts, 
   )
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty:
-    return kernel(q, k, v, segments, cache_k, cache_v, cache_segments, starts)
+    return kernel(q, k, v, segments, cache_k, cache_v, cache_segments, starts, table=table)
   rules = nn.get_logical_axis_rules()
   q_spec = _mesh_spec((sharding.BATCH, sharding.LENGTH, sharding.ACT_HEADS, sharding.HEAD_DIM), q.shape, mesh, rules)
   kv_spec = _mesh_spec(
@@ -234,16 +241,18 @@ def _cached_pallas(q, k, v, segments, cache_k, cache_v, cache_segments, starts, 
         first = jax.lax.axis_index(head_axes) * local_heads
         return jnp.take(x, (first + jnp.arange(local_heads)) // (heads // kv_heads), axis=2)
 
-  def per_shard(q, k, v, segments, cache_k, cache_v, cache_segments, starts):
+  def per_shard(q, k, v, segments, cache_k, cache_v, cache_segments, starts, *table):
     if select_kv is not None:
       k, v, cache_k, cache_v = (select_kv(x) for x in (k, v, cache_k, cache_v))
-    return kernel(q, k, v, segments, cache_k, cache_v, cache_segments, starts)
+    return kernel(q, k, v, segments, cache_k, cache_v, cache_segments, starts, table=table[0] if table else None)
 
   rows_2d, rows_1d = P(rows, None), P(rows)
-  specs = (q_spec, kv_spec, kv_spec, rows_2d, kv_spec, kv_spec, rows_2d, rows_1d)
-  return jax.shard_map(per_shard, mesh=mesh, in_specs=specs, out_specs=q_spec, check_vma=False)(
-    q, k, v, segments, cache_k, cache_v, cache_segments, starts
-  )
+  cache_spec = kv_spec if table is None else P(None, None, kv_spec[2], None)  # A pool: every page on every row shard.
+  specs = (q_spec, kv_spec, kv_spec, rows_2d, cache_spec, cache_spec, rows_2d, rows_1d)
+  args = (q, k, v, segments, cache_k, cache_v, cache_segments, starts)
+  if table is not None:
+    specs, args = specs + (rows_2d,), args + (table,)
+  return jax.shard_map(per_shard, mesh=mesh, in_specs=specs, out_specs=q_spec, check_vma=False)(*args)
 
 
 def attend_cached(
@@ -259,24 +268,31 @@ def attend_cached(
   mask: str,
   diffusion_block: int | None = None,
   implementation: str = "auto",
+  table: jax.Array | None = None,
 ) -> jax.Array:
   """Attention of a chunk over a key-value cache and its own keys and values (what each query sees:
   :func:`mercury_jax.kernels.masks.cached`).
+
+  The cache is dense, or paged (``table``, :class:`mercury_jax.kvcache.PagedKVCache`): the Pallas kernel reads the
+  pages in place through the table; the XLA path (``xla``, ``cudnn``, ``verify_chunk``), and the kernel when
+  ``page_size`` is not a multiple of 16, first gather each row's pages into a dense cache (``kvcache.read_pages``).
 
   Args:
     q: ``[batch, chunk, heads, head_dim]``, the chunk's queries.
     k: ``[batch, chunk, kv_heads, head_dim]``, the chunk's keys.
     v: like ``k``.
     segments: ``[batch, chunk]`` int32, the chunk's segments (0: padding, whose output is zeros).
-    cache_k: ``[batch, slots, kv_heads, head_dim]``, the cached keys.
+    cache_k: ``[batch, slots, kv_heads, head_dim]``, the cached keys; with ``table``, one layer's pool of pages
+      ``[pages, page_size, kv_heads, head_dim]``.
     cache_v: like ``cache_k``.
-    cache_segments: ``[batch, slots]`` int32.
+    cache_segments: ``[batch, slots]`` int32 (dense for a paged cache too).
     starts: ``[batch]`` int32, each row's first slot of the chunk.
     mask: ``causal``, ``block_causal`` or ``bidirectional``, in slot space; or ``verify_chunk``, a chunk of
       ``k + k*k`` queries (``masks.verify_chunk``) over the slots before ``starts``.
     diffusion_block: the block of ``block_causal``; the draft length ``k`` of ``verify_chunk``.
     implementation: ``auto``, ``xla``, ``pallas`` or ``cudnn`` (``cudnn`` runs the XLA path: cuDNN has no mask for a
       cache with per-row chunk positions; so does ``verify_chunk``, which the Pallas kernel does not implement).
+    table: ``[batch, ceil(slots / page_size)]`` int32, each row's pages (None: a dense cache).
 
   Returns:
     ``[batch, chunk, heads, head_dim]`` in ``v``'s dtype.
@@ -289,6 +305,16 @@ def attend_cached(
     raise ValueError(f"{diffusion_block=} must be given exactly for mask='block_causal' and {masks.CHUNK_MASKS}")
   starts = jnp.broadcast_to(jnp.asarray(starts, jnp.int32), q.shape[:1])
   impl = resolve_implementation(implementation)
-  if impl == "pallas" and mask not in masks.CHUNK_MASKS:
-    return _cached_pallas(q, k, v, segments, cache_k, cache_v, cache_segments, starts, mask, diffusion_block)
+  pallas = impl == "pallas" and mask not in masks.CHUNK_MASKS
+  if table is not None:
+    in_place = False
+    if pallas:
+      from mercury_jax.kernels import cached_attention as ca
+
+      in_place = cache_k.shape[1] % ca.PAGE_MULTIPLE == 0
+    if not in_place:  # Each row's pages gathered into a dense [batch, slots, kv_heads, head_dim] cache.
+      cache_k, cache_v = (read_pages(pool, table, cache_segments.shape[1]) for pool in (cache_k, cache_v))
+      table = None
+  if pallas:
+    return _cached_pallas(q, k, v, segments, cache_k, cache_v, cache_segments, starts, mask, diffusion_block, table)
   return _cached_xla(q, k, v, segments, cache_k, cache_v, cache_segments, starts, mask, diffusion_block)

@@ -20,7 +20,7 @@ from jax.sharding import Mesh
 from mercury_jax import sharding as sh
 from mercury_jax.attention import attend, attend_cached
 from mercury_jax.config import ModelConfig, dtype_of
-from mercury_jax.kvcache import KVCache, PagedKVCache, read_pages
+from mercury_jax.kvcache import KVCache, PagedKVCache
 from mercury_jax.rope import rotary
 
 _INIT = nn.initializers.normal(stddev=0.02)
@@ -114,9 +114,7 @@ class Attention(nn.Module):
         diffusion_block=self.diffusion_block,
       )
     else:
-      cache_k, cache_v, cache_segments, starts, *paged = cache
-      if paged:  # A paged cache: this layer's pages, read through the rows' tables.
-        cache_k, cache_v = (read_pages(pool, paged[0], cache_segments.shape[1]) for pool in (cache_k, cache_v))
+      cache_k, cache_v, cache_segments, starts, *paged = cache  # A paged cache: this layer's pages and the tables.
       segment_ids = jnp.ones(q.shape[:2], jnp.int32) if segment_ids is None else segment_ids
       out = attend_cached(
         q,
@@ -130,6 +128,7 @@ class Attention(nn.Module):
         mask=self.mask,
         diffusion_block=self.diffusion_block,
         implementation=cfg.attention,
+        table=paged[0] if paged else None,
       )
     out = nn.with_logical_constraint(out, (sh.BATCH, sh.LENGTH, sh.ACT_HEADS, sh.HEAD_DIM))
     return dense(out, w_o, contract=2), (k, v)  # [batch, length, embed]

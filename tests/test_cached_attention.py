@@ -15,13 +15,19 @@ so the bound is 2e-2 of it (about 5 ulps).
 """
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import linen as nn
 
+from mercury_jax import attention, sharding
+from mercury_jax.config import MeshConfig, ModelConfig
 from mercury_jax.kernels import cached_attention as ca, masks
+from mercury_jax.kvcache import SINK, KVCache, PagedKVCache, read_pages
+from mercury_jax.model import Transformer
 
 F32 = {"atol": 2e-5, "rtol": 2e-5}
 BF16_REL = 2e-2
@@ -358,3 +364,181 @@ def test_one_compilation_serves_every_start():
     args[-1] = jnp.asarray(starts, jnp.int32)
     _check_f32(fn(*args), ca.reference_cached_attention(*args, **_options(case)))
   assert fn._cache_size() == 1
+
+
+# ------------------------------------------------------------------------------------------- paged caches
+
+_KERNEL = jax.jit(ca.cached_attention, static_argnames=("mask", "diffusion_block", "block_sizes", "interpret"))
+
+
+def _paged(cache_k, cache_v, cache_segments, page_size: int, seed: int = 0):
+  """``(pool_k, pool_v, table)``: the dense cache laid out in a pool of pages as ``PagedKVCache`` keeps it.
+
+  Each row's pages lie scattered over the pool in a random order; a page whose slots are all empty (segment 0) is
+  the shared sink, page 0. The sink and two pages nobody holds are filled with values 100 times larger, which would
+  show if a kernel read them for a live slot.
+  """
+  rng = np.random.default_rng(seed)
+  batch, slots = cache_segments.shape
+  per_row = -(-slots // page_size)
+  pad = per_row * page_size - slots
+  live = np.pad(np.asarray(cache_segments) != 0, ((0, 0), (0, pad))).reshape(batch, per_row, page_size).any(-1)
+  pages = 1 + int(live.sum()) + 2
+  table = np.zeros((batch, per_row), np.int32)  # Pages with no live slot: the sink.
+  table[live] = rng.permutation(np.arange(1, pages))[: int(live.sum())]
+  pools = []
+  for x in (cache_k, cache_v):
+    rows = np.pad(np.asarray(x), ((0, 0), (0, pad), (0, 0), (0, 0))).reshape(batch, per_row, page_size, *x.shape[2:])
+    pool = 100.0 * rng.standard_normal((pages, page_size, *x.shape[2:])).astype(rows.dtype)
+    pool[table[live]] = rows[live]
+    pools.append(jnp.asarray(pool))
+  return pools[0], pools[1], jnp.asarray(table)
+
+
+# Pages of 16 and 32 slots with 16-slot tiles, and of 48 slots with 32-slot tiles (shrunk to 16, or a tile would
+# straddle pages 0 and 1 of a row); each mask; GQA 2 and 1; row 1's chunk straddles a page boundary (starts 29 over
+# pages of 16 or 32; 17 over 40 slots); caches whose slot counts are (64) and are not (40, 100) whole pages.
+PAGED_CASES = [
+  (Case(8, 64, 4, 2, "causal"), 16),
+  (Case(4, 64, 4, 2, "block_causal", 4), 32),
+  (Case(8, 64, 2, 1, "block_causal", 8), 16),
+  (Case(16, 40, 4, 2, "bidirectional"), 16),
+  (Case(1, 100, 4, 2, "causal", blocks=ca.BlockSizes(16, 32, 16)), 48),
+]
+
+
+@pytest.mark.parametrize("case,page_size", PAGED_CASES, ids=lambda x: str(x) if isinstance(x, Case) else f"page{x}")
+def test_paged_kernel_matches_the_dense_kernel_and_the_reference(case, page_size):
+  q, k, v, segments, cache_k, cache_v, cache_segments, first_starts = _inputs(case, jnp.float32)
+  # Row 3, a padding row (as a free row in a batch bucket), holds no page: its whole table is on the sink.
+  pool_k, pool_v, table = _paged(cache_k, cache_v, cache_segments.at[3].set(0), page_size)
+  options = {"block_sizes": case.blocks, "interpret": True, **_options(case)}
+  for starts in (first_starts, jnp.asarray([16, 15, case.slots - 1, 31], jnp.int32)):
+    paged = _KERNEL(q, k, v, segments, pool_k, pool_v, cache_segments, starts, table=table, **options)
+    dense = _KERNEL(q, k, v, segments, cache_k, cache_v, cache_segments, starts, **options)
+    want = ca.reference_cached_attention(q, k, v, segments, cache_k, cache_v, cache_segments, starts, **_options(case))
+    _check_f32(paged, want)
+    _check_f32(dense, want)
+    _check_f32(paged, dense)
+
+
+def test_paged_kernel_reads_each_row_through_its_own_table():
+  """Rows 0 and 1 swap tables: each now attends over the other's pages (the reference over the swapped layout)."""
+  case, page_size = PAGED_CASES[3]
+  q, k, v, segments, cache_k, cache_v, cache_segments, starts = _inputs(case, jnp.float32)
+  pool_k, pool_v, table = _paged(cache_k, cache_v, cache_segments, page_size)
+  options = {"block_sizes": case.blocks, "interpret": True, **_options(case)}
+  swapped = table[jnp.asarray([1, 0, 2, 3])]
+  got = _KERNEL(q, k, v, segments, pool_k, pool_v, cache_segments, starts, table=swapped, **options)
+  before = _KERNEL(q, k, v, segments, pool_k, pool_v, cache_segments, starts, table=table, **options)
+  swapped_k, swapped_v = (read_pages(pool, swapped, case.slots) for pool in (pool_k, pool_v))
+  want = ca.reference_cached_attention(
+    q, k, v, segments, swapped_k, swapped_v, cache_segments, starts, **_options(case)
+  )
+  _check_f32(got, want)
+  assert float(jnp.min(jnp.max(jnp.abs(got[:2] - before[:2]), axis=(1, 2, 3)))) > 0.1
+
+
+def test_paged_arguments_and_page_sizes():
+  pool = lambda page_size, pages=5: jnp.zeros((pages, page_size, 2, 16))
+  for page_size in (8, 24):
+    with pytest.raises(ValueError, match=f"page_size={page_size} must be a multiple of 16"):
+      _call_with(cache_k=pool(page_size), cache_v=pool(page_size), table=jnp.zeros((2, 4), jnp.int32))
+  with pytest.raises(ValueError, match=r"table.shape=\(2, 1\) holds 1 pages"):
+    _call_with(cache_k=pool(16), cache_v=pool(16), table=jnp.zeros((2, 1), jnp.int32))
+  with pytest.raises(ValueError, match=r"table.shape=\(3, 2\)"):
+    _call_with(cache_k=pool(16), cache_v=pool(16), table=jnp.zeros((3, 2), jnp.int32))
+  with pytest.raises(ValueError, match="paged cache_k.shape"):
+    _call_with(cache_k=pool(16), cache_v=pool(16, pages=6), table=jnp.zeros((2, 2), jnp.int32))
+  # A tile lies in one page: block_k shrinks to the largest power of two dividing page_size when it does not divide.
+  assert [ca.page_block_k(64, size) for size in (16, 32, 48, 80, 128, 256)] == [16, 32, 16, 16, 64, 64]
+
+
+@pytest.mark.parametrize("page_size", [16, 8])
+def test_attend_cached_reads_pages_in_place_with_pallas_and_gathers_them_otherwise(page_size):
+  """``implementation="pallas"`` passes pages of 16 slots to the kernel with no gather and gathers pages of 8
+  (which the kernel cannot tile); ``xla`` always gathers. Both equal the reference over the dense cache."""
+  case = Case(8, 64, 4, 2, "causal")
+  q, k, v, segments, cache_k, cache_v, cache_segments, starts = _inputs(case, jnp.float32)
+  pool_k, pool_v, table = _paged(cache_k, cache_v, cache_segments, page_size)
+  want = ca.reference_cached_attention(q, k, v, segments, cache_k, cache_v, cache_segments, starts, mask="causal")
+  args = (q, k, v, segments, pool_k, pool_v, cache_segments, starts)
+  for impl in ("pallas", "xla"):
+    fn = functools.partial(attention.attend_cached, mask="causal", implementation=impl, table=table)
+    _check_f32(jax.jit(fn)(*args), want)
+    gathers = sum(eqn.primitive.name == "gather" for eqn in jax.make_jaxpr(fn)(*args).jaxpr.eqns)
+    assert gathers == (0 if impl == "pallas" and page_size == 16 else 2), impl  # One per pool.
+
+
+@pytest.mark.parametrize("kv_heads", [2, 1])
+def test_paged_attend_cached_sharded_equals_the_reference(kv_heads):
+  """On a (data 2, fsdp 2, tensor 2) mesh the kernel runs per shard: the tables and segments split by rows, the pools
+  whole on every row shard (kv heads over tensor; one kv head, which cannot split, whole on every shard)."""
+  case = Case(8, 64, 4, kv_heads, "causal")
+  q, k, v, segments, cache_k, cache_v, cache_segments, starts = _inputs(case, jnp.float32)
+  pool_k, pool_v, table = _paged(cache_k, cache_v, cache_segments, 16)
+  want = ca.reference_cached_attention(q, k, v, segments, cache_k, cache_v, cache_segments, starts, mask="causal")
+  fn = functools.partial(attention.attend_cached, mask="causal", implementation="pallas", table=table)
+  args = (q, k, v, segments, pool_k, pool_v, cache_segments, starts)
+  with jax.set_mesh(sharding.make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))), nn.logical_axis_rules(sharding.RULES):
+    got = jax.jit(fn)(*args)
+    assert "shard_map" in str(jax.make_jaxpr(fn)(*args))
+  _check_f32(got, want)
+
+
+def test_paged_kernel_lowers_to_triton_for_gpu():
+  """The paged kernel's GPU lowering: bfloat16 Hopper tiles (block_k 64 shrunk to 16) over pages of 16 slots."""
+  dtype, batch, heads, kv_heads, head_dim, slots, page_size, pages = jnp.bfloat16, 2, 8, 2, 128, 1000, 16, 200
+  shape = jax.ShapeDtypeStruct
+  for chunk in (1, 16):
+    args = (
+      shape((batch, chunk, heads, head_dim), dtype),
+      shape((batch, chunk, kv_heads, head_dim), dtype),
+      shape((batch, chunk, kv_heads, head_dim), dtype),
+      shape((batch, chunk), jnp.int32),
+      shape((pages, page_size, kv_heads, head_dim), dtype),
+      shape((pages, page_size, kv_heads, head_dim), dtype),
+      shape((batch, slots), jnp.int32),
+      shape((batch,), jnp.int32),
+      shape((batch, -(-slots // page_size)), jnp.int32),
+    )
+    fn = jax.jit(lambda *a: ca.cached_attention(*a[:8], table=a[8], mask="block_causal", diffusion_block=8))
+    lowered = fn.trace(*args).lower(lowering_platforms=("cuda",))
+    assert lowered.as_text().count("__gpu$xla.gpu.triton") == 1
+
+
+def test_transformer_over_a_paged_cache_gives_the_dense_cache_logits():
+  """``attention="pallas"``: a block-causal pass of 8 tokens over a prefilled cache, through pages of 16 slots
+  (scattered, a row's unused page on the sink; row 1's chunk straddles a page boundary) and through the dense cache.
+  """
+  cfg = ModelConfig(
+    vocab_size=64, d_model=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, mlp_dim=128, max_length=64,
+    dtype="float32", attention="pallas",
+  )  # fmt: skip
+  model = Transformer(cfg)
+  tokens = jnp.asarray(np.random.default_rng(0).integers(5, 64, (2, 28)), jnp.int32)
+  params = model.init(jax.random.key(0), tokens[:, :8])["params"]
+  prefill = Transformer(dataclasses.replace(cfg, attention="xla"))
+  _, kv = prefill.apply({"params": params}, tokens[:, :20], mask="block_causal", diffusion_block=4, return_kv=True)
+  dense = KVCache.empty(cfg, 2, 48).write(kv, 0)
+  paged = PagedKVCache.empty(cfg, 2, 48, pages=8, page_size=16)
+  for row, pages in enumerate(([5, 2, SINK], [7, 1, 3])):
+    one = KVCache(dense.keys[:, row : row + 1], dense.values[:, row : row + 1], dense.segments[row : row + 1])
+    paged = paged.insert(row, jnp.asarray(pages, jnp.int32), one)
+  paged = paged._replace(segments=paged.segments.at[1, 13:].set(0))  # Row 1 resumes at slot 13.
+  dense = dense._replace(segments=paged.segments)
+  starts = jnp.asarray([20, 13], jnp.int32)
+  chunk = jnp.stack([tokens[0, 20:28], tokens[1, 13:21]])
+  positions = starts[:, None] + jnp.arange(8)[None, :]
+
+  @jax.jit
+  def logits(cache):
+    return model.apply(
+      {"params": params}, chunk, positions=positions, mask="block_causal", diffusion_block=4, cache=cache,
+      cache_start=starts,
+    )  # fmt: skip
+
+  want = logits(dense)
+  np.testing.assert_allclose(np.asarray(logits(paged)), np.asarray(want), atol=1e-5, rtol=1e-5)
+  swapped = logits(paged._replace(table=paged.table[::-1]))  # The same pass over the other row's pages differs,
+  assert float(jnp.max(jnp.abs(swapped - want))) > 1e-3  # by 100 times the tolerance (2e-3 measured).

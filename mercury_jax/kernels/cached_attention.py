@@ -36,11 +36,25 @@ the cache tiles whose segment ids can match the query tile's (computed in XLA fr
 id, as in :mod:`flash_attention`), so left padding and empty slots past a row's sequence cost no loads. Segment ids
 are always applied, in every tile. No ``[C, S]`` array is ever built.
 
+Paged caches. The cache is either dense (``cache_k [batch, S, kv_heads, head_dim]``, a row's slots contiguous) or
+paged, as :class:`mercury_jax.kvcache.PagedKVCache` keeps it (vLLM's PagedAttention layout, Kwon et al. 2023,
+arXiv:2309.06180): one layer's pool of pages ``[pages, page_size, kv_heads, head_dim]`` shared by the rows, and a page
+table ``[batch, pages per row]`` that puts row ``b``'s slot ``s`` at slot ``s % page_size`` of page
+``table[b, s // page_size]``. The same kernel reads either: a program of a paged cache gets the whole pool of its
+key/value head (its ``BlockSpec`` selects the head only) and its row of the table, and loads cache tile ``t`` (slots
+``[t * block_k, (t + 1) * block_k)``) from page ``table[b, t * block_k // page_size]`` at offset
+``t * block_k % page_size``, one scalar load of the table per tile, the pages read in place, never gathered. A tile
+must lie in one page, so ``block_k`` must divide ``page_size``: ``block_k`` (a power of two) shrinks to the largest
+power of two that divides ``page_size``, and a ``page_size`` that is not a multiple of 16 (the smallest Triton tile)
+is a ``ValueError`` (:func:`mercury_jax.attention.attend_cached` gathers such pages into a dense cache instead). The
+segment ids stay one dense ``[batch, S]`` array in both layouts; the loop bounds are the same.
+
 Shapes need no alignment: the query rows and the chunk's keys are zero-padded to whole tiles (cheap, chunk-sized);
 the cache is read in place and its last, partial tile is loaded with a masked load. A ``head_dim`` that is not a power
-of two >= 16 (Triton tiles must be) is zero-padded, which copies the cache: size heads as powers of two. float32
-inputs use IEEE float32 dots (no TF32), so float32 is the exact mode; bfloat16 inputs use tensor cores with float32
-accumulation, the probabilities rounded to bfloat16 before the value matmul as in every FlashAttention.
+of two >= 16 (Triton tiles must be) is zero-padded, which copies the cache (the whole pool of a paged one): size heads
+as powers of two. float32 inputs use IEEE float32 dots (no TF32), so float32 is the exact mode; bfloat16 inputs use
+tensor cores with float32 accumulation, the probabilities rounded to bfloat16 before the value matmul as in every
+FlashAttention.
 """
 
 from __future__ import annotations
@@ -58,6 +72,7 @@ from jax.experimental.pallas import triton as pltriton
 from mercury_jax.kernels import masks
 
 MASKS = ("causal", "block_causal", "bidirectional")
+PAGE_MULTIPLE = 16  # A paged cache's page_size must be a multiple of this (the smallest cache tile).
 _LOG2_E = math.log2(math.e)
 
 
@@ -137,6 +152,7 @@ class _Plan:
   head_dim: int  # Padded head dimension.
   blocks: BlockSizes
   interpret: bool
+  page_size: int | None = None  # Slots of a page of a paged cache (a multiple of block_k); None for a dense cache.
 
   def limit(self, pos):
     """The slots ``[0, limit)`` that ``masks.visible`` lets the query at slot ``pos`` see (int32; ``pos >= 0``).
@@ -219,9 +235,12 @@ def _clip(x, lo, hi):
 
 
 def _kernel(
-  q_ref, q_seg_ref, k_ref, v_ref, k_seg_ref, cache_k_ref, cache_v_ref, cache_seg_ref, start_ref, seg_range_ref, o_ref,
-  *, plan: _Plan,
+  q_ref, q_seg_ref, k_ref, v_ref, k_seg_ref, cache_k_ref, cache_v_ref, cache_seg_ref, start_ref, seg_range_ref, *refs,
+  plan: _Plan,
 ):  # fmt: skip
+  """``refs``: ``(o_ref,)`` over a dense cache; ``(table_ref, o_ref)`` over a paged one, ``cache_k_ref`` and
+  ``cache_v_ref`` then being the kv head's pages ``[pages, page_size, head_dim]`` and ``table_ref`` the row's table."""
+  table_ref, o_ref = refs if plan.page_size is not None else (None, *refs)
   block_q, block_k, block_c = plan.blocks.block_q, plan.blocks.block_k, plan.blocks.block_c
   slots = plan.slots
   i = pl.program_id(0)
@@ -245,16 +264,31 @@ def _kernel(
     acc = acc * alpha[:, None] + _dot(p.astype(v.dtype), v, (1, 0))  # [block_q, head_dim]
     return m_new, ell * alpha + jnp.sum(p, axis=1), acc
 
+  def cache_tile(t):
+    """Views of cache tile ``t`` (slots ``[t * block_k, (t + 1) * block_k)``): its keys, values and segment ids.
+
+    A dense cache's tile is a slice of the row; a paged cache's lies in one page (``block_k`` divides ``page_size``),
+    page ``table[t * block_k // page_size]`` from slot ``t * block_k % page_size``, read where it is.
+    """
+    first = pl.multiple_of(t * block_k, block_k)
+    segs = cache_seg_ref.at[pl.ds(first, block_k)]
+    if table_ref is None:
+      idx = pl.ds(first, block_k)
+      return cache_k_ref.at[idx, :], cache_v_ref.at[idx, :], segs
+    page = table_ref[lax.div(first, plan.page_size)]
+    idx = pl.ds(pl.multiple_of(lax.rem(first, plan.page_size), block_k), block_k)
+    return cache_k_ref.at[page, idx, :], cache_v_ref.at[page, idx, :], segs
+
   def cache_step(t, carry, lo=None, hi=None):
     """Cache tile ``t``; with ``lo, hi`` a boundary tile: only the slots in ``[lo, hi)`` that ``mask`` shows."""
-    idx = pl.ds(pl.multiple_of(t * block_k, block_k), block_k)
+    tile_k, tile_v, tile_seg = cache_tile(t)
     if lo is None:
-      return update(carry, cache_k_ref[idx, :], cache_v_ref[idx, :], cache_seg_ref[idx], None)
+      return update(carry, tile_k[...], tile_v[...], tile_seg[...], None)
     keys = t * block_k + lax.iota(jnp.int32, block_k)  # [block_k]
-    exists = keys < slots  # The last tile may run past the cache.
-    k = pltriton.load(cache_k_ref.at[idx, :], mask=exists[:, None], other=0.0)
-    v = pltriton.load(cache_v_ref.at[idx, :], mask=exists[:, None], other=0.0)
-    k_seg = pltriton.load(cache_seg_ref.at[idx], mask=exists, other=0)
+    exists = keys < slots  # The last tile may run past the cache (a dense row's end, or a page's slots past it).
+    k = pltriton.load(tile_k, mask=exists[:, None], other=0.0)
+    v = pltriton.load(tile_v, mask=exists[:, None], other=0.0)
+    k_seg = pltriton.load(tile_seg, mask=exists, other=0)
     visible = ((keys >= lo) & (keys < hi))[None, :] & plan.visible(pos[:, None], keys[None, :])
     return update(carry, k, v, k_seg, visible)
 
@@ -281,6 +315,21 @@ def _kernel(
   _, ell, acc = carry
   empty = ell == 0.0  # Padding rows, and rows that see nothing.
   o_ref[...] = (acc * (1.0 / jnp.where(empty, 1.0, ell))[:, None]).astype(o_ref.dtype)
+
+
+def page_block_k(block_k: int, page_size: int) -> int:
+  """The cache tile over pages of ``page_size`` slots: ``block_k``, or the largest power of two that divides
+  ``page_size`` when ``block_k`` does not, so that every tile lies in one page.
+
+  Raises:
+    ValueError: if ``page_size`` is not a multiple of 16 (Triton tiles are powers of two >= 16).
+  """
+  if page_size < PAGE_MULTIPLE or page_size % PAGE_MULTIPLE:
+    raise ValueError(
+      f"page_size={page_size} must be a multiple of {PAGE_MULTIPLE} for the paged Pallas kernel (its cache tiles of a "
+      f"power of two >= 16 slots must each lie in one page), e.g. {-(-page_size // PAGE_MULTIPLE) * PAGE_MULTIPLE}"
+    )
+  return math.gcd(block_k, page_size)
 
 
 def _segment_ranges(q_seg, cache_segments, block_q: int, block_k: int):
@@ -311,12 +360,20 @@ def _segment_ranges(q_seg, cache_segments, block_q: int, block_k: int):
   return jnp.stack([first, jnp.maximum(first, end)], axis=-1).astype(jnp.int32)
 
 
-def _call(q, q_seg, k, v, k_seg, cache_k, cache_v, cache_segments, starts, plan: _Plan):
-  """``q``: ``[batch, kv_heads, rows, head_dim]``; the other arrays padded; returns ``q``'s shape."""
+def _call(q, q_seg, k, v, k_seg, cache_k, cache_v, cache_segments, starts, table, plan: _Plan):
+  """``q``: ``[batch, kv_heads, rows, head_dim]``; the other arrays padded; returns ``q``'s shape. ``table`` is None
+  over a dense cache ``[batch, slots, kv_heads, head_dim]``, else the page table of the pools ``cache_k, cache_v``
+  ``[pages, page_size, kv_heads, head_dim]``, which every program reads whole (one kv head's pages) in place."""
   batch, kv_heads, rows, head_dim = q.shape
-  chunk, slots = k.shape[1], cache_k.shape[1]
+  chunk, slots = k.shape[1], cache_segments.shape[1]
   block_q = plan.blocks.block_q
   seg_range = _segment_ranges(q_seg, cache_segments, block_q, plan.blocks.block_k)
+  if table is None:
+    cache_spec = pl.BlockSpec((None, slots, None, head_dim), lambda i, b, h: (b, 0, h, 0))  # the row's slots
+    paging, paging_specs = (), []
+  else:
+    cache_spec = pl.BlockSpec((*cache_k.shape[:2], None, head_dim), lambda i, b, h: (0, 0, h, 0))  # every page
+    paging, paging_specs = (table,), [pl.BlockSpec((None, table.shape[1]), lambda i, b, h: (b, 0))]  # the row's
   return pl.pallas_call(
     functools.partial(_kernel, plan=plan),
     grid=(rows // block_q, batch, kv_heads),
@@ -326,21 +383,22 @@ def _call(q, q_seg, k, v, k_seg, cache_k, cache_v, cache_segments, starts, plan:
       pl.BlockSpec((None, chunk, None, head_dim), lambda i, b, h: (b, 0, h, 0)),  # k
       pl.BlockSpec((None, chunk, None, head_dim), lambda i, b, h: (b, 0, h, 0)),  # v
       pl.BlockSpec((None, chunk), lambda i, b, h: (b, 0)),  # k_seg
-      pl.BlockSpec((None, slots, None, head_dim), lambda i, b, h: (b, 0, h, 0)),  # cache_k
-      pl.BlockSpec((None, slots, None, head_dim), lambda i, b, h: (b, 0, h, 0)),  # cache_v
+      cache_spec,  # cache_k
+      cache_spec,  # cache_v
       pl.BlockSpec((None, slots), lambda i, b, h: (b, 0)),  # cache_segments
       pl.BlockSpec((None, 1), lambda i, b, h: (b, 0)),  # starts
       pl.BlockSpec((None, None, 2), lambda i, b, h: (b, i, 0)),  # seg_range
+      *paging_specs,  # table
     ],
     out_specs=pl.BlockSpec((None, None, block_q, head_dim), lambda i, b, h: (b, h, i, 0)),
     out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
     compiler_params=plan.compiler_params(),
     interpret=plan.interpret,
     name="mercury_cached_attention",
-  )(q, q_seg, k, v, k_seg, cache_k, cache_v, cache_segments, starts[:, None], seg_range)
+  )(q, q_seg, k, v, k_seg, cache_k, cache_v, cache_segments, starts[:, None], seg_range, *paging)
 
 
-def _check_args(q, k, v, segments, cache_k, cache_v, cache_segments, starts, mask, diffusion_block):
+def _check_args(q, k, v, segments, cache_k, cache_v, cache_segments, starts, mask, diffusion_block, table=None):
   if q.ndim != 4 or k.ndim != 4 or cache_k.ndim != 4:
     raise ValueError(f"{q.shape=}, {k.shape=} and {cache_k.shape=} must be [batch, length, heads, head_dim]")
   batch, chunk, heads, head_dim = q.shape
@@ -349,11 +407,27 @@ def _check_args(q, k, v, segments, cache_k, cache_v, cache_segments, starts, mas
     raise ValueError(f"{k.shape=} and {v.shape=} must both be (batch, C, kv_heads, head_dim) matching {q.shape=}")
   if heads % kv_heads:
     raise ValueError(f"heads={heads} must be a multiple of kv_heads={kv_heads}")
-  slots = cache_k.shape[1]
-  if cache_k.shape != cache_v.shape or cache_k.shape != (batch, slots, kv_heads, head_dim):
-    raise ValueError(
-      f"{cache_k.shape=} and {cache_v.shape=} must both be (batch, S, kv_heads, head_dim) matching {k.shape=}"
-    )
+  if table is None:
+    slots = cache_k.shape[1]
+    if cache_k.shape != cache_v.shape or cache_k.shape != (batch, slots, kv_heads, head_dim):
+      raise ValueError(
+        f"{cache_k.shape=} and {cache_v.shape=} must both be (batch, S, kv_heads, head_dim) matching {k.shape=}"
+      )
+  else:
+    slots = cache_segments.shape[-1]
+    pages, page_size = cache_k.shape[:2]
+    if cache_k.shape != cache_v.shape or cache_k.shape != (pages, page_size, kv_heads, head_dim):
+      raise ValueError(
+        f"paged {cache_k.shape=} and {cache_v.shape=} must both be (pages, page_size, kv_heads, head_dim) matching "
+        f"{k.shape=}"
+      )
+    if table.ndim != 2 or table.shape[0] != batch or not jnp.issubdtype(table.dtype, jnp.integer):
+      raise ValueError(f"table.shape={table.shape} ({table.dtype}) must be int32 (batch={batch}, pages per row)")
+    if table.shape[1] * page_size < slots:
+      raise ValueError(
+        f"table.shape={table.shape} holds {table.shape[1]} pages of {page_size=} a row, fewer than the S={slots} "
+        f"slots of cache_segments: it needs ceil(S / page_size) = {-(-slots // page_size)}"
+      )
   if chunk < 1 or slots < 1:
     raise ValueError(f"chunk length C={chunk} and cache slots S={slots} must be positive")
   dtypes = (q.dtype, k.dtype, v.dtype, cache_k.dtype, cache_v.dtype)
@@ -386,6 +460,7 @@ def cached_attention(
   cache_segments: jax.Array,
   starts: jax.Array,
   *,
+  table: jax.Array | None = None,
   mask: str,
   diffusion_block: int | None = None,
   sm_scale: float | None = None,
@@ -394,30 +469,46 @@ def cached_attention(
 ) -> jax.Array:
   """A chunk's attention over a key-value cache and its own keys (module docstring), with the Pallas kernel.
 
+  The cache is dense (``table=None``: ``cache_k`` holds each row's slots) or paged (``cache_k`` is one layer's pool
+  of pages and ``table`` each row's pages, read in place; see the module docstring for the ``block_k`` rule).
+
   Args:
     q: the chunk's queries ``[batch, C, heads, head_dim]`` (rotary already applied).
     k: the chunk's keys ``[batch, C, kv_heads, head_dim]``; ``heads`` must be a multiple of ``kv_heads``.
     v: the chunk's values, shaped like ``k``.
     segments: int32 ``[batch, C]``, the chunk's non-negative segment ids; 0 is padding (sees nothing, outputs zeros).
-    cache_k: the cache's keys ``[batch, S, kv_heads, head_dim]``; slots ``[starts, starts + C)`` are not read.
+    cache_k: the cache's keys ``[batch, S, kv_heads, head_dim]``; slots ``[starts, starts + C)`` are not read. With
+      ``table``: the pool of pages ``[pages, page_size, kv_heads, head_dim]``, ``page_size`` a multiple of 16.
     cache_v: the cache's values, shaped like ``cache_k``.
-    cache_segments: int32 ``[batch, S]``, each slot's non-negative segment id; 0 for empty slots.
+    cache_segments: int32 ``[batch, S]``, each slot's non-negative segment id; 0 for empty slots (dense for a paged
+      cache too: it gives ``S``).
     starts: int32 ``[batch]``, non-negative: the slot of each row's first chunk token. ``starts + C`` may exceed
       ``S`` (a prefix-cache chunk): slots ``>= S`` do not exist.
+    table: int32 ``[batch, pages per row >= ceil(S / page_size)]`` or None: row ``b``'s slot ``s`` is slot
+      ``s % page_size`` of page ``table[b, s // page_size]`` (:class:`mercury_jax.kvcache.PagedKVCache`); every entry
+      must be a page of the pool (nothing checks it on a GPU).
     mask: ``"causal"``, ``"block_causal"`` or ``"bidirectional"``, applied in slot space.
     diffusion_block: the block of ``"block_causal"``; must be None for the other masks.
     sm_scale: multiplies the scores; defaults to ``head_dim ** -0.5``.
-    block_sizes: tiles; defaults to ``BlockSizes.get_default(head_dim, q.dtype)``, shrunk by ``fit`` to the chunk.
+    block_sizes: tiles; defaults to ``BlockSizes.get_default(head_dim, q.dtype)``, shrunk by ``fit`` to the chunk
+      and, over pages, ``block_k`` to a divisor of ``page_size``.
     interpret: run the kernel with the Pallas interpreter (any backend; slow).
 
   Returns:
     ``[batch, C, heads, head_dim]`` in ``q.dtype``; all accumulation is float32.
+
+  Raises:
+    ValueError: for inconsistent shapes or dtypes, an unknown mask, or a ``page_size`` that is not a multiple of 16.
   """
-  _check_args(q, k, v, segments, cache_k, cache_v, cache_segments, starts, mask, diffusion_block)
+  _check_args(q, k, v, segments, cache_k, cache_v, cache_segments, starts, mask, diffusion_block, table)
   batch, chunk, heads, head_dim = q.shape
-  kv_heads, slots = k.shape[2], cache_k.shape[1]
+  kv_heads, slots = k.shape[2], cache_segments.shape[1]
   groups = heads // kv_heads
   blocks = (block_sizes or BlockSizes.get_default(head_dim, q.dtype)).fit(chunk * groups, chunk, slots)
+  page_size = None
+  if table is not None:
+    page_size = cache_k.shape[1]
+    blocks = dataclasses.replace(blocks, block_k=page_block_k(blocks.block_k, page_size))
   rows = -(-chunk * groups // blocks.block_q) * blocks.block_q  # Padded query rows.
   padded_chunk = -(-chunk // blocks.block_c) * blocks.block_c
   padded_dim = max(16, pl.next_power_of_2(head_dim))
@@ -431,6 +522,7 @@ def cached_attention(
     head_dim=padded_dim,
     blocks=blocks,
     interpret=interpret,
+    page_size=page_size,
   )
   segments, cache_segments = segments.astype(jnp.int32), cache_segments.astype(jnp.int32)
   pad_dim = lambda x: jnp.pad(x, ((0, 0),) * 3 + ((0, padded_dim - head_dim),)) if padded_dim != head_dim else x
@@ -443,9 +535,10 @@ def cached_attention(
   pad_chunk = lambda x: jnp.pad(x, ((0, 0), (0, padded_chunk - chunk)) + ((0, 0),) * (x.ndim - 2))
   k, v = (pad_chunk(pad_dim(x)) for x in (k, v))  # [batch, padded C, kv_heads, padded head_dim]
   k_seg = pad_chunk(segments)  # Padding keys get segment 0, which no query matches.
-  out = _call(
-    q_rows, q_seg, k, v, k_seg, pad_dim(cache_k), pad_dim(cache_v), cache_segments, starts.astype(jnp.int32), plan
-  )
+  if table is not None:
+    table = table.astype(jnp.int32)
+  cache_k, cache_v = pad_dim(cache_k), pad_dim(cache_v)
+  out = _call(q_rows, q_seg, k, v, k_seg, cache_k, cache_v, cache_segments, starts.astype(jnp.int32), table, plan)
   out = out[:, :, : chunk * groups, :head_dim].reshape(batch, kv_heads, chunk, groups, head_dim)
   return out.transpose(0, 2, 1, 3, 4).reshape(batch, chunk, heads, head_dim)
 
