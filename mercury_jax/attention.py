@@ -11,9 +11,12 @@ at position ``i`` sees the keys ``j`` with ``j // diffusion_block <= i // diffus
 BD3-LM's training mask over the concatenation ``x_t ⊕ x_0`` (the sequence's two halves, see ``masks``); and
 ``verified``, TiDAR's: the same two halves with a causal clean half.
 
-Implementations: ``xla`` (``jax.nn.dot_product_attention`` with a boolean mask; the default off GPU), ``pallas``
-(our flash-attention kernel, ``mercury_jax.kernels.flash_attention``; the default on GPU, run in interpret mode
-elsewhere) and ``cudnn`` (``jax.nn.dot_product_attention(implementation="cudnn")``; GPU, fp16/bf16 only).
+Implementations: ``xla`` (the default off GPU), ``pallas`` (our flash-attention kernel,
+``mercury_jax.kernels.flash_attention``; the default on GPU, run in interpret mode elsewhere) and ``cudnn``
+(``jax.nn.dot_product_attention(implementation="cudnn")``; GPU, fp16/bf16 only). ``xla`` is
+``jax.nn.dot_product_attention`` with a dense boolean mask below ``BLOCKWISE_MIN_LENGTH`` tokens and, from there
+on, the memory-bounded loops of :mod:`mercury_jax.kernels.blockwise_attention`, which never hold the
+``[length, length]`` scores; ``attend(blockwise=True | False)`` forces either path.
 """
 
 from __future__ import annotations
@@ -31,6 +34,12 @@ from mercury_jax.kernels import masks
 from mercury_jax.kvcache import read_pages
 
 IMPLEMENTATIONS = ("auto", "xla", "pallas", "cudnn")
+# From this length on, ``xla`` runs blockwise. Measured on this CPU (2 cores, AMD EPYC; batch 1, 4 heads, head_dim 64,
+# float32, 512 x 512 chunks; launch/bench_long_attention.py, BUILD_NOTES "Issue 26"): at 1024 tokens blockwise took
+# half the dense path's compiled temp memory (forward 12.8 vs 32 MiB, forward + backward 25 vs 50 MiB) at 1.0-3.6x its
+# speed over the bidirectional, causal and block_diffusion masks; at 256-512 tokens both need 2-22 MiB and blockwise
+# forward + backward ran at 0.88-2.3x the dense speed, so short sequences keep the dense path's numerics.
+BLOCKWISE_MIN_LENGTH = 1024
 _BLOCK_MASKS = ("block_causal", "block_diffusion", "verified")  # The masks that take a diffusion_block.
 _TWO_HALVES = ("block_diffusion", "verified")  # The masks over two halves of equal length.
 
@@ -76,7 +85,12 @@ def _zero_padding_rows(out: jax.Array, segment_ids: jax.Array | None) -> jax.Arr
   return jnp.where((segment_ids != 0)[:, :, None, None], out, jnp.zeros((), out.dtype))
 
 
-def _xla(q, k, v, segment_ids, mask, diffusion_block):
+def _xla(q, k, v, segment_ids, mask, diffusion_block, blockwise: bool | None = None):
+  """Dense below ``BLOCKWISE_MIN_LENGTH`` tokens (or with ``blockwise=False``), else blockwise."""
+  if blockwise if blockwise is not None else q.shape[1] >= BLOCKWISE_MIN_LENGTH:
+    from mercury_jax.kernels import blockwise_attention as bw
+
+    return bw.blockwise_attention(q, k, v, segment_ids=segment_ids, mask=mask, diffusion_block=diffusion_block)
   dense = _dense_mask(segment_ids, mask, diffusion_block, q.shape[1])
   out = jax.nn.dot_product_attention(q, k, v, mask=dense, implementation="xla")
   return _zero_padding_rows(out, segment_ids)
@@ -160,6 +174,7 @@ def attend(
   implementation: str = "auto",
   mask: str | None = None,
   diffusion_block: int | None = None,
+  blockwise: bool | None = None,
 ) -> jax.Array:
   """Scaled dot-product attention; returns ``[batch, length, heads, head_dim]`` in ``q.dtype``.
 
@@ -173,10 +188,16 @@ def attend(
     mask: ``bidirectional``, ``causal``, ``block_causal``, ``block_diffusion`` or ``verified``; None follows
       ``causal``.
     diffusion_block: block size of ``block_causal``, ``block_diffusion`` and ``verified``.
+    blockwise: the ``xla`` implementation's path: None picks blockwise from ``BLOCKWISE_MIN_LENGTH`` tokens on,
+      True / False force the blockwise / dense path. Only for ``xla`` (also when ``auto`` resolves to it).
   """
   mask = _resolve_mask(causal, mask, diffusion_block)
   impl = resolve_implementation(implementation)
-  fn = {"xla": _xla, "pallas": _pallas, "cudnn": _cudnn}[impl]
+  if impl == "xla":
+    return _xla(q, k, v, segment_ids, mask, diffusion_block, blockwise)
+  if blockwise is not None:
+    raise ValueError(f"{blockwise=} applies to implementation='xla' only, not to {impl!r}; pass blockwise=None")
+  fn = {"pallas": _pallas, "cudnn": _cudnn}[impl]
   return fn(q, k, v, segment_ids, mask, diffusion_block)
 
 
