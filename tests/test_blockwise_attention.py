@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from mercury_jax import attention
 from mercury_jax.kernels import blockwise_attention as bw, masks
@@ -133,6 +134,22 @@ def test_visited_key_chunks_hold_every_visible_key_and_causal_skips_all_empty_on
     np.testing.assert_array_equal(visited, live)
   else:  # The two-halves masks visit a range around the live chunks; the tile mask skips the rest by a cond.
     assert visited.sum() < 0.6 * visited.size
+
+
+def test_sharded_over_batch_and_heads_matches_one_device():
+  """GSPMD partitions the loops: rows over `data`, kv heads over `tensor` (8 simulated CPU devices, conftest)."""
+  mesh = jax.make_mesh((2, 2), ("data", "tensor"), axis_types=(AxisType.Auto,) * 2, devices=jax.devices()[:4])
+  case = CASES[1]
+  q, k, v, segment_ids, d_out = _inputs(case)
+
+  def fn(q, k, v):
+    return bw.blockwise_attention(q, k, v, segment_ids=segment_ids, mask="causal", block_sizes=case.blocks)
+
+  want = _value_and_grads(fn, q, k, v, d_out)
+  heads = NamedSharding(mesh, P("data", None, "tensor", None))
+  got = _value_and_grads(fn, *(jax.device_put(x, heads) for x in (q, k, v, d_out)))
+  assert got[0].sharding.spec == P("data", None, "tensor")  # Not gathered onto one device.
+  chex.assert_trees_all_close(got, want, **F32_GRAD)
 
 
 def _temp_bytes(fn, *shapes) -> int:
