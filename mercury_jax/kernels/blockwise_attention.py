@@ -2,7 +2,7 @@
 
 The dense XLA path materialises the scores ``[batch, heads, length, length]`` (4 GiB per head and row at 32 K tokens
 in float32). This module never holds more than one ``[batch, heads, block_q, block_k]`` tile of scores, following
-Rabe & Staats (2021), "Self-attention does not need O(n^2) memory" (arXiv:2112.05682, Sec. 2-3). For a query ``q``
+Rabe & Staats (2021), "Self-attention does not need O(n^2) memory" (arXiv:2112.05682). For a query ``q``
 and the key chunks ``j`` the forward pass keeps a running maximum ``m``, normaliser ``ell`` and accumulator ``acc``::
 
     s_j = q k_j^T * scale                    (masked entries: -inf)
@@ -18,9 +18,10 @@ Gradients: a ``jax.custom_vjp`` with the FlashAttention-style backward (Dao 2023
 autodiff through the loops. The residuals are only ``q, k, v``, the output and the per-query ``lse``; the backward
 pass recomputes each tile's probabilities ``p = exp(s - lse)`` and accumulates ``dq`` per query chunk and ``dk, dv``
 in full-length float32 buffers, so memory stays ``O(length)`` in both passes. Autodiff through a ``lax.scan`` with
-``jax.checkpoint`` on the chunk body would instead save the loop carry of every (query chunk, key chunk) step, i.e.
-``length / block_k`` copies of the query chunk's accumulator (1 GiB at 32 K tokens, 2 heads, 512-key chunks), and it
-cannot differentiate the dynamic loop bounds that skip masked chunks.
+``jax.checkpoint`` on the chunk body would instead save the loop carry of every (query chunk, key chunk) step:
+``length / block_k`` copies of each query chunk's accumulator, in all ``length**2 / block_k * heads * head_dim``
+floats (1 GiB at 32 K tokens, 2 heads of 64, 512-key chunks), and it cannot differentiate the dynamic loop bounds
+that skip masked chunks.
 
 Masks are :func:`mercury_jax.kernels.masks.visible` of the global (query, key) positions, evaluated on each tile,
 together with the segment rule (a query sees only keys of its own segment; segment 0 is padding and sees nothing).
