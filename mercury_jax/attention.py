@@ -202,24 +202,30 @@ def attend(
 
 
 def _cached_xla(q, k, v, segments, cache_k, cache_v, cache_segments, starts, mask, diffusion_block):
-  """Attention over ``[cache ; chunk]`` with two score blocks and one softmax, so the cache is never copied."""
+  """Attention over ``[cache ; chunk]`` with two score blocks and one softmax, so the cache is never concatenated.
+
+  The products are plain batched matmuls over ``[batch, kv_heads]``, the query rows of a key/value head's group laid
+  out as one ``[groups * chunk, head_dim]`` matrix: XLA:CPU ran the einsum that keeps the head axes between the
+  query and slot axes 7-11x slower for a prefill chunk of 512 tokens over 4 K slots (``BUILD_NOTES.md``)."""
   batch, chunk, heads, head_dim = q.shape
   kv_heads = k.shape[2]
   groups = heads // kv_heads
   in_cache, in_chunk = masks.cached(segments, cache_segments, starts, mask, block=diffusion_block, xp=jnp)
+  heads_first = lambda x: jnp.swapaxes(x.astype(jnp.float32), 1, 2)  # noqa: E731  [b, n, kv, d] -> [b, kv, n, d]
   q = q.reshape(batch, chunk, kv_heads, groups, head_dim).astype(jnp.float32) * head_dim**-0.5
-  cached = jnp.einsum("bqkgd,bskd->bkgqs", q, cache_k.astype(jnp.float32))  # [b, kv, groups, chunk, slots]
-  own = jnp.einsum("bqkgd,bjkd->bkgqj", q, k.astype(jnp.float32))  # [b, kv, groups, chunk, chunk]
-  cached = jnp.where(in_cache[:, None, None], cached, -jnp.inf)
-  own = jnp.where(in_chunk[:, None, None], own, -jnp.inf)
-  top = jnp.maximum(jnp.max(cached, axis=-1), jnp.max(own, axis=-1))  # [b, kv, groups, chunk]
+  q = q.transpose(0, 2, 3, 1, 4).reshape(batch, kv_heads, groups * chunk, head_dim)  # rows: (group, chunk token)
+  cached = jnp.matmul(q, jnp.swapaxes(heads_first(cache_k), 2, 3))  # [b, kv, groups * chunk, slots]
+  own = jnp.matmul(q, jnp.swapaxes(heads_first(k), 2, 3))  # [b, kv, groups * chunk, chunk]
+  rows = lambda visible: jnp.tile(visible, (1, groups, 1))[:, None]  # noqa: E731  [b, 1, groups * chunk, keys]
+  cached = jnp.where(rows(in_cache), cached, -jnp.inf)
+  own = jnp.where(rows(in_chunk), own, -jnp.inf)
+  top = jnp.maximum(jnp.max(cached, axis=-1), jnp.max(own, axis=-1))[..., None]  # [b, kv, groups * chunk, 1]
   top = jnp.where(jnp.isfinite(top), top, 0.0)  # A query that sees nothing: every weight is 0.
-  cached, own = jnp.exp(cached - top[..., None]), jnp.exp(own - top[..., None])
-  total = jnp.sum(cached, axis=-1) + jnp.sum(own, axis=-1)
-  out = jnp.einsum("bkgqs,bskd->bqkgd", cached, cache_v.astype(jnp.float32))
-  out += jnp.einsum("bkgqj,bjkd->bqkgd", own, v.astype(jnp.float32))
-  total = jnp.moveaxis(total, -1, 1)[..., None]  # [b, chunk, kv, groups, 1]
+  cached, own = jnp.exp(cached - top), jnp.exp(own - top)
+  total = jnp.sum(cached, axis=-1, keepdims=True) + jnp.sum(own, axis=-1, keepdims=True)
+  out = jnp.matmul(cached, heads_first(cache_v)) + jnp.matmul(own, heads_first(v))  # [b, kv, groups * chunk, d]
   out = jnp.where(total > 0, out / jnp.where(total > 0, total, 1.0), 0.0)
+  out = out.reshape(batch, kv_heads, groups, chunk, head_dim).transpose(0, 3, 1, 2, 4)  # [b, chunk, kv, groups, d]
   return out.reshape(batch, chunk, heads, head_dim).astype(v.dtype)
 
 

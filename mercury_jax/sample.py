@@ -60,7 +60,7 @@ PROCESS_PLACEHOLDER = "{process}"  # In a --prompts-file path: each process read
 # The flags that are ``SamplerSettings`` fields (their argparse destinations are the field names).
 KNOBS = (
   "rule", "confidence", "temperature", "top_k", "top_p", "threshold", "block_length", "revision", "min_length",
-  "decode", "draft_length",
+  "decode", "draft_length", "prefill_chunk",
 )  # fmt: skip
 
 EPILOG = """\
@@ -162,6 +162,12 @@ def build_parser() -> argparse.ArgumentParser:
     "--draft-length",
     type=int,
     help="verified decoding's draft length k: each forward pass commits 1 to k tokens (default: the trained one)",
+  )
+  p.add_argument(
+    "--prefill-chunk",
+    type=int,
+    help="run a long prompt's prefill in chunks of this many tokens (whole blocks) against the cache: memory bounded "
+    "by the chunk instead of the prompt (default 0: one pass)",
   )
   p.add_argument("--stream", action="store_true", help="print text as each block is committed (block engine)")
   p.add_argument(

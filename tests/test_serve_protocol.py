@@ -995,6 +995,9 @@ def test_parse_tool_call_reads_only_a_call_object():
     (["--compile-timeout", "nan"], "--compile-timeout=nan must be > 0 seconds"),
     (["--kv-pages", "1"], "--kv-pages=1 must be >= 2 (page 0 is the sink"),
     (["--page-size", "0"], "--page-size=0 must lie in [1, 4096]"),
+    (["--max-model-len", "0"], "--max-model-len=0 must be >= 1"),
+    (["--prefill-chunk", "-1"], "--prefill-chunk=-1 must lie in [0, 1048576] (0: one pass)"),
+    (["--max-model-len", "1000000"], "--max-model-len=1000000 exceeds the model's context of"),
     (["--no-batch-invariance", "--slots", "0"], "--slots=0 must be >= 1"),
   ],
 )

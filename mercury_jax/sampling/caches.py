@@ -115,8 +115,24 @@ class Exact(Strategy):
     return ("causal", None) if plan.autoregressive or plan.causal_context else ("block_causal", plan.block)
 
   def prefill(self, params, st: State, size: int):
+    """The cache with the keys and values of slots ``[0, size)``: one pass, or ``plan.prefill_chunk`` slots at a time
+    (:meth:`fill`)."""
+    chunk = self.plan.prefill_chunk
+    if not chunk or size <= chunk:
+      return self.fill(params, st, jnp.zeros((), jnp.int32), size, first=True)
+    starts = jnp.minimum(jnp.arange(-(-size // chunk), dtype=jnp.int32) * chunk, size - chunk)  # the last ends at size
+    return jax.lax.fori_loop(
+      0, starts.shape[0], lambda i, cache: self.fill(params, st._replace(cache=cache), starts[i], chunk), st.cache
+    )
+
+  def fill(self, params, st: State, start: jax.Array, size: int, *, first: bool = False):
+    """The cache with the keys and values of slots ``[start, start + size)`` of every row (``start``: [] int32,
+    traced), computed against what the cache holds before ``start``: the prefill's pass, or one chunk of it. The
+    chunk's slots see what they would see in one pass over ``[0, start + size)`` (the block-causal mask lets a slot
+    see its own block's later slots, which lie in the chunk or past ``start + size`` either way). ``first``: ``start``
+    is 0, so the pass need not read the cache."""
     mask, block = self._mask()
-    cut = lambda a: a[:, :size]  # noqa: E731
+    cut = lambda a: jax.lax.dynamic_slice_in_dim(a, start, size, axis=1)  # noqa: E731
     waiting = jnp.where(st.target, 0, st.segments)  # Masked slots wait in segment 0 until they are committed.
     _, kv = self.network.chunk(
       params,
@@ -125,9 +141,11 @@ class Exact(Strategy):
       positions=cut(st.positions),
       mask=mask,
       diffusion_block=block,
+      cache=None if first else st.cache,
+      starts=None if first else start,
       logits_length=0,
     )
-    return st.cache.write(kv, 0)
+    return st.cache.write(kv, start)
 
   def forward(self, params, st: State, needs: Needs) -> Forward:
     net, block = self.network, self.plan.block

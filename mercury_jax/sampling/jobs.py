@@ -94,10 +94,12 @@ class Jobs:
     """The engine's cache, block and decode mode for this model (:func:`~mercury_jax.sampling.decoders.choose`)."""
     return choose(self.cfg, cache, block_length, decode, draft_length)
 
-  def plan(self, canvas: cv.Canvas, decoder: Decoder, length: int | None = None) -> tuple[cv.Canvas, BlockPlan]:
+  def plan(
+    self, canvas: cv.Canvas, decoder: Decoder, length: int | None = None, prefill_chunk: int = 0
+  ) -> tuple[cv.Canvas, BlockPlan]:
     """``(canvas padded to the plan, plan)``: a whole-canvas decode (``decoder.block`` 0) runs one block of the
     canvas rounded up to ``LENGTH_BUCKET``; the others the decoder's block. ``length``: the canvas length every row
-    shares (default this canvas's)."""
+    shares (default this canvas's); ``prefill_chunk``: see ``SamplerSettings.prefill_chunk``."""
     length = np.shape(canvas.tokens)[1] if length is None else length
     block = decoder.block or bucketed_length(length, self.max_length)
     canvas = _pad_length(canvas, -(-length // block) * block, self.tokenizer.pad_id)
@@ -109,6 +111,7 @@ class Jobs:
       whole_sequence=not (decoder.autoregressive or self.block_size or decoder.causal_context),
       draft=decoder.draft,
       causal_context=decoder.causal_context,
+      prefill_chunk=prefill_chunk if decoder.cache == "exact" else 0,
     )
     return canvas, plan
 
@@ -143,7 +146,7 @@ class Jobs:
     if constrained_rows and layout is not None:
       raise SettingError("constraint", "per_process", "is not supported with per-process prompts; pass every prompt")
     length = np.shape(canvas.tokens)[1] if layout is None else layout.length
-    canvas, plan = self.plan(canvas, decoder, length)
+    canvas, plan = self.plan(canvas, decoder, length, settings.prefill_chunk)
     whole = plan.block if plan.block < plan.length or not plan.whole_sequence else 0
     per_block = self.steps_per_block(steps, steps_per_block, canvas.kinds, whole, settings)
     return Job(settings, canvas, plan, per_block, seed, None, layout, list(automata) if constrained_rows else None,

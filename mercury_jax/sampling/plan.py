@@ -37,6 +37,9 @@ class BlockPlan:
     causal_context: The cache's clean keys and values are computed causally (a verified checkpoint's clean half),
       not block-causally (a block-diffusion checkpoint's): the exact cache's prefill and commit pass use the causal
       mask.
+    prefill_chunk: The exact cache's prefill runs in chunks of this many slots (a multiple of ``block``), each against
+      the keys and values of the chunks before it, so its activations and scores are bounded by the chunk, not the
+      prompt; 0: one pass over the whole prefill.
   """
 
   block: int
@@ -46,6 +49,7 @@ class BlockPlan:
   whole_sequence: bool = False
   draft: int = 0
   causal_context: bool = False
+  prefill_chunk: int = 0
 
   def __post_init__(self):
     if self.block < 1 or self.slots % self.block or self.slots < 2 * self.block:
@@ -60,6 +64,8 @@ class BlockPlan:
       raise ValueError(f"cache={self.cache!r} is the approximate cache of whole-sequence checkpoints")
     if self.draft < 0 or (self.draft and not (self.autoregressive and self.cache == "exact")):
       raise ValueError(f"draft={self.draft} must be >= 0, and > 0 only for an autoregressive plan with the exact cache")
+    if self.prefill_chunk < 0 or self.prefill_chunk % self.block:
+      raise ValueError(f"prefill_chunk={self.prefill_chunk} must be >= 0 and a multiple of block={self.block}")
 
   @property
   def blocks(self) -> int:
@@ -96,6 +102,7 @@ def plan_blocks(
   whole_sequence: bool = False,
   draft: int = 0,
   causal_context: bool = False,
+  prefill_chunk: int = 0,
 ) -> BlockPlan:
   """The :class:`BlockPlan` of a batch of canvases (host side: it is static under ``jax.jit``).
 
@@ -107,6 +114,7 @@ def plan_blocks(
     whole_sequence: Whether the model is a bidirectional whole-sequence checkpoint.
     draft: Verified decoding's draft length (0: off).
     causal_context: The checkpoint's clean keys and values are causal (a verified checkpoint).
+    prefill_chunk: Slots per chunk of the exact cache's prefill, rounded up to whole blocks (0: one pass).
 
   Raises:
     ValueError: A bad block size or cache, or an autoregressive row whose first position is to be generated.
@@ -117,5 +125,8 @@ def plan_blocks(
   target = kinds == K.TARGET
   if autoregressive and (target.any(axis=1) & (np.argmax(target, axis=1) == 0)).any():
     raise ValueError("the autoregressive twin needs a known first token in every row (a prompt, or BOS)")
+  if prefill_chunk < 0:
+    raise ValueError(f"prefill_chunk={prefill_chunk} must be >= 0 (0: one pass)")
   slots = block + -(-kinds.shape[1] // block) * block + 2 * draft
-  return BlockPlan(block, slots, cache, autoregressive, whole_sequence, draft, causal_context)
+  chunk = -(-prefill_chunk // block) * block
+  return BlockPlan(block, slots, cache, autoregressive, whole_sequence, draft, causal_context, chunk)

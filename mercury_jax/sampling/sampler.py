@@ -168,9 +168,11 @@ class Sampler:
     """The engine's cache, block and decode mode for this model (:func:`~mercury_jax.sampling.decoders.choose`)."""
     return self.jobs.decoder(cache, block_length, decode, draft_length)
 
-  def plan(self, canvas: cv.Canvas, decoder: Decoder, length: int | None = None) -> tuple[cv.Canvas, BlockPlan]:
+  def plan(
+    self, canvas: cv.Canvas, decoder: Decoder, length: int | None = None, prefill_chunk: int = 0
+  ) -> tuple[cv.Canvas, BlockPlan]:
     """``(canvas padded to the plan, plan)`` (:meth:`Jobs.plan <mercury_jax.sampling.jobs.Jobs.plan>`)."""
-    return self.jobs.plan(canvas, decoder, length)
+    return self.jobs.plan(canvas, decoder, length, prefill_chunk)
 
   def steps_per_block(self, steps, steps_per_block, kinds, block: int, settings: SamplerSettings) -> np.ndarray:
     """Each row's budget, [rows, 2]: steps per block and blocks with one more

@@ -75,6 +75,10 @@ class SamplerSettings:
       a stream's end) applies to them.
     draft_length: Verified decoding's draft length k (each step verifies up to k - 1 drafts and commits at most k
       tokens); 0: the checkpoint's trained ``objective.draft_length``.
+    prefill_chunk: The exact cache's prefill (the prompt's keys and values) runs in chunks of this many positions,
+      rounded up to whole blocks, each against the cache the chunks before it wrote: a long prompt's memory is bounded
+      by the chunk (``BlockPlan.prefill_chunk``). 0: one pass. The keys and values agree with the one-pass prefill's to
+      float rounding.
   """
 
   rule: Literal["ancestral", "confidence", "threshold"] = "threshold"
@@ -98,6 +102,7 @@ class SamplerSettings:
   draft_length: int = 0
   commit_counts: Literal["even", "timesteps"] = "even"
   stop_ids: tuple[int, ...] = ()
+  prefill_chunk: int = 0
 
   @property
   def mask_id(self) -> int:
@@ -129,6 +134,8 @@ class SamplerSettings:
       raise SettingError("trace", self.trace, "must be >= 0")
     if self.draft_length < 0:
       raise SettingError("draft_length", self.draft_length, "must be >= 0 (0: the checkpoint's own)")
+    if self.prefill_chunk < 0:
+      raise SettingError("prefill_chunk", self.prefill_chunk, "must be >= 0 (0: the whole prompt in one pass)")
     if self.num_tokens < 0:
       raise SettingError("num_tokens", self.num_tokens, "must be >= 0 (0: the model's whole vocabulary)")
     specials = {self.mask_id, self.pad_id, self.bos_id, self.unk_id, self.eos_id}

@@ -38,6 +38,8 @@ from pathlib import Path
 from mercury_jax import usage
 
 BUNDLED_NAME = "mercury_jax-{model}"  # The model name of a bundled checkpoint (--model).
+DEFAULT_PREFILL_CHUNK = 512  # Prompt tokens an engine iteration prefills at most (--prefill-chunk).
+MAX_PREFILL_CHUNK = 1 << 20  # The largest --prefill-chunk accepted (a bound on the flag, far above any context).
 
 
 _Parser = functools.partial(usage.Parser, command="mercury_jax.serve")  # usage errors: one line, exit code 2
@@ -67,6 +69,20 @@ def build_parser() -> argparse.ArgumentParser:
     "max_tokens cover and waits in the queue until enough are free (default: every slot can hold a whole context)",
   )
   p.add_argument("--page-size", type=int, default=16, help="slots of a page of the key-value cache (default 16)")
+  p.add_argument(
+    "--max-model-len",
+    type=int,
+    help="the longest request served, prompt and max_tokens together (a longer one gets 400); it sizes the canvas "
+    "and the default --kv-pages (default: the model's context)",
+  )
+  p.add_argument(
+    "--prefill-chunk",
+    type=int,
+    default=DEFAULT_PREFILL_CHUNK,
+    help="prompt tokens prefilled per engine iteration: a longer prompt is prefilled a chunk per iteration between "
+    f"the other requests' steps, so their streams keep flowing (default {DEFAULT_PREFILL_CHUNK}; 0: every prompt in "
+    "one pass)",
+  )
   p.add_argument(
     "--no-batch-invariance",
     dest="batch_invariant",
@@ -151,6 +167,10 @@ def _check_args(args: argparse.Namespace) -> None:
     _fail(f"--kv-pages={args.kv_pages} must be >= 2 (page 0 is the sink; each request needs at least one more)")
   if not 1 <= args.page_size <= 4096:
     _fail(f"--page-size={args.page_size} must lie in [1, 4096]")
+  if args.max_model_len is not None and args.max_model_len < 1:
+    _fail(f"--max-model-len={args.max_model_len} must be >= 1")
+  if not 0 <= args.prefill_chunk <= MAX_PREFILL_CHUNK:
+    _fail(f"--prefill-chunk={args.prefill_chunk} must lie in [0, {MAX_PREFILL_CHUNK}] (0: one pass)")
   if args.block_length < 0:
     _fail(f"--block-length={args.block_length} must be >= 0 (0: the model's own)")
   if not args.grace >= 0:
@@ -216,6 +236,11 @@ def _load(args: argparse.Namespace):
     spec = CompilerSpec(sampler.tokenizer.to_bytes(), *args.capacity, remedy=CAPACITY_REMEDY)
     pool = CompilePool(spec, workers=args.compile_workers, timeout=args.compile_timeout)
     pool.start()
+  if args.max_model_len is not None and args.max_model_len > sampler.max_length:
+    _fail(
+      f"--max-model-len={args.max_model_len} exceeds the model's context of {sampler.max_length} tokens (a longer "
+      "context needs a model trained or extended to it, e.g. with RoPE scaling)"
+    )
   try:
     scheduler = Scheduler(
       sampler,
@@ -228,6 +253,8 @@ def _load(args: argparse.Namespace):
       page_size=args.page_size,
       kv_pages=args.kv_pages,
       batch_invariant=args.batch_invariant,
+      max_model_len=args.max_model_len,
+      prefill_chunk=args.prefill_chunk,
     )
   except SettingError as e:
     _fail(e.named("--" + e.field.replace("_", "-")))
@@ -251,7 +278,8 @@ def _print_memory(engine) -> None:
   print(
     f"kv cache: {memory['pages'] - 1} pages of {memory['page_size']} slots ({mib(memory['page'])} each), "
     f"{mib(memory['pool'])} in all; a whole context takes {engine.pages_per_row} pages; a dense cache of "
-    f"{engine.slots} slots would take {mib(dense)}",
+    f"{engine.slots} slots would take {mib(dense)}; requests of up to {engine.max_model_len} tokens"
+    + (f", prompts prefilled {engine.prefill_chunk} tokens per iteration" if engine.prefill_chunk else ""),
     flush=True,
   )
 

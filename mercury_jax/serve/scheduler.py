@@ -211,6 +211,10 @@ class Scheduler:
       fewer, a request waits in the queue until running requests give back the pages it needs.
     batch_invariant: Each request's tokens are the same whatever runs beside it (``SlotEngine``); False batches the
       rows through the network (faster under load, tokens equal only up to rounding).
+    max_model_len: The longest request (prompt, ``max_tokens`` and suffix) served; default the model's context.
+    prefill_chunk: Prompt tokens an iteration prefills at most (``SlotEngine``): a longer prompt is prefilled a chunk
+      per iteration between the other requests' steps, and the one-pass prefills admitted together stay within it
+      (one is always admitted); 0: no limit, every prompt in one pass.
   """
 
   def __init__(
@@ -227,6 +231,8 @@ class Scheduler:
     page_size: int = DEFAULT_PAGE_SIZE,
     kv_pages: int | None = None,
     batch_invariant: bool = True,
+    max_model_len: int | None = None,
+    prefill_chunk: int = 0,
   ):
     if max_queue < 0:
       raise ValueError(f"max_queue={max_queue} must be >= 0")
@@ -242,6 +248,8 @@ class Scheduler:
       page_size=page_size,
       kv_pages=kv_pages,
       batch_invariant=batch_invariant,
+      max_model_len=max_model_len,
+      prefill_chunk=prefill_chunk,
     )
     self.decode = self.engine.decoder.decode  # ar, diffusion or verified
     self.compiler = self.engine.compiler  # structured output: regex / JSON Schema -> automaton (None: off)
@@ -249,7 +257,7 @@ class Scheduler:
     self.autoregressive, self.block, self.slots = self.engine.autoregressive, self.engine.block, slots
     self.width, self.draft = self.engine.width, self.engine.plan.draft  # tokens a step commits at most; verified k
     self.block_length_fixed = not self.engine.whole_sequence
-    self.max_length, self.max_queue = sampler.max_length, max_queue
+    self.max_length, self.max_queue = self.engine.max_model_len, max_queue
     self.vocab_size = self.cfg.model.vocab_size
     settings = self.engine.settings
     self.mask_id, self.eos_id, self.pad_id = settings.mask_id, settings.eos_id, settings.pad_id
@@ -471,11 +479,17 @@ class Scheduler:
           del self._active[slot]
           active.handle._deliver(Update((), None, True, "cancelled", 0, time=now))
       free = [slot for slot in range(self.slots) if slot not in self._active]
+      budget = engine.prefill_chunk or math.inf  # prompt slots the one-pass prefills of this iteration may cover
       while free and self._waiting:
         handle = self._waiting.popleft()
         if handle.cancelled:
           handle._deliver(Update((), None, True, "cancelled", 0, time=now))
           continue
+        cost = min(engine.prefill_end(handle.request), engine.prefill_chunk or math.inf)
+        if admitted and cost > budget:  # The iteration's prompt work is spent: it waits for the next one.
+          self._waiting.appendleft(handle)
+          break
+        budget -= cost
         try:
           engine.admit(command, free[0], handle.request)
         except NoPages:  # It waits at the head of the queue until running requests give pages back.
@@ -522,6 +536,8 @@ class Scheduler:
       news: list[tuple[Handle, Update]] = []  # handed out together: one wake-up of each loop per step
       if view is not None:
         for slot, active in list(self._active.items()):
+          if slot in engine.filling:  # Its prompt is still being prefilled: it has not stepped yet.
+            continue
           try:
             news += self._report(slot, active, view, stepped)
           except Exception as error:  # noqa: BLE001  Reading one request's news failed: that request ends alone.

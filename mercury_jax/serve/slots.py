@@ -186,6 +186,11 @@ class SlotEngine:
       network runs each row alone (:class:`~mercury_jax.sampling.network.RowwiseNetwork`), since a product over more
       rows may round differently. False batches the rows (faster under load), and a sampled token may then change
       with the load.
+    max_model_len: The longest request served (prompt, generated tokens and suffix); default the model's context. It
+      sizes the canvas, the prefill buckets and the default page pool.
+    prefill_chunk: A prompt whose prefill covers more slots than this (rounded up to whole blocks) is prefilled a
+      chunk at a time, one chunk per iteration between the other rows' steps (:meth:`run`), so a long prompt never
+      stalls the streams already running; 0: every prompt in one pass at its admission.
   """
 
   def __init__(
@@ -201,6 +206,8 @@ class SlotEngine:
     page_size: int = DEFAULT_PAGE_SIZE,
     kv_pages: int | None = None,
     batch_invariant: bool = True,
+    max_model_len: int | None = None,
+    prefill_chunk: int = 0,
   ):
     if slots < 1:
       raise ValueError(f"slots={slots} must be >= 1")
@@ -226,7 +233,15 @@ class SlotEngine:
       cache, block = "none", block_length or APPROXIMATE_BLOCK
     else:
       cache, block = "exact", decoder.block
-    context = sampler.max_length
+    context = sampler.max_length if max_model_len is None else max_model_len
+    if not 1 <= context <= sampler.max_length:
+      raise ValueError(
+        f"max_model_len={context} must lie in [1, {sampler.max_length}] (the model's context; a longer one needs a "
+        "model trained or extended to it, e.g. with RoPE scaling)"
+      )
+    if prefill_chunk < 0:
+      raise ValueError(f"prefill_chunk={prefill_chunk} must be >= 0 (0: every prompt in one pass)")
+    self.max_model_len = context
     self.block = block
     self.plan = BlockPlan(
       block,
@@ -238,6 +253,12 @@ class SlotEngine:
       decoder.causal_context,
     )
     self.length = self.plan.length  # canvas positions of a row
+    # Chunked prefill (the exact cache): prompts whose prefill covers more than ``prefill_chunk`` slots fill their rows'
+    # pages a chunk per iteration (``filling``: slot -> the chunks' first slots still to run, in admission order).
+    self.prefill_chunk = -(-prefill_chunk // block) * block if cache == "exact" else 0
+    if self.prefill_chunk >= self.length:  # No prompt is that long: every prefill is one pass.
+      self.prefill_chunk = 0
+    self.filling: dict[int, list[int]] = {}
     self.width = width(self.plan)
     self.settings = sampler.settings(rule="threshold")
     self.default_steps = 1 if self.autoregressive else (default_steps or block)
@@ -285,7 +306,13 @@ class SlotEngine:
 
       return sh.MeshJit(fn, mesh, rules, in_shardings=(params, *[None] * 7))
 
-    self._prefill = [prefill(size) for size in self.buckets]
+    def fill(params, st: State, slot: jax.Array, start: jax.Array):  # one chunk of a chunked prefill, into the pages
+      part = take_rows(st, slot[None])
+      part = part._replace(cache=engine.cache.fill(params, part, start, self.prefill_chunk))
+      return put_rows(st, slot[None], part)
+
+    self._prefill = [prefill(size) for size in (*self.buckets, 0)]  # the last: a chunked prefill's row, unfilled
+    self._fill = sh.MeshJit(fill, mesh, rules, in_shardings=(params, None, None, None), donate_argnums=(1,))
     self._insert = sh.MeshJit(engine.insert, mesh, rules, donate_argnums=(0,))
     self._release = sh.MeshJit(engine.release, mesh, rules, donate_argnums=(0,))
     self._step = sh.MeshJit(step, mesh, rules, in_shardings=(params, None, None), donate_argnums=(1,))
@@ -327,16 +354,29 @@ class SlotEngine:
     top = self.block + self.length  # the canvas's slots (verified decoding's tail is never prefilled)
     # A request's first block ends at least two blocks in (the padding block, then its own): smaller buckets would
     # never be used (blocks of 32 tokens and more: Fast-dLLM v2, a whole-sequence model's default block).
+    if self.prefill_chunk:  # Longer prefills run in chunks (:meth:`fill_from`): the largest bucket is a chunk.
+      top = max(self.prefill_chunk, 2 * self.block)
     size, sizes = max(MIN_BUCKET, 2 * self.block), []
     while size < top:
       sizes.append(-(-size // self.block) * self.block)
       size *= 2
     return tuple(sorted({*(s for s in sizes if s < top), top}))
 
+  def prefill_end(self, request: Request) -> int:
+    """The slots ``[0, end)`` the request's prefill covers: through the end of its first generated block."""
+    return ((self.block + len(request.prompt)) // self.block + 1) * self.block
+
   def bucket(self, request: Request) -> int:
-    """The index of the smallest prefill bucket that covers the request's first block."""
-    first_block = (self.block + len(request.prompt)) // self.block
-    return next(i for i, size in enumerate(self.buckets) if size >= (first_block + 1) * self.block)
+    """The index of the smallest prefill bucket that covers the request's first block; ``len(buckets)`` for a
+    prompt prefilled in chunks."""
+    end = self.prefill_end(request)
+    return next((i for i, size in enumerate(self.buckets) if size >= end), len(self.buckets))
+
+  def chunk_starts(self, request: Request) -> list[int]:
+    """The first slots of a chunked prefill's chunks of ``prefill_chunk`` slots: the last one ends at
+    :meth:`prefill_end` (it may overlap the one before, whose slots it computes again, to the same values)."""
+    end, chunk = self.prefill_end(request), self.prefill_chunk
+    return [min(i * chunk, end - chunk) for i in range(-(-end // chunk))]
 
   def command(self) -> Command:
     """A command that does nothing (fill it in with :meth:`admit` and its fields)."""
@@ -482,21 +522,45 @@ class SlotEngine:
     for slot in np.flatnonzero(command.release):
       self.state = self._sync(self._release(self.state, self._place(np.int32(slot))))
       self.busy.discard(int(slot))
+      self.filling.pop(int(slot), None)
     failures = {}
     for slot in np.flatnonzero(command.bucket >= 0):
       try:
         row = self._sync(self.prefill(command, int(slot)))
         table = self._place(command.tables[slot])
         self.state = self._sync(self._insert(self.state, row, self._place(np.int32(slot)), table))
-        self.busy.add(int(slot))
+        if command.bucket[slot] == len(self.buckets):  # A long prompt: its chunks run one per iteration from now.
+          self.filling[int(slot)] = self.chunk_starts_of(command, int(slot))
+        else:
+          self.busy.add(int(slot))
       except Exception as error:  # noqa: BLE001  The request fails alone; the engine keeps serving.
         failures[int(slot)] = f"{type(error).__name__}: {error}"
         self.pool.give_back(int(slot))
+    self._fill_next()
     if not bool(command.step) or not self.busy:
       return None, failures
     live = self.live_rows()
     self.state, packed = self._sync(self._step(self.sampler.params, self.state, self._place(live)))
     return self._view(live, self.sampler.placement.gather(packed)), failures
+
+  def chunk_starts_of(self, command: Command, slot: int) -> list[int]:
+    """:meth:`chunk_starts` of the request admitted into ``slot`` (its prompt: the fixed positions before its hole)."""
+    prompt = int(np.argmax(command.kinds[slot] == K.TARGET))
+    return self.chunk_starts(Request(prompt=(0,) * prompt, max_tokens=1))
+
+  def _fill_next(self) -> None:
+    """Runs the next chunk of the longest-waiting chunked prefill (one per iteration, so an iteration's prompt work
+    is bounded by ``prefill_chunk``); its row joins the steps after its last chunk. A failure here is the batch
+    state's, like a failed step's."""
+    if not self.filling:
+      return
+    slot = next(iter(self.filling))
+    starts = self.filling[slot]
+    where = (self._place(np.int32(slot)), self._place(np.int32(starts.pop(0))))
+    self.state = self._sync(self._fill(self.sampler.params, self.state, *where))
+    if not starts:
+      del self.filling[slot]
+      self.busy.add(slot)
 
   def live_rows(self) -> np.ndarray:
     """int32 [n]: the rows the next step runs, the busy ones then free ones up to the smallest batch bucket ``n``
@@ -550,6 +614,7 @@ class SlotEngine:
     reach on the way: each prefill bucket's prefill, insert, release and the step of each batch bucket."""
     self.pool.reset()
     self.busy.clear()
+    self.filling.clear()
     command = self.command()
     bos = self.settings.bos_id
     for bucket, size in enumerate(self.buckets):  # A prompt whose first block ends at the bucket's end.
@@ -561,6 +626,13 @@ class SlotEngine:
       self._admit_now(command, 0)
       self.state = self._sync(self._release(self.state, self._place(np.int32(0))))
       self.busy.discard(0)
+    if self.prefill_chunk:  # A chunked prefill: its unfilled row, and one chunk.
+      self.admit(command, 0, Request(prompt=(bos,) * self.prefill_chunk, max_tokens=1), pages=False)
+      assert command.bucket[0] == len(self.buckets)
+      self._admit_now(command, 0)
+      self.busy.discard(0)
+      self.state = self._sync(self._fill(self.sampler.params, self.state, *map(self._place, np.zeros(2, np.int32))))
+      self.state = self._sync(self._release(self.state, self._place(np.int32(0))))
     small, row = Request(prompt=(bos,), max_tokens=1), None
     for slot in range(self.slots):  # Every row busy (one prefill for all), then the step of each batch bucket.
       self.admit(command, slot, small, pages=False)

@@ -1,0 +1,261 @@
+"""Long prompts through the engine and the server: chunked prefill against one pass, and the streams it interrupts.
+
+    python launch/bench_long_context.py prefill --model default_ar --lengths 4096,16384,32768 --chunks 0,512,2048
+    python launch/bench_long_context.py gaps --model default_ar --long 16384 --chunk 512
+    python launch/bench_long_context.py cached --slots 4096,16384 --chunk 512
+
+Both extend a bundled model's context with YaRN RoPE scaling (``model.rope_scaling``; the weights are unchanged, so
+text past the trained context is poor: these are speed and memory figures, not quality ones) into a temporary export.
+
+``prefill``: for each prompt length and ``--prefill-chunk`` (0: one pass), a fresh process prefills a random prompt
+of that many tokens through the block engine (``BlockEngine.init``, the command line's path) and generates
+``--generate`` tokens; it prints the prefill's tokens/s, the generation's seconds and the process's peak resident
+memory (``ru_maxrss``), one markdown row each.
+
+``gaps``: ``--streams`` short greedy requests stream from a server engine (``Scheduler``, ``--slots``); the inter-token
+gaps of the streams are recorded while nothing else runs, then while a ``--long``-token prompt is prefilled
+``--chunk`` tokens per iteration beside them. Prints the gaps' median and 90th percentile in each phase, their ratio,
+and the long request's time to first token.
+
+``cached``: the XLA attention of a prefill chunk over a cache (``attention.attend_cached``, batched matmuls over
+``[batch, kv_heads]``) against the einsum formulation it replaced (head axes between the query and slot axes),
+interleaved, for the model shapes given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def extended(model: str, context: int, out: Path) -> Path:
+  """An export of the bundled ``model`` with a context of ``context`` tokens (YaRN over the trained length)."""
+  from mercury_jax.checkpoint import export_params, find_tokenizer, restore_params
+  from mercury_jax.sampling.registry import default_checkpoint
+
+  source = default_checkpoint(model)
+  params, cfg = restore_params(source)
+  trained = cfg.model.max_length
+  rope = dict(rope_scaling="yarn", rope_factor=context / trained, rope_original_length=trained)
+  cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, max_length=context, **rope))
+  return export_params(out, params, cfg, find_tokenizer(source)).parent
+
+
+def prefill_once(path: str, length: int, chunk: int, generate: int) -> dict:
+  """One measurement, in this process (run by :func:`prefill` in a fresh one)."""
+  import jax
+  import jax.numpy as jnp
+
+  from mercury_jax.sampling import canvas as cv
+  from mercury_jax.sampling.engine import BlockEngine
+  from mercury_jax.sampling.sampler import Sampler
+
+  sampler = Sampler.from_checkpoint(path)
+  vocab = sampler.tokenizer.vocab_size
+  prompt = np.random.default_rng(0).integers(5, vocab, length).tolist()
+  canvas = cv.make_canvas([cv.prefix(prompt, generate)])
+  settings = sampler.settings(temperature=0.0, prefill_chunk=chunk)
+  decoder = sampler.decoder()
+  canvas, plan = sampler.plan(canvas, decoder, prefill_chunk=chunk)
+  engine = BlockEngine(sampler.network, settings, plan)
+  init = jax.jit(lambda p, c: engine.init(p, c, jax.random.key(0), jnp.int32(1)))
+  advance = jax.jit(engine.advance)
+  compiled = time.perf_counter()
+  jax.block_until_ready(advance(sampler.params, init(sampler.params, canvas)))  # compile both, and a first run
+  compiled = time.perf_counter() - compiled
+  start = time.perf_counter()
+  state = jax.block_until_ready(init(sampler.params, canvas))
+  filled = time.perf_counter()
+  jax.block_until_ready(advance(sampler.params, state))
+  done = time.perf_counter()
+  return {
+    "length": length,
+    "chunk": chunk,
+    "prefill_tokens_per_s": length / (filled - start),
+    "generate_s": done - filled,
+    "total_s": done - start,
+    "compile_and_first_run_s": compiled,
+    "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+  }
+
+
+def prefill(args) -> None:
+  with tempfile.TemporaryDirectory() as tmp:
+    path = extended(args.model, max(args.lengths) + args.generate + 64, Path(tmp) / "long")
+    print(f"model {args.model} extended to {max(args.lengths) + args.generate + 64} tokens; {args.generate} generated")
+    print("| prompt tokens | --prefill-chunk | prefill tok/s | generate s | total s | peak RSS GiB |")
+    print("|---|---|---|---|---|---|")
+    for length in args.lengths:
+      for chunk in args.chunks:
+        command = [sys.executable, __file__, "_prefill_once", str(path), str(length), str(chunk), str(args.generate)]
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode:
+          print(f"| {length} | {chunk} | failed: {done.stderr.strip().splitlines()[-1]} | | | |")
+          continue
+        r = json.loads(done.stdout.strip().splitlines()[-1])
+        print(
+          f"| {length} | {chunk or 'one pass'} | {r['prefill_tokens_per_s']:.0f} | {r['generate_s']:.2f} | "
+          f"{r['total_s']:.2f} | {r['peak_rss_gib']:.2f} |",
+          flush=True,
+        )
+
+
+def _gaps(times: list[list[float]], start: float, end: float) -> list[float]:
+  gaps = []
+  for stream in times:
+    inside = [t for t in stream if start <= t <= end]
+    gaps += np.diff(inside).tolist()
+  return gaps
+
+
+def gaps(args) -> None:
+  from mercury_jax.sampling.proposal import Knobs
+  from mercury_jax.sampling.sampler import Sampler
+  from mercury_jax.serve.scheduler import Request, Scheduler
+
+  with tempfile.TemporaryDirectory() as tmp:  # the weights and tokenizer are in memory once loaded
+    path = extended(args.model, args.long + 256, Path(tmp) / "long")
+    scheduler = Scheduler(Sampler.from_checkpoint(path), slots=args.streams + 1, prefill_chunk=args.chunk)
+  greedy = Knobs(0.0, 0, 1.0, 0.9)
+  vocab = scheduler.vocab_size
+  rng = np.random.default_rng(0)
+  long = Request(tuple(rng.integers(5, vocab, args.long).tolist()), 8, knobs=greedy)
+  scheduler.start()
+
+  async def main():
+    loop = asyncio.get_running_loop()
+    shorts = [
+      scheduler.submit(Request(tuple(rng.integers(5, vocab, 16).tolist()), 200, knobs=greedy, seed=i), loop)
+      for i in range(args.streams)
+    ]
+    times = [[] for _ in shorts]
+
+    async def follow(i, handle):
+      async for update in handle.updates():
+        times[i].append(update.time)
+
+    followers = [asyncio.create_task(follow(i, h)) for i, h in enumerate(shorts)]
+    while min(len(t) for t in times) < args.warm_tokens:
+      await asyncio.sleep(0.005)
+    quiet_end = time.perf_counter()
+    submitted = time.perf_counter()
+    updates = [u async for u in scheduler.submit(long, loop).updates()]
+    first = min(u.time for u in updates if u.tokens)
+    await asyncio.gather(*followers)
+    return times, quiet_end, submitted, first
+
+  try:
+    times, quiet_end, submitted, first = asyncio.run(main())
+  finally:
+    scheduler.shutdown(0)
+  quiet = _gaps(times, 0.0, quiet_end)
+  busy = _gaps(times, submitted, first)
+  p90 = lambda g: float(np.percentile(g, 90))  # noqa: E731
+  print(f"model {args.model}, {args.streams} streams, a {args.long}-token prompt prefilled {args.chunk} per iteration")
+  print("| phase | gaps | median ms | p90 ms |")
+  print("|---|---|---|---|")
+  print(f"| streams alone | {len(quiet)} | {1e3 * statistics.median(quiet):.1f} | {1e3 * p90(quiet):.1f} |")
+  print(f"| during the long prefill | {len(busy)} | {1e3 * statistics.median(busy):.1f} | {1e3 * p90(busy):.1f} |")
+  print(
+    f"median ratio {statistics.median(busy) / statistics.median(quiet):.2f}; "
+    f"long request TTFT {first - submitted:.2f} s"
+  )
+
+
+def _einsum_cached(q, k, v, in_cache, in_chunk, cache_k, cache_v):
+  """The replaced formulation of ``attention._cached_xla`` (scores ``[b, kv, groups, chunk, slots]``)."""
+  import jax.numpy as jnp
+
+  batch, chunk, heads, head_dim = q.shape
+  kv_heads = k.shape[2]
+  q = q.reshape(batch, chunk, kv_heads, heads // kv_heads, head_dim) * head_dim**-0.5
+  cached = jnp.where(in_cache[:, None, None], jnp.einsum("bqkgd,bskd->bkgqs", q, cache_k), -jnp.inf)
+  own = jnp.where(in_chunk[:, None, None], jnp.einsum("bqkgd,bjkd->bkgqj", q, k), -jnp.inf)
+  top = jnp.maximum(jnp.max(cached, axis=-1), jnp.max(own, axis=-1))
+  cached, own = jnp.exp(cached - top[..., None]), jnp.exp(own - top[..., None])
+  total = jnp.moveaxis(jnp.sum(cached, axis=-1) + jnp.sum(own, axis=-1), -1, 1)[..., None]
+  out = jnp.einsum("bkgqs,bskd->bqkgd", cached, cache_v) + jnp.einsum("bkgqj,bjkd->bqkgd", own, v)
+  return (out / total).reshape(batch, chunk, heads, head_dim)
+
+
+def cached(args) -> None:
+  import jax
+  import jax.numpy as jnp
+
+  from mercury_jax.attention import attend_cached
+  from mercury_jax.kernels import masks
+
+  print("| slots | chunk | heads / kv heads x dim | einsum ms | batched matmuls ms | speed-up |")
+  print("|---|---|---|---|---|---|")
+  for slots in args.slots:
+    for heads, kv_heads, dim in args.shapes:
+      keys = jax.random.split(jax.random.key(0), 5)
+      q = jax.random.normal(keys[0], (1, args.chunk, heads, dim))
+      k, v = (jax.random.normal(key, (1, args.chunk, kv_heads, dim)) for key in keys[1:3])
+      cache_k, cache_v = (jax.random.normal(key, (1, slots, kv_heads, dim)) for key in keys[3:5])
+      segments, cache_segments = jnp.ones((1, args.chunk), jnp.int32), jnp.ones((1, slots), jnp.int32)
+      starts = jnp.asarray([slots - args.chunk], jnp.int32)
+      visible = masks.cached(segments, cache_segments, starts, "causal", block=None, xp=jnp)
+      old = jax.jit(lambda q, k, v, ck, cv, vis=visible: _einsum_cached(q, k, v, *vis, ck, cv))
+      new = jax.jit(
+        lambda q, k, v, ck, cv, s=segments, cs=cache_segments, st=starts: attend_cached(
+          q, k, v, s, ck, cv, cs, st, mask="causal", implementation="xla"
+        )
+      )
+      inputs = (q, k, v, cache_k, cache_v)
+      np.testing.assert_allclose(np.asarray(old(*inputs)), np.asarray(new(*inputs)), atol=1e-4, rtol=1e-4)
+      times = {"old": [], "new": []}
+      for _ in range(args.repeats):
+        for name, fn in (("old", old), ("new", new)):
+          start = time.perf_counter()
+          jax.block_until_ready(fn(*inputs))
+          times[name].append(time.perf_counter() - start)
+      a, b = (1e3 * statistics.median(times[n]) for n in ("old", "new"))
+      print(f"| {slots} | {args.chunk} | {heads} / {kv_heads} x {dim} | {a:.1f} | {b:.1f} | {a / b:.1f}x |", flush=True)
+
+
+def main(argv=None) -> None:
+  if argv is None and len(sys.argv) > 1 and sys.argv[1] == "_prefill_once":  # a child of ``prefill``
+    path, length, chunk, generate = sys.argv[2:6]
+    print(json.dumps(prefill_once(path, int(length), int(chunk), int(generate))))
+    return
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  sub = p.add_subparsers(dest="what", required=True)
+  a = sub.add_parser("prefill", help="chunked prefill against one pass: speed and peak memory")
+  a.add_argument("--model", default="default_ar", help="a bundled model (default default_ar)")
+  a.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")], default=[4096, 16384, 32768])
+  a.add_argument("--chunks", type=lambda s: [int(x) for x in s.split(",")], default=[0, 512, 2048])
+  a.add_argument("--generate", type=int, default=64, help="tokens generated after the prompt (default 64)")
+  b = sub.add_parser("gaps", help="short streams' inter-token gaps with and without a long prefill beside them")
+  b.add_argument("--model", default="default_ar", help="a bundled model (default default_ar)")
+  b.add_argument("--long", type=int, default=16384, help="the long prompt's tokens (default 16384)")
+  b.add_argument("--chunk", type=int, default=512, help="--prefill-chunk of the server (default 512)")
+  b.add_argument("--streams", type=int, default=4, help="short streams (default 4)")
+  b.add_argument("--warm-tokens", type=int, default=40, help="tokens each stream gets before the long prompt")
+  c = sub.add_parser("cached", help="the cached attention's XLA path against the einsum it replaced")
+  c.add_argument("--slots", type=lambda s: [int(x) for x in s.split(",")], default=[4096, 16384])
+  c.add_argument("--chunk", type=int, default=512, help="query tokens of the chunk (default 512)")
+  c.add_argument(
+    "--shapes",
+    type=lambda s: [tuple(int(x) for x in shape.split("/")) for shape in s.split(",")],
+    default=[(2, 1, 16), (4, 4, 64)],
+    help="HEADS/KV_HEADS/HEAD_DIM,... (default 2/1/16,4/4/64: the tests' random model, the bundled models)",
+  )
+  c.add_argument("--repeats", type=int, default=7)
+  args = p.parse_args(argv)
+  {"prefill": prefill, "gaps": gaps, "cached": cached}[args.what](args)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,165 @@
+"""Chunked prefill in the server (``--prefill-chunk``) and the served context (``--max-model-len``).
+
+A prompt whose prefill covers more than a chunk fills its row's pages one chunk per engine iteration while the other
+rows keep stepping: its pages must end up holding the one-pass prefill's keys and values and it must decode the same
+greedy tokens; streams already running must keep receiving tokens while a 16 K-token prompt is prefilled; a request
+longer than ``--max-model-len`` gets HTTP 400 with its count.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+
+import jax.numpy as jnp
+import numpy as np
+import openai
+import pytest
+from random_models import random_checkpoint
+from test_serve import Server
+
+from mercury_jax.checkpoint import export_params, find_tokenizer, restore_params
+from mercury_jax.kvcache import read_pages
+from mercury_jax.sampling.proposal import Knobs
+from mercury_jax.sampling.sampler import Sampler
+from mercury_jax.sampling.settings import SettingError
+from mercury_jax.serve.scheduler import Request, Scheduler
+
+KINDS = ("block_diffusion", "autoregressive", "verified")
+GREEDY = Knobs(0.0, 0, 1.0, 0.9)
+LONG = 16384  # The long prompt of the streaming test.
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory, data_dir):
+  root = tmp_path_factory.mktemp("chunked")
+  return {kind: random_checkpoint(root, kind, data_dir / "tokenizer.model") for kind in KINDS}
+
+
+async def _updates(scheduler: Scheduler, request: Request) -> list:
+  return [u async for u in scheduler.submit(request, asyncio.get_running_loop()).updates()]
+
+
+def _tokens(updates) -> tuple[int, ...]:
+  return tuple(t for u in updates for t in u.tokens)
+
+
+@pytest.mark.parametrize("kind", ["block_diffusion", "verified"])  # the twin's causal prefill: test_chunked_prefill
+def test_a_prompt_prefilled_in_chunks_holds_the_one_pass_cache_and_decodes_its_tokens(checkpoints, kind):
+  """Chunks of 16 slots (pages of 3: page boundaries inside chunks and blocks); prompts of 90 and 45 tokens fill in
+  several iterations, one of 5 in one pass."""
+  sampler = Sampler.from_checkpoint(checkpoints[kind])
+  one_pass = Scheduler(sampler, slots=3, page_size=3)
+  chunked = Scheduler(sampler, slots=3, page_size=3, prefill_chunk=16)
+  engine = chunked.engine
+  rng = np.random.default_rng(0)
+  requests = [Request(tuple(rng.integers(5, 400, n).tolist()), 20, knobs=GREEDY, seed=n) for n in (90, 45, 5)]
+  chunks = [len(engine.chunk_starts(r)) for r in requests[:2]]
+  assert min(chunks) >= 3 and engine.bucket(requests[2]) == 0 and one_pass.engine.bucket(requests[0]) > 0
+  command, reference = engine.command(), one_pass.engine.command()
+  for slot, request in enumerate(requests):
+    engine.admit(command, slot, request)
+    one_pass.engine.admit(reference, slot, request, pages=False)
+  engine.run(command)  # the admissions, the first chunk of the 90-token prompt
+  iterations = 1
+  while engine.filling:
+    assert not engine.busy & set(engine.filling)  # a row steps only once its prefill is whole
+    engine.run(engine.command())
+    iterations += 1
+  assert iterations == sum(chunks) and engine.busy == {0, 1, 2}
+  st = engine.state
+  for slot in range(3):
+    dense = one_pass.engine.prefill(reference, slot).cache  # the one-pass prefill of the same request
+    live = np.asarray(dense.segments[0]) != 0
+    assert live.sum() >= len(requests[slot].prompt) - 1
+    np.testing.assert_array_equal(np.asarray(st.cache.segments[slot])[live], np.asarray(dense.segments[0])[live])
+    for pool, values in ((st.cache.keys, dense.keys), (st.cache.values, dense.values)):
+      got = jnp.stack([read_pages(pool[layer], st.cache.table[slot : slot + 1], engine.plan.slots) for layer in (0, 1)])
+      np.testing.assert_allclose(np.asarray(got)[:, 0, live], np.asarray(values)[:, 0, live], atol=2e-4, rtol=1e-4)
+  engine.reset()
+  for scheduler in (one_pass, chunked):
+    scheduler.start()
+
+  async def main(scheduler):
+    return await asyncio.gather(*(_updates(scheduler, r) for r in requests))
+
+  try:
+    got = [_tokens(u) for u in asyncio.run(main(chunked))]
+    expected = [_tokens(u) for u in asyncio.run(main(one_pass))]
+  finally:
+    for scheduler in (one_pass, chunked):
+      scheduler.shutdown(0)
+  assert got == expected and all(got)
+
+
+def test_streams_keep_flowing_while_a_16k_prompt_is_prefilled(checkpoints, tmp_path):
+  """Four short greedy streams of the twin are running when a prompt of 16 K tokens arrives: it is prefilled 512
+  tokens per iteration, and every iteration of its prefill also steps the streams still running (each receives a
+  token), so none stalls for the whole prefill. Then the long request decodes too. (The random model ends some
+  streams early with EOS; the ones that outlive the prefill are checked.)"""
+  params, cfg = restore_params(checkpoints["autoregressive"])
+  cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, max_length=LONG + 64))  # RoPE: no new weights
+  path = export_params(tmp_path / "long", params, cfg, find_tokenizer(checkpoints["autoregressive"])).parent
+  scheduler = Scheduler(Sampler.from_checkpoint(path), slots=5, prefill_chunk=512)
+  engine = scheduler.engine
+  long = Request(tuple(np.random.default_rng(1).integers(5, 400, LONG).tolist()), 8, knobs=GREEDY)
+  chunks = len(engine.chunk_starts(long))
+  assert chunks == LONG // 512 + 1 and max(engine.buckets) == 512
+  scheduler.start()
+
+  async def main():
+    loop = asyncio.get_running_loop()
+    shorts = [scheduler.submit(Request((7 + i, 9), 200, knobs=GREEDY), loop) for i in range(4)]
+    times = [[] for _ in shorts]
+
+    async def follow(i, handle):
+      async for update in handle.updates():
+        if update.tokens:
+          times[i].append(time.perf_counter())
+
+    followers = [asyncio.create_task(follow(i, h)) for i, h in enumerate(shorts)]
+    while not all(times):
+      await asyncio.sleep(0.01)
+    submitted = time.perf_counter()
+    long_updates = await _updates(scheduler, long)
+    first = min(u.time for u in long_updates if u.tokens)
+    await asyncio.gather(*followers)
+    return times, submitted, first, long_updates
+
+  try:
+    times, submitted, first, long_updates = asyncio.run(main())
+  finally:
+    scheduler.shutdown(0)
+  assert len(_tokens(long_updates)) == 8
+  running = [stream for stream in times if stream[-1] > first]  # still streaming when the long prompt was in
+  assert running
+  for stream in running:
+    during = [t for t in stream if submitted < t < first]
+    assert len(during) >= chunks - 2, (len(during), chunks)  # a token in (nearly) every iteration of the prefill
+
+
+def test_a_request_over_max_model_len_gets_400_with_its_count(checkpoints):
+  path = checkpoints["block_diffusion"]
+  sampler = Sampler.from_checkpoint(path)
+  scheduler = Scheduler(sampler, slots=1, max_model_len=48)
+  with pytest.raises(SettingError, match="together 50 positions, but the model's context is 48 tokens"):
+    scheduler.check(Request(tuple(range(5, 45)), 10))
+  assert scheduler.engine.plan.slots <= 4 + 48 and scheduler.engine.pages_per_row == -(-(4 + 48) // 16)
+  srv = Server(path, "--slots", "2", "--max-model-len", "48", "--prefill-chunk", "16")
+  try:
+    assert any("requests of up to 48 tokens, prompts prefilled 16 tokens per iteration" in line for line in srv.log)
+    client = srv.client(timeout=120)
+    text = "def f(x):\n  return x + 1\n" * 3
+    count = len(sampler.tokenizer.encode(text))
+    assert 40 <= count <= 47, count
+    with pytest.raises(openai.BadRequestError) as error:
+      client.completions.create(model="tiny", prompt=text, max_tokens=10)
+    message = (
+      f"prompt has {count} tokens and max_tokens=10, together {count + 10}, but the model's context is 48 tokens"
+    )
+    assert error.value.status_code == 400 and message in str(error.value)
+    out = client.completions.create(model="tiny", prompt=text, max_tokens=48 - count, temperature=0.0)
+    assert out.choices[0].finish_reason in ("stop", "length") and out.usage.prompt_tokens == count
+  finally:
+    srv.stop()
