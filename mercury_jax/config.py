@@ -171,6 +171,9 @@ class DataConfig:
   shuffle_seed: int = 0
   num_threads: int = 2
   prefetch: int = 8
+  # Packed LM records: attention stays within each document (a segment per document, from the EOS that ends it), so a
+  # long record of many files never attends across files. False: a record is one segment.
+  document_segments: bool = False
   # A Jinja2 chat template that renders `messages` (OpenAI-style dicts) into the SFT prompt text, for the server's
   # /v1/chat/completions (mercury_jax.serve.chat); "" = none: the model has no chat format.
   chat_template: str = ""

@@ -61,7 +61,12 @@ def evaluate_params(
   trainer = Trainer(cfg, mesh)
   params = jax.device_put(params, trainer.state_shardings["params"])
   local = pipeline.eval_batches(
-    data_dir, split, seq_len=cfg.model.max_length, global_batch_size=batch_size, num_batches=None
+    data_dir,
+    split,
+    seq_len=cfg.model.max_length,
+    global_batch_size=batch_size,
+    num_batches=None,
+    document_segments=cfg.data.document_segments,
   )
   batches = [pipeline.to_global(b, mesh, trainer.rules) for b in local[:max_batches]]
   tokenizer = pipeline.load_tokenizer(data_dir)

@@ -132,6 +132,11 @@ def _check_data(cfg: Config, meta: dict[str, Any]) -> None:
     )
   if meta["mask_id"] != cfg.objective.mask_id:
     raise ConfigError(f"the tokenizer's mask id is {meta['mask_id']} but objective.mask_id={cfg.objective.mask_id}")
+  if cfg.data.document_segments and meta["mode"] != "lm":
+    raise ConfigError(
+      f"data.document_segments needs packed LM records; {cfg.data.path!r} holds {meta['mode']!r} records (one "
+      "example each): set data.document_segments=false"
+    )
 
 
 def _same_model(stored: Config, cfg: Config) -> None:
@@ -183,6 +188,7 @@ def train(cfg: Config, workdir: str | Path, *, log: bool = True, init_from: str 
     seed=cfg.data.shuffle_seed,
     num_threads=cfg.data.num_threads,
     prefetch=cfg.data.prefetch,
+    document_segments=cfg.data.document_segments,
   )
   data_iter = iter(dataset)
   if checkpointer.latest_step() is not None:
@@ -209,6 +215,7 @@ def train(cfg: Config, workdir: str | Path, *, log: bool = True, init_from: str 
         seq_len=cfg.model.max_length,
         global_batch_size=cfg.data.batch_size,
         num_batches=cfg.train.eval_batches,
+        document_segments=cfg.data.document_segments,
       )
     ]
   num_params = count_params(state["params"])

@@ -71,7 +71,7 @@ def loss_terms(
   evaluation integrates the whole schedule so its diffusion estimate is a bound. ``draft`` picks how a ``verified``
   objective noises its draft half (``objectives.verified.DRAFTS``; default: what ``training`` implies).
   """
-  segment_ids = K.segment_ids(batch["kinds"])
+  segment_ids = batch["segments"] if "segments" in batch else K.segment_ids(batch["kinds"])
   use_t = cfg.model.time_conditioning
 
   def logits_fn(tokens, t, **overrides):  # objectives.LogitsFn: overrides replace the batch's defaults.
@@ -161,10 +161,16 @@ class Trainer:
     terms = loss_terms(params, batch, key, self.model, self.cfg, training=False, draft=draft)
     return {k: v for k, v in terms.items() if k != "masked"}
 
+  @property
+  def batch_keys(self) -> tuple[str, ...]:
+    """The arrays of a batch (``[batch, length]`` int32 each): tokens, kinds and, with ``data.document_segments``,
+    the segments that keep packed documents apart."""
+    return ("tokens", "kinds", "segments") if self.cfg.data.document_segments else ("tokens", "kinds")
+
   @functools.cached_property
   def train_step(self):
     """``(state, batch) -> (state, metrics)``; the incoming state is donated."""
-    batch_sh = {"tokens": self.batch_sharding, "kinds": self.batch_sharding}
+    batch_sh = dict.fromkeys(self.batch_keys, self.batch_sharding)
     return sh.MeshJit(
       self._train_step,
       self.mesh,
@@ -182,7 +188,7 @@ class Trainer:
   def eval_step_for(self, draft: str | None):
     """:attr:`eval_step` with a ``verified`` objective's draft half noised as ``draft`` (``verified.DRAFTS``)."""
     if draft not in self._eval_steps:
-      batch_sh = {"tokens": self.batch_sharding, "kinds": self.batch_sharding}
+      batch_sh = dict.fromkeys(self.batch_keys, self.batch_sharding)
       self._eval_steps[draft] = sh.MeshJit(
         functools.partial(self._eval_step, draft=draft),
         self.mesh,
@@ -214,5 +220,5 @@ class Trainer:
   def lower_train_step(self):
     """Lowers the train step from abstract values only (ahead-of-time compile checks of big presets)."""
     b, length = self.cfg.data.batch_size, self.cfg.model.max_length
-    batch = {k: jax.ShapeDtypeStruct((b, length), jnp.int32, sharding=self.batch_sharding) for k in ("tokens", "kinds")}
+    batch = {k: jax.ShapeDtypeStruct((b, length), jnp.int32, sharding=self.batch_sharding) for k in self.batch_keys}
     return self.train_step.lower(self.abstract_state(), batch)

@@ -102,13 +102,29 @@ def _process_layout(
 
 
 class DecodeRecord(grain.transforms.Map):
-  """Record bytes -> ``{"tokens": int32[seq_len], "kinds": int32[seq_len]}`` (module level, so it pickles)."""
+  """Record bytes -> ``{"tokens": int32[seq_len], "kinds": int32[seq_len]}`` (module level, so it pickles), and
+  ``"segments"`` (:func:`records.document_segments`) when ``document_eos`` is given."""
 
-  def __init__(self, seq_len: int):
-    self.seq_len = seq_len
+  def __init__(self, seq_len: int, document_eos: int | None = None):
+    self.seq_len, self.document_eos = seq_len, document_eos
 
   def map(self, element: bytes) -> dict[str, np.ndarray]:
-    return records.decode_record(element, self.seq_len)
+    record = records.decode_record(element, self.seq_len)
+    if self.document_eos is not None:
+      record["segments"] = records.document_segments(record["tokens"], record["kinds"], self.document_eos)
+    return record
+
+
+def _document_eos(metadata: dict[str, Any], documents: bool) -> int | None:
+  """The EOS that ends each packed document, when batches carry document segments (LM data only)."""
+  if not documents:
+    return None
+  if metadata["mode"] != "lm":
+    raise ValueError(
+      f"data.document_segments needs packed LM records (prepare's lm mode), not {metadata['mode']!r} records, which "
+      "hold one example each"
+    )
+  return int(metadata["eos_id"])
 
 
 def train_dataset(
@@ -121,6 +137,7 @@ def train_dataset(
   process_count: int | None = None,
   num_threads: int = 2,
   prefetch: int = 8,
+  document_segments: bool = False,
 ) -> grain.IterDataset:
   """An endless, shuffled stream of this process's training batches.
 
@@ -136,6 +153,8 @@ def train_dataset(
     process_count: Number of processes; defaults to ``jax.process_count()``.
     num_threads: Reader threads.
     prefetch: Elements buffered ahead.
+    document_segments: Batches also carry ``"segments"``, each packed document its own attention segment
+      (``data.document_segments``; LM data).
 
   Returns:
     An IterDataset of ``{"tokens": int32[local_batch, seq_len], "kinds": int32[local_batch, seq_len]}``.
@@ -151,7 +170,8 @@ def train_dataset(
   # One global order for every process count: the shuffled stream is cut into per-process chunks, and global
   # batch k is chunks k*P .. k*P+P-1, so process p reads only its own rows (chunk k*P+p) and the global batch, its
   # row order and the iterator state ({"next_index": k}) are the same for 1, 2 or 64 processes.
-  dataset = grain.MapDataset.source(source).shuffle(seed=seed).repeat().map(DecodeRecord(seq_len))
+  decode = DecodeRecord(seq_len, _document_eos(metadata, document_segments))
+  dataset = grain.MapDataset.source(source).shuffle(seed=seed).repeat().map(decode)
   dataset = dataset.batch(local_batch, drop_remainder=True)[process_index::process_count]
   options = grain.ReadOptions(num_threads=num_threads, prefetch_buffer_size=prefetch)
   return dataset.to_iter_dataset(options)
@@ -166,6 +186,7 @@ def eval_batches(
   num_batches: int | None,
   process_index: int | None = None,
   process_count: int | None = None,
+  document_segments: bool = False,
 ) -> list[dict[str, np.ndarray]]:
   """The same per-process evaluation batches on every call.
 
@@ -179,6 +200,7 @@ def eval_batches(
       and no target tokens), so summed losses cover each record exactly once.
     process_index: This process's index; defaults to ``jax.process_index()``.
     process_count: Number of processes; defaults to ``jax.process_count()``.
+    document_segments: See :func:`train_dataset`.
 
   Returns:
     A list of ``{"tokens": int32[local_batch, seq_len], "kinds": int32[local_batch, seq_len]}``.
@@ -193,8 +215,10 @@ def eval_batches(
     num_batches = -(-num_records // global_batch_size)
   elif num_batches < 0:
     raise ValueError(f"num_batches={num_batches} must be >= 0 (or None for one pass over the split)")
-  decode = DecodeRecord(seq_len)
+  decode = DecodeRecord(seq_len, _document_eos(metadata, document_segments))
   padding = {"tokens": np.full([seq_len], metadata["pad_id"], np.int32), "kinds": np.zeros([seq_len], np.int32)}
+  if document_segments:
+    padding["segments"] = np.zeros([seq_len], np.int32)
   batches = []
   for step in range(num_batches):
     start = step * global_batch_size + process_index * local_batch
@@ -202,7 +226,7 @@ def eval_batches(
       padding if one_pass and row >= num_records else decode.map(source[row % num_records])
       for row in range(start, start + local_batch)
     ]
-    batches.append({key: np.stack([r[key] for r in rows]) for key in ("tokens", "kinds")})
+    batches.append({key: np.stack([r[key] for r in rows]) for key in padding})
   return batches
 
 

@@ -58,6 +58,18 @@ def decode_record(data: bytes, seq_len: int | None = None) -> dict[str, np.ndarr
   return {"tokens": record[0].copy(), "kinds": record[1].copy()}
 
 
+def document_segments(tokens: np.ndarray, kinds: np.ndarray, eos_id: int) -> np.ndarray:
+  """Attention segments that keep each document of packed LM records apart: ``int32`` like ``tokens`` (``[..., L]``).
+
+  :func:`pack_lm` ends every document with ``eos_id``, so a record's segments count its documents: 1 up to and
+  including the first EOS, 2 from there to the next, ...; padding is segment 0. The first document of a record may
+  be the end of one that began in the record before it (a segment of its own here).
+  """
+  ends = (tokens == eos_id) & (kinds != PAD)
+  segments = 1 + np.cumsum(ends, axis=-1, dtype=np.int32) - ends  # an EOS belongs to the document it ends
+  return np.where(kinds == PAD, 0, segments).astype(np.int32)
+
+
 def pack_lm(documents: Iterable[Sequence[int]], seq_len: int, *, eos_id: int, pad_id: int) -> np.ndarray:
   """Concatenates ``doc + [eos]`` for every document and cuts the stream into records.
 
