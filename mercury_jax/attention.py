@@ -205,8 +205,9 @@ def _cached_xla(q, k, v, segments, cache_k, cache_v, cache_segments, starts, mas
   """Attention over ``[cache ; chunk]`` with two score blocks and one softmax, so the cache is never concatenated.
 
   The products are plain batched matmuls over ``[batch, kv_heads]``, the query rows of a key/value head's group laid
-  out as one ``[groups * chunk, head_dim]`` matrix: XLA:CPU ran the einsum that keeps the head axes between the
-  query and slot axes 7-11x slower for a prefill chunk of 512 tokens over 4 K slots (``BUILD_NOTES.md``)."""
+  out as one ``[groups * chunk, head_dim]`` matrix: on XLA:CPU the einsum that kept the head axes between the query
+  and slot axes made this attention 1.8-3.4x slower for a prefill chunk of 512 tokens over 4 K and 16 K slots
+  (``launch/bench_long_context.py cached``, ``BUILD_NOTES.md``)."""
   batch, chunk, heads, head_dim = q.shape
   kv_heads = k.shape[2]
   groups = heads // kv_heads
