@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
+import types
 
 import jax.numpy as jnp
 import numpy as np
@@ -163,3 +164,28 @@ def test_a_request_over_max_model_len_gets_400_with_its_count(checkpoints):
     assert out.choices[0].finish_reason in ("stop", "length") and out.usage.prompt_tokens == count
   finally:
     srv.stop()
+
+
+def test_an_iteration_admits_one_pass_prefills_within_the_chunk_budget(checkpoints):
+  """With ``prefill_chunk=32``: prompts whose prefill covers 28 slots are admitted one per iteration (the budget),
+  prompts of a few tokens several at once, and a long prompt's admission (its first chunk) spends the whole budget;
+  the first waiting request is always admitted."""
+  scheduler = Scheduler(Sampler.from_checkpoint(checkpoints["block_diffusion"]), slots=6, prefill_chunk=32)
+  engine = scheduler.engine
+  medium = Request(tuple(range(5, 25)), 4)  # its prefill covers 28 slots
+  short = Request((5, 6), 4)  # 8 slots
+  long = Request(tuple(range(5, 69)), 4)  # 72 slots: chunked
+  assert engine.bucket(long) == len(engine.buckets) and engine.bucket(medium) < len(engine.buckets)
+  loop = asyncio.new_event_loop()
+  try:
+    for request in (medium, medium, short, short, long, short):
+      scheduler.submit(request, loop)
+    counts = []
+    while scheduler.queue_depth:
+      admitted = scheduler._admit(engine.command())
+      counts.append(len(admitted))
+      for slot in admitted:  # The slot stays taken, as the engine thread keeps it after running the command.
+        scheduler._active[slot] = types.SimpleNamespace(handle=types.SimpleNamespace(cancelled=False))
+  finally:
+    loop.close()
+  assert counts == [1, 1, 2, 1, 1]
