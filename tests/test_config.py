@@ -2,6 +2,7 @@
 
 import dataclasses
 import math
+import re
 import subprocess
 import sys
 
@@ -171,7 +172,8 @@ SMALL_PRESETS = (
   "default_ar_continued",
   "verified",
 )  # data = -1: compiled on the test's 8 devices as (2, 2, 2).
-ACCELERATOR_PRESETS = {"gpu8_125m": (8, 135e6), "pod64_1b": (64, 0.98e9)}  # Compiled on their own mesh size.
+# Compiled on their own mesh size: (devices, parameters).
+ACCELERATOR_PRESETS = {"gpu8_125m": (8, 135e6), "gpu8_125m_32k": (8, 135e6), "pod64_1b": (64, 0.98e9)}
 # What GSPMD logs when it must replicate a tensor because two sharding annotations disagree.
 REMATERIALIZATION = "Involuntary full rematerialization"
 
@@ -200,6 +202,11 @@ def test_accelerator_presets_compile_ahead_of_time_on_their_mesh(name):
   assert proc.returncode == 0, proc.stderr[-2000:]
   assert f"compiled the train step on {devices} devices" in proc.stdout
   assert REMATERIALIZATION not in proc.stderr, proc.stderr[-2000:]
+  if name == "gpu8_125m_32k":  # A 32 K-token step fits a 16 GiB accelerator (TPU v5e) per device.
+    used = sum(
+      float(re.search(rf"{what}_bytes_per_device: ([\d.]+) GiB", proc.stdout)[1]) for what in ("argument", "temp")
+    )
+    assert used < 16, proc.stdout
   cfg = load_config(name)
   mesh = sh.make_mesh(MeshConfig(data=1), jax.devices()[:1])
   n = sum(math.prod(p.shape) for p in jax.tree.leaves(abstract_params(Transformer(cfg.model), mesh, sh.RULES)))
