@@ -5,7 +5,9 @@ engine behind every other entry point:
 
 * **prefill** (:meth:`BlockEngine.init` of one request): the request's canvas is laid into slots and its prompt runs
   through the model over the smallest *bucket* of slots that covers its first block, giving its keys and values.
-  One compilation per bucket, all made at start-up (:meth:`SlotEngine.warm_up`).
+  One compilation per bucket, all made at start-up (:meth:`SlotEngine.warm_up`). A prompt longer than
+  ``prefill_chunk`` is admitted unfilled and prefilled a chunk per iteration straight into its pages, between the
+  other rows' steps (:meth:`SlotEngine.run`), so it never stalls the streams already running.
 * **insert**: that one-row state is written into a free row of the batch state, its keys and values into the pages
   the request was given (:class:`PagePool`).
 * **generate**: one jitted step advances every busy slot by one refinement step of its own block, over the smallest
