@@ -148,18 +148,17 @@ def gaps(args) -> None:
     followers = [asyncio.create_task(follow(i, h)) for i, h in enumerate(shorts)]
     while min(len(t) for t in times) < args.warm_tokens:
       await asyncio.sleep(0.005)
-    quiet_end = time.perf_counter()
-    submitted = time.perf_counter()
+    submitted = time.perf_counter()  # the streams' quiet phase ends here
     updates = [u async for u in scheduler.submit(long, loop).updates()]
     first = min(u.time for u in updates if u.tokens)
     await asyncio.gather(*followers)
-    return times, quiet_end, submitted, first
+    return times, submitted, first
 
   try:
-    times, quiet_end, submitted, first = asyncio.run(main())
+    times, submitted, first = asyncio.run(main())
   finally:
     scheduler.shutdown(0)
-  quiet = _gaps(times, 0.0, quiet_end)
+  quiet = _gaps(times, 0.0, submitted)
   busy = _gaps(times, submitted, first)
   p90 = lambda g: float(np.percentile(g, 90))  # noqa: E731
   print(f"model {args.model}, {args.streams} streams, a {args.long}-token prompt prefilled {args.chunk} per iteration")

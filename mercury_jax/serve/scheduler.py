@@ -485,7 +485,7 @@ class Scheduler:
         if handle.cancelled:
           handle._deliver(Update((), None, True, "cancelled", 0, time=now))
           continue
-        cost = min(engine.prefill_end(handle.request), engine.prefill_chunk or math.inf)
+        cost = min(engine.prefill_end(len(handle.request.prompt)), engine.prefill_chunk or math.inf)
         if admitted and cost > budget:  # The iteration's prompt work is spent: it waits for the next one.
           self._waiting.appendleft(handle)
           break

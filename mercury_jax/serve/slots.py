@@ -364,20 +364,20 @@ class SlotEngine:
       size *= 2
     return tuple(sorted({*(s for s in sizes if s < top), top}))
 
-  def prefill_end(self, request: Request) -> int:
-    """The slots ``[0, end)`` the request's prefill covers: through the end of its first generated block."""
-    return ((self.block + len(request.prompt)) // self.block + 1) * self.block
+  def prefill_end(self, prompt: int) -> int:
+    """The slots ``[0, end)`` the prefill of a ``prompt``-token prompt covers: through its first generated block."""
+    return ((self.block + prompt) // self.block + 1) * self.block
 
   def bucket(self, request: Request) -> int:
     """The index of the smallest prefill bucket that covers the request's first block; ``len(buckets)`` for a
     prompt prefilled in chunks."""
-    end = self.prefill_end(request)
+    end = self.prefill_end(len(request.prompt))
     return next((i for i, size in enumerate(self.buckets) if size >= end), len(self.buckets))
 
-  def chunk_starts(self, request: Request) -> list[int]:
+  def chunk_starts(self, prompt: int) -> list[int]:
     """The first slots of a chunked prefill's chunks of ``prefill_chunk`` slots: the last one ends at
     :meth:`prefill_end` (it may overlap the one before, whose slots it computes again, to the same values)."""
-    end, chunk = self.prefill_end(request), self.prefill_chunk
+    end, chunk = self.prefill_end(prompt), self.prefill_chunk
     return [min(i * chunk, end - chunk) for i in range(-(-end // chunk))]
 
   def command(self) -> Command:
@@ -532,7 +532,7 @@ class SlotEngine:
         table = self._place(command.tables[slot])
         self.state = self._sync(self._insert(self.state, row, self._place(np.int32(slot)), table))
         if command.bucket[slot] == len(self.buckets):  # A long prompt: its chunks run one per iteration from now.
-          self.filling[int(slot)] = self.chunk_starts_of(command, int(slot))
+          self.filling[int(slot)] = self.chunk_starts(int(np.argmax(command.kinds[slot] == K.TARGET)))
         else:
           self.busy.add(int(slot))
       except Exception as error:  # noqa: BLE001  The request fails alone; the engine keeps serving.
@@ -544,11 +544,6 @@ class SlotEngine:
     live = self.live_rows()
     self.state, packed = self._sync(self._step(self.sampler.params, self.state, self._place(live)))
     return self._view(live, self.sampler.placement.gather(packed)), failures
-
-  def chunk_starts_of(self, command: Command, slot: int) -> list[int]:
-    """:meth:`chunk_starts` of the request admitted into ``slot`` (its prompt: the fixed positions before its hole)."""
-    prompt = int(np.argmax(command.kinds[slot] == K.TARGET))
-    return self.chunk_starts(Request(prompt=(0,) * prompt, max_tokens=1))
 
   def _fill_next(self) -> None:
     """Runs the next chunk of the longest-waiting chunked prefill (one per iteration, so an iteration's prompt work
