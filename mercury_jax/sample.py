@@ -314,22 +314,39 @@ def _show(frames: list[str], header: str, unit: str) -> None:
       time.sleep(FRAME_SECONDS)
 
 
+COMPILE_CACHE_BYTES = 4 << 30
+
+
 def compile_cache_dir() -> Path:
   """Where the command line keeps XLA's persistent compilation cache: ``$XDG_CACHE_HOME/mercury_jax/xla``."""
   return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mercury_jax" / "xla"
+
+
+def enable_compile_cache() -> None:
+  """Turns on XLA's persistent compilation cache for a command-line entry point (``sample``, ``serve``).
+
+  ``JAX_COMPILATION_CACHE_DIR``, when set, takes precedence over :func:`compile_cache_dir`. The cache is bounded
+  (``COMPILE_CACHE_BYTES``, least recently used entries go first), which is also what makes JAX take its file lock
+  around every read and write: without a bound, a process can read an entry that another one is still writing
+  (two servers starting on one host) and crash deserialising it.
+  """
+  if not jax.config.jax_compilation_cache_dir:
+    jax.config.update("jax_compilation_cache_dir", str(compile_cache_dir()))
+  if jax.config.jax_compilation_cache_max_size == -1:
+    jax.config.update("jax_compilation_cache_max_size", COMPILE_CACHE_BYTES)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)  # The prefill too (0.4 s to compile).
 
 
 def main(argv: list[str] | None = None, *, compile_cache: bool = False) -> int:
   """The command line; ``compile_cache`` (on for ``python -m``) reuses compiled programs across runs.
 
   With the cache a repeated command skips most of its compilation (the bundled model's sampler: 1.4 s to compile,
-  0.3 s to load, on 2 idle CPU cores). ``JAX_COMPILATION_CACHE_DIR``, when set, takes precedence.
+  0.3 s to load, on 2 idle CPU cores); see :func:`enable_compile_cache`.
   """
   parser = build_parser()
   args, flags = parser.parse_args(argv), flag_names(parser)
-  if compile_cache and not args.no_compile_cache and not jax.config.jax_compilation_cache_dir:
-    jax.config.update("jax_compilation_cache_dir", str(compile_cache_dir()))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)  # The prefill too (0.4 s to compile).
+  if compile_cache and not args.no_compile_cache:
+    enable_compile_cache()
   try:
     knobs = _check_args(args, flags)
   except ValueError as e:  # A template without holes.

@@ -92,7 +92,8 @@ def test_bundled_weights_are_trained_on_python(sampler):
 
 def test_sample_without_checkpoint_uses_the_bundle_and_matches_one_device(tmp_path, capsys):
   """The CLI's default model on this process's 8-device mesh gives the tokens of one device in a fresh process,
-  and ``python -m`` keeps its compiled program in the user's cache folder."""
+  and ``python -m`` keeps its compiled program in the user's cache folder, under the lock that keeps concurrent
+  commands from reading each other's half-written entries."""
   argv = ["--prompt", PROMPT, "--length", "32", "--seed", "3", "--json"]
   assert main(argv) == 0
   (sharded,) = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
@@ -105,7 +106,9 @@ def test_sample_without_checkpoint_uses_the_bundle_and_matches_one_device(tmp_pa
   assert done.returncode == 0, done.stderr
   (single,) = [json.loads(line) for line in done.stdout.splitlines()]
   assert single["tokens"] == sharded["tokens"] and single["text"] == sharded["text"]
-  assert any((tmp_path / "mercury_jax" / "xla").iterdir())
+  cache = tmp_path / "mercury_jax" / "xla"
+  assert any(cache.glob("*-cache"))
+  assert (cache / ".lockfile").exists()  # Bounded, so every read and write holds JAX's file lock.
   # Token healing backs off the prompt's last token (``):``), so the tokens are the 32 asked for plus that one.
   assert sharded["prompt"] == PROMPT and sharded["healed"] == "):" and 1 <= len(sharded["tokens"]) <= 33
   assert sum(sharded["accepted"]) == sharded["nfe"] <= len(sharded["tokens"])  # verified decoding

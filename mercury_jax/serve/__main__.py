@@ -210,13 +210,11 @@ def _load(args: argparse.Namespace):
   import jax
 
   from mercury_jax.config import ConfigError
-  from mercury_jax.sample import bundled_model, compile_cache_dir
+  from mercury_jax.sample import bundled_model
   from mercury_jax.sampling.sampler import Sampler
   from mercury_jax.sampling.settings import SettingError
   from mercury_jax.serve.scheduler import Scheduler
 
-  if not jax.config.jax_compilation_cache_dir:
-    jax.config.update("jax_compilation_cache_dir", str(compile_cache_dir()))
   path = args.checkpoint if args.checkpoint is not None else bundled_model(args.model, _fail)
   from mercury_jax import sharding as sh
 
@@ -302,10 +300,18 @@ async def _serve(server, name: str, host: str, pool) -> None:
     announcer.cancel()
 
 
-def main(argv: list[str] | None = None) -> int:
-  """The command line: checks the flags, loads the model, serves until SIGTERM/SIGINT, then drains."""
+def main(argv: list[str] | None = None, *, compile_cache: bool = False) -> int:
+  """The command line: checks the flags, loads the model, serves until SIGTERM/SIGINT, then drains.
+
+  ``compile_cache`` (on for ``python -m`` and ``mercury-serve``) keeps compiled programs across runs; see
+  :func:`mercury_jax.sample.enable_compile_cache`.
+  """
   args = build_parser().parse_args(argv)
   _check_args(args)
+  if compile_cache:
+    from mercury_jax.sample import enable_compile_cache
+
+    enable_compile_cache()
   from mercury_jax import distributed
 
   try:
@@ -370,5 +376,10 @@ def _log_to_stderr() -> None:
   logger.setLevel(logging.INFO)
 
 
+def cli() -> int:
+  """The ``mercury-serve`` console script and ``python -m``: :func:`main` with the compilation cache."""
+  return main(compile_cache=True)
+
+
 if __name__ == "__main__":
-  sys.exit(main())
+  sys.exit(cli())
