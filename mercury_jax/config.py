@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 ATTENTION_IMPLS = ("auto", "xla", "pallas", "cudnn")
-OBJECTIVES = ("masked_diffusion", "autoregressive", "verified")
+OBJECTIVES = ("masked_diffusion", "autoregressive", "verified", "continuous")
 SCHEDULES = ("linear", "cosine", "polynomial")
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -67,8 +67,14 @@ class ModelConfig:
   # Compile the layer stack unrolled instead of as a loop: 1.5-1.9x faster backward on XLA:CPU, slower to compile
   # for deep models. Parameters keep the same stacked layout either way, so checkpoints are interchangeable.
   unroll_layers: bool = False
+  # Width of the continuous family's token latents (objective.name='continuous'): a normalised embedding table
+  # [vocab, latent_dim] whose noisy rows enter the network through a projection; 0: no latent path (every other
+  # objective).
+  latent_dim: int = 0
 
   def validate(self) -> None:
+    if self.latent_dim < 0:
+      raise ConfigError(f"model.latent_dim={self.latent_dim} must be >= 0 (0: no continuous latents; e.g. 64)")
     if self.num_heads % self.num_kv_heads:
       raise ConfigError(
         f"model.num_heads={self.num_heads} must be a multiple of model.num_kv_heads={self.num_kv_heads}"
@@ -104,7 +110,7 @@ class ObjectiveConfig:
   verifier, in one pass (``objectives.verified``).
   """
 
-  name: Literal["masked_diffusion", "autoregressive", "verified"] = "masked_diffusion"
+  name: Literal["masked_diffusion", "autoregressive", "verified", "continuous"] = "masked_diffusion"
   schedule: Literal["linear", "cosine", "polynomial"] = "linear"
   exponent: float = 1.0  # Polynomial schedule: alpha_t = 1 - t**exponent.
   antithetic: bool = True  # Low-discrepancy t across the global batch (Kingma et al. 2021, VDM).
@@ -123,6 +129,19 @@ class ObjectiveConfig:
   ar_weight: float = 1.0
   draft_mask_min: float = 1.0
   draft_mask_max: float = 1.0
+  # continuous (objectives.continuous, CDCD / LangFlow): Gaussian noise of scale sigma in [sigma_min, sigma_max] on
+  # normalised token latents (unit variance per dimension); sigma_schedule is how training draws sigma: fixed
+  # (log-uniform), warped (CDCD's time warping: a learned piecewise-linear CDF fitted to the loss) or gumbel
+  # (LangFlow's learnable Gumbel CDF over log sigma); self_conditioning is the probability of a training step's
+  # self-conditioning pass (Chen et al. 2022, analog bits). block_size > 0 is the block-causal variant.
+  sigma_min: float = 0.1
+  sigma_max: float = 100.0
+  sigma_schedule: Literal["fixed", "warped", "gumbel"] = "warped"
+  self_conditioning: float = 0.5
+
+  @property
+  def continuous(self) -> bool:
+    return self.name == "continuous"
 
   @property
   def autoregressive(self) -> bool:
@@ -141,11 +160,18 @@ class ObjectiveConfig:
       )
     if self.block_size < 0:
       raise ConfigError(f"objective.block_size={self.block_size} must be >= 0 (0: whole-sequence masked diffusion)")
-    if self.block_size and self.name != "masked_diffusion":
+    if self.block_size and self.name not in ("masked_diffusion", "continuous"):
       raise ConfigError(
-        f"objective.block_size={self.block_size} needs objective.name='masked_diffusion' (got {self.name!r}); "
-        "use block_size=0"
+        f"objective.block_size={self.block_size} needs objective.name='masked_diffusion' or 'continuous' (got "
+        f"{self.name!r}); use block_size=0"
       )
+    if not 0.0 < self.sigma_min < self.sigma_max:
+      raise ConfigError(
+        f"objective.sigma_min={self.sigma_min} and objective.sigma_max={self.sigma_max} must satisfy "
+        "0 < sigma_min < sigma_max (e.g. 0.1 and 100)"
+      )
+    if not 0.0 <= self.self_conditioning <= 1.0:
+      raise ConfigError(f"objective.self_conditioning={self.self_conditioning} must lie in [0, 1] (e.g. 0.5)")
     if not 0.0 <= self.mask_rate_min < self.mask_rate_max <= 1.0:
       raise ConfigError(
         f"objective.mask_rate_min={self.mask_rate_min} and objective.mask_rate_max={self.mask_rate_max} must "
@@ -323,6 +349,13 @@ class Config:
       )
     if not self.objective.autoregressive and self.model.causal:
       raise ConfigError("model.causal=true is only meaningful with objective.name='autoregressive'")
+    if self.objective.continuous and not self.model.latent_dim:
+      raise ConfigError("objective.name='continuous' denoises token latents; set model.latent_dim (e.g. 64)")
+    if self.objective.continuous and self.model.time_conditioning:
+      raise ConfigError(
+        "objective.name='continuous' conditions every position on its own noise level; set "
+        "model.time_conditioning=false"
+      )
     return self
 
   def to_dict(self) -> dict[str, Any]:

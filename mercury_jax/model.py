@@ -178,11 +178,25 @@ class Block(nn.Module):
 
 
 def timestep_embedding(t: jax.Array, dim: int, max_period: float = 10_000.0) -> jax.Array:
-  """Sinusoidal features of t in [0, 1] (scaled by 1000, as in DDPM-style embeddings): [batch] -> [batch, dim]."""
+  """Sinusoidal features of t in [0, 1] (scaled by 1000, as in DDPM-style embeddings): [...] -> [..., dim]."""
   half = dim // 2
   freqs = jnp.exp(-math.log(max_period) * jnp.arange(half, dtype=jnp.float32) / half)
-  args = 1000.0 * t.astype(jnp.float32)[:, None] * freqs[None]
+  args = 1000.0 * t.astype(jnp.float32)[..., None] * freqs
   return jnp.concatenate([jnp.cos(args), jnp.sin(args)], axis=-1)
+
+
+def normalised_latents(table: jax.Array) -> jax.Array:
+  """The continuous family's token latents: every row of ``table`` [vocab, d] scaled to L2 norm sqrt(d), i.e. unit
+  variance per dimension (CDCD), so that a noise scale sigma means the same for every token and every width."""
+  table = table.astype(jnp.float32)
+  norm = jnp.sqrt(jnp.sum(table * table, axis=-1, keepdims=True) + 1e-12)
+  return table * (math.sqrt(table.shape[-1]) / norm)
+
+
+# The continuous family's learnable noise schedules (objectives.continuous): CDCD's warp, a piecewise-linear
+# unnormalised CDF over WARP_BINS equal bins of normalised log sigma ([offset, log scale, bin logits...]), and
+# LangFlow's Gumbel CDF ([offset, log scale, location, log width]).
+WARP_BINS = 32
 
 
 class Transformer(nn.Module):
@@ -204,7 +218,11 @@ class Transformer(nn.Module):
     cache: KVCache | PagedKVCache | None = None,
     cache_start: jax.Array | None = None,
     return_kv: bool = False,
-  ) -> jax.Array | tuple[jax.Array, KVCache]:
+    latents: jax.Array | None = None,
+    noise_level: jax.Array | None = None,
+    self_cond: jax.Array | None = None,
+    latent_params: bool = False,
+  ) -> Any:
     """Logits for ``tokens``.
 
     Args:
@@ -226,6 +244,15 @@ class Transformer(nn.Module):
       cache_start: with ``cache``, ``[batch]`` (or ``[]``) int32: each row's first slot of the chunk.
       return_kv: also return the chunk's keys and values (a :class:`KVCache` of ``length`` slots whose segments are
         ``segment_ids``), e.g. to write them into a cache.
+      latents: ``[batch, length, latent_dim]`` noisy token latents (``config.latent_dim > 0``; the continuous
+        family): where ``noise_level > 0`` a position reads ``latents * c_in`` (EDM's ``c_in = 1 / sqrt(sigma^2 +
+        1)``) through the ``latent_in`` projection, plus features of ``log(sigma) / 4``, instead of its token's
+        embedding; positions at noise level 0 are clean tokens (context, a prompt).
+      noise_level: ``[batch, length]`` sigma of every position (0: clean), with ``latents``.
+      self_cond: ``[batch, length, latent_dim]`` the previous estimate of the clean latents (self-conditioning),
+        added through the ``self_cond_in`` projection at noisy positions; default none (zeros).
+      latent_params: return only ``{"table": normalised latents [vocab, latent_dim], "warp": [...], "gumbel":
+        [...]}`` (the latent table and the learnable noise schedules' parameters, ``objectives.continuous``).
 
     Returns:
       ``[batch, length, vocab]`` float32 logits (``[batch, logits_length, vocab]`` with ``logits_length``), and with
@@ -238,9 +265,23 @@ class Transformer(nn.Module):
     embedding = _param(
       self, "embedding", (cfg.vocab_size, cfg.d_model), (sh.VOCAB, sh.EMBED), nn.initializers.normal(1.0), pdt
     )
+    if cfg.latent_dim:
+      raw_latents = _param(
+        self, "latent_embedding", (cfg.vocab_size, cfg.latent_dim), (sh.VOCAB, None), nn.initializers.normal(1.0)
+      )
+      schedules = {
+        "warp": self.param("noise_warp", nn.initializers.zeros, (2 + WARP_BINS,), jnp.float32),
+        "gumbel": self.param("noise_gumbel", nn.initializers.zeros, (4,), jnp.float32),
+      }
+      if latent_params:
+        return {"table": normalised_latents(raw_latents), **schedules}
+    elif latents is not None or latent_params:
+      raise ValueError("latents need a model with model.latent_dim > 0")
     # Gather from a replicated table: a gather from a vocab- and fsdp-sharded table makes GSPMD replicate its output.
     table = nn.with_logical_constraint(embedding, (None, sh.ACT_EMBED))
     x = jnp.take(table, tokens, axis=0).astype(dtype)  # [batch, length, embed]
+    if cfg.latent_dim:
+      x = self._latent_inputs(x, latents, noise_level, self_cond, dtype)
     if cfg.time_conditioning:
       if t is None:
         raise ValueError("model.time_conditioning=true needs t of shape [batch]")
@@ -286,6 +327,30 @@ class Transformer(nn.Module):
       return logits
     segments = jnp.ones((batch, length), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
     return logits, KVCache(kv[0], kv[1], segments)  # keys and values [layers, batch, length, kv_heads, head_dim]
+
+  def _latent_inputs(self, x, latents, noise_level, self_cond, dtype) -> jax.Array:
+    """``x`` (the tokens' embeddings) with every noisy position's input replaced by its latent (see ``latents``)."""
+    cfg = self.config
+    d, k = cfg.d_model, cfg.latent_dim
+    w_in = _param(self, "latent_in", (k, d), (None, sh.EMBED))
+    w_self = _param(self, "self_cond_in", (k, d), (None, sh.EMBED), nn.initializers.zeros)
+    w_n1 = _param(self, "noise_in", (d, d), (sh.EMBED, sh.MLP))
+    w_n2 = _param(self, "noise_out", (d, d), (sh.MLP, sh.EMBED), nn.initializers.zeros)
+    batch, length = x.shape[:2]
+    if latents is None:  # A token-only pass (initialisation, a prompt): every position is clean.
+      latents, noise_level = jnp.zeros((batch, length, k), jnp.float32), jnp.zeros((batch, length), jnp.float32)
+    if noise_level is None:
+      raise ValueError("latents need noise_level, [batch, length] sigma per position (0: a clean token)")
+    sigma = noise_level.astype(jnp.float32)
+    noisy = sigma > 0
+    safe = jnp.where(noisy, sigma, 1.0)
+    c_in = jax.lax.rsqrt(safe * safe + 1.0)[..., None]
+    h = dense((latents.astype(jnp.float32) * c_in).astype(dtype), w_in.astype(dtype))
+    features = timestep_embedding(jnp.log(safe) / 40.0, d)  # log(sigma) / 4 (EDM's c_noise), at timestep scale 100
+    h = h + (jax.nn.silu(features.astype(dtype) @ w_n1.astype(dtype)) @ w_n2.astype(dtype))
+    if self_cond is not None:
+      h = h + dense(self_cond.astype(dtype), w_self.astype(dtype))
+    return jnp.where(noisy[..., None], h, x)
 
 
 def init_params(model: Transformer, key: jax.Array):

@@ -77,6 +77,7 @@ class _Summaries:
     "eval_perplexity_bound": "eval/perplexity",
     "ar_loss": "train/ar_loss",  # verified: the verifier's next-token loss and the drafter's loss
     "draft_loss": "train/draft_loss",
+    "schedule_fit": "train/schedule_fit",  # continuous: the learned noise schedule's least-squares fit
     "eval_ar_nats_per_token": "eval/ar_nats_per_token",
     "eval_draft_nats_per_token": "eval/draft_nats_per_token",
   }
@@ -288,8 +289,8 @@ def _finish_step(step: int, metrics, *, cfg: Config) -> dict[str, Any]:
       f"update was discarded and no checkpoint was written after it. Lower optim.learning_rate "
       f"(now {cfg.optim.learning_rate}) or check the data."
     )
-  halves = {f"{h}_loss": values[f"{h}_loss"] for h in HALVES if f"{h}_loss" in values}  # verified
-  return {"step": step, "loss": values["loss"], "grad_norm": values["grad_norm"], **halves}
+  extra = {k: values[k] for k in (*(f"{h}_loss" for h in HALVES), "schedule_fit") if k in values}
+  return {"step": step, "loss": values["loss"], "grad_norm": values["grad_norm"], **extra}
 
 
 def _status(m: dict[str, Any], total: int, bound: bool) -> str:

@@ -141,7 +141,8 @@ class Trainer:
 
     def objective(params):
       terms = loss_terms(params, batch, key, self.model, self.cfg, training=True)
-      return terms["loss_sum"] / jnp.maximum(terms["tokens"], 1.0), terms
+      # An objective's auxiliary fit (the continuous family's learned noise schedule) trains its own parameters.
+      return terms["loss_sum"] / jnp.maximum(terms["tokens"], 1.0) + terms.get("aux_loss", 0.0), terms
 
     (loss, terms), grads = jax.value_and_grad(objective, has_aux=True)(state["params"])
     updates, opt_state = self.optimizer.update(grads, state["opt_state"], state["params"])
@@ -152,14 +153,17 @@ class Trainer:
     # stop with an error and no bad parameters can ever reach a checkpoint.
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     new_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old), new_state, state)
+    loss = terms["loss_sum"] / jnp.maximum(terms["tokens"], 1.0)  # The objective's own loss, without a fit's.
     metrics = {"loss": loss, "grad_norm": grad_norm, "tokens": terms["tokens"]}
     for half in HALVES if self.cfg.objective.verified else ():  # The verifier's and the drafter's own losses.
       metrics[f"{half}_loss"] = terms[f"{half}_loss_sum"] / jnp.maximum(terms[f"{half}_tokens"], 1.0)
+    if "schedule_fit" in terms:
+      metrics["schedule_fit"] = terms["schedule_fit"]
     return new_state, metrics
 
   def _eval_step(self, params, batch: Batch, key: jax.Array, draft: str | None = None) -> dict[str, jax.Array]:
     terms = loss_terms(params, batch, key, self.model, self.cfg, training=False, draft=draft)
-    return {k: v for k, v in terms.items() if k != "masked"}
+    return {k: v for k, v in terms.items() if k not in ("masked", "aux_loss", "schedule_fit")}
 
   @property
   def batch_keys(self) -> tuple[str, ...]:

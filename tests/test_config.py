@@ -94,7 +94,7 @@ def test_bad_overrides_name_the_key(item, fragment):
   [
     (
       ["objective.name=autoregressive", "model.causal=true"],
-      "objective.block_size=4 needs objective.name='masked_diffusion' (got 'autoregressive')",
+      "objective.block_size=4 needs objective.name='masked_diffusion' or 'continuous' (got 'autoregressive')",
     ),
     (["model.causal=true"], "objective.block_size=4 needs a bidirectional model (model.causal=false)"),
     (["model.time_conditioning=true"], "objective.block_size=4 draws one t per block"),
@@ -167,6 +167,7 @@ SMALL_PRESETS = (
   "tiny",
   "tiny_bd",
   "tiny_verified",
+  "tiny_continuous",
   "default",
   "default_ar",
   "default_ar_continued",

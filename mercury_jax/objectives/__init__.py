@@ -6,6 +6,8 @@ Each objective is a plain function over the network's ``logits_fn``; the network
 - ``block_diffusion``: ``masked_diffusion`` with ``objective.block_size > 0``: diffusion within blocks,
   autoregressive across them (BD3-LM), trained in one pass over ``x_t ⊕ x_0``.
 - ``autoregressive``: next-token prediction, the twin every diffusion model is compared with.
+- ``continuous``: Gaussian diffusion on normalised token latents (CDCD / LangFlow), trained with the cross-entropy
+  and scored with a variational bound; ``objective.block_size > 0`` is its block-causal variant.
 - ``verified``: TiDAR's drafter and autoregressive verifier in one network, trained in one pass over
   ``drafts ⊕ x_0``; it also returns each half's sums (``ar_loss_sum``, ``ar_tokens``, ``draft_loss_sum``,
   ``draft_tokens``) and its ``loss_sum / tokens`` is the weighted mean of the two halves' losses.
@@ -21,7 +23,7 @@ from collections.abc import Callable
 import jax
 
 from mercury_jax.config import ObjectiveConfig
-from mercury_jax.objectives import autoregressive, block_diffusion, masked_diffusion, verified
+from mercury_jax.objectives import autoregressive, block_diffusion, continuous, masked_diffusion, verified
 
 # (tokens [batch, length], t [batch] or None, **overrides) -> logits [batch, length, vocab]. Keyword overrides
 # (segment_ids, positions, mask, diffusion_block) go to the network in place of the batch's own segment ids, the
@@ -61,6 +63,8 @@ def loss_terms(
     if draft is None:
       draft = "train" if training else "all_mask" if cfg.draft_mask_min == 1.0 else "elbo"
     return verified.loss(logits_fn, tokens, kinds, key, cfg, segment_ids=segment_ids, draft=draft)
+  if cfg.name == "continuous":
+    return continuous.loss(logits_fn, tokens, kinds, key, cfg, segment_ids=segment_ids, training=training)
   if cfg.name == "masked_diffusion" and cfg.block_size:
     return block_diffusion.loss(
       logits_fn, tokens, kinds, key, cfg.mask_id, cfg, segment_ids=segment_ids, training=training
@@ -70,4 +74,4 @@ def loss_terms(
   raise ValueError(f"objective.name={cfg.name!r} is unknown")
 
 
-__all__ = ["LogitsFn", "autoregressive", "block_diffusion", "loss_terms", "masked_diffusion", "verified"]
+__all__ = ["LogitsFn", "autoregressive", "block_diffusion", "continuous", "loss_terms", "masked_diffusion", "verified"]

@@ -119,17 +119,20 @@ def sample_t(
   Returns:
     float32 t of ``shape``.
   """
-  shape = (shape,) if isinstance(shape, int) else tuple(shape)
-  n = math.prod(shape)
-  if cfg.antithetic:
-    strata = jnp.arange(n) / n
-    if len(shape) > 1:
-      strata = jax.random.permutation(jax.random.fold_in(key, 1), strata)
-    u = jnp.mod(jax.random.uniform(key, ()) + strata, 1.0).reshape(shape)
-  else:
-    u = jax.random.uniform(key, shape)
   low, high = t_range(cfg, training=training)
-  return low + (high - low) * u
+  return low + (high - low) * stratified_uniform(key, shape, cfg.antithetic)
+
+
+def stratified_uniform(key: jax.Array, shape: int | tuple[int, ...], stratified: bool = True) -> jax.Array:
+  """``U[0, 1]`` draws for every cell of ``shape``, one per stratum when ``stratified`` (see :func:`sample_t`)."""
+  shape = (shape,) if isinstance(shape, int) else tuple(shape)
+  if not stratified:
+    return jax.random.uniform(key, shape)
+  n = math.prod(shape)
+  strata = jnp.arange(n) / n
+  if len(shape) > 1:
+    strata = jax.random.permutation(jax.random.fold_in(key, 1), strata)
+  return jnp.mod(jax.random.uniform(key, ()) + strata, 1.0).reshape(shape)
 
 
 # ------------------------------------------------------------------------------------------ forward process
