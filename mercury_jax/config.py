@@ -134,7 +134,7 @@ class ObjectiveConfig:
   # (log-uniform), warped (CDCD's time warping: a learned piecewise-linear CDF fitted to the loss) or gumbel
   # (LangFlow's learnable Gumbel CDF over log sigma); self_conditioning is the probability of a training step's
   # self-conditioning pass (Chen et al. 2022, analog bits). block_size > 0 is the block-causal variant.
-  sigma_min: float = 0.1
+  sigma_min: float = 1.0
   sigma_max: float = 100.0
   sigma_schedule: Literal["fixed", "warped", "gumbel"] = "warped"
   self_conditioning: float = 0.5
@@ -168,7 +168,7 @@ class ObjectiveConfig:
     if not 0.0 < self.sigma_min < self.sigma_max:
       raise ConfigError(
         f"objective.sigma_min={self.sigma_min} and objective.sigma_max={self.sigma_max} must satisfy "
-        "0 < sigma_min < sigma_max (e.g. 0.1 and 100)"
+        "0 < sigma_min < sigma_max (e.g. 1 and 100)"
       )
     if not 0.0 <= self.self_conditioning <= 1.0:
       raise ConfigError(f"objective.self_conditioning={self.self_conditioning} must lie in [0, 1] (e.g. 0.5)")

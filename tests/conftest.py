@@ -1,5 +1,5 @@
-"""Test set-up: 8 simulated CPU devices and quick compilation (set before jax is imported anywhere), a compilation
-cache folder of each test process's own, and the `gpu` marker."""
+"""Test set-up: 8 simulated CPU devices and quick compilation (set before jax is imported anywhere), one persistent
+compilation cache for the whole run, and the `gpu` marker."""
 
 import atexit
 import os
@@ -15,10 +15,14 @@ _FLAGS = os.environ.get("XLA_FLAGS", "")
 _FLAGS += "" if "xla_backend_optimization_level" in _FLAGS else f" {_QUICK}"
 os.environ["XLA_FLAGS"] = f"{_FLAGS} --xla_force_host_platform_device_count=8".strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# The commands the tests start (``python -m mercury_jax.sample``/``serve``) keep compiled programs under
-# $XDG_CACHE_HOME: each test worker gets its own, so no run reads the user's cache or another worker's entries.
-_CACHE_HOME = tempfile.mkdtemp(prefix="mercury_jax_test_cache_")
-atexit.register(shutil.rmtree, _CACHE_HOME, ignore_errors=True)
+# One compilation cache for the run, empty at its start: the test processes (pytest's and its xdist workers, which
+# inherit the variable from the process that made the folder) and the commands they start (``python -m
+# mercury_jax.sample``/``serve``, under $XDG_CACHE_HOME) share it, so a program that many tests build alike (the same
+# model through a new Sampler, a server started again) compiles once. Nothing reads the user's own cache.
+_CACHE_HOME = os.environ.get("MERCURY_JAX_TEST_CACHE_HOME")
+if _CACHE_HOME is None:
+  _CACHE_HOME = os.environ["MERCURY_JAX_TEST_CACHE_HOME"] = tempfile.mkdtemp(prefix="mercury_jax_test_cache_")
+  atexit.register(shutil.rmtree, _CACHE_HOME, ignore_errors=True)
 os.environ["XDG_CACHE_HOME"] = _CACHE_HOME
 
 from pathlib import Path  # noqa: E402
@@ -27,6 +31,12 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 
 FIXTURES = Path(__file__).parent / "fixtures"
+
+from mercury_jax.sample import enable_compile_cache  # noqa: E402
+
+enable_compile_cache()  # Bounded, so JAX locks the folder around every read and write of the processes sharing it.
+# Programs that compile in under 0.3 s (eager operations, small helpers) are cheaper to rebuild than to store.
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.3)
 
 
 @pytest.fixture(scope="session")

@@ -28,12 +28,15 @@ target token in nats:
                + E[-log p(x | z_min)]                                  reconstruction at sigma_min
                + int_{sigma_min}^{sigma_max} E ||e_x - E_p[e](z_sigma)||^2 / sigma^3 d sigma     diffusion
 
-The reconstruction's decoder is the Bayes posterior of the latents themselves, ``softmax_v(-||z - e_v||^2 / (2
-sigma_min^2))``, and the integral is estimated by importance sampling ``u`` from an even mixture of the training
+The reconstruction's decoder is the network itself at ``sigma_min`` (the distribution a sampler's last step draws
+its tokens from), and the integral is estimated by importance sampling ``u`` from an even mixture of the training
 schedule and ``U[0, 1]``, so the estimate is unbiased for any schedule and its variance bounded. It bounds the NLL of
-the model's reverse-time SDE (ancestral) sampler whose denoiser is ``E_p[e]``, not of the probability-flow ODE;
-LangFlow's ODE bound is not implemented. With self-conditioning the denoiser is the network applied twice (its
-first estimate fed back), a function of ``z`` like any other, so the bound holds.
+the model's reverse-time SDE (ancestral) sampler whose denoiser is ``E_p[e]``, stopped at ``sigma_min`` and decoded
+by the network, not of the probability-flow ODE; LangFlow's ODE bound is not implemented. The diffusion term weighs
+the denoiser's squared error by ``1 / sigma^3``: below ``sigma ~ 1`` a model that is merely 99 % sure of a nearly
+clean token pays several nats for it, so ``sigma_min`` sets how tight the bound of a finite model can be. With
+self-conditioning the denoiser is the network applied twice (its first estimate fed back), a function of ``z`` like
+any other, so the bound holds.
 
 ``objective.block_size > 0`` is the block-causal variant: one ``sigma`` per (sequence, block), trained and scored in
 one pass over ``z ⊕ x_0`` under the ``block_diffusion`` mask (``objectives.block_diffusion``), so that each block is
@@ -68,13 +71,18 @@ def u_of(sigma: jax.Array, cfg: ObjectiveConfig) -> jax.Array:
   return jnp.log(sigma / cfg.sigma_min) / math.log(cfg.sigma_max / cfg.sigma_min)
 
 
+# The schedules' parameters are stored divided by this: Adam moves a parameter by about the learning rate per step,
+# so at the network's 1e-3 a fit in natural units (an offset of several nats) would take thousands of steps.
+SCHEDULE_SCALE = 10.0
+
+
 def _warp_masses(params: jax.Array) -> jax.Array:
-  return jax.nn.softmax(params[2:])  # [WARP_BINS]
+  return jax.nn.softmax(SCHEDULE_SCALE * params[2:])  # [WARP_BINS]
 
 
 def _gumbel(params: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
   """Location and width over u, and the Gumbel CDF at u = 0 and u = 1 (the truncation)."""
-  loc, width = 0.5 + params[2], 0.25 * jnp.exp(params[3])
+  loc, width = 0.5 + SCHEDULE_SCALE * params[2], 0.25 * jnp.exp(SCHEDULE_SCALE * params[3])
   lo, hi = (jnp.exp(-jnp.exp(-(u - loc) / width)) for u in (0.0, 1.0))
   return loc, width, lo, hi
 
@@ -124,10 +132,11 @@ def density(u: jax.Array, params: dict[str, jax.Array], cfg: ObjectiveConfig) ->
   return jnp.exp(-z - jnp.exp(-z)) / (width * (hi - lo))
 
 
-def fitted_loss(u: jax.Array, params: dict[str, jax.Array], cfg: ObjectiveConfig) -> jax.Array:
-  """The learned schedule's unnormalised CDF ``F~(u) = a + exp(log s) * F(u)``, fitted to the cross-entropy."""
-  p = params["warp"] if cfg.sigma_schedule == "warped" else params["gumbel"]
-  return p[0] + jnp.exp(p[1]) * cdf(u, params, cfg)
+def fitted_loss(u: jax.Array, params: dict[str, jax.Array], cfg: ObjectiveConfig, vocab: int) -> jax.Array:
+  """The learned schedule's unnormalised CDF ``F~(u) = a + s * F(u)``, fitted to the cross-entropy; at
+  initialisation ``a = 0`` and ``s = log(vocab)``, the range of a cross-entropy from a clean input to no input."""
+  p = SCHEDULE_SCALE * (params["warp"] if cfg.sigma_schedule == "warped" else params["gumbel"])
+  return p[0] + math.log(vocab) * jnp.exp(p[1]) * cdf(u, params, cfg)
 
 
 # ------------------------------------------------------------------------------------------------ score
@@ -148,15 +157,6 @@ def score(z: jax.Array, sigma: jax.Array, logits: jax.Array, table: jax.Array) -
 def prior_kl(cfg: ObjectiveConfig, dim: int) -> float:
   """``KL(N(e, sigma_max^2 I) || N(0, (sigma_max^2 + 1) I))`` for a latent of norm ``sqrt(dim)``, in nats."""
   return 0.5 * dim * math.log1p(1.0 / cfg.sigma_max**2)
-
-
-def reconstruction_nll(key: jax.Array, x: jax.Array, table: jax.Array, cfg: ObjectiveConfig) -> jax.Array:
-  """``-log p(x | z)`` at ``z = e_x + sigma_min * eps`` under the latents' own Bayes decoder: [batch, length]."""
-  e = table[x]
-  z = e + cfg.sigma_min * jax.random.normal(key, e.shape)
-  # -||z - e_v||^2 / (2 sigma^2) = (z . e_v) / sigma^2 - (||z||^2 + d) / (2 sigma^2): the second term is the same
-  # for every v (all rows have norm sqrt(d)), so the softmax needs only the first.
-  return token_nll((z @ table.T) / cfg.sigma_min**2, x)
 
 
 # ------------------------------------------------------------------------------------------------ the objective
@@ -212,21 +212,20 @@ def loss(
   sigma = jnp.repeat(sigma_of(u, cfg), block, axis=1)  # [batch, length]
   noise_level = jnp.where(target, sigma, 0.0)
   e = table[x]
-  z = e + noise_level[..., None] * jax.random.normal(eps_key, e.shape)
-  forward = _forward(logits_fn, x, z, noise_level, block if cfg.block_size else 0, segment_ids, kinds)
+  diffusion_block = block if cfg.block_size else 0
 
-  if training and cfg.self_conditioning > 0:
-    use = jax.random.bernoulli(sc_key, cfg.self_conditioning)
-    sc = jax.lax.cond(
-      use,
-      lambda: jax.lax.stop_gradient(estimate(forward(None), table)),
-      lambda: jnp.zeros_like(z),
-    )
-    logits = forward(sc)
-  elif cfg.self_conditioning > 0:  # The bound scores the denoiser the sampler runs: always self-conditioned.
-    logits = forward(estimate(forward(None), table))
-  else:
-    logits = forward(None)
+  def denoised_logits(noise_level: jax.Array, eps: jax.Array) -> jax.Array:
+    z = e + noise_level[..., None] * eps
+    forward = _forward(logits_fn, x, z, noise_level, diffusion_block, segment_ids, kinds)
+    if training and cfg.self_conditioning > 0:
+      use = jax.random.bernoulli(sc_key, cfg.self_conditioning)
+      sc = jax.lax.cond(use, lambda: jax.lax.stop_gradient(estimate(forward(None), table)), lambda: jnp.zeros_like(z))
+      return forward(sc)
+    if cfg.self_conditioning > 0:  # The bound scores the denoiser the sampler runs: always self-conditioned.
+      return forward(estimate(forward(None), table))
+    return forward(None)
+
+  logits = denoised_logits(noise_level, jax.random.normal(eps_key, e.shape))
 
   tokens = target.sum().astype(jnp.float32)
   if training:
@@ -237,14 +236,17 @@ def loss(
     counts = target.reshape(batch, blocks, block).sum(-1)
     per_cell = ce.reshape(batch, blocks, block).sum(-1) / jnp.maximum(counts, 1)
     learned = {"warp": params["warp"], "gumbel": params["gumbel"]}
-    residual = fitted_loss(u, learned, cfg) - jax.lax.stop_gradient(per_cell)
+    residual = fitted_loss(u, learned, cfg, table.shape[0]) - jax.lax.stop_gradient(per_cell)
     fit = jnp.sum(jnp.where(counts > 0, residual**2, 0.0)) / jnp.maximum(jnp.sum(counts > 0), 1)
     return {**terms, "aux_loss": fit, "schedule_fit": fit}
 
   proposal = 0.5 * density(u, schedules, cfg) + 0.5  # [batch, blocks]
   weight = math.log(cfg.sigma_max / cfg.sigma_min) / (jnp.repeat(proposal, block, axis=1) * sigma * sigma)
   error = jnp.sum((e - estimate(logits, table)) ** 2, axis=-1)  # [batch, length]
-  per_token = weight * error + reconstruction_nll(rec_key, x, table, cfg) + prior_kl(cfg, table.shape[-1])
+  # The decoder at sigma_min is the network itself: the sampler's last step draws the tokens from this distribution.
+  at_min = jnp.where(target, cfg.sigma_min, 0.0)
+  reconstruction = token_nll(denoised_logits(at_min, jax.random.normal(rec_key, e.shape)), x)
+  per_token = weight * error + reconstruction + prior_kl(cfg, table.shape[-1])
   return {"loss_sum": jnp.where(target, per_token, 0.0).sum(), "tokens": tokens, "masked": tokens}
 
 
