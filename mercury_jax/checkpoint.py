@@ -26,7 +26,7 @@ from jax.sharding import Mesh
 
 from mercury_jax import sharding as sh
 from mercury_jax.config import CheckpointConfig, Config, ConfigError, MeshConfig, config_from_dict
-from mercury_jax.model import Transformer, abstract_params
+from mercury_jax.model import LATENT_PARAMS, Transformer, abstract_params
 
 ITEMS = ("params", "train", "data", "config")
 
@@ -177,7 +177,7 @@ def parameter_mismatch(stored, target) -> str | None:
   return None
 
 
-def init_params_from(path: str | Path, target: Any, step: int | None = None) -> Any:
+def init_params_from(path: str | Path, target: Any, step: int | None = None, fresh: Any = None) -> Any:
   """Another checkpoint's parameters for a fresh run (``train --init-from``), restored onto ``target``.
 
   Args:
@@ -185,6 +185,9 @@ def init_params_from(path: str | Path, target: Any, step: int | None = None) -> 
     target: the new model's abstract parameters (shape, dtype and sharding), e.g. ``Trainer.abstract_state()``'s;
       stored parameters are cast to its dtypes (an export stores bfloat16).
     step: which step; default: the latest (or the step named by a step-folder path).
+    fresh: the new model's initialised parameters: with them, a continuous model (``model.latent_dim > 0``) may
+      start from a discrete checkpoint of the same network, its latent parameters (``model.LATENT_PARAMS``) taken
+      from ``fresh``.
 
   Raises:
     ConfigError: the trees differ; the message names the first differing parameter and both shapes.
@@ -193,10 +196,17 @@ def init_params_from(path: str | Path, target: Any, step: int | None = None) -> 
   handlers = {"params": ocp.StandardCheckpointHandler()}
   with ocp.CheckpointManager(root, item_names=("params",), item_handlers=handlers) as manager:
     step = _step(manager, path, step)
-    mismatch = parameter_mismatch(manager.item_metadata(step).params, target)
+    stored = manager.item_metadata(step).params
+    added = []
+    if fresh is not None:
+      names = {name.split("/")[0] for name in _shapes(stored)}
+      added = [name for name in LATENT_PARAMS if name in target and name not in names]
+    part = {name: value for name, value in target.items() if name not in added}
+    mismatch = parameter_mismatch(stored, part)
     if mismatch:
       raise ConfigError(f"--init-from {str(path)!r}: {mismatch}")
-    return manager.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(target))).params
+    params = manager.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(part))).params
+    return {**params, **{name: fresh[name] for name in added}}
 
 
 def export_params(path: str | Path, params: Any, cfg: Config, tokenizer_file: str | Path, step: int = 0) -> Path:

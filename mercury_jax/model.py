@@ -197,6 +197,11 @@ def normalised_latents(table: jax.Array) -> jax.Array:
 # unnormalised CDF over WARP_BINS equal bins of normalised log sigma ([offset, log scale, bin logits...]), and
 # LangFlow's Gumbel CDF ([offset, log scale, location, log width]).
 WARP_BINS = 32
+# The parameters a model with ``latent_dim > 0`` adds to the same network: a continuous model can start from a
+# discrete one's weights (``train --init-from``), these starting from their initialisation.
+LATENT_PARAMS = (
+  "latent_embedding", "latent_in", "self_cond_in", "noise_in", "noise_out", "noise_warp", "noise_gumbel",
+)  # fmt: skip
 
 
 class Transformer(nn.Module):

@@ -52,15 +52,16 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from mercury_jax import distributed, usage
+from mercury_jax.config import ObjectiveConfig
 from mercury_jax.sampling import canvas as cv
-from mercury_jax.sampling.settings import CONFIDENCES, SAMPLERS, SamplerSettings, SettingError
+from mercury_jax.sampling.settings import CONFIDENCES, SAMPLERS, SOLVERS, SamplerSettings, SettingError
 
 FRAME_SECONDS = 0.08  # Pause between frames of --show-steps on a terminal.
 PROCESS_PLACEHOLDER = "{process}"  # In a --prompts-file path: each process reads its own file.
 # The flags that are ``SamplerSettings`` fields (their argparse destinations are the field names).
 KNOBS = (
   "rule", "confidence", "temperature", "top_k", "top_p", "threshold", "block_length", "revision", "min_length",
-  "decode", "draft_length", "prefill_chunk",
+  "decode", "draft_length", "prefill_chunk", "solver", "self_conditioning",
 )  # fmt: skip
 
 EPILOG = """\
@@ -171,7 +172,22 @@ def build_parser() -> argparse.ArgumentParser:
   )
   p.add_argument("--stream", action="store_true", help="print text as each block is committed (block engine)")
   p.add_argument(
-    "--sampler", dest="rule", metavar="SAMPLER", help=f"step rule: {', '.join(SAMPLERS)} (default threshold)"
+    "--sampler",
+    dest="rule",
+    metavar="SAMPLER",
+    help=f"step rule: {', '.join(SAMPLERS)} (default threshold; ode, the only one, for a continuous checkpoint)",
+  )
+  p.add_argument(
+    "--solver",
+    metavar="SOLVER",
+    help=f"a continuous checkpoint's ODE solver: {', '.join(SOLVERS)} (default euler; heun: two passes a step)",
+  )
+  p.add_argument(
+    "--no-self-conditioning",
+    dest="self_conditioning",
+    action="store_false",
+    default=None,
+    help="a continuous checkpoint's passes do not read the previous step's estimate (default: they do, if trained so)",
   )
   p.add_argument("--confidence", help=f"what ranks positions: {', '.join(CONFIDENCES)} (default prob)")
   p.add_argument("--temperature", type=float, help="0 is greedy (default 1, or the checkpoint's own)")
@@ -296,8 +312,11 @@ def _check_args(args: argparse.Namespace, flags: dict[str, str]) -> dict:
   if args.prompt is not None and not args.prompt and args.template is None:
     _fail("--prompt is empty; give text to continue, or a --template with <mask:N> holes")
   knobs = {name: getattr(args, name) for name in KNOBS if getattr(args, name) is not None}  # Else SamplerSettings'.
+  # The checks that need no model: the continuous family's knobs are checked against a continuous objective.
+  latent = knobs.get("rule") == "ode" or "solver" in knobs or "self_conditioning" in knobs
+  objective = ObjectiveConfig(name="continuous") if latent else ObjectiveConfig()
   try:
-    SamplerSettings(**knobs).validate()
+    SamplerSettings(**{"rule": "ode", **knobs} if latent else knobs, objective=objective).validate()
   except SettingError as e:
     _fail_setting(e, flags)
   return knobs

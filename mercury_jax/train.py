@@ -198,7 +198,7 @@ def train(cfg: Config, workdir: str | Path, *, log: bool = True, init_from: str 
   else:
     state = trainer.init_state(cfg.train.seed)
     if init_from is not None:  # Fresh optimiser state and step: only the parameters come from the other checkpoint.
-      state["params"] = init_params_from(init_from, trainer.abstract_state()["params"])
+      state["params"] = init_params_from(init_from, trainer.abstract_state()["params"], fresh=state["params"])
   start_step = int(jax.device_get(state["step"]))
   if primary:
     (workdir / "config.json").write_text(cfg.to_json())
@@ -317,8 +317,9 @@ def main(argv: list[str] | None = None) -> None:
     "--init-from",
     metavar="CHECKPOINT",
     help="start from the parameters of a train workdir, checkpoint folder or exported model (e.g. "
-    "mercury_jax/assets/default_ar), with a fresh optimiser and step 0; their shapes must match the new model's. "
-    "Ignored when --workdir already holds a checkpoint: that run resumes instead",
+    "mercury_jax/assets/default_ar), with a fresh optimiser and step 0; their shapes must match the new model's (a "
+    "continuous model's latent parameters may be new: they start from their initialisation). Ignored when --workdir "
+    "already holds a checkpoint: that run resumes instead",
   )
   distributed.add_arguments(parser)
   args = parser.parse_args(argv)

@@ -18,14 +18,20 @@ KINDS = {
   "whole_sequence": (False, ObjectiveConfig()),
   "verified": (False, ObjectiveConfig(name="verified", draft_length=4)),
 }
+# The continuous family (latents of LATENT_DIM dimensions): block-causal and whole-sequence.
+LATENT_KINDS = {
+  "continuous_block": (False, ObjectiveConfig(name="continuous", block_size=4, self_conditioning=0.5)),
+  "continuous": (False, ObjectiveConfig(name="continuous", self_conditioning=0.5)),
+}
+LATENT_DIM = 16
 
 
 def random_checkpoint(root: Path, kind: str, tokenizer: Path, vocab_size: int = 512) -> Path:
-  """An exported checkpoint of ``kind`` (a key of :data:`KINDS`) under ``root / kind``."""
-  causal, objective = KINDS[kind]
+  """An exported checkpoint of ``kind`` (a key of :data:`KINDS` or :data:`LATENT_KINDS`) under ``root / kind``."""
+  causal, objective = {**KINDS, **LATENT_KINDS}[kind]
   model = ModelConfig(
     vocab_size=vocab_size, d_model=32, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16, mlp_dim=64,
-    max_length=128, causal=causal,
+    max_length=128, causal=causal, latent_dim=LATENT_DIM if objective.continuous else 0,
   )  # fmt: skip
   params = nn.meta.unbox(Transformer(model).init(jax.random.key(1), jnp.zeros((1, 8), jnp.int32)))["params"]
   params = jax.tree.map(lambda p: p * 8.0, params)

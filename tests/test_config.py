@@ -168,6 +168,7 @@ SMALL_PRESETS = (
   "tiny_bd",
   "tiny_verified",
   "tiny_continuous",
+  "default_continuous",
   "default",
   "default_ar",
   "default_ar_continued",

@@ -220,12 +220,17 @@ def test_training_lowers_the_held_out_bound_fits_the_schedule_and_keeps_latents_
   logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
   fits = [m["schedule_fit"] for m in logged if "schedule_fit" in m]
   assert len(fits) >= 3 and fits[-1] < 0.5 * fits[0], fits
-  # The engine has no latent step rule yet: the sampling command says so in one line instead of failing inside.
+  # The sampling command decodes the trained checkpoint with the ODE rule (Heun), and refuses a discrete rule.
+  capsys.readouterr()
+  flags = ["--checkpoint", str(tmp_path / "run"), "--prompt", "def ", "--length", "16", "--json"]
+  assert sample_main([*flags, "--solver", "heun", "--steps", "16", "--temperature", "0"]) in (0, None)
+  out = json.loads(capsys.readouterr().out.splitlines()[-1])
+  assert out["nfe"] == 2 * 16 - 1 and len(out["tokens"]) > 0, out  # one block (the canvas), Heun: 31 passes
   with pytest.raises(SystemExit) as exit_info:
-    sample_main(["--checkpoint", str(tmp_path / "run"), "--prompt", "x"])
+    sample_main([*flags, "--sampler", "confidence"])
   assert exit_info.value.code == 2
   err = capsys.readouterr().err
-  assert "objective.name='continuous'" in err and err.count("\n") == 1, err
+  assert "--sampler='confidence' does not apply to a continuous checkpoint" in err and err.count("\n") == 1, err
 
 
 def _two_word_run(solver: str, steps: int, samples: int = 8192) -> np.ndarray:

@@ -9,7 +9,8 @@ import pytest
 
 from mercury_jax import sharding as sh
 from mercury_jax.checkpoint import Checkpointer, export_params, init_params_from, restore_params
-from mercury_jax.config import CheckpointConfig, MeshConfig, load_config
+from mercury_jax.config import CheckpointConfig, ConfigError, MeshConfig, load_config
+from mercury_jax.model import LATENT_PARAMS
 from mercury_jax.train import main, train
 from mercury_jax.trainer import Trainer
 
@@ -65,3 +66,21 @@ def test_init_applies_to_a_fresh_run_only(tmp_path, data_dir):
   resumed = load_config("tiny", {**sets, "train.steps": "2", "optim.learning_rate": "1e-30"})
   train(resumed, tmp_path / "run", log=False, init_from=mismatched)  # Resumes; the mismatch is never read.
   assert Checkpointer(tmp_path / "run" / "checkpoints", CheckpointConfig()).latest_step() == 2
+
+
+def test_a_continuous_model_starts_from_a_discrete_one_with_fresh_latent_parameters(tmp_path, data_dir):
+  """The default_continuous recipe at tiny size: every shared parameter is the source's, the latent path is the new
+  model's own initialisation; a discrete model asked to grow anything else still fails naming the parameter."""
+  source, params = _exported_tiny(tmp_path, data_dir)
+  cfg = load_config("tiny_continuous", {**TINY, "data.path": str(data_dir)})
+  trainer = Trainer(cfg, sh.make_mesh(MeshConfig(data=1), jax.devices()[:1]))
+  fresh = trainer.init_state(0)["params"]
+  grown = init_params_from(source, trainer.abstract_state()["params"], fresh=fresh)
+  assert set(grown) == set(fresh) and set(grown) - set(params) == set(LATENT_PARAMS)
+  for name in params:
+    for got, want in zip(jax.tree.leaves(grown[name]), jax.tree.leaves(params[name]), strict=True):
+      np.testing.assert_array_equal(np.asarray(got), want)
+  for name in LATENT_PARAMS:
+    np.testing.assert_array_equal(np.asarray(grown[name]), np.asarray(fresh[name]))
+  with pytest.raises(ConfigError, match=r"parameter (latent|noise|self_cond)\w* .* is missing from the checkpoint"):
+    init_params_from(source, trainer.abstract_state()["params"])  # without fresh parameters: nothing may be new

@@ -79,7 +79,7 @@ class Setting:
   """One way of generating: a diffusion step rule with its budget, or the twin's KV-cache decoding."""
 
   model: str  # "diffusion", "autoregressive" or "verified"
-  rule: str  # "confidence", "threshold", "kv-cache" or "verified"
+  rule: str  # "confidence", "threshold", "ode" (a continuous checkpoint), "kv-cache" or "verified"
   steps: int  # Step budget; 0 for the autoregressive twin (one token per forward pass).
   tau: float | None = None
   temperature: float = 1.0
@@ -98,13 +98,19 @@ class Setting:
     return name if self.cache == "auto" else f"{name} cache={self.cache}"
 
 
-def grid(length: int, steps, taus, temperatures, ar_temperatures, caches=(), drafts=None) -> list[Setting]:
+def grid(
+  length: int, steps, taus, temperatures, ar_temperatures, caches=(), drafts=None, continuous: bool = False
+) -> list[Setting]:
   """The settings measured: at each diffusion temperature, confidence at each step budget and threshold at each tau
-  (budget ``length``); each of those at the first temperature again with every cache of ``caches``; then the twin
-  at each of its temperatures; then, with ``drafts`` (draft lengths, 0: the checkpoint's), verified decoding at each
-  draft length and each of the twin's temperatures (no diffusion rows when ``temperatures`` is empty)."""
+  (budget ``length``; a ``continuous`` checkpoint: its ODE rule at each step budget); each of those at the first
+  temperature again with every cache of ``caches``; then the twin at each of its temperatures; then, with ``drafts``
+  (draft lengths, 0: the checkpoint's), verified decoding at each draft length and each of the twin's temperatures
+  (no diffusion rows when ``temperatures`` is empty)."""
   settings = []
   for temperature in temperatures:
+    if continuous:
+      settings += [Setting("diffusion", "ode", s, None, temperature) for s in steps]
+      continue
     settings += [Setting("diffusion", "confidence", s, None, temperature) for s in steps]
     settings += [Setting("diffusion", "threshold", length, t, temperature) for t in taus]
   first = [s for s in settings if s.temperature == temperatures[0]]
@@ -274,7 +280,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
   prompt_ids = [tokenizer.encode(p.text) for p in prompts]
   temperatures = args.temperatures if "diffusion" in samplers else ()
   drafts = args.draft_lengths if "verified" in samplers else None
-  settings = grid(args.length, args.steps, args.taus, temperatures, args.ar_temperatures, args.caches, drafts)
+  continuous = "diffusion" in samplers and samplers["diffusion"].cfg.objective.continuous
+  settings = grid(
+    args.length, args.steps, args.taus, temperatures, args.ar_temperatures, args.caches, drafts, continuous
+  )
   for cache in args.caches:  # Reject a cache the diffusion model does not have before anything is timed.
     samplers["diffusion"].decoder(cache)
   if "verified" in samplers:  # A draft length the model cannot take, before anything is timed.
@@ -437,7 +446,12 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--smoke", action="store_true", help="a tiny grid for tests and CI (overrides the grid flags)")
   p.add_argument("--prompts", type=int, default=64, help="how many prompts")
   p.add_argument("--length", type=int, default=256, help="tokens to generate per prompt (cut to the context)")
-  p.add_argument("--steps", type=_ints, default=STEPS, help="confidence-rule step budgets, comma-separated")
+  p.add_argument(
+    "--steps",
+    type=_ints,
+    default=STEPS,
+    help="confidence-rule (a continuous checkpoint: ODE) step budgets, comma-separated",
+  )
   p.add_argument("--taus", type=_floats, default=TAUS, help="threshold-rule taus, comma-separated")
   p.add_argument(
     "--temperatures", type=_floats, default=(1.0,), help="the diffusion sampler's temperatures, comma-separated"

@@ -184,7 +184,7 @@ def plots(rows: list[dict[str, Any]], out_dir: Path) -> list[str] | str:
         for t, temperature in enumerate(temperatures):  # One line per rule, temperature and batch.
           color = f"C{b * len(temperatures) + t}"
           at = "" if len(temperatures) == 1 else f" T={temperature:g}"
-          for rule, style in (("confidence", "o-"), ("threshold", "s--")):
+          for rule, style in (("confidence", "o-"), ("threshold", "s--"), ("ode", "d-.")):
             key = ("diffusion", batch, rule, temperature)
             group = [r for r in rows if (r["model"], r["batch"], r["rule"], r["temperature"]) == key]
             if group:

@@ -153,7 +153,7 @@ def _per_row(a: jax.Array, index: jax.Array) -> jax.Array:
   return jnp.take_along_axis(a, index[:, None], axis=1)[:, 0]
 
 
-def _step(tables: Tables, state: jax.Array, token: jax.Array) -> jax.Array:
+def step(tables: Tables, state: jax.Array, token: jax.Array) -> jax.Array:
   """[b] the state after ``token`` [b] from ``state`` [b]; -1 for a forbidden token, :data:`UNKNOWN` stays."""
   nxt = jax.vmap(lambda table, classes, s, t: table[s, classes[t]])(
     tables.table, tables.classes, jnp.maximum(state, 0), token
@@ -181,7 +181,7 @@ def force(tables: Tables, state: jax.Array, z: jax.Array, hole: jax.Array, mask_
     forced = _per_row(tables.forced, jnp.maximum(s, 0))
     take = hole_i & (z_i == mask_id) & (s >= 0) & (forced >= 0)
     z_i = jnp.where(take, forced, z_i)
-    moved = jnp.where(z_i == mask_id, UNKNOWN, _step(tables, s, jnp.maximum(z_i, 0)))
+    moved = jnp.where(z_i == mask_id, UNKNOWN, step(tables, s, jnp.maximum(z_i, 0)))
     return jnp.where(hole_i, moved, s), (z_i, take)
 
   end, (z_t, taken) = jax.lax.scan(visit, state, (z.T, hole.T))
@@ -219,7 +219,7 @@ def best_classes(
   lo = jnp.min(jnp.where(tables.on, first, length))
 
   def walk(i, s):
-    return jnp.where(hole[:, i], _step(tables, s, jnp.maximum(z[:, i], 0)), s)
+    return jnp.where(hole[:, i], step(tables, s, jnp.maximum(z[:, i], 0)), s)
 
   start = jax.lax.fori_loop(0, lo, walk, state)
   best0 = jnp.where(jnp.arange(S)[None, :] == start[:, None], 0.0, -jnp.inf)  # [b, S]

@@ -36,9 +36,9 @@ import jax
 import jax.numpy as jnp
 
 from mercury_jax.model import KVCache
-from mercury_jax.sampling.network import Network
+from mercury_jax.sampling.network import LatentInputs, Network
 from mercury_jax.sampling.plan import BlockPlan
-from mercury_jax.sampling.state import State, chunk, rows
+from mercury_jax.sampling.state import State, chunk, put, rows
 
 
 class Needs(NamedTuple):
@@ -48,6 +48,19 @@ class Needs(NamedTuple):
   t: jax.Array  # [b] float32 diffusion time of the step
   logits: jax.Array  # [b] bool: the row needs fresh logits of its block
   commit: jax.Array  # [b] bool: the row's finished previous block must reach the cache (exact cache)
+  latent: LatentInputs | None = None  # the step block's noisy latents ([b, B, ...]; the continuous family)
+
+
+def spread(latent: LatentInputs | None, starts: jax.Array, slots: int, offset: int = 0) -> LatentInputs | None:
+  """A step block's latent inputs ``[b, B, ...]`` placed at slots ``starts + offset`` of ``slots`` positions (noise
+  level 0, a clean token, everywhere else): the inputs of a pass over a whole context."""
+  if latent is None:
+    return None
+
+  def place(a):
+    return put(jnp.zeros((a.shape[0], slots, *a.shape[2:]), a.dtype), starts + offset, a)
+
+  return LatentInputs(*(None if a is None else place(a) for a in latent))
 
 
 class Forward(NamedTuple):
@@ -83,13 +96,22 @@ class NoCache(Strategy):
       return rows(logits, needs.starts - 1, 1)
     if plan.whole_sequence:  # The canvas alone: the padding block in front is never attended to.
       canvas = lambda a: a[:, block:]  # noqa: E731
+      length = plan.slots - block
       logits = net.logits(
-        params, canvas(st.z), needs.t, segments=canvas(st.segments), positions=canvas(st.positions), mask=None
+        params,
+        canvas(st.z),
+        needs.t,
+        segments=canvas(st.segments),
+        positions=canvas(st.positions),
+        mask=None,
+        latent=spread(needs.latent, needs.starts - block, length),
       )
       return rows(logits, needs.starts - block, block)
     twice = lambda a: jnp.concatenate([a, a], axis=1)  # noqa: E731  x_t ⊕ x_0
     mask = "verified" if plan.causal_context else "block_diffusion"
     args = dict(segments=twice(st.segments), positions=twice(st.positions), mask=mask, diffusion_block=block)
+    if needs.latent is not None:  # The block's latents in the noisy half; its clean half is the committed tokens.
+      args["latent"] = spread(needs.latent, needs.starts, 2 * plan.slots)
     if net.shift:  # Slot i reads the output at i - 1: in its own noisy block, or the clean slot before its block.
       raw = net.chunk(params, twice(st.z), **args, return_kv=False)  # [b, 2 * slots, vocab]
       slot = jnp.arange(plan.slots)
@@ -185,7 +207,14 @@ class Exact(Strategy):
     logits = jax.lax.cond(  # the block pass: the block sees itself whole and the cache before it
       run,
       lambda: over_cache(
-        cache, needs.starts - shift, block + shift, needs.t, mask="block_causal", logits_length=block, return_kv=False
+        cache,
+        needs.starts - shift,
+        block + shift,
+        needs.t,
+        mask="block_causal",
+        logits_length=block,
+        return_kv=False,
+        latent=needs.latent,
       ),
       lambda: st.logits,
     )

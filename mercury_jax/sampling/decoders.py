@@ -95,6 +95,19 @@ def choose(
       f"needs a verified checkpoint; this {'autoregressive' if autoregressive else 'diffusion'} "
       f"model decodes with decode='{best}'",
     )
+  if cfg.objective.continuous and not block_size:
+    if cache in ("exact", "dual", "prefix"):
+      raise SettingError(
+        "cache", cache, "does not apply to a whole-sequence continuous checkpoint: it refines its canvas without one"
+      )
+    if block_length:
+      raise SettingError(
+        "block_length",
+        block_length,
+        "must be 0: a whole-sequence continuous checkpoint refines its whole canvas as one block (it was never "
+        "trained on masked positions outside a block)",
+      )
+    return Decoder("none", 0)
   if autoregressive or block_size:
     if cache in ("dual", "prefix"):
       raise SettingError(

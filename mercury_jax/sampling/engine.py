@@ -66,9 +66,10 @@ from mercury_jax.kvcache import KVCache, PagedKVCache
 from mercury_jax.sampling.caches import Needs, strategy
 from mercury_jax.sampling.canvas import Canvas, SampleOutput, after_eos
 from mercury_jax.sampling.hooks import Structured, View, active_hooks
+from mercury_jax.sampling.latents import LatentRule
 from mercury_jax.sampling.network import Network
 from mercury_jax.sampling.plan import BlockPlan
-from mercury_jax.sampling.proposal import Knobs, noise_width, propose_rows, uniform_noise
+from mercury_jax.sampling.proposal import Knobs, clean_logits, noise_width, propose_rows, uniform_noise
 from mercury_jax.sampling.rules import StepInputs, make_rule
 from mercury_jax.sampling.settings import SamplerSettings
 from mercury_jax.sampling.state import BATCH_COUNTERS, Constraint, Healing, State, put, rows
@@ -109,6 +110,11 @@ class BlockEngine:
     self.cache = strategy(plan, network)
     self.rule = make_rule(settings)
     self.verifier = Verifier(self) if plan.draft else None
+    self.latents = None  # the continuous family's rule over latents (settings.rule == "ode")
+    if settings.rule == "ode":
+      if plan.cache not in ("exact", "none") or plan.draft or not network.latent_dim:
+        raise ValueError(f"rule 'ode' decodes a continuous checkpoint with cache 'exact' or 'none' (plan: {plan})")
+      self.latents = LatentRule(settings, plan.block, network.latent_dim)
 
   # ------------------------------------------------------------------------------------------------ rows
 
@@ -222,6 +228,7 @@ class BlockEngine:
       constraint=constraint,
       healing=healing,
       draft=empty_draft(batch, plan.draft, self.network.vocab_size) if plan.draft else None,
+      latent=self.latents.empty(batch) if self.latents is not None else None,
     )
     size = plan.slots if prefill is None else prefill
     return st._replace(cache=self.cache.prefill(params, st, size)) if size else st
@@ -290,20 +297,25 @@ class BlockEngine:
     has_open = jnp.any(open_, axis=-1)  # [b]
     unfinished = self.unfinished(st)
 
-    # Forward: a row wants fresh logits at its block's first step and after a step that changed its block; at its
-    # block's first step it also wants the finished block before it written into the cache (exact cache).
-    wants_logits = jnp.where(st.fresh, has_open, (st.changed | self.network.time_conditioning) & has_open)
+    # Forward: a row wants fresh logits at its block's first step and after a step that changed its block (every
+    # step over latents); at its block's first step it also wants the finished block before it written into the
+    # cache (exact cache).
+    moving = self.network.time_conditioning or self.latents is not None
+    wants_logits = jnp.where(st.fresh, has_open, (st.changed | moving) & has_open)
     previous_live = jnp.any(rows(st.segments, starts - block, block) != 0, axis=-1)
     wants_commit = st.fresh & previous_live & unfinished
     num_steps = st.num_steps + (st.block < st.extra_steps).astype(jnp.int32)  # [b] this block's steps
     steps_left = num_steps - st.step  # [b]
     t = (1.0 - st.step / num_steps).astype(jnp.float32)
     s = (1.0 - (st.step + 1) / num_steps).astype(jnp.float32)
-    forward = self.cache.forward(params, st, Needs(starts, t, wants_logits, wants_commit))
+    keys = self._step_keys(st, starts - block)  # the block's first canvas position
+    latent = None
+    if self.latents is not None:
+      latent, st = self.latents.start(st, keys, open_, num_steps)
+    forward = self.cache.forward(params, st, Needs(starts, t, wants_logits, wants_commit, latent))
 
     # Propose. The Gumbel noise is drawn only when some row samples (a row at temperature 0 ignores it), the rule's
     # own uniforms from a key of their own, so neither depends on the other rows' knobs.
-    keys = self._step_keys(st, starts - block)  # the block's first canvas position
     sampled = jnp.any((st.knobs.temperature > 0.0) & has_open)
     width = noise_width(self.network.vocab_size)
     noise = jax.lax.cond(
@@ -321,6 +333,9 @@ class BlockEngine:
     x0, confidence = propose_rows(logits, noise, rows(st.eos_banned, starts, block), settings, st.knobs)
     for hook in hooks:
       x0, confidence, st = hook.propose(st, view, logits, x0, confidence)
+    heun = jnp.zeros_like(has_open)
+    if self.latents is not None:  # The latents take one solver step towards the restricted distribution.
+      st, heun = self._move_latents(params, st, view, forward, latent, x0, num_steps, t, wants_logits)
 
     # Rule and commit.
     committed = generate_b & ~open_ & has_open[:, None]  # revision: the open block only
@@ -371,8 +386,11 @@ class BlockEngine:
       batch_rows = jnp.arange(z.shape[0])
       frame = jnp.minimum(st.recorded, settings.trace - 1)  # [b]: each row records its own steps
       keep = (st.recorded < settings.trace) & has_open
+      shown = z
+      if self.latents is not None:  # Nothing is committed before a block's end: a frame shows the step's draft.
+        shown = put(z, starts, jnp.where(open_ & (rows(z, starts, block) == mask_id), x0, rows(z, starts, block)))
       trace = (
-        canvases.at[frame, batch_rows].set(jnp.where(keep[:, None], z, canvases[frame, batch_rows])),
+        canvases.at[frame, batch_rows].set(jnp.where(keep[:, None], shown, canvases[frame, batch_rows])),
         commits.at[frame, batch_rows].set(
           jnp.where(keep, commit.sum(axis=-1, dtype=jnp.int32), commits[frame, batch_rows])
         ),
@@ -400,13 +418,40 @@ class BlockEngine:
       logits=forward.logits,
       proposal=x0,
       cache=forward.cache,
-      nfe=st.nfe + needed.astype(jnp.int32),
-      forwards=st.forwards + (forward.ran | forward.committed).astype(jnp.int32),
+      nfe=st.nfe + needed.astype(jnp.int32) + heun.astype(jnp.int32),
+      forwards=st.forwards + (forward.ran | forward.committed).astype(jnp.int32) + jnp.any(heun).astype(jnp.int32),
       commit_passes=st.commit_passes + forward.committed.astype(jnp.int32),
       iterations=st.iterations + 1,
       recorded=st.recorded + has_open.astype(jnp.int32),
       trace=trace,
     )
+
+  def _move_latents(self, params, st: State, view: View, forward, latent, x0, num_steps, t, wants_logits):
+    """The ``ode`` rule's solver step (:meth:`LatentRule.move`): the denoiser's distribution is the step's logits
+    after the hooks, cleaned as the proposals' are, and restricted along a constrained row's valid proposal."""
+    block, settings = self.plan.block, self.settings
+    hooks = active_hooks(st, self.plan, settings)
+    eos_banned = rows(st.eos_banned, view.starts, block)
+    allowed = None
+    for hook in hooks:
+      if isinstance(hook, Structured):
+        allowed = hook.allowed_along(st, view, x0)
+
+    def distribution(logits):
+      for hook in hooks:
+        logits = hook.logits(st, view, logits)
+      clean = clean_logits(logits, eos_banned, settings)
+      if allowed is not None:
+        restricted = jnp.where(allowed, clean, -jnp.inf)
+        clean = jnp.where(jnp.any(restricted > -jnp.inf, axis=-1, keepdims=True), restricted, clean)
+      return jax.nn.softmax(clean, axis=-1)
+
+    def again(inputs):  # Heun's second pass: the block alone, nothing committed (the cache is not changed).
+      needs = Needs(view.starts, t, wants_logits, jnp.zeros_like(wants_logits), inputs)
+      return distribution(self.cache.forward(params, st._replace(cache=forward.cache), needs).logits)
+
+    table = self.network.latent_table(params)
+    return self.latents.move(st, table, latent, distribution(forward.logits), num_steps, again)
 
   def advance(self, params, st: State, max_blocks: jax.Array | None = None, max_steps: jax.Array | None = None):
     """Runs steps until nothing is masked, or some row that had something left finished ``max_blocks`` more blocks,

@@ -102,6 +102,24 @@ class Structured:
     x0, confidence = jax.lax.cond(active, run, lambda: (x0, confidence))
     return x0, confidence, st._replace(constraint=c._replace(passes=c.passes + active.astype(jnp.int32)))
 
+  def allowed_along(self, st: State, view: View, x0):
+    """[b, B, vocab] bool: the tokens each position's automaton state allows after the block's earlier tokens and
+    proposals ``x0`` (the continuous rule's restriction of its denoiser, :mod:`~mercury_jax.sampling.latents`); every
+    token where the row is unconstrained, the position lies outside the hole or the path has left the automaton."""
+    tables, block = st.constraint.tables, self.plan.block
+    hole = rows(st.target, view.starts, block)
+    tokens = jnp.where(view.open, x0, view.z)
+
+    def visit(s, inputs):
+      token, hole_i = inputs
+      known = tables.on & hole_i & (s >= 0)
+      after = jnp.take_along_axis(_state_rows(tables.table, jnp.maximum(s, 0)), tables.classes, axis=1)  # [b, V]
+      allowed = (after >= 0) | ~known[:, None]
+      return jnp.where(hole_i, constrained.step(tables, s, token), s), allowed
+
+    _, allowed = jax.lax.scan(visit, st.constraint.dfa, (tokens.T, hole.T))
+    return jnp.swapaxes(allowed, 0, 1)
+
   def after_commit(self, st: State, view: View, z_b):
     c = st.constraint
     active = jnp.any(c.tables.on)
@@ -161,6 +179,11 @@ class Healed:
   def release(self, st: State, slot) -> State:
     h = st.healing
     return st._replace(healing=h._replace(slot=h.slot.at[slot].set(-1)))
+
+
+def _state_rows(table: jax.Array, state: jax.Array) -> jax.Array:
+  """``table[r, state[r]]`` for every row: [b, S, C], [b] -> [b, C]."""
+  return jnp.take_along_axis(table, state[:, None, None], axis=1)[:, 0]
 
 
 def active_hooks(st: State, plan: BlockPlan, settings: SamplerSettings) -> list:

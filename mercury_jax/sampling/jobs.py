@@ -79,6 +79,8 @@ class Jobs:
     the checkpoint's :meth:`defaults` for those not given."""
     tok = self.tokenizer
     knobs = {**self.defaults(), **knobs}
+    if self.cfg.objective.continuous and knobs.get("rule") is None:
+      knobs["rule"] = "ode"  # The continuous family's one rule.
     return SamplerSettings(
       objective=self.cfg.objective,
       eos_id=tok.eos_id,

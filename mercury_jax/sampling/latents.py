@@ -1,4 +1,4 @@
-"""The continuous family's solver: one step of the probability-flow ODE over token latents (the future step rule).
+"""The continuous family's step rule: the probability-flow ODE over a block's token latents, in the one engine.
 
 For the variance-exploding process of ``objectives.continuous`` (``z = e + sigma * eps``) the probability-flow ODE
 (Song et al. 2021; Karras et al. 2022, EDM, eq. 1 with ``s = 1``) is
@@ -11,9 +11,28 @@ I)`` (the marginal of normalised latents at sigma_max, to within a Gaussian appr
 decreasing ladder of noise levels by Euler steps or Heun's second-order correction (EDM's Algorithm 1); at
 ``sigma_min`` the latents are projected to tokens by the last predicted distribution.
 
-Every function here is one step, with no loop: the engine's ``fori_loop`` over steps is the only loop, as for every
-other step rule. Each takes ``denoise: (z, sigma) -> D`` so the same code serves the network, guidance
-(``D_guided = D_uncond + w (D_cond - D_uncond)``) and the exact denoiser of the tests.
+Every function here is one step, with no loop: the engine's loop over steps is the only loop, as for every other
+step rule. :func:`step` takes ``denoise: (z, sigma) -> D``, so the same code serves the network and the exact
+denoiser of the tests.
+
+**In the engine** (:class:`LatentRule`, ``settings.rule = "ode"``) a row's step block is a latent ``[B, d]``
+(``State.latent``). With ``n`` steps per block, step ``j`` runs the network at noise level ``sigma_j`` of
+:func:`block_ladder` (``sigma_max`` first, ``sigma_min`` last): the block's open positions read their latents, its
+fixed positions (template text, forced tokens) and the cache before it stay clean tokens. The predicted
+distribution is cleaned as every proposal's is (``proposal.clean_logits``; token healing's and structured output's
+restrictions, see below) and its expectation over the latent table is the denoiser ``D``; the latents then take one
+solver step to ``sigma_{j+1}``. The last step moves nothing: the loop commits every open position to its proposal
+(argmax at temperature 0, otherwise a draw from the tempered, top-k/top-p filtered distribution at ``sigma_min``),
+and the next block's first step writes the clean keys and values into the exact cache, as for block diffusion.
+A block's initial latents are drawn from its first step's key (``LATENT_NOISE``), so a row's tokens depend on its
+own key only. Everything else is the engine's: EOS, templates, streaming (the proposals of each step are the draft),
+batch buckets, meshes.
+
+**Structured output.** A constrained row's proposals are the most probable valid string of its block (the
+automaton's dynamic program, ``constrain.device.propose``), at every step. The denoiser's distribution at each
+position is restricted to the tokens the automaton allows after the proposal's earlier tokens
+(:meth:`~mercury_jax.sampling.hooks.Structured.allowed_along`), so the latents move towards valid text; and what the
+last step commits is the dynamic program's string, valid by construction, exactly as in discrete decoding.
 """
 
 from __future__ import annotations
@@ -24,6 +43,9 @@ import jax
 import jax.numpy as jnp
 
 from mercury_jax.config import ObjectiveConfig
+from mercury_jax.sampling.network import LatentInputs
+from mercury_jax.sampling.settings import SamplerSettings
+from mercury_jax.sampling.state import Latents, State
 
 Denoiser = Callable[[jax.Array, jax.Array], jax.Array]  # (z [..., d], sigma []) -> D(z, sigma) [..., d]
 SOLVERS = ("euler", "heun")
@@ -64,3 +86,87 @@ def step(denoise: Denoiser, z: jax.Array, sigma: jax.Array, sigma_next: jax.Arra
     return euler
   slope_next = (euler - denoise(euler, sigma_next)) / sigma_next
   return z + (sigma_next - sigma) * 0.5 * (slope + slope_next)
+
+
+RHO = 7.0  # EDM's ladder exponent.
+LATENT_NOISE = 0x6C74  # Folded into a block's first step key for its initial latents.
+
+
+def block_ladder(step: jax.Array, steps: jax.Array, cfg: ObjectiveConfig) -> jax.Array:
+  """The noise level of engine step ``step`` of a block of ``steps`` steps ([b] each): :func:`sigma_ladder`'s spacing
+  over ``steps`` levels, ``sigma_max`` at step 0 and ``sigma_min`` at the last (one step: ``sigma_max``, where the
+  network's prediction is each token's marginal)."""
+  frac = step.astype(jnp.float32) / jnp.maximum(steps - 1, 1).astype(jnp.float32)
+  hi, lo = cfg.sigma_max ** (1.0 / RHO), cfg.sigma_min ** (1.0 / RHO)
+  return (hi + jnp.minimum(frac, 1.0) * (lo - hi)) ** RHO
+
+
+class LatentRule:
+  """The ``ode`` rule's part of every step (module docstring): :meth:`start` before the forward pass, :meth:`move`
+  after the proposals.
+
+  Args:
+    settings: The sampler settings (``solver``, ``self_conditioning``, the objective's noise range).
+    block: The plan's block size.
+    latent_dim: The checkpoint's latent width.
+  """
+
+  def __init__(self, settings: SamplerSettings, block: int, latent_dim: int):
+    self.cfg, self.solver, self.block, self.dim = settings.objective, settings.solver, block, latent_dim
+    self.self_cond = settings.self_conditioning and settings.objective.self_conditioning > 0
+
+  def empty(self, batch: int) -> Latents:
+    zeros = jnp.zeros((batch, self.block, self.dim), jnp.float32)
+    return Latents(zeros, zeros)
+
+  def start(self, st: State, keys: jax.Array, open_: jax.Array, steps: jax.Array) -> tuple[LatentInputs, State]:
+    """The step's network inputs for the block's open positions, and the state with a block's initial latents drawn
+    at its first step (``keys``: [b] the step's keys; ``steps``: [b] the block's steps)."""
+    first = (st.step == 0)[:, None, None]
+    drawn = jax.vmap(lambda k: initial_latents(jax.random.fold_in(k, LATENT_NOISE), (self.block, self.dim), self.cfg))
+    z = jnp.where(first, drawn(keys), st.latent.z)
+    estimate = jnp.where(first, 0.0, st.latent.estimate)
+    sigma = block_ladder(st.step, steps, self.cfg)
+    level = jnp.where(open_, sigma[:, None], 0.0)
+    return LatentInputs(z, level, estimate if self.self_cond else None), st._replace(latent=Latents(z, estimate))
+
+  def move(
+    self,
+    st: State,
+    table: jax.Array,
+    inputs: LatentInputs,
+    probs: jax.Array,
+    steps: jax.Array,
+    again: Callable[[LatentInputs], jax.Array],
+  ) -> tuple[State, jax.Array]:
+    """The state with the block's latents one solver step lower, and [b] bool: rows that ran a second pass (Heun).
+
+    Args:
+      st: The state (``st.latent`` as :meth:`start` left it).
+      table: [vocab, d] the normalised latent table.
+      inputs: This step's network inputs (:meth:`start`).
+      probs: [b, B, vocab] the step's cleaned, restricted distribution.
+      steps: [b] the block's steps.
+      again: ``inputs -> probs`` of another pass over the block (Heun's correction), with the same cleaning.
+    """
+    denoised = probs @ table  # [b, B, d]
+    sigma = block_ladder(st.step, steps, self.cfg)
+    moves = st.step < steps - 1  # the last step commits instead
+    sigma_next = block_ladder(jnp.minimum(st.step + 1, steps - 1), steps, self.cfg)
+    open_ = inputs.noise_level > 0
+    sig, nxt = sigma[:, None, None], sigma_next[:, None, None]
+    z = inputs.latents
+    slope = (z - denoised) / sig
+    euler = z + (nxt - sig) * slope
+    estimate, second = denoised, jnp.zeros_like(moves)
+    if self.solver == "heun":
+      second = moves & jnp.any(open_, axis=-1)
+
+      def corrected():
+        level = jnp.where(open_, sigma_next[:, None], 0.0)
+        d2 = again(LatentInputs(euler, level, denoised if self.self_cond else None)) @ table
+        return z + (nxt - sig) * 0.5 * (slope + (euler - d2) / nxt), d2
+
+      euler, estimate = jax.lax.cond(jnp.any(second), corrected, lambda: (euler, denoised))
+    z = jnp.where((moves[:, None] & open_)[..., None], euler, z)
+    return st._replace(latent=Latents(z, estimate)), second

@@ -8,6 +8,7 @@ the project), for tests and experiments that decode a function of their own with
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +17,22 @@ from mercury_jax.config import ModelConfig
 from mercury_jax.kvcache import KVCache, PagedKVCache
 from mercury_jax.model import Transformer
 from mercury_jax.objectives.masked_diffusion import DenoiseFn
+
+
+class LatentInputs(NamedTuple):
+  """A continuous checkpoint's noisy inputs to one pass (:class:`~mercury_jax.model.Transformer`'s ``latents``,
+  ``noise_level`` and ``self_cond``), over the pass's positions; a position at noise level 0 reads its token."""
+
+  latents: jax.Array  # [b, l, latent_dim] float32
+  noise_level: jax.Array  # [b, l] float32 sigma (0: the position is a clean token)
+  self_cond: jax.Array | None = None  # [b, l, latent_dim] the last estimate of the clean latents, or None
+
+  def kwargs(self) -> dict:
+    return {"latents": self.latents, "noise_level": self.noise_level, "self_cond": self.self_cond}
+
+
+def _latent_kwargs(latent: LatentInputs | None) -> dict:
+  return {} if latent is None else latent.kwargs()
 
 
 class Network:
@@ -37,13 +54,31 @@ class Network:
     self.model = Transformer(cfg)
     self.vocab_size, self.causal, self.time_conditioning = cfg.vocab_size, cfg.causal, cfg.time_conditioning
     self.shift = int(cfg.shifted_logits)
+    self.latent_dim = cfg.latent_dim
+
+  def latent_table(self, params) -> jax.Array:
+    """The continuous family's normalised token latents, [vocab, latent_dim] float32."""
+    probe = jnp.zeros((1, 1), jnp.int32)
+    return self.model.apply({"params": params}, probe, None, latent_params=True)["table"]
 
   def _t(self, t: jax.Array | None, batch: int) -> jax.Array | None:
     if not self.time_conditioning:
       return None
     return jnp.zeros((batch,), jnp.float32) if t is None else t
 
-  def logits(self, params, tokens, t=None, *, segments, positions, mask=None, diffusion_block=None, logits_length=None):
+  def logits(
+    self,
+    params,
+    tokens,
+    t=None,
+    *,
+    segments,
+    positions,
+    mask=None,
+    diffusion_block=None,
+    logits_length=None,
+    latent: LatentInputs | None = None,
+  ):
     """``[b, l or logits_length, vocab]`` logits of a whole context (no cache), each position's own distribution."""
     logits = self.model.apply(
       {"params": params},
@@ -54,6 +89,7 @@ class Network:
       mask=mask,
       diffusion_block=diffusion_block,
       logits_length=logits_length,
+      **_latent_kwargs(latent),
     )
     return unshift(logits) if self.shift else logits
 
@@ -71,6 +107,7 @@ class Network:
     starts: jax.Array | None = None,
     logits_length: int | None = None,
     return_kv: bool = True,
+    latent: LatentInputs | None = None,
   ):
     """``(logits, the chunk's KVCache)`` (or the logits alone without ``return_kv``) of a chunk at slots
     ``starts[r] ...``, attending to ``cache`` too when given (see :class:`~mercury_jax.model.Transformer`)."""
@@ -86,6 +123,7 @@ class Network:
       cache=cache,
       cache_start=starts,
       return_kv=return_kv,
+      **_latent_kwargs(latent),
     )
 
   def empty_cache(self, batch: int, slots: int) -> KVCache:
@@ -122,21 +160,25 @@ class RowwiseNetwork(Network):
     """The inverse of :meth:`_rows` over the leading two axes."""
     return jax.tree.map(lambda a: jnp.swapaxes(a, 0, 1).reshape(a.shape[0] * a.shape[1], *a.shape[2:]), tree)
 
-  def logits(self, params, tokens, t=None, *, segments, positions, **kwargs):
+  def logits(self, params, tokens, t=None, *, segments, positions, latent=None, **kwargs):
     def one(rows):
-      tokens, t, segments, positions = rows
-      return super(RowwiseNetwork, self).logits(params, tokens, t, segments=segments, positions=positions, **kwargs)
+      tokens, t, segments, positions, latent = rows
+      return super(RowwiseNetwork, self).logits(
+        params, tokens, t, segments=segments, positions=positions, latent=latent, **kwargs
+      )
 
-    rows = self._rows((tokens, self._t(t, tokens.shape[0]), segments, positions))
+    rows = self._rows((tokens, self._t(t, tokens.shape[0]), segments, positions, latent))
     return self._batch(jax.lax.map(one, rows))
 
-  def chunk(self, params, tokens, t=None, *, segments, positions, cache=None, starts=None, return_kv=True, **kwargs):
+  def chunk(
+    self, params, tokens, t=None, *, segments, positions, cache=None, starts=None, return_kv=True, latent=None, **kwargs
+  ):
     batch = tokens.shape[0]
     starts = None if starts is None else jnp.broadcast_to(jnp.asarray(starts, jnp.int32), (batch,))
     per_row, rebuild = _cache_rows(cache)
 
     def one(rows):
-      tokens, t, segments, positions, starts, cache_rows = rows
+      tokens, t, segments, positions, starts, cache_rows, latent = rows
       out = super(RowwiseNetwork, self).chunk(
         params,
         tokens,
@@ -146,6 +188,7 @@ class RowwiseNetwork(Network):
         cache=rebuild(cache_rows),
         starts=starts,
         return_kv=return_kv,
+        latent=latent,
         **kwargs,
       )
       if not return_kv:
@@ -153,7 +196,8 @@ class RowwiseNetwork(Network):
       logits, kv = out  # the chunk's keys and values with the rows first: [rows, layers, length, ...]
       return logits, KVCache(jnp.moveaxis(kv.keys, 1, 0), jnp.moveaxis(kv.values, 1, 0), kv.segments)
 
-    out = self._batch(jax.lax.map(one, self._rows((tokens, self._t(t, batch), segments, positions, starts, per_row))))
+    rows = (tokens, self._t(t, batch), segments, positions, starts, per_row, latent)
+    out = self._batch(jax.lax.map(one, self._rows(rows)))
     if not return_kv:
       return out
     logits, kv = out
@@ -188,12 +232,27 @@ class FunctionNetwork:
   causal = False
   time_conditioning = True
   shift = 0
+  latent_dim = 0
 
   def __init__(self, denoise_fn: DenoiseFn, vocab_size: int):
     self.denoise_fn, self.vocab_size = denoise_fn, vocab_size
 
-  def logits(self, params, tokens, t=None, *, segments, positions, mask=None, diffusion_block=None, logits_length=None):
+  def logits(
+    self,
+    params,
+    tokens,
+    t=None,
+    *,
+    segments,
+    positions,
+    mask=None,
+    diffusion_block=None,
+    logits_length=None,
+    latent: LatentInputs | None = None,
+  ):
     del params, segments, positions, diffusion_block
+    if latent is not None:
+      raise ValueError("a FunctionNetwork denoises tokens, not latents")
     if mask not in (None, "bidirectional"):
       raise ValueError(f"a FunctionNetwork decodes whole canvases bidirectionally, not with {mask=}")
     t = jnp.ones((tokens.shape[0],), jnp.float32) if t is None else t

@@ -185,11 +185,19 @@ def timestep_counts(rule: Rule, eps: float = DREAM_EPS) -> Rule:
   return counted
 
 
+def at_block_end(inputs: StepInputs) -> StepOutput:
+  """The ``ode`` rule of the continuous family: nothing is committed before the block's last step, where the loop
+  commits every open position (the latents move instead, :mod:`~mercury_jax.sampling.latents`)."""
+  return StepOutput(jnp.zeros_like(inputs.open), _no_remask(inputs))
+
+
 def make_rule(settings: SamplerSettings) -> Rule:
   """The step rule named by ``settings.rule``, with revision when ``settings.revision > 0``.
 
   Revision is ReMDM inside the ancestral rule and :func:`low_confidence_remasking` around the others.
   """
+  if settings.rule == "ode":
+    return at_block_end
   if settings.rule == "ancestral":
     return ancestral(settings.objective, settings.revision)
   if settings.rule == "confidence":

@@ -91,11 +91,6 @@ def is_autoregressive(cfg: Config) -> bool:
 
 def check_compatible(cfg: Config, tokenizer: Tokenizer) -> None:
   """Raises ``ValueError`` when the model cannot be sampled with this tokenizer."""
-  if cfg.objective.continuous:
-    raise ValueError(
-      "objective.name='continuous': the decoding engine has no step rule over latents yet (issue 27); this "
-      "checkpoint can be trained and evaluated (python -m mercury_jax.evaluate), not sampled"
-    )
   if is_autoregressive(cfg) != cfg.model.causal:
     raise ValueError(
       f"objective.name={cfg.objective.name!r} with model.causal={cfg.model.causal}: an autoregressive "

@@ -14,7 +14,8 @@ from typing import Literal, NamedTuple
 
 from mercury_jax.config import ObjectiveConfig
 
-SAMPLERS = ("ancestral", "confidence", "threshold")
+SAMPLERS = ("ancestral", "confidence", "threshold", "ode")
+SOLVERS = ("euler", "heun")
 CONFIDENCES = ("prob", "margin", "entropy")
 COMMIT_COUNTS = ("even", "timesteps")
 # ``generate`` arguments that only the refinement loop has; an autoregressive model rejects them.
@@ -31,7 +32,9 @@ class SamplerSettings:
     rule: ``ancestral`` (the exact MDLM/MD4 reverse step of ``objective``'s schedule), ``confidence`` (LLaDA
       low-confidence remasking: the k most confident positions per step) or ``threshold`` (Fast-dLLM parallel
       decoding: every position with confidence >= ``threshold``, never fewer than the confidence schedule's k; the
-      default of the command line, the Python API and the server alike).
+      default of the command line, the Python API and the server alike); a continuous checkpoint
+      (``objective.name = "continuous"``) decodes with ``ode`` alone, its default: the probability-flow ODE over the
+      block's latents, which commits the whole block at its last step (:mod:`~mercury_jax.sampling.latents`).
     confidence: What ranks positions: ``prob`` (probability of the proposed token), ``margin`` (top-1 minus top-2
       probability) or ``entropy`` (negative entropy of the position's distribution).
     temperature: Divides the logits before sampling a token; 0 picks the most likely token (greedy).
@@ -75,13 +78,17 @@ class SamplerSettings:
       a stream's end) applies to them.
     draft_length: Verified decoding's draft length k (each step verifies up to k - 1 drafts and commits at most k
       tokens); 0: the checkpoint's trained ``objective.draft_length``.
+    solver: The ``ode`` rule's solver: ``euler`` (one forward pass per step) or ``heun`` (EDM's second-order
+      correction: two passes per step but the last).
+    self_conditioning: The ``ode`` rule feeds each pass the previous step's estimate of the clean latents (a
+      checkpoint trained with ``objective.self_conditioning > 0``; ignored otherwise).
     prefill_chunk: The exact cache's prefill (the prompt's keys and values) runs in chunks of this many positions,
       rounded up to whole blocks, each against the cache the chunks before it wrote: a long prompt's memory is bounded
       by the chunk (``BlockPlan.prefill_chunk``). 0: one pass. The keys and values agree with the one-pass prefill's to
       float rounding.
   """
 
-  rule: Literal["ancestral", "confidence", "threshold"] = "threshold"
+  rule: Literal["ancestral", "confidence", "threshold", "ode"] = "threshold"
   confidence: Literal["prob", "margin", "entropy"] = "prob"
   temperature: float = 1.0
   top_k: int = 0
@@ -103,6 +110,8 @@ class SamplerSettings:
   commit_counts: Literal["even", "timesteps"] = "even"
   stop_ids: tuple[int, ...] = ()
   prefill_chunk: int = 0
+  solver: Literal["euler", "heun"] = "euler"
+  self_conditioning: bool = True
 
   @property
   def mask_id(self) -> int:
@@ -112,6 +121,18 @@ class SamplerSettings:
     """Returns ``self`` or raises :class:`SettingError` naming the bad setting and its allowed range."""
     if self.rule not in SAMPLERS:
       raise SettingError("rule", self.rule, f"is unknown; choose one of {', '.join(SAMPLERS)}")
+    if self.objective.continuous and self.rule != "ode":
+      raise SettingError(
+        "rule", self.rule, "does not apply to a continuous checkpoint: it decodes with 'ode' (the probability-flow ODE)"
+      )
+    if self.rule == "ode" and not self.objective.continuous:
+      raise SettingError("rule", self.rule, "needs a continuous checkpoint (objective.name='continuous')")
+    if self.solver not in SOLVERS:
+      raise SettingError("solver", self.solver, f"is unknown; choose one of {', '.join(SOLVERS)}")
+    if self.solver != "euler" and self.rule != "ode":
+      raise SettingError("solver", self.solver, "applies to a continuous checkpoint's rule 'ode' only")
+    if self.rule == "ode" and self.revision:
+      raise SettingError("revision", self.revision, "does not apply to rule 'ode': its latents move at every step")
     if self.commit_counts not in COMMIT_COUNTS:
       raise SettingError("commit_counts", self.commit_counts, f"is unknown; choose one of {', '.join(COMMIT_COUNTS)}")
     if self.confidence not in CONFIDENCES:
@@ -260,4 +281,4 @@ def steps_per_block(steps: int | None, loads, *, capped: bool = True) -> Budget:
 def commits_every_step(settings: SamplerSettings) -> bool:
   """Whether every step of ``settings``' rule commits at least one open position (confidence and threshold without
   revision), so a block never takes more steps than it has positions."""
-  return settings.rule != "ancestral" and settings.revision == 0
+  return settings.rule not in ("ancestral", "ode") and settings.revision == 0

@@ -37,6 +37,13 @@ class Draft(NamedTuple):
   accepted: jax.Array  # [b, k] int32: steps of the row that accepted and committed 0, 1, ..., k - 1 drafts
 
 
+class Latents(NamedTuple):
+  """The continuous family's part of the state (:mod:`mercury_jax.sampling.latents`): the step block's latents."""
+
+  z: jax.Array  # [b, B, d] float32: the open positions' latents at the step's noise level (drawn at the block's start)
+  estimate: jax.Array  # [b, B, d] float32: the last estimate of the clean latents (self-conditioning's input)
+
+
 class State(NamedTuple):
   """The loop state carried between chunks (a pytree; arrays are per row unless noted)."""
 
@@ -69,6 +76,7 @@ class State(NamedTuple):
   constraint: Constraint | None  # structured output, or None: no row is constrained
   healing: Healing | None  # token healing, or None: no row heals
   draft: Draft | None = None  # verified decoding, or None
+  latent: Latents | None = None  # continuous latent diffusion, or None
 
 
 def rows(a: jax.Array, starts: jax.Array, size: int) -> jax.Array:

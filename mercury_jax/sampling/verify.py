@@ -126,7 +126,7 @@ class Verifier:
       hole = rows(st.target, starts, k)
       states = [c.dfa]
       for i in range(k - 1):
-        moved = constrained._step(c.tables, states[-1], inputs[:, i])
+        moved = constrained.step(c.tables, states[-1], inputs[:, i])
         states.append(jnp.where(hole[:, i], moved, states[-1]))
       states = jnp.stack(states, axis=1)  # [b, k] the state before each verified position
       remaining = self._remaining(st, slots)
@@ -179,7 +179,7 @@ class Verifier:
       before = jnp.take_along_axis(states, last[:, None], axis=1)[:, 0]
       token = jnp.take_along_axis(new, last[:, None], axis=1)[:, 0]
       in_hole = jnp.take_along_axis(rows(st.target, starts, k), last[:, None], axis=1)[:, 0]
-      moved = jnp.where(in_hole, constrained._step(constraint.tables, before, token), before)
+      moved = jnp.where(in_hole, constrained.step(constraint.tables, before, token), before)
       dfa = jnp.where((count > 0) & constraint.tables.on, moved, constraint.dfa)
       constraint = constraint._replace(dfa=dfa, end=dfa, passes=constraint.passes + 1)
 
@@ -248,7 +248,7 @@ class Verifier:
         allowed = _allowed(c.tables, state, remaining[:, i])
         q_i = knob_probs(jnp.where(allowed, clean[:, i], -jnp.inf)[:, None], st.knobs)[:, 0]
         t_i = jnp.where(known[:, i], z_w[:, i], draw(q_i[:, None], noise[:, i : i + 1])[:, 0])
-        state = jnp.where(hole[:, i], constrained._step(c.tables, state, t_i), state)
+        state = jnp.where(hole[:, i], constrained.step(c.tables, state, t_i), state)
         tokens.append(t_i)
         qs.append(q_i)
       tokens, q = jnp.stack(tokens, axis=1), jnp.stack(qs, axis=1)

@@ -93,6 +93,10 @@ def build_parser() -> argparse.ArgumentParser:
   )
   p.add_argument("--mesh", help="DATA,FSDP,TENSOR sizes (default: every device on the data axis)")
   p.add_argument(
+    "--solver",
+    help="a continuous checkpoint's ODE solver: euler or heun (default euler; heun: two passes a step)",
+  )
+  p.add_argument(
     "--block-length",
     type=int,
     default=0,
@@ -173,6 +177,8 @@ def _check_args(args: argparse.Namespace) -> None:
     _fail(f"--prefill-chunk={args.prefill_chunk} must lie in [0, {MAX_PREFILL_CHUNK}] (0: one pass)")
   if args.block_length < 0:
     _fail(f"--block-length={args.block_length} must be >= 0 (0: the model's own)")
+  if args.solver not in (None, "euler", "heun"):
+    _fail(f"--solver={args.solver!r} is unknown; choose one of euler, heun")
   if not args.grace >= 0:
     _fail(f"--grace={args.grace} must be >= 0 seconds")
   if args.api_key is not None and not args.api_key.strip():
@@ -253,6 +259,7 @@ def _load(args: argparse.Namespace):
       batch_invariant=args.batch_invariant,
       max_model_len=args.max_model_len,
       prefill_chunk=args.prefill_chunk,
+      solver=args.solver,
     )
   except SettingError as e:
     _fail(e.named("--" + e.field.replace("_", "-")))

@@ -215,6 +215,7 @@ class Scheduler:
     prefill_chunk: Prompt tokens an iteration prefills at most (``SlotEngine``): a longer prompt is prefilled a chunk
       per iteration between the other requests' steps, and the one-pass prefills admitted together stay within it
       (one is always admitted); 0: no limit, every prompt in one pass.
+    solver: A continuous checkpoint's ODE solver (``SamplerSettings.solver``); None: the default (Euler).
   """
 
   def __init__(
@@ -233,6 +234,7 @@ class Scheduler:
     batch_invariant: bool = True,
     max_model_len: int | None = None,
     prefill_chunk: int = 0,
+    solver: str | None = None,
   ):
     if max_queue < 0:
       raise ValueError(f"max_queue={max_queue} must be >= 0")
@@ -250,6 +252,7 @@ class Scheduler:
       batch_invariant=batch_invariant,
       max_model_len=max_model_len,
       prefill_chunk=prefill_chunk,
+      solver=solver,
     )
     self.decode = self.engine.decoder.decode  # ar, diffusion or verified
     self.compiler = self.engine.compiler  # structured output: regex / JSON Schema -> automaton (None: off)

@@ -210,6 +210,7 @@ class SlotEngine:
     batch_invariant: bool = True,
     max_model_len: int | None = None,
     prefill_chunk: int = 0,
+    solver: str | None = None,
   ):
     if slots < 1:
       raise ValueError(f"slots={slots} must be >= 1")
@@ -231,6 +232,12 @@ class SlotEngine:
     self.decoder = decoder
     self.autoregressive = decoder.autoregressive
     self.whole_sequence = not (decoder.autoregressive or sampler.block_size or decoder.causal_context)
+    if self.whole_sequence and sampler.cfg.objective.continuous:
+      raise ValueError(
+        "a whole-sequence continuous checkpoint refines its whole canvas as one block, which a server's fixed slots "
+        "cannot hold; serve a block-causal one (objective.block_size > 0), or sample it with python -m "
+        "mercury_jax.sample"
+      )
     if self.whole_sequence:
       cache, block = "none", block_length or APPROXIMATE_BLOCK
     else:
@@ -262,7 +269,10 @@ class SlotEngine:
       self.prefill_chunk = 0
     self.filling: dict[int, list[int]] = {}
     self.width = width(self.plan)
-    self.settings = sampler.settings(rule="threshold")
+    continuous = sampler.cfg.objective.continuous
+    self.settings = sampler.settings(
+      rule="ode" if continuous else "threshold", **({} if solver is None else {"solver": solver})
+    )
     self.default_steps = 1 if self.autoregressive else (default_steps or block)
     settings = self.settings
     self.default_knobs = Knobs(settings.temperature, settings.top_k, settings.top_p, settings.threshold)
