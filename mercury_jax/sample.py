@@ -61,7 +61,7 @@ PROCESS_PLACEHOLDER = "{process}"  # In a --prompts-file path: each process read
 # The flags that are ``SamplerSettings`` fields (their argparse destinations are the field names).
 KNOBS = (
   "rule", "confidence", "temperature", "top_k", "top_p", "threshold", "block_length", "revision", "min_length",
-  "decode", "draft_length", "prefill_chunk", "solver", "self_conditioning",
+  "decode", "draft_length", "prefill_chunk", "solver", "self_conditioning", "guidance",
 )  # fmt: skip
 
 EPILOG = """\
@@ -181,6 +181,12 @@ def build_parser() -> argparse.ArgumentParser:
     "--solver",
     metavar="SOLVER",
     help=f"a continuous checkpoint's ODE solver: {', '.join(SOLVERS)} (default euler; heun: two passes a step)",
+  )
+  p.add_argument(
+    "--guidance",
+    type=float,
+    metavar="W",
+    help="a continuous checkpoint's classifier-free guidance scale (default 1: off; two passes a step otherwise)",
   )
   p.add_argument(
     "--no-self-conditioning",
@@ -313,7 +319,7 @@ def _check_args(args: argparse.Namespace, flags: dict[str, str]) -> dict:
     _fail("--prompt is empty; give text to continue, or a --template with <mask:N> holes")
   knobs = {name: getattr(args, name) for name in KNOBS if getattr(args, name) is not None}  # Else SamplerSettings'.
   # The checks that need no model: the continuous family's knobs are checked against a continuous objective.
-  latent = knobs.get("rule") == "ode" or "solver" in knobs or "self_conditioning" in knobs
+  latent = knobs.get("rule") == "ode" or any(name in knobs for name in ("solver", "self_conditioning", "guidance"))
   objective = ObjectiveConfig(name="continuous") if latent else ObjectiveConfig()
   try:
     SamplerSettings(**{"rule": "ode", **knobs} if latent else knobs, objective=objective).validate()

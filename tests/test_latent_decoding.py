@@ -70,6 +70,7 @@ KNOBS = [
   dict(solver="euler", temperature=0.0),
   dict(solver="heun", temperature=1.0),
   dict(solver="euler", temperature=1.0, self_conditioning=False, eos_to_pad=False),
+  dict(solver="heun", temperature=0.0, guidance=2.5),
 ]
 
 
@@ -94,9 +95,25 @@ def test_every_step_runs_the_network_and_heun_adds_a_pass_per_move():
   ``2 steps - 1`` (Heun: a second pass for every step but the last, which commits)."""
   canvas = cv.make_canvas([cv.prefix([5, 6, 7], 13), cv.prefix([5, 6, 7, 8, 9, 10, 11], 9)])
   blocks = np.asarray([len(block_loads(row, BLOCK)) for row in np.asarray(canvas.kinds)])
-  for solver, per_block in (("euler", 4), ("heun", 7)):
-    out = _sample(canvas, _settings(solver=solver, eos_to_pad=False), "exact", 4)
-    np.testing.assert_array_equal(np.asarray(out.nfe), blocks * per_block, err_msg=solver)
+  for solver, guidance, per_block in (("euler", 1.0, 4), ("heun", 1.0, 7), ("euler", 2.0, 8), ("heun", 2.0, 14)):
+    out = _sample(canvas, _settings(solver=solver, eos_to_pad=False, guidance=guidance), "exact", 4)
+    np.testing.assert_array_equal(np.asarray(out.nfe), blocks * per_block, err_msg=f"{solver} {guidance}")
+
+
+@pytest.mark.parametrize("cache", ["exact", "none"])
+def test_guidance_zero_ignores_the_context_and_guidance_changes_the_text(cache):
+  """w = 0 decodes from the unconditional pass alone: two rows with different prompts and the same stream give the
+  same tokens (the prompts fill whole blocks: a block's own fixed positions stay visible); w = 3 makes the prompt
+  count more than w = 1 does, so the text differs from the unguided one."""
+  canvas = cv.make_canvas([cv.prefix([5, 6, 7, 8], 12), cv.prefix([40, 41, 42, 43], 12)])
+  canvas = canvas._replace(streams=np.zeros(2, np.int32))
+  unguided = np.asarray(canvas.kinds) == cv.TARGET
+  blind = np.asarray(_sample(canvas, _settings(guidance=0.0, temperature=0.0), cache, 3).tokens)
+  np.testing.assert_array_equal(blind[0][unguided[0]], blind[1][unguided[1]])
+  plain = np.asarray(_sample(canvas, _settings(temperature=0.0), cache, 3).tokens)
+  guided = np.asarray(_sample(canvas, _settings(guidance=3.0, temperature=0.0), cache, 3).tokens)
+  assert (plain[0][unguided[0]] != plain[1][unguided[1]]).any()
+  assert (guided != plain)[unguided].any()
 
 
 def test_the_ladder_runs_from_sigma_max_to_sigma_min():
@@ -184,6 +201,10 @@ def test_the_knobs_are_checked_with_one_line(samplers):
     samplers["continuous"].generate("x", block_length=8)
   with pytest.raises(SettingError, match="rule='ode' needs a continuous checkpoint"):
     SamplerSettings(rule="ode").validate()
+  with pytest.raises(SettingError, match="guidance=20.0 must lie in"):
+    sampler.generate("x", guidance=20.0)
+  with pytest.raises(SettingError, match="guidance=2.0 applies to a continuous checkpoint"):
+    SamplerSettings(guidance=2.0).validate()
 
 
 def test_serving_buckets_give_a_request_the_same_tokens_and_compile_nothing(samplers):
@@ -211,6 +232,7 @@ def test_serving_buckets_give_a_request_the_same_tokens_and_compile_nothing(samp
   [
     (["--solver", "rk4"], "--solver='rk4' is unknown"),
     (["--sampler", "ode"], "--sampler"),  # a masked-diffusion checkpoint has no ODE
+    (["--guidance", "-1"], "--guidance=-1.0 must lie in [0, 16]"),
   ],
 )
 def test_command_line_knobs(samplers, tmp_path, data_dir, flags, message, capsys):

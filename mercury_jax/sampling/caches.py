@@ -87,6 +87,11 @@ class Strategy:
   def forward(self, params, st: State, needs: Needs) -> Forward:
     raise NotImplementedError
 
+  def unconditional(self, params, st: State, needs: Needs) -> jax.Array:
+    """``[b, B, vocab]`` the step block's logits with every clean position outside it hidden (classifier-free
+    guidance's unconditional pass; the block's own fixed positions stay): the block as the first of a document."""
+    raise ValueError(f"the {type(self).__name__} cache has no unconditional pass")
+
 
 class NoCache(Strategy):
   def _full(self, params, st: State, needs: Needs) -> jax.Array:
@@ -124,6 +129,10 @@ class NoCache(Strategy):
     run = jnp.any(needs.logits)
     logits = jax.lax.cond(run, lambda: self._full(params, st, needs), lambda: st.logits)
     return Forward(logits, st.cache, run, jnp.zeros((), bool))
+
+  def unconditional(self, params, st: State, needs: Needs) -> jax.Array:
+    inside = (jnp.arange(self.plan.slots)[None, :] - needs.starts[:, None]) // self.plan.block == 0
+    return self._full(params, st._replace(segments=jnp.where(inside, st.segments, 0)), needs)
 
 
 class Exact(Strategy):
@@ -219,6 +228,25 @@ class Exact(Strategy):
       lambda: st.logits,
     )
     return Forward(logits, cache, run, commit)
+
+  def unconditional(self, params, st: State, needs: Needs) -> jax.Array:
+    block = self.plan.block
+    tokens, positions, segments = chunk(st, needs.starts, block)
+    hidden = st.cache._replace(segments=jnp.zeros_like(st.cache.segments))  # no cached key is visible
+    return self.network.chunk(
+      params,
+      tokens,
+      needs.t,
+      segments=segments,
+      positions=positions,
+      mask="block_causal",
+      diffusion_block=block,
+      cache=hidden,
+      starts=needs.starts,
+      logits_length=block,
+      return_kv=False,
+      latent=needs.latent,
+    )
 
 
 class Verified(Exact):

@@ -312,7 +312,10 @@ class BlockEngine:
     latent = None
     if self.latents is not None:
       latent, st = self.latents.start(st, keys, open_, num_steps)
-    forward = self.cache.forward(params, st, Needs(starts, t, wants_logits, wants_commit, latent))
+    needs = Needs(starts, t, wants_logits, wants_commit, latent)
+    forward = self.cache.forward(params, st, needs)
+    if self.latents is not None:  # classifier-free guidance (when on): the proposals and the ODE both see it
+      forward = forward._replace(logits=self._guided(params, st._replace(cache=forward.cache), needs, forward.logits))
 
     # Propose. The Gumbel noise is drawn only when some row samples (a row at temperature 0 ignores it), the rule's
     # own uniforms from a key of their own, so neither depends on the other rows' knobs.
@@ -406,6 +409,10 @@ class BlockEngine:
     for hook in hooks:
       z, score, st = hook.enter(st, advance, z, score)
     needed = ((forward.ran & wants_logits) | (forward.committed & wants_commit)) & unfinished
+    # The ode rule's other passes: guidance's unconditional one, Heun's second (guided: two).
+    guided = self.latents is not None and settings.guidance != 1.0
+    extra = int(guided) * (forward.ran & wants_logits & unfinished).astype(jnp.int32)
+    extra += (1 + int(guided)) * heun.astype(jnp.int32)
     return st._replace(
       z=z,
       generate=generate,
@@ -418,8 +425,8 @@ class BlockEngine:
       logits=forward.logits,
       proposal=x0,
       cache=forward.cache,
-      nfe=st.nfe + needed.astype(jnp.int32) + heun.astype(jnp.int32),
-      forwards=st.forwards + (forward.ran | forward.committed).astype(jnp.int32) + jnp.any(heun).astype(jnp.int32),
+      nfe=st.nfe + needed.astype(jnp.int32) + extra.astype(jnp.int32),
+      forwards=st.forwards + (forward.ran | forward.committed).astype(jnp.int32) + jnp.max(extra).astype(jnp.int32),
       commit_passes=st.commit_passes + forward.committed.astype(jnp.int32),
       iterations=st.iterations + 1,
       recorded=st.recorded + has_open.astype(jnp.int32),
@@ -446,12 +453,29 @@ class BlockEngine:
         clean = jnp.where(jnp.any(restricted > -jnp.inf, axis=-1, keepdims=True), restricted, clean)
       return jax.nn.softmax(clean, axis=-1)
 
+    table = self.network.latent_table(params)
+    written = st._replace(cache=forward.cache)
+
     def again(inputs):  # Heun's second pass: the block alone, nothing committed (the cache is not changed).
       needs = Needs(view.starts, t, wants_logits, jnp.zeros_like(wants_logits), inputs)
-      return distribution(self.cache.forward(params, st._replace(cache=forward.cache), needs).logits)
+      logits = self._guided(params, written, needs, self.cache.forward(params, written, needs).logits)
+      return distribution(logits) @ table
 
-    table = self.network.latent_table(params)
-    return self.latents.move(st, table, latent, distribution(forward.logits), num_steps, again)
+    return self.latents.move(st, latent, distribution(forward.logits) @ table, num_steps, again)
+
+  def _guided(self, params, st: State, needs: Needs, logits: jax.Array) -> jax.Array:
+    """Classifier-free guidance of a continuous checkpoint's block logits (``settings.guidance = w``, 1: off):
+    ``l_u + w (l_c - l_u)``, with ``l_u`` the block's logits with the context hidden
+    (:meth:`~mercury_jax.sampling.caches.Strategy.unconditional`), run only when some row wants logits."""
+    w = self.settings.guidance
+    if w == 1.0:
+      return logits
+
+    def run():
+      unconditional = self.cache.unconditional(params, st, needs)
+      return unconditional + w * (logits - unconditional)
+
+    return jax.lax.cond(jnp.any(needs.logits), run, lambda: logits)
 
   def advance(self, params, st: State, max_blocks: jax.Array | None = None, max_steps: jax.Array | None = None):
     """Runs steps until nothing is masked, or some row that had something left finished ``max_blocks`` more blocks,

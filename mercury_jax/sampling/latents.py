@@ -25,7 +25,8 @@ solver step to ``sigma_{j+1}``. The last step moves nothing: the loop commits ev
 (argmax at temperature 0, otherwise a draw from the tempered, top-k/top-p filtered distribution at ``sigma_min``),
 and the next block's first step writes the clean keys and values into the exact cache, as for block diffusion.
 A block's initial latents are drawn from its first step's key (``LATENT_NOISE``), so a row's tokens depend on its
-own key only. Everything else is the engine's: EOS, templates, streaming (the proposals of each step are the draft),
+own key only. Classifier-free guidance (``settings.guidance = w``) replaces the block's logits by
+``l_u + w (l_c - l_u)`` before both the proposals and the denoiser, ``l_u`` from a pass with the context hidden. Everything else is the engine's: EOS, templates, streaming (the proposals of each step are the draft),
 batch buckets, meshes.
 
 **Structured output.** A constrained row's proposals are the most probable valid string of its block (the
@@ -133,9 +134,8 @@ class LatentRule:
   def move(
     self,
     st: State,
-    table: jax.Array,
     inputs: LatentInputs,
-    probs: jax.Array,
+    denoised: jax.Array,
     steps: jax.Array,
     again: Callable[[LatentInputs], jax.Array],
   ) -> tuple[State, jax.Array]:
@@ -143,13 +143,12 @@ class LatentRule:
 
     Args:
       st: The state (``st.latent`` as :meth:`start` left it).
-      table: [vocab, d] the normalised latent table.
       inputs: This step's network inputs (:meth:`start`).
-      probs: [b, B, vocab] the step's cleaned, restricted distribution.
+      denoised: [b, B, d] the denoiser's estimate of the clean latents at this step (the expected latent under the
+        step's cleaned, restricted and guided distribution).
       steps: [b] the block's steps.
-      again: ``inputs -> probs`` of another pass over the block (Heun's correction), with the same cleaning.
+      again: ``inputs -> denoised`` of another pass over the block (Heun's correction), computed the same way.
     """
-    denoised = probs @ table  # [b, B, d]
     sigma = block_ladder(st.step, steps, self.cfg)
     moves = st.step < steps - 1  # the last step commits instead
     sigma_next = block_ladder(jnp.minimum(st.step + 1, steps - 1), steps, self.cfg)
@@ -164,7 +163,7 @@ class LatentRule:
 
       def corrected():
         level = jnp.where(open_, sigma_next[:, None], 0.0)
-        d2 = again(LatentInputs(euler, level, denoised if self.self_cond else None)) @ table
+        d2 = again(LatentInputs(euler, level, denoised if self.self_cond else None))
         return z + (nxt - sig) * 0.5 * (slope + (euler - d2) / nxt), d2
 
       euler, estimate = jax.lax.cond(jnp.any(second), corrected, lambda: (euler, denoised))

@@ -16,6 +16,7 @@ from mercury_jax.config import ObjectiveConfig
 
 SAMPLERS = ("ancestral", "confidence", "threshold", "ode")
 SOLVERS = ("euler", "heun")
+MAX_GUIDANCE = 16.0  # The largest classifier-free guidance scale accepted.
 CONFIDENCES = ("prob", "margin", "entropy")
 COMMIT_COUNTS = ("even", "timesteps")
 # ``generate`` arguments that only the refinement loop has; an autoregressive model rejects them.
@@ -82,6 +83,11 @@ class SamplerSettings:
       correction: two passes per step but the last).
     self_conditioning: The ``ode`` rule feeds each pass the previous step's estimate of the clean latents (a
       checkpoint trained with ``objective.self_conditioning > 0``; ignored otherwise).
+    guidance: The ``ode`` rule's classifier-free guidance scale ``w`` (1: off): the block's logits become
+      ``l_u + w (l_c - l_u)`` for the proposals and the denoiser alike, with ``l_u`` from a second pass over the block
+      with every clean position outside it hidden (the block as a document's first, which block-causal training sees
+      in every record; rotary attention inside the block is relative, so its position does not matter). ``w > 1``
+      pulls the text towards what the context makes likely, ``w = 0`` ignores the context; each step runs two passes.
     prefill_chunk: The exact cache's prefill (the prompt's keys and values) runs in chunks of this many positions,
       rounded up to whole blocks, each against the cache the chunks before it wrote: a long prompt's memory is bounded
       by the chunk (``BlockPlan.prefill_chunk``). 0: one pass. The keys and values agree with the one-pass prefill's to
@@ -112,6 +118,7 @@ class SamplerSettings:
   prefill_chunk: int = 0
   solver: Literal["euler", "heun"] = "euler"
   self_conditioning: bool = True
+  guidance: float = 1.0
 
   @property
   def mask_id(self) -> int:
@@ -131,6 +138,10 @@ class SamplerSettings:
       raise SettingError("solver", self.solver, f"is unknown; choose one of {', '.join(SOLVERS)}")
     if self.solver != "euler" and self.rule != "ode":
       raise SettingError("solver", self.solver, "applies to a continuous checkpoint's rule 'ode' only")
+    if not 0.0 <= self.guidance <= MAX_GUIDANCE:
+      raise SettingError("guidance", self.guidance, f"must lie in [0, {MAX_GUIDANCE:g}] (1: off)")
+    if self.guidance != 1.0 and self.rule != "ode":
+      raise SettingError("guidance", self.guidance, "applies to a continuous checkpoint's rule 'ode' only")
     if self.rule == "ode" and self.revision:
       raise SettingError("revision", self.revision, "does not apply to rule 'ode': its latents move at every step")
     if self.commit_counts not in COMMIT_COUNTS:

@@ -97,6 +97,12 @@ def build_parser() -> argparse.ArgumentParser:
     help="a continuous checkpoint's ODE solver: euler or heun (default euler; heun: two passes a step)",
   )
   p.add_argument(
+    "--guidance",
+    type=float,
+    metavar="W",
+    help="a continuous checkpoint's classifier-free guidance scale (default 1: off; two passes a step otherwise)",
+  )
+  p.add_argument(
     "--block-length",
     type=int,
     default=0,
@@ -179,6 +185,8 @@ def _check_args(args: argparse.Namespace) -> None:
     _fail(f"--block-length={args.block_length} must be >= 0 (0: the model's own)")
   if args.solver not in (None, "euler", "heun"):
     _fail(f"--solver={args.solver!r} is unknown; choose one of euler, heun")
+  if args.guidance is not None and not 0.0 <= args.guidance <= 16.0:
+    _fail(f"--guidance={args.guidance!r} must lie in [0, 16] (1: off)")
   if not args.grace >= 0:
     _fail(f"--grace={args.grace} must be >= 0 seconds")
   if args.api_key is not None and not args.api_key.strip():
@@ -260,6 +268,7 @@ def _load(args: argparse.Namespace):
       max_model_len=args.max_model_len,
       prefill_chunk=args.prefill_chunk,
       solver=args.solver,
+      guidance=args.guidance,
     )
   except SettingError as e:
     _fail(e.named("--" + e.field.replace("_", "-")))

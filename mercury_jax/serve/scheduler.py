@@ -216,6 +216,7 @@ class Scheduler:
       per iteration between the other requests' steps, and the one-pass prefills admitted together stay within it
       (one is always admitted); 0: no limit, every prompt in one pass.
     solver: A continuous checkpoint's ODE solver (``SamplerSettings.solver``); None: the default (Euler).
+    guidance: Its classifier-free guidance scale (``SamplerSettings.guidance``); None: the default (1, off).
   """
 
   def __init__(
@@ -235,6 +236,7 @@ class Scheduler:
     max_model_len: int | None = None,
     prefill_chunk: int = 0,
     solver: str | None = None,
+    guidance: float | None = None,
   ):
     if max_queue < 0:
       raise ValueError(f"max_queue={max_queue} must be >= 0")
@@ -253,6 +255,7 @@ class Scheduler:
       max_model_len=max_model_len,
       prefill_chunk=prefill_chunk,
       solver=solver,
+      guidance=guidance,
     )
     self.decode = self.engine.decoder.decode  # ar, diffusion or verified
     self.compiler = self.engine.compiler  # structured output: regex / JSON Schema -> automaton (None: off)

@@ -211,6 +211,7 @@ class SlotEngine:
     max_model_len: int | None = None,
     prefill_chunk: int = 0,
     solver: str | None = None,
+    guidance: float | None = None,
   ):
     if slots < 1:
       raise ValueError(f"slots={slots} must be >= 1")
@@ -270,9 +271,8 @@ class SlotEngine:
     self.filling: dict[int, list[int]] = {}
     self.width = width(self.plan)
     continuous = sampler.cfg.objective.continuous
-    self.settings = sampler.settings(
-      rule="ode" if continuous else "threshold", **({} if solver is None else {"solver": solver})
-    )
+    latent = {name: value for name, value in (("solver", solver), ("guidance", guidance)) if value is not None}
+    self.settings = sampler.settings(rule="ode" if continuous else "threshold", **latent)
     self.default_steps = 1 if self.autoregressive else (default_steps or block)
     settings = self.settings
     self.default_knobs = Knobs(settings.temperature, settings.top_k, settings.top_p, settings.threshold)
