@@ -26,8 +26,9 @@ solver step to ``sigma_{j+1}``. The last step moves nothing: the loop commits ev
 and the next block's first step writes the clean keys and values into the exact cache, as for block diffusion.
 A block's initial latents are drawn from its first step's key (``LATENT_NOISE``), so a row's tokens depend on its
 own key only. Classifier-free guidance (``settings.guidance = w``) replaces the block's logits by
-``l_u + w (l_c - l_u)`` before both the proposals and the denoiser, ``l_u`` from a pass with the context hidden. Everything else is the engine's: EOS, templates, streaming (the proposals of each step are the draft),
-batch buckets, meshes.
+``l_u + w (l_c - l_u)`` before both the proposals and the denoiser, ``l_u`` from a pass with the context hidden.
+Everything else is the engine's: EOS, templates, streaming (the proposals of each step are the draft), batch
+buckets, meshes.
 
 **Structured output.** A constrained row's proposals are the most probable valid string of its block (the
 automaton's dynamic program, ``constrain.device.propose``), at every step. The denoiser's distribution at each
