@@ -999,6 +999,9 @@ def test_parse_tool_call_reads_only_a_call_object():
     (["--prefill-chunk", "-1"], "--prefill-chunk=-1 must lie in [0, 1048576] (0: one pass)"),
     (["--max-model-len", "1000000"], "--max-model-len=1000000 exceeds the model's context of"),
     (["--no-batch-invariance", "--slots", "0"], "--slots=0 must be >= 1"),
+    (["--solver", "rk4"], "--solver='rk4' is unknown; choose one of euler, heun"),
+    (["--guidance", "2147483648"], "--guidance=2147483648.0 must lie in [0, 16]"),
+    (["--guidance", "nan"], "--guidance=nan must lie in [0, 16]"),
   ],
 )
 def test_bad_server_flags_are_one_line_and_exit_code_2(flags, message, capsys):

@@ -338,7 +338,7 @@ class BlockEngine:
       x0, confidence, st = hook.propose(st, view, logits, x0, confidence)
     heun = jnp.zeros_like(has_open)
     if self.latents is not None:  # The latents take one solver step towards the restricted distribution.
-      st, heun = self._move_latents(params, st, view, forward, latent, x0, num_steps, t, wants_logits)
+      st, heun = self._move_latents(params, st, view, hooks, forward, latent, x0, num_steps, t, wants_logits)
 
     # Rule and commit.
     committed = generate_b & ~open_ & has_open[:, None]  # revision: the open block only
@@ -433,11 +433,10 @@ class BlockEngine:
       trace=trace,
     )
 
-  def _move_latents(self, params, st: State, view: View, forward, latent, x0, num_steps, t, wants_logits):
+  def _move_latents(self, params, st: State, view: View, hooks, forward, latent, x0, num_steps, t, wants_logits):
     """The ``ode`` rule's solver step (:meth:`LatentRule.move`): the denoiser's distribution is the step's logits
     after the hooks, cleaned as the proposals' are, and restricted along a constrained row's valid proposal."""
     block, settings = self.plan.block, self.settings
-    hooks = active_hooks(st, self.plan, settings)
     eos_banned = rows(st.eos_banned, view.starts, block)
     allowed = None
     for hook in hooks:
