@@ -11,6 +11,11 @@ import tempfile
 # changes no test's outcome (the matmuls run in precompiled library kernels at every level). An XLA_FLAGS that sets
 # the level itself wins.
 _QUICK = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+# XLA:CPU splits a program's LLVM module into parts that its JIT compiles on several threads; twice a suite run died
+# of a segmentation fault inside that compilation (backend_compile_and_load of a serving step, never the same test
+# twice). One part per program compiles on the calling thread only; with two test processes on two cores the
+# parallel split bought nothing.
+_QUICK += " --xla_cpu_parallel_codegen_split_count=1"
 _FLAGS = os.environ.get("XLA_FLAGS", "")
 _FLAGS += "" if "xla_backend_optimization_level" in _FLAGS else f" {_QUICK}"
 os.environ["XLA_FLAGS"] = f"{_FLAGS} --xla_force_host_platform_device_count=8".strip()

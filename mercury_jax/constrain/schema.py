@@ -502,13 +502,15 @@ class _Rewriter:
   def values(self, schema: dict, path: tuple) -> dict:
     """``enum``/``const``: the values that satisfy every keyword of the schema (checked by jsonschema), as a regex."""
     body = _body(schema)
-    options = [body["const"]] if "const" in body else list(body["enum"])
+    keyword = "const" if "const" in body else "enum"
+    options = [body["const"]] if keyword == "const" else list(body["enum"])
     try:
-      check = self.validates(schema)
+      # Every option is a member of its own keyword; checking it again would compare each of n values with all n
+      # (jsonschema's enum is a linear scan): 5000 values took 3 s of a server's CPU to refuse.
+      check = self.validates({k: v for k, v in schema.items() if k != keyword})
       options = [v for v in options if check.is_valid(v)]
     except (Unresolvable, re.error) as e:
       self.fail(f"cannot check the enum values against their schema: {_one_line(str(e))}", path)
-    keyword = "const" if "const" in body else "enum"
     if not options:
       self.fail("no value of 'enum'/'const' satisfies the schema's other keywords", path, keyword)
     texts = list(dict.fromkeys(_dumps(v) for v in options))

@@ -63,6 +63,25 @@ def spread(latent: LatentInputs | None, starts: jax.Array, slots: int, offset: i
   return LatentInputs(*(None if a is None else place(a) for a in latent))
 
 
+def per_row(want: jax.Array, new: jax.Array | KVCache, old: jax.Array | KVCache) -> jax.Array | KVCache:
+  """``new`` in the rows ``want`` [b] marks and ``old`` elsewhere: logits ``[b, ...]`` or a chunk's keys and values
+  (``KVCache``, ``[layers, b, ...]``).
+
+  A batched ``lax.cond`` runs a pass when any row wants it; the rows that did not want it keep what they had, so a
+  row's result never depends on what the other rows of its batch do (the server's batch buckets rely on it: a
+  recomputed block rounds otherwise than the prefill that first wrote it).
+  """
+
+  def pick(a, b, axis=0):
+    shape = [1] * a.ndim
+    shape[axis] = want.shape[0]
+    return jnp.where(want.reshape(shape), a, b)
+
+  if isinstance(new, KVCache):
+    return KVCache(pick(new.keys, old.keys, 1), pick(new.values, old.values, 1), pick(new.segments, old.segments))
+  return pick(new, old)
+
+
 class Forward(NamedTuple):
   logits: jax.Array  # [b, B, vocab]
   cache: object
@@ -128,7 +147,7 @@ class NoCache(Strategy):
   def forward(self, params, st: State, needs: Needs) -> Forward:
     run = jnp.any(needs.logits)
     logits = jax.lax.cond(run, lambda: self._full(params, st, needs), lambda: st.logits)
-    return Forward(logits, st.cache, run, jnp.zeros((), bool))
+    return Forward(per_row(needs.logits, logits, st.logits), st.cache, run, jnp.zeros((), bool))
 
   def unconditional(self, params, st: State, needs: Needs) -> jax.Array:
     inside = (jnp.arange(self.plan.slots)[None, :] - needs.starts[:, None]) // self.plan.block == 0
@@ -199,18 +218,20 @@ class Exact(Strategy):
 
     previous = needs.starts - block
     if self.plan.autoregressive:  # One pass: the last committed token, written, gives the next distribution.
-      run = jnp.any(needs.logits | needs.commit)
-      logits, kv = jax.lax.cond(
-        run, lambda: over_cache(st.cache, previous, 1), lambda: (st.logits, st.cache.rows(previous, 1))
-      )
+      wants = needs.logits | needs.commit
+      run = jnp.any(wants)
+      kept = (st.logits, st.cache.rows(previous, 1))
+      logits, kv = jax.lax.cond(run, lambda: over_cache(st.cache, previous, 1), lambda: kept)
+      logits, kv = per_row(wants, logits, kept[0]), per_row(wants, kv, kept[1])
       return Forward(logits, st.cache.write(kv, previous), run, run)
     commit = jnp.any(needs.commit)
+    kept = st.cache.rows(previous, block)  # Writing back what is there: one program either way.
     kv = jax.lax.cond(
       commit,
       lambda: over_cache(st.cache, previous, block, logits_length=0)[1],  # the commit pass: the context mask
-      lambda: st.cache.rows(previous, block),  # Writing back what is there: one program either way.
+      lambda: kept,
     )
-    cache = st.cache.write(kv, previous)
+    cache = st.cache.write(per_row(needs.commit, kv, kept), previous)
     run = jnp.any(needs.logits)
     shift = net.shift  # A shifted-logits model reads the block's distributions one slot earlier (Network.shift).
     logits = jax.lax.cond(  # the block pass: the block sees itself whole and the cache before it
@@ -227,7 +248,7 @@ class Exact(Strategy):
       ),
       lambda: st.logits,
     )
-    return Forward(logits, cache, run, commit)
+    return Forward(per_row(needs.logits, logits, st.logits), cache, run, commit)
 
   def unconditional(self, params, st: State, needs: Needs) -> jax.Array:
     block = self.plan.block

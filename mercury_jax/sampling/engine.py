@@ -63,7 +63,7 @@ from mercury_jax import kinds as K
 from mercury_jax.config import ModelConfig
 from mercury_jax.constrain import device as constrained
 from mercury_jax.kvcache import KVCache, PagedKVCache
-from mercury_jax.sampling.caches import Needs, strategy
+from mercury_jax.sampling.caches import Needs, per_row, strategy
 from mercury_jax.sampling.canvas import Canvas, SampleOutput, after_eos
 from mercury_jax.sampling.hooks import Structured, View, active_hooks
 from mercury_jax.sampling.latents import LatentRule
@@ -333,7 +333,10 @@ class BlockEngine:
     logits = forward.logits
     for hook in hooks:
       logits = hook.logits(st, view, logits)
-    x0, confidence = propose_rows(logits, noise, rows(st.eos_banned, starts, block), settings, st.knobs)
+    eos_banned = rows(st.eos_banned, starts, block)
+    x0, confidence = self.network.map_rows(  # row by row where the network is (batch invariance)
+      lambda *a: propose_rows(*a[:3], settings, Knobs(*a[3:])), logits, noise, eos_banned, *st.knobs
+    )
     for hook in hooks:
       x0, confidence, st = hook.propose(st, view, logits, x0, confidence)
     heun = jnp.zeros_like(has_open)
@@ -443,24 +446,30 @@ class BlockEngine:
       if isinstance(hook, Structured):
         allowed = hook.allowed_along(st, view, x0)
 
-    def distribution(logits):
-      for hook in hooks:
-        logits = hook.logits(st, view, logits)
+    table = self.network.latent_table(params)
+
+    def expected(logits, eos_banned, allowed):  # of one group of rows (Network.map_rows)
       clean = clean_logits(logits, eos_banned, settings)
       if allowed is not None:
         restricted = jnp.where(allowed, clean, -jnp.inf)
         clean = jnp.where(jnp.any(restricted > -jnp.inf, axis=-1, keepdims=True), restricted, clean)
-      return jax.nn.softmax(clean, axis=-1)
+      return jax.nn.softmax(clean, axis=-1) @ table
 
-    table = self.network.latent_table(params)
+    def distribution(logits):  # the expected latent [b, B, d] under the step's distribution
+      for hook in hooks:
+        logits = hook.logits(st, view, logits)
+      if allowed is None:
+        return self.network.map_rows(lambda *a: expected(*a, None), logits, eos_banned)
+      return self.network.map_rows(expected, logits, eos_banned, allowed)
+
     written = st._replace(cache=forward.cache)
 
     def again(inputs):  # Heun's second pass: the block alone, nothing committed (the cache is not changed).
       needs = Needs(view.starts, t, wants_logits, jnp.zeros_like(wants_logits), inputs)
       logits = self._guided(params, written, needs, self.cache.forward(params, written, needs).logits)
-      return distribution(logits) @ table
+      return distribution(logits)
 
-    return self.latents.move(st, latent, distribution(forward.logits) @ table, num_steps, again)
+    return self.latents.move(st, latent, distribution(forward.logits), num_steps, again)
 
   def _guided(self, params, st: State, needs: Needs, logits: jax.Array) -> jax.Array:
     """Classifier-free guidance of a continuous checkpoint's block logits (``settings.guidance = w``, 1: off):
@@ -474,7 +483,7 @@ class BlockEngine:
       unconditional = self.cache.unconditional(params, st, needs)
       return unconditional + w * (logits - unconditional)
 
-    return jax.lax.cond(jnp.any(needs.logits), run, lambda: logits)
+    return per_row(needs.logits, jax.lax.cond(jnp.any(needs.logits), run, lambda: logits), logits)
 
   def advance(self, params, st: State, max_blocks: jax.Array | None = None, max_steps: jax.Array | None = None):
     """Runs steps until nothing is masked, or some row that had something left finished ``max_blocks`` more blocks,

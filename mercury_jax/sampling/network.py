@@ -126,6 +126,11 @@ class Network:
       **_latent_kwargs(latent),
     )
 
+  def map_rows(self, fn, *args):
+    """``fn(*args)``: a function of batched arrays (``[b, ...]`` leaves) that works on each row alone.
+    :class:`RowwiseNetwork` runs it row by row, so that its rounding does not depend on the batch either."""
+    return fn(*args)
+
   def empty_cache(self, batch: int, slots: int) -> KVCache:
     return KVCache.empty(self.cfg, batch, slots)
 
@@ -159,6 +164,13 @@ class RowwiseNetwork(Network):
   def _batch(self, tree):
     """The inverse of :meth:`_rows` over the leading two axes."""
     return jax.tree.map(lambda a: jnp.swapaxes(a, 0, 1).reshape(a.shape[0] * a.shape[1], *a.shape[2:]), tree)
+
+  def map_rows(self, fn, *args):
+    """``fn(*args)`` run over groups of rows (see :meth:`_rows`) in a ``lax.map``: XLA:CPU reduces a ``[1, ...]``
+    array in another order than a ``[4, ...]`` one (a proposal's softmax normaliser moved by 20 ulp between batch
+    buckets 1 and 4, which flipped a near tie of two positions' confidences), so every batch runs the same program on
+    each row."""
+    return self._batch(jax.lax.map(lambda rows: fn(*rows), self._rows(args)))
 
   def logits(self, params, tokens, t=None, *, segments, positions, latent=None, **kwargs):
     def one(rows):

@@ -102,6 +102,14 @@ class Verifier:
       clean = jnp.where(here[..., None] & ~st.healing.allowed[:, None, :], -jnp.inf, clean)
     return clean
 
+  def _probs(self, clean: jax.Array, knobs) -> jax.Array:
+    """:func:`knob_probs`, row by row when the network is (``Network.map_rows``: a row's softmax must not round by
+    its batch)."""
+    return self.engine.network.map_rows(lambda c, *kn: knob_probs(c, type(knobs)(*kn)), clean, *knobs)
+
+  def _draw(self, probs: jax.Array, uniforms: jax.Array) -> jax.Array:
+    return self.engine.network.map_rows(draw, probs, uniforms)
+
   def _remaining(self, st: State, slots: jax.Array) -> jax.Array:
     end = self.plan.slots - jnp.argmax(st.target[:, ::-1], axis=1)  # [b] one past the hole's last slot
     return end[:, None] - slots - 1
@@ -132,7 +140,7 @@ class Verifier:
       remaining = self._remaining(st, slots)
       allowed = jax.vmap(lambda s, r: _allowed(c.tables, s, r), in_axes=1, out_axes=1)(states, remaining)
       clean = jnp.where(allowed, clean, -jnp.inf)
-    p = knob_probs(clean, st.knobs)  # [b, k, vocab]
+    p = self._probs(clean, st.knobs)  # [b, k, vocab]
 
     # Accept the longest run of drafts that passes min(1, p/q); fixed text passes as it is.
     base = jax.vmap(jax.random.fold_in)(st.example_keys, starts)
@@ -149,10 +157,15 @@ class Verifier:
     p_a = pick(p)
     q_a = pick(jnp.pad(d.probs, ((0, 0), (0, 1), (0, 0))))
     rejected = (a < k - 1) & jnp.take_along_axis(jnp.pad(has_draft, ((0, 0), (0, 1))), a[:, None], axis=1)[:, 0]
-    residual = jnp.maximum(p_a - q_a, 0.0)
-    mass = residual.sum(axis=-1, keepdims=True)
-    own = jnp.where((rejected[:, None] & (mass > 0.0)), residual / jnp.maximum(mass, 1e-30), p_a)
-    own_token = draw(own[:, None], uniform_noise(fold(RESIDUAL_NOISE), (1, noise_width(p.shape[-1]))))[:, 0]
+
+    def own_token(p_a, q_a, rejected, uniforms):
+      residual = jnp.maximum(p_a - q_a, 0.0)
+      mass = residual.sum(axis=-1, keepdims=True)
+      own = jnp.where((rejected[:, None] & (mass > 0.0)), residual / jnp.maximum(mass, 1e-30), p_a)
+      return draw(own[:, None], uniforms)[:, 0]
+
+    noise = uniform_noise(fold(RESIDUAL_NOISE), (1, noise_width(p.shape[-1])))
+    own_token = self.engine.network.map_rows(own_token, p_a, q_a, rejected, noise)
     index = jnp.arange(k)[None, :]
     chosen = jnp.where(index < a[:, None], jnp.pad(inputs, ((0, 0), (0, 1))), own_token[:, None])  # [b, k]
     new = jnp.where(open_w, chosen, z_w)
@@ -237,8 +250,8 @@ class Verifier:
     noise = uniform_noise(key, (k - 1, noise_width(logits.shape[-1])))
     vocab = logits.shape[-1]
     if st.constraint is None:
-      q = knob_probs(clean, st.knobs)
-      tokens = draw(q, noise)
+      q = self._probs(clean, st.knobs)
+      tokens = self._draw(q, noise)
     else:
       c = st.constraint
       hole = jnp.take_along_axis(st.target, slots, axis=1)
@@ -246,8 +259,8 @@ class Verifier:
       state, tokens, qs = c.dfa, [], []
       for i in range(k - 1):
         allowed = _allowed(c.tables, state, remaining[:, i])
-        q_i = knob_probs(jnp.where(allowed, clean[:, i], -jnp.inf)[:, None], st.knobs)[:, 0]
-        t_i = jnp.where(known[:, i], z_w[:, i], draw(q_i[:, None], noise[:, i : i + 1])[:, 0])
+        q_i = self._probs(jnp.where(allowed, clean[:, i], -jnp.inf)[:, None], st.knobs)[:, 0]
+        t_i = jnp.where(known[:, i], z_w[:, i], self._draw(q_i[:, None], noise[:, i : i + 1])[:, 0])
         state = jnp.where(hole[:, i], constrained.step(c.tables, state, t_i), state)
         tokens.append(t_i)
         qs.append(q_i)
