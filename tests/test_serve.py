@@ -180,8 +180,12 @@ def _streamed(client, **kw) -> tuple[str, str | None, list]:
 
 def test_completion_streamed_equals_unstreamed_and_usage_counts_tokens(server):
   client = server.client()
-  for seed in range(7, 12):  # a sampled reply may be EOS at once (an empty one counts nothing): the first that is not
-    kw = dict(prompt="user: sort 4 1 3\nassistant:", max_tokens=8, seed=seed, temperature=1.0)
+  # The prompt ends inside the reply: token healing re-generates its last token, " 1", where the chat model was
+  # trained to write (healing the template's "assistant:" puts a mask where it only ever saw prompt text, and some
+  # CPUs' training runs answer that with EOS at once). A sampled reply may still end at once: the first seed that
+  # does not.
+  for seed in range(7, 12):
+    kw = dict(prompt="user: sort 4 1 3\nassistant: 1", max_tokens=8, seed=seed, temperature=1.0)
     out = client.completions.create(model="tiny", **kw)
     if out.usage.completion_tokens:
       break

@@ -274,5 +274,7 @@ class FunctionNetwork:
   def chunk(self, *args, **kwargs):
     raise ValueError("a FunctionNetwork has no key-value cache; decode it with cache='none'")
 
+  map_rows = Network.map_rows
+
   def empty_cache(self, batch: int, slots: int):
     raise ValueError("a FunctionNetwork has no key-value cache; decode it with cache='none'")
