@@ -14,8 +14,10 @@ from flax import linen as nn
 from mercury_jax import sharding as sh
 from mercury_jax.checkpoint import export_params
 from mercury_jax.config import Config, MeshConfig, ModelConfig, ObjectiveConfig
+from mercury_jax.kvcache import KVCache
 from mercury_jax.model import Transformer, param_shardings
 from mercury_jax.sampling import canvas as cv
+from mercury_jax.sampling.caches import per_row
 from mercury_jax.sampling.engine import BlockEngine, prefill_slots
 from mercury_jax.sampling.mesh import jit_on_mesh
 from mercury_jax.sampling.plan import plan_blocks
@@ -508,3 +510,20 @@ def test_the_engine_is_the_only_decoding_loop():
   folder = Path(sampling.__file__).parent
   loops = sorted(p.name for p in folder.glob("*.py") if "while_loop(" in p.read_text())
   assert loops == ["engine.py"], loops
+
+
+def test_a_pass_run_for_some_rows_leaves_the_other_rows_logits_and_cache_as_they_were():
+  """``caches.per_row``: a batched pass runs when any row wants it; the rows that did not want it keep what they had,
+  in every layer (keys and values are ``[layers, b, ...]``, here with as many layers as rows, so that a mix-up of the
+  two axes shows)."""
+  want = jnp.asarray([True, False])
+  old = KVCache(jnp.zeros((2, 2, 3, 1, 4)), jnp.zeros((2, 2, 3, 1, 4)), jnp.zeros((2, 3), jnp.int32))
+  new = KVCache(jnp.ones((2, 2, 3, 1, 4)), 2 * jnp.ones((2, 2, 3, 1, 4)), jnp.ones((2, 3), jnp.int32))
+  got = per_row(want, new, old)
+  np.testing.assert_array_equal(got.keys[:, 0], 1.0)
+  np.testing.assert_array_equal(got.keys[:, 1], 0.0)
+  np.testing.assert_array_equal(got.values[:, 0], 2.0)
+  np.testing.assert_array_equal(got.values[:, 1], 0.0)
+  np.testing.assert_array_equal(got.segments, [[1, 1, 1], [0, 0, 0]])
+  logits = per_row(want, jnp.ones((2, 4, 8)), jnp.zeros((2, 4, 8)))
+  np.testing.assert_array_equal(logits.sum(axis=(1, 2)), [32.0, 0.0])
