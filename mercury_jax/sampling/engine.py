@@ -335,7 +335,11 @@ class BlockEngine:
       logits = hook.logits(st, view, logits)
     eos_banned = rows(st.eos_banned, starts, block)
     x0, confidence = self.network.map_rows(  # row by row where the network is (batch invariance)
-      lambda *a: propose_rows(*a[:3], settings, Knobs(*a[3:])), logits, noise, eos_banned, *st.knobs
+      lambda logits, noise, eos_banned, knobs: propose_rows(logits, noise, eos_banned, settings, knobs),
+      logits,
+      noise,
+      eos_banned,
+      st.knobs,
     )
     for hook in hooks:
       x0, confidence, st = hook.propose(st, view, logits, x0, confidence)
@@ -458,9 +462,7 @@ class BlockEngine:
     def distribution(logits):  # the expected latent [b, B, d] under the step's distribution
       for hook in hooks:
         logits = hook.logits(st, view, logits)
-      if allowed is None:
-        return self.network.map_rows(lambda *a: expected(*a, None), logits, eos_banned)
-      return self.network.map_rows(expected, logits, eos_banned, allowed)
+      return self.network.map_rows(expected, logits, eos_banned, allowed)  # allowed: None, or [b, B, vocab]
 
     written = st._replace(cache=forward.cache)
 

@@ -127,7 +127,7 @@ class Network:
     )
 
   def map_rows(self, fn, *args):
-    """``fn(*args)``: a function of batched arrays (``[b, ...]`` leaves) that works on each row alone.
+    """``fn(*args)``: a function of batched pytrees (``[b, ...]`` leaves; None allowed) that works on each row alone.
     :class:`RowwiseNetwork` runs it row by row, so that its rounding does not depend on the batch either."""
     return fn(*args)
 

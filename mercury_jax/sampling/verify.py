@@ -105,7 +105,7 @@ class Verifier:
   def _probs(self, clean: jax.Array, knobs) -> jax.Array:
     """:func:`knob_probs`, row by row when the network is (``Network.map_rows``: a row's softmax must not round by
     its batch)."""
-    return self.engine.network.map_rows(lambda c, *kn: knob_probs(c, type(knobs)(*kn)), clean, *knobs)
+    return self.engine.network.map_rows(knob_probs, clean, knobs)
 
   def _draw(self, probs: jax.Array, uniforms: jax.Array) -> jax.Array:
     return self.engine.network.map_rows(draw, probs, uniforms)
