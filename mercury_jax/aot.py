@@ -7,8 +7,9 @@ accelerator-scale model shows up on a laptop. Two modes:
 * ``--config NAME``: lowers and compiles a preset's train step on the preset's mesh; prints the parameter count,
   per-device memory and FLOPs.
 * ``--sample`` with ``--checkpoint DIR`` (a converted or trained checkpoint: only its stored config is read),
-  ``--hf-config PATH`` (a Hugging Face ``config.json``, mapped by :func:`mercury_jax.convert.config_from_hf`) or
-  ``--family F [--size S]`` (a public model's ``config.json`` shipped in ``configs/public/``): lowers and compiles
+  ``--hf-config PATH`` (a Hugging Face ``config.json``, mapped by :func:`mercury_jax.convert.config_from_hf`),
+  ``--family F [--size S]`` (a public model's ``config.json`` shipped in ``configs/public/``) or ``--config NAME`` (a
+  preset, on its own mesh unless ``--mesh`` says otherwise): lowers and compiles
   the decoding engine's whole generation (:meth:`~mercury_jax.sampling.engine.BlockEngine.sample`: prefill and
   every block) for the decoder the checkpoint runs (:func:`~mercury_jax.sampling.decoders.choose` with its
   ``[sampling]`` defaults: whole canvas, semi-autoregressive blocks or the exact cache), with abstract parameters in
@@ -16,16 +17,22 @@ accelerator-scale model shows up on a laptop. Two modes:
   size, on a canvas of ``--length`` positions (prompt and generation: the split is traced data and does not change
   the program). A batch is padded to the data-parallel size as the sampler pads it (``rows``). Prints per-device
   argument, temporary and output bytes from XLA's memory analysis; the step count is traced, so it changes nothing.
+  With ``--prefill`` it compiles only the engine's start (:meth:`~mercury_jax.sampling.engine.BlockEngine.init`): the
+  prefill of a prompt that fills all of the canvas but its last block, and the first block's state; its output is
+  the state, the key-value cache included. On a mesh with a ``sequence`` axis the prefill runs context-parallel.
 
-Example::
+Examples::
 
   python -m mercury_jax.aot --sample --family llada --batch 1,16 --length 1024 --mesh data=1,fsdp=4,tensor=2
+  python -m mercury_jax.aot --sample --prefill --config pod64_1b_128k --set objective.block_size=8 --batch 1 \
+    --length 131072
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -44,7 +51,7 @@ PUBLIC_CONFIGS = {
   "fast_dllm_v2": {"7b": "fast-dllm-v2-7b.json"},
 }
 DEFAULT_MESH = "data=1,fsdp=4,tensor=2"
-MESH_AXES = ("data", "fsdp", "tensor")
+MESH_AXES = ("data", "fsdp", "sequence", "tensor")  # sharding.MESH_AXES; jax loads only after the device count
 GIB = 2**30
 
 
@@ -64,8 +71,11 @@ def _parser() -> argparse.ArgumentParser:
   parser.add_argument("--size", help="the public model's size (with --family), e.g. 8b; default: the family's first")
   parser.add_argument("--batch", default="1,16", help="comma-separated batch sizes (default 1,16)")
   parser.add_argument("--length", type=int, default=1024, help="canvas positions: prompt + generation (default 1024)")
-  parser.add_argument("--mesh", default=DEFAULT_MESH, help=f"mesh sizes (default {DEFAULT_MESH})")
+  parser.add_argument(
+    "--mesh", help=f"sampling: axis=size pairs (default: a --config preset's mesh, else {DEFAULT_MESH})"
+  )
   parser.add_argument("--cache", default="auto", help="the decoder's cache: auto (the checkpoint's), exact, none, ...")
+  parser.add_argument("--prefill", action="store_true", help="sampling: compile the prefill and start only")
   return parser
 
 
@@ -99,9 +109,10 @@ def _mesh_devices(argv: list[str] | None) -> int | None:
   from mercury_jax.config import load_config, parse_set_args
 
   args, _ = _parser().parse_known_args(argv)
-  if args.sample:
+  if args.sample and (args.mesh or not args.config):
     try:
-      return math.prod(dataclasses.astuple(parse_mesh(args.mesh))[:3])
+      mesh = parse_mesh(args.mesh or DEFAULT_MESH)
+      return mesh.data * mesh.fsdp * mesh.sequence * mesh.tensor
     except AotError:
       return None
   if args.config is None:
@@ -110,7 +121,7 @@ def _mesh_devices(argv: list[str] | None) -> int | None:
     cfg = load_config(args.config, parse_set_args(args.set))
   except ConfigError:
     return None
-  sizes = (cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
+  sizes = (cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.sequence, cfg.mesh.tensor)
   return None if -1 in sizes else math.prod(sizes)
 
 
@@ -218,14 +229,19 @@ def sample_config(args: argparse.Namespace) -> Config:
 
   if args.size and not args.family:
     raise AotError(f"--size {args.size!r} needs --family")
+  from mercury_jax.config import load_config
+
+  sources = [name for name in ("checkpoint", "hf_config", "family", "config") if getattr(args, name)]
+  if len(sources) != 1:
+    raise AotError("--sample needs exactly one of --checkpoint DIR, --hf-config PATH, --family NAME, --config NAME")
+  if args.config:
+    return load_config(args.config, parse_set_args(args.set))
   if args.checkpoint:
     cfg = checkpoint_config(args.checkpoint)
   elif args.hf_config:
     cfg = _hf_config(Path(args.hf_config))
-  elif args.family:
-    cfg = _hf_config(public_config_file(args.family, args.size), args.family)
   else:
-    raise AotError("--sample needs --checkpoint DIR, --hf-config PATH or --family NAME")
+    cfg = _hf_config(public_config_file(args.family, args.size), args.family)
   return apply_overrides(cfg, parse_set_args(args.set)).validate()
 
 
@@ -262,9 +278,12 @@ def check_divides(params, mesh) -> None:
         )
 
 
-def sample_report(cfg: Config, mesh_cfg: MeshConfig, batch: int, length: int, cache: str = "auto") -> dict:
-  """Lowers and compiles the engine's whole generation for ``cfg`` at ``batch`` x ``length`` on a mesh of the first
-  devices, with abstract parameters (no weights); returns sizes and per-device memory.
+def sample_report(
+  cfg: Config, mesh_cfg: MeshConfig, batch: int, length: int, cache: str = "auto", prefill: bool = False
+) -> dict:
+  """Lowers and compiles the engine's whole generation (or, with ``prefill``, its start: the prefill of a prompt
+  covering all but the canvas's last block) for ``cfg`` at ``batch`` x ``length`` on a mesh of the first devices,
+  with abstract parameters (no weights); returns sizes and per-device memory.
 
   Returns:
     A dict: ``params`` (count), ``param_bytes`` (all of them), ``param_bytes_per_device`` (the largest device's share
@@ -283,13 +302,13 @@ def sample_report(cfg: Config, mesh_cfg: MeshConfig, batch: int, length: int, ca
   from mercury_jax.model import Transformer, abstract_params
   from mercury_jax.sampling import canvas as cv
   from mercury_jax.sampling.decoders import without_knobs
-  from mercury_jax.sampling.engine import BlockEngine
+  from mercury_jax.sampling.engine import BlockEngine, prefill_slots
   from mercury_jax.sampling.jobs import Jobs
   from mercury_jax.sampling.mesh import jit_on_mesh
   from mercury_jax.sampling.network import Network
   from mercury_jax.sampling.settings import SettingError
 
-  devices = math.prod((mesh_cfg.data, mesh_cfg.fsdp, mesh_cfg.tensor))
+  devices = math.prod((mesh_cfg.data, mesh_cfg.fsdp, mesh_cfg.sequence, mesh_cfg.tensor))
   if devices > len(jax.devices()):
     raise AotError(f"--mesh needs {devices} devices but {len(jax.devices())} are available")
   if not 1 <= length <= cfg.model.max_length:
@@ -308,13 +327,22 @@ def sample_report(cfg: Config, mesh_cfg: MeshConfig, batch: int, length: int, ca
   except SettingError as e:
     raise AotError(e.named(f"--{e.field.replace('_', '-')}")) from None
   prompt = length // 2 if length > 1 else 0
+  if prefill:
+    prompt = max(length - max(decoder.block, 1), 0)
   kinds = np.full((batch, length), K.TARGET, np.int32)
   kinds[:, :prompt] = K.FIXED
   canvas = cv.Canvas(np.zeros_like(kinds), kinds, np.arange(batch, dtype=np.int32))
   canvas, plan = jobs.plan(canvas, decoder)
   canvas = cv.pad_batch(canvas, sh.data_parallel_size(mesh, rules))
   engine = BlockEngine(Network(cfg.model), without_knobs(settings), plan)
-  fn = jit_on_mesh(engine.sample, mesh, rules, jax.tree.map(lambda p: p.sharding, params), scalars=1)
+  param_shardings = jax.tree.map(lambda p: p.sharding, params)
+  if prefill:
+    rows, replicated = sh.batch_sharding(mesh, rules, 2), jax.sharding.NamedSharding(mesh, jax.P())
+    canvas_sharding = cv.Canvas(rows, rows, sh.batch_sharding(mesh, rules, 1))
+    start = functools.partial(engine.init, prefill=prefill_slots(canvas.kinds, plan))  # as the Sampler runs it
+    fn = sh.MeshJit(start, mesh, rules, in_shardings=(param_shardings, canvas_sharding, replicated, replicated))
+  else:
+    fn = jit_on_mesh(engine.sample, mesh, rules, param_shardings, scalars=1)
   abstract = lambda a: jax.ShapeDtypeStruct(np.shape(a), jnp.int32)  # noqa: E731
   compiled = fn.lower(
     params,
@@ -330,7 +358,7 @@ def sample_report(cfg: Config, mesh_cfg: MeshConfig, batch: int, length: int, ca
     "param_bytes_per_device": sum(math.prod(p.sharding.shard_shape(p.shape)) * p.dtype.itemsize for p in leaves),
     "rows": int(np.shape(canvas.tokens)[0]),
     "length": int(np.shape(canvas.tokens)[1]),
-    "decoder": f"cache={plan.cache} block={plan.block}",
+    "decoder": f"cache={plan.cache} block={plan.block}" + (" (prefill)" if prefill else ""),
     "devices": mesh.size,
   }
   if memory is not None:
@@ -346,19 +374,20 @@ def sample_report(cfg: Config, mesh_cfg: MeshConfig, batch: int, length: int, ca
 
 def _sample_main(args: argparse.Namespace) -> None:
   batches = _batches(args.batch)
-  mesh_cfg = parse_mesh(args.mesh)
   cfg = sample_config(args)
+  mesh_cfg = cfg.mesh if args.config and not args.mesh else parse_mesh(args.mesh or DEFAULT_MESH)
+  mesh_name = ",".join(f"{a}={getattr(mesh_cfg, a)}" for a in MESH_AXES if getattr(mesh_cfg, a) != 1) or "data=1"
   name = cfg.name
   if args.family:
     name = f"{args.family}-{(args.size or next(iter(PUBLIC_CONFIGS[args.family]))).lower()}"
   reports = []
   for batch in batches:
-    reports.append(sample_report(cfg, mesh_cfg, batch, args.length, args.cache))
+    reports.append(sample_report(cfg, mesh_cfg, batch, args.length, args.cache, args.prefill))
     if len(reports) == 1:
       first = reports[0]
       print(
         f"{name}: {cfg.model.param_dtype} parameters, {cfg.model.dtype} activations, {first['decoder']}, mesh "
-        f"{args.mesh} ({first['devices']} devices); parameters {first['param_bytes'] / GIB:.2f} GiB in all, "
+        f"{mesh_name} ({first['devices']} devices); parameters {first['param_bytes'] / GIB:.2f} GiB in all, "
         f"{first['param_bytes_per_device'] / GIB:.3f} GiB per device by their shardings"
       )
       print(
@@ -391,8 +420,11 @@ def main(argv: list[str] | None = None) -> None:
   from mercury_jax.config import load_config, parse_set_args
 
   args = _parser().parse_args(argv)
-  if args.sample == bool(args.config):
-    print("error: give exactly one of --config NAME (train step) and --sample (sampling)", file=sys.stderr)
+  if not args.sample and not args.config:
+    print("error: give --config NAME (train step) or --sample (sampling)", file=sys.stderr)
+    raise SystemExit(2)
+  if args.prefill and not args.sample:
+    print("error: --prefill compiles a sampling program's start; add --sample", file=sys.stderr)
     raise SystemExit(2)
   try:
     if args.sample:

@@ -27,7 +27,7 @@ import math
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
-from jax.sharding import AxisType, PartitionSpec as P
+from jax.sharding import PartitionSpec as P
 
 from mercury_jax import sharding
 from mercury_jax.kernels import masks
@@ -107,16 +107,59 @@ def _cudnn(q, k, v, segment_ids, mask, diffusion_block):
   return _zero_padding_rows(out, segment_ids)
 
 
-def _mesh_spec(logical: tuple[str, ...], shape: tuple[int, ...], mesh, rules) -> P:
-  """The partition spec of ``logical`` under ``rules``, keeping only free mesh axes that divide each dimension."""
-  free = {name for name, kind in zip(mesh.axis_names, mesh.axis_types, strict=True) if kind != AxisType.Manual}
-  spec = []
-  for axes, size in zip(nn.logical_to_mesh_axes(logical, rules), shape, strict=True):
-    axes = tuple(a for a in ((axes,) if isinstance(axes, str) else axes or ()) if a in free)
-    if size % math.prod(mesh.shape[a] for a in axes):
-      axes = ()
-    spec.append(None if not axes else axes[0] if len(axes) == 1 else axes)
-  return P(*spec)
+def _head_split(q_shape, k_shape, mesh, rules, *, length: bool):
+  """``(q_spec, kv_spec, select_kv)`` of attention run per shard: rows over the data axes, query heads over
+  ``tensor``, the length over ``sequence`` when ``length`` (else whole). When the kv heads split like the query heads,
+  each shard holds whole groups (local query head ``h`` reads local kv head ``h // groups``) and ``select_kv`` is
+  None; otherwise (say one kv head over two head shards) every shard gets all kv heads, and ``select_kv`` takes the
+  ones its query heads read (the shard_map transpose then sums their gradients over the head shards)."""
+  sh = sharding
+  length_axis = sh.LENGTH if length else None
+  q_spec = sh.mesh_spec((sh.BATCH, length_axis, sh.ACT_HEADS, sh.HEAD_DIM), q_shape, mesh, rules)
+  kv_spec = sh.mesh_spec((sh.BATCH, length_axis, sh.ACT_KV_HEADS, sh.HEAD_DIM), k_shape, mesh, rules)
+  rows, head_axes = q_spec[0], q_spec[2]
+  if kv_spec[2] == head_axes:
+    return q_spec, P(rows, q_spec[1], head_axes, kv_spec[3]), None
+  heads, kv_heads = q_shape[2], k_shape[2]
+  names = (head_axes,) if isinstance(head_axes, str) else head_axes or ()
+  local_heads = heads // math.prod(mesh.shape[a] for a in names)
+
+  def select_kv(x):
+    first = jax.lax.axis_index(head_axes) * local_heads
+    return jnp.take(x, (first + jnp.arange(local_heads)) // (heads // kv_heads), axis=2)  # [b, l, local, d]
+
+  return q_spec, P(rows, q_spec[1], None, kv_spec[3]), select_kv if names else None
+
+
+def _context_parallel(q, k, v, segment_ids, mask, diffusion_block, layout, strategy):
+  """Attention over a sequence split over the ``sequence`` mesh axis, per shard inside a ``shard_map``
+  (:mod:`mercury_jax.kernels.context_parallel`): rows over the data axes, heads over ``tensor``, positions over
+  ``sequence`` in ``layout``. Every implementation takes this path (its per-shard loops are the blockwise XLA ones)."""
+  from mercury_jax.kernels import context_parallel as cp
+
+  mesh, rules = jax.sharding.get_abstract_mesh(), nn.get_logical_axis_rules()
+  q_spec, kv_spec, select_kv = _head_split(q.shape, k.shape, mesh, rules, length=True)
+  if q_spec[1] is None or q_spec[3] is not None:
+    raise ValueError(
+      f"context parallelism over {layout.shards} shards needs the length split over the sequence axis and whole "
+      f"head_dims; the rules shard q {q.shape} as {q_spec}"
+    )
+  if segment_ids is None:
+    segment_ids = jnp.ones(q.shape[:2], jnp.int32)
+  half = q.shape[1] // 2 if mask in _TWO_HALVES else None
+
+  def per_shard(q, k, v, segment_ids):
+    if select_kv is not None:
+      k, v = select_kv(k), select_kv(v)
+    return cp.attention(
+      q, k, v, segment_ids, mask=mask, diffusion_block=diffusion_block, half=half, axis=q_spec[1], layout=layout,
+      strategy=strategy,
+    )  # fmt: skip
+
+  specs = (q_spec, kv_spec, kv_spec, P(q_spec[0], q_spec[1]))
+  return jax.shard_map(per_shard, mesh=mesh, in_specs=specs, out_specs=q_spec, check_vma=False)(
+    q, k, v, segment_ids.astype(jnp.int32)
+  )
 
 
 def _pallas(q, k, v, segment_ids, mask, diffusion_block):
@@ -129,29 +172,11 @@ def _pallas(q, k, v, segment_ids, mask, diffusion_block):
   if mesh.empty:
     return kernel(q, k, v, segment_ids=segment_ids)
   # A pallas_call cannot be partitioned by GSPMD, so the kernel runs per shard: batch over the data axes, heads over
-  # `tensor`; length and head_dim stay whole.
-  rules = nn.get_logical_axis_rules()
-  q_spec = _mesh_spec((sharding.BATCH, sharding.LENGTH, sharding.ACT_HEADS, sharding.HEAD_DIM), q.shape, mesh, rules)
-  kv_spec = _mesh_spec(
-    (sharding.BATCH, sharding.LENGTH, sharding.ACT_KV_HEADS, sharding.HEAD_DIM), k.shape, mesh, rules
-  )
-  if q_spec[1] is not None or q_spec[3] is not None:
-    raise ValueError(f"the pallas kernel needs whole sequences and head_dims; the rules shard q as {q_spec}")
-  kv_spec = P(q_spec[0], None, kv_spec[2], None)  # The batch is split exactly like the queries'.
+  # `tensor`; length and head_dim stay whole (a sequence split over `sequence` takes the context-parallel path).
+  q_spec, kv_spec, select_kv = _head_split(q.shape, k.shape, mesh, nn.get_logical_axis_rules(), length=False)
+  if q_spec[3] is not None:
+    raise ValueError(f"the pallas kernel needs whole head_dims; the rules shard q as {q_spec}")
   seg_spec = P(q_spec[0], None)
-  heads, kv_heads = q.shape[2], k.shape[2]
-  head_axes = q_spec[2]
-  if kv_spec[2] == head_axes:  # Each shard holds whole groups: local query head h reads local kv head h // groups.
-    select_kv = None
-  else:
-    # kv_heads does not split like heads (say one kv head over two head shards): every shard gets all kv heads and
-    # gathers the ones its query heads read; the shard_map transpose sums their gradients over the head shards.
-    kv_spec = P(q_spec[0], None, None, None)
-    local_heads = heads // math.prod(mesh.shape[a] for a in ((head_axes,) if isinstance(head_axes, str) else head_axes))
-
-    def select_kv(x):
-      first = jax.lax.axis_index(head_axes) * local_heads
-      return jnp.take(x, (first + jnp.arange(local_heads)) // (heads // kv_heads), axis=2)  # [b, l, local, d]
 
   def per_shard(q, k, v, *segment_ids):
     if select_kv is not None:
@@ -175,6 +200,8 @@ def attend(
   mask: str | None = None,
   diffusion_block: int | None = None,
   blockwise: bool | None = None,
+  layout=None,
+  context_parallel: str = "all_gather",
 ) -> jax.Array:
   """Scaled dot-product attention; returns ``[batch, length, heads, head_dim]`` in ``q.dtype``.
 
@@ -190,8 +217,16 @@ def attend(
     diffusion_block: block size of ``block_causal``, ``block_diffusion`` and ``verified``.
     blockwise: the ``xla`` implementation's path: None picks blockwise from ``BLOCKWISE_MIN_LENGTH`` tokens on,
       True / False force the blockwise / dense path. Only for ``xla`` (also when ``auto`` resolves to it).
+    layout: a :class:`mercury_jax.kernels.context_parallel.SequenceLayout`: the sequence is split over the
+      ``sequence`` mesh axis in this layout (the caller permuted it so), and attention runs context-parallel,
+      whatever ``implementation``; None: the whole sequence on every shard of that axis.
+    context_parallel: with ``layout``, ``all_gather`` or ``ring``.
   """
   mask = _resolve_mask(causal, mask, diffusion_block)
+  if layout is not None:
+    if mask in _TWO_HALVES and q.shape[1] % 2:
+      raise ValueError(f"{mask=} runs over two halves (drafts ⊕ x_0) and needs an even length, got {q.shape[1]}")
+    return _context_parallel(q, k, v, segment_ids, mask, diffusion_block, layout, context_parallel)
   impl = resolve_implementation(implementation)
   if impl == "xla":
     return _xla(q, k, v, segment_ids, mask, diffusion_block, blockwise)
@@ -201,17 +236,26 @@ def attend(
   return fn(q, k, v, segment_ids, mask, diffusion_block)
 
 
-def _cached_xla(q, k, v, segments, cache_k, cache_v, cache_segments, starts, mask, diffusion_block):
+def _cached_xla(q, k, v, segments, cache_k, cache_v, cache_segments, starts, mask, diffusion_block, split=None):
   """Attention over ``[cache ; chunk]`` with two score blocks and one softmax, so the cache is never concatenated.
 
   The products are plain batched matmuls over ``[batch, kv_heads]``, the query rows of a key/value head's group laid
   out as one ``[groups * chunk, head_dim]`` matrix: on XLA:CPU the einsum that kept the head axes between the query
   and slot axes made this attention 1.8-3.4x slower for a prefill chunk of 512 tokens over 4 K and 16 K slots
-  (``launch/bench_long_context.py cached``, ``BUILD_NOTES.md``)."""
+  (``launch/bench_long_context.py cached``, ``BUILD_NOTES.md``).
+
+  ``split``: the mesh axis the cache's slots are split over, inside a ``shard_map`` (:func:`_cached_split`): this
+  shard's cache holds the slots from ``axis_index * slots``, the first shard alone scores the chunk's own keys, and
+  the softmax's maximum, normaliser and weighted values are reduced over the shards (split-K, as flash-decoding)."""
   batch, chunk, heads, head_dim = q.shape
   kv_heads = k.shape[2]
   groups = heads // kv_heads
-  in_cache, in_chunk = masks.cached(segments, cache_segments, starts, mask, block=diffusion_block, xp=jnp)
+  offset = 0 if split is None else jax.lax.axis_index(split) * cache_segments.shape[1]
+  in_cache, in_chunk = masks.cached(
+    segments, cache_segments, starts, mask, block=diffusion_block, xp=jnp, offset=offset
+  )
+  if split is not None:
+    in_chunk = in_chunk & (jax.lax.axis_index(split) == 0)
   heads_first = lambda x: jnp.swapaxes(x.astype(jnp.float32), 1, 2)  # noqa: E731  [b, n, kv, d] -> [b, kv, n, d]
   q = q.reshape(batch, chunk, kv_heads, groups, head_dim).astype(jnp.float32) * head_dim**-0.5
   q = q.transpose(0, 2, 3, 1, 4).reshape(batch, kv_heads, groups * chunk, head_dim)  # rows: (group, chunk token)
@@ -221,13 +265,43 @@ def _cached_xla(q, k, v, segments, cache_k, cache_v, cache_segments, starts, mas
   cached = jnp.where(rows(in_cache), cached, -jnp.inf)
   own = jnp.where(rows(in_chunk), own, -jnp.inf)
   top = jnp.maximum(jnp.max(cached, axis=-1), jnp.max(own, axis=-1))[..., None]  # [b, kv, groups * chunk, 1]
+  if split is not None:
+    top = jax.lax.pmax(top, split)
   top = jnp.where(jnp.isfinite(top), top, 0.0)  # A query that sees nothing: every weight is 0.
   cached, own = jnp.exp(cached - top), jnp.exp(own - top)
   total = jnp.sum(cached, axis=-1, keepdims=True) + jnp.sum(own, axis=-1, keepdims=True)
   out = jnp.matmul(cached, heads_first(cache_v)) + jnp.matmul(own, heads_first(v))  # [b, kv, groups * chunk, d]
+  if split is not None:
+    total, out = jax.lax.psum(total, split), jax.lax.psum(out, split)
   out = jnp.where(total > 0, out / jnp.where(total > 0, total, 1.0), 0.0)
   out = out.reshape(batch, kv_heads, groups, chunk, head_dim).transpose(0, 3, 1, 2, 4)  # [b, chunk, kv, groups, d]
   return out.reshape(batch, chunk, heads, head_dim).astype(v.dtype)
+
+
+def _cached_split(q, k, v, segments, cache_k, cache_v, cache_segments, starts, mask, diffusion_block):
+  """:func:`_cached_xla` over a cache whose slots are split over ``sequence`` (``KVCache.constrained``), or None when
+  they are not: per shard inside a ``shard_map``, rows over the data axes and heads over ``tensor``, so no shard
+  gathers another's slots; the chunk is whole on every shard."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return None
+  rules = nn.get_logical_axis_rules()
+  slots = sharding.mesh_spec((sharding.BATCH, sharding.LENGTH), cache_segments.shape, mesh, rules)[1]
+  if slots is None:
+    return None
+  q_spec, kv_spec, select_kv = _head_split(q.shape, k.shape, mesh, rules, length=False)
+  rows = q_spec[0]
+  q_spec, kv_spec = P(rows, None, q_spec[2], None), P(rows, None, kv_spec[2], None)
+  cache_spec = P(rows, slots, kv_spec[2], None)
+
+  def per_shard(q, k, v, segments, cache_k, cache_v, cache_segments, starts):
+    if select_kv is not None:
+      k, v, cache_k, cache_v = (select_kv(x) for x in (k, v, cache_k, cache_v))
+    return _cached_xla(q, k, v, segments, cache_k, cache_v, cache_segments, starts, mask, diffusion_block, slots)
+
+  specs = (q_spec, kv_spec, kv_spec, P(rows, None), cache_spec, cache_spec, P(rows, slots), P(rows))
+  args = (q, k, v, segments, cache_k, cache_v, cache_segments, starts)
+  return jax.shard_map(per_shard, mesh=mesh, in_specs=specs, out_specs=q_spec, check_vma=False)(*args)
 
 
 def _cached_pallas(q, k, v, segments, cache_k, cache_v, cache_segments, starts, mask, diffusion_block, table=None):
@@ -248,26 +322,9 @@ def _cached_pallas(q, k, v, segments, cache_k, cache_v, cache_segments, starts, 
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty:
     return kernel(q, k, v, segments, cache_k, cache_v, cache_segments, starts, table=table)
-  rules = nn.get_logical_axis_rules()
-  q_spec = _mesh_spec((sharding.BATCH, sharding.LENGTH, sharding.ACT_HEADS, sharding.HEAD_DIM), q.shape, mesh, rules)
-  kv_spec = _mesh_spec(
-    (sharding.BATCH, sharding.LENGTH, sharding.ACT_KV_HEADS, sharding.HEAD_DIM), k.shape, mesh, rules
-  )
-  rows, head_axes = q_spec[0], q_spec[2]
-  q_spec = P(rows, None, head_axes, None)
-  heads, kv_heads = q.shape[2], k.shape[2]
-  select_kv = None
-  if kv_spec[2] == head_axes:
-    kv_spec = P(rows, None, head_axes, None)
-  else:  # kv heads do not split like the query heads: every shard holds them all and reads the ones it needs.
-    kv_spec = P(rows, None, None, None)
-    names = (head_axes,) if isinstance(head_axes, str) else head_axes or ()
-    local_heads = heads // math.prod(mesh.shape[a] for a in names)
-    if names:
-
-      def select_kv(x):
-        first = jax.lax.axis_index(head_axes) * local_heads
-        return jnp.take(x, (first + jnp.arange(local_heads)) // (heads // kv_heads), axis=2)
+  q_spec, kv_spec, select_kv = _head_split(q.shape, k.shape, mesh, nn.get_logical_axis_rules(), length=False)
+  rows = q_spec[0]
+  q_spec, kv_spec = P(rows, None, q_spec[2], None), P(rows, None, kv_spec[2], None)
 
   def per_shard(q, k, v, segments, cache_k, cache_v, cache_segments, starts, *table):
     if select_kv is not None:
@@ -334,6 +391,9 @@ def attend_cached(
   starts = jnp.broadcast_to(jnp.asarray(starts, jnp.int32), q.shape[:1])
   impl = resolve_implementation(implementation)
   pallas = impl == "pallas" and mask not in masks.CHUNK_MASKS
+  mesh = jax.sharding.get_abstract_mesh()
+  if pallas and not mesh.empty and sharding.sequence_shards(mesh, nn.get_logical_axis_rules()) > 1:
+    pallas = False  # A cache split over `sequence`: the XLA path, whose softmax GSPMD reduces across the shards.
   if table is not None:
     in_place = False
     if pallas:
@@ -345,4 +405,6 @@ def attend_cached(
       table = None
   if pallas:
     return _cached_pallas(q, k, v, segments, cache_k, cache_v, cache_segments, starts, mask, diffusion_block, table)
-  return _cached_xla(q, k, v, segments, cache_k, cache_v, cache_segments, starts, mask, diffusion_block)
+  args = (q, k, v, segments, cache_k, cache_v, cache_segments, starts, mask, diffusion_block)
+  split = _cached_split(*args) if table is None else None
+  return _cached_xla(*args) if split is None else split

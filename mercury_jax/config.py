@@ -64,6 +64,10 @@ class ModelConfig:
   dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # Compute dtype (parameters: param_dtype).
   attention: Literal["auto", "xla", "pallas", "cudnn"] = "auto"  # auto: pallas on GPU, xla elsewhere.
   remat: bool = False  # Rematerialise each block in the backward pass (saves activation memory).
+  # How attention crosses the shards of a sequence split over mesh.sequence > 1 (mercury_jax.kernels.context_parallel):
+  # all_gather (every shard gathers the whole sequence's keys and values, per layer) or ring (key/value blocks pass
+  # around the shards, one neighbour exchange per step: no shard ever holds more than two blocks).
+  context_parallel: Literal["all_gather", "ring"] = "all_gather"
   # Compile the layer stack unrolled instead of as a loop: 1.5-1.9x faster backward on XLA:CPU, slower to compile
   # for deep models. Parameters keep the same stacked layout either way, so checkpoints are interchangeable.
   unroll_layers: bool = False
@@ -240,6 +244,9 @@ class MeshConfig:
   data: int = -1
   fsdp: int = 1
   tensor: int = 1
+  # Context parallelism: activations split over the sequence, attention across the shards
+  # (mercury_jax.kernels.context_parallel). After `tensor` so that MeshConfig(data, fsdp, tensor) keeps its meaning.
+  sequence: int = 1
   rules: tuple[str, ...] = ()
 
 
@@ -349,6 +356,12 @@ class Config:
       )
     if not self.objective.autoregressive and self.model.causal:
       raise ConfigError("model.causal=true is only meaningful with objective.name='autoregressive'")
+    shards = self.mesh.sequence
+    if shards > 1 and self.model.max_length % (2 * shards):
+      raise ConfigError(
+        f"model.max_length={self.model.max_length} must be a multiple of 2 * mesh.sequence={2 * shards}: each "
+        "sequence shard holds two chunks of every training sequence (the zig-zag layout)"
+      )
     if self.objective.continuous and not self.model.latent_dim:
       raise ConfigError("objective.name='continuous' denoises token latents; set model.latent_dim (e.g. 64)")
     if self.objective.continuous and self.model.time_conditioning:

@@ -20,10 +20,19 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from flax import linen as nn
+from jax.sharding import PartitionSpec as P
 
+from mercury_jax import sharding as sh
 from mercury_jax.config import ModelConfig, dtype_of
 
 SINK = 0  # The page every unassigned table entry points at (never handed to a request).
+# The dense cache's logical axes (keys, values, segments): rows, slots, kv heads (KVCache.constrained).
+_LOGICAL = (
+  (None, sh.BATCH, sh.LENGTH, sh.ACT_KV_HEADS, sh.HEAD_DIM),
+  (None, sh.BATCH, sh.LENGTH, sh.ACT_KV_HEADS, sh.HEAD_DIM),
+  (sh.BATCH, sh.LENGTH),
+)
 
 
 class KVCache(NamedTuple):
@@ -40,10 +49,30 @@ class KVCache(NamedTuple):
 
   @classmethod
   def empty(cls, cfg: ModelConfig, batch: int, slots: int) -> KVCache:
-    """An all-empty cache (every slot in segment 0)."""
+    """An all-empty cache (every slot in segment 0) of at least ``slots`` slots: on a mesh with a ``sequence`` axis
+    rounded up to a multiple of its shards, so that they split it (the extra slots stay in segment 0: no query
+    sees them)."""
+    mesh, rules = jax.sharding.get_abstract_mesh(), nn.get_logical_axis_rules()
+    shards = 1 if mesh.empty or not rules else sh.sequence_shards(mesh, rules)
+    slots = -(-slots // shards) * shards
     shape = (cfg.num_layers, batch, slots, cfg.num_kv_heads, cfg.head_dim)
     dtype = dtype_of(cfg.dtype)
-    return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch, slots), jnp.int32))
+    return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch, slots), jnp.int32)).constrained()
+
+  def constrained(self) -> KVCache:
+    """This cache with its sharding stated: rows over the data axes, slots over ``sequence`` (a context-parallel
+    mesh keeps ``1 / shards`` of every row's slots per device; attention over it reduces across the shards), kv heads
+    over ``tensor``. Axes that do not divide a dimension are left out; a no-op outside a mesh."""
+    return KVCache(*(sh.constrain(a, axes) for a, axes in zip(self, _LOGICAL, strict=True)))
+
+  def _split(self):
+    """``(specs of the cache's arrays, the mesh axis its slots are split over)`` in a mesh context, or None when its
+    slots are whole on every device (no mesh, no ``sequence`` axis, or one whose shards do not divide the slots)."""
+    mesh, rules = jax.sharding.get_abstract_mesh(), nn.get_logical_axis_rules()
+    if mesh.empty or not rules:
+      return None
+    specs = KVCache(*(sh.mesh_spec(axes, a.shape, mesh, rules) for a, axes in zip(self, _LOGICAL, strict=True)))
+    return (specs, specs.segments[1]) if specs.segments[1] is not None else None
 
   @property
   def slots(self) -> int:
@@ -59,22 +88,83 @@ class KVCache(NamedTuple):
     """This cache with ``chunk`` written at slots ``starts[r] ...`` of every row ``r`` (``starts``: [] or [batch]).
 
     One scatter per array, indexed on the batch and slot axes where they lie (a ``vmap`` over the batch axis, which is
-    not the leading one, would transpose the whole cache twice at every write)."""
+    not the leading one, would transpose the whole cache twice at every write). With the slots split over
+    ``sequence``, each shard writes the chunk's slots that fall in its own range (:meth:`_local`), the chunk whole on
+    every shard; a write at slot 0 (a prefill) should use :meth:`write_prefix`, which keeps a split chunk split."""
+    split = self._split()
+    if split is not None:
+      return self._local(split, lambda cache, chunk, starts: cache._write(chunk, starts), starts, chunk)
+    return self._write(chunk, starts)
+
+  def _write(self, chunk: KVCache, starts: jax.Array) -> KVCache:
     rows, slots = self._slots(starts, chunk.slots)
+    slots = jnp.where(slots >= 0, slots, self.slots)  # Slots before this cache (another shard's): dropped.
     return KVCache(
       self.keys.at[:, rows, slots].set(chunk.keys.astype(self.keys.dtype), mode="drop"),
       self.values.at[:, rows, slots].set(chunk.values.astype(self.values.dtype), mode="drop"),
       self.segments.at[rows, slots].set(chunk.segments, mode="drop"),
     )
 
+  def write_prefix(self, chunk: KVCache) -> KVCache:
+    """This cache with ``chunk`` written at slots ``0 ..`` of every row: a select against the chunk padded to the
+    cache's slots, which GSPMD partitions without gathering a chunk or a cache split over ``sequence``."""
+    if chunk.slots > self.slots:
+      raise ValueError(f"a chunk of {chunk.slots} slots does not fit a cache of {self.slots}")
+    inside = jnp.arange(self.slots) < chunk.slots  # [slots]
+
+    def put(old, new, slot_axis: int):
+      new = jnp.pad(
+        new.astype(old.dtype), [(0, self.slots - chunk.slots if d == slot_axis else 0) for d in range(old.ndim)]
+      )
+      return jnp.where(inside.reshape([-1 if d == slot_axis else 1 for d in range(old.ndim)]), new, old)
+
+    return KVCache(
+      put(self.keys, chunk.keys, 2), put(self.values, chunk.values, 2), put(self.segments, chunk.segments, 1)
+    ).constrained()
+
   def rows(self, starts: jax.Array, size: int) -> KVCache:
-    """The ``size`` slots from ``starts[r]`` of every row ``r``, as a chunk."""
+    """The ``size`` slots from ``starts[r]`` of every row ``r``, as a chunk (whole on every shard of ``sequence``)."""
+    split = self._split()
+    if split is None:
+      return self._rows(starts, size)
+
+    def local(cache, _, starts):  # This shard's slots of the chunk, zeros elsewhere; summed over the shards.
+      chunk = cache._rows(starts, size)
+      _, slots = cache._slots(starts, size)
+      here = (slots >= 0) & (slots < cache.slots)  # [batch, size]
+      kv_here = here[None, :, :, None, None]
+      masked = KVCache(
+        jnp.where(kv_here, chunk.keys, 0), jnp.where(kv_here, chunk.values, 0), jnp.where(here, chunk.segments, 0)
+      )
+      return KVCache(*(jax.lax.psum(a, split[1]) for a in masked))
+
+    return self._local(split, local, starts, chunk_out=True)
+
+  def _rows(self, starts: jax.Array, size: int) -> KVCache:
     rows, slots = self._slots(starts, size)
     return KVCache(
       self.keys.at[:, rows, slots].get(mode="clip"),
       self.values.at[:, rows, slots].get(mode="clip"),
       self.segments.at[rows, slots].get(mode="clip"),
     )
+
+  def _local(self, split, fn, starts, chunk: KVCache | None = None, *, chunk_out: bool = False):
+    """``fn(this shard's cache, chunk, starts)`` per shard of a cache whose slots are split over ``sequence``
+    (``split``: :meth:`_split`), inside a ``shard_map``, with ``starts`` counted from the shard's first slot: a
+    chunk (``chunk`` in; the result with ``chunk_out``) is whole on every shard of that axis, the cache split."""
+    specs, axis = split
+    whole = lambda spec: P(*spec[:2], None, *spec[3:])  # noqa: E731  The cache's spec with the slots unsplit.
+    chunk_specs = KVCache(whole(specs.keys), whole(specs.values), P(specs.segments[0], None))
+    starts = jnp.broadcast_to(jnp.asarray(starts, jnp.int32), self.segments.shape[:1])
+
+    def per_shard(cache, starts, *chunk):
+      local = starts - jax.lax.axis_index(axis) * cache.slots
+      return fn(cache, chunk[0] if chunk else None, local)
+
+    in_specs = (specs, P(specs.segments[0])) + ((chunk_specs,) if chunk is not None else ())
+    args = (self, starts) + ((chunk,) if chunk is not None else ())
+    out_specs = chunk_specs if chunk_out else specs
+    return jax.shard_map(per_shard, in_specs=in_specs, out_specs=out_specs, check_vma=False)(*args)
 
   def layers(self) -> tuple[tuple[jax.Array, jax.Array], tuple[jax.Array, ...]]:
     """``((keys, values) scanned over layers, what every layer reads besides)`` for the model's layer scan."""

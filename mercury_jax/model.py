@@ -20,6 +20,7 @@ from jax.sharding import Mesh
 from mercury_jax import sharding as sh
 from mercury_jax.attention import attend, attend_cached
 from mercury_jax.config import ModelConfig, dtype_of
+from mercury_jax.kernels.context_parallel import SequenceLayout
 from mercury_jax.kvcache import KVCache, PagedKVCache
 from mercury_jax.rope import rotary
 
@@ -63,6 +64,7 @@ class Attention(nn.Module):
   config: ModelConfig
   mask: str = "bidirectional"
   diffusion_block: int | None = None
+  layout: SequenceLayout | None = None  # The sequence split over the `sequence` mesh axis (context parallelism).
 
   @nn.compact
   def __call__(
@@ -100,9 +102,10 @@ class Attention(nn.Module):
       nn.initializers.normal(stddev=0.02 / math.sqrt(2 * cfg.num_layers)),
       pdt,
     ).astype(dtype)
-    q = nn.with_logical_constraint(rotary(q, positions, cfg), (sh.BATCH, sh.LENGTH, sh.ACT_HEADS, sh.HEAD_DIM))
-    k = nn.with_logical_constraint(rotary(k, positions, cfg), (sh.BATCH, sh.LENGTH, sh.ACT_KV_HEADS, sh.HEAD_DIM))
-    v = nn.with_logical_constraint(v, (sh.BATCH, sh.LENGTH, sh.ACT_KV_HEADS, sh.HEAD_DIM))
+    length = _length_axis(self.layout)
+    q = nn.with_logical_constraint(rotary(q, positions, cfg), (sh.BATCH, length, sh.ACT_HEADS, sh.HEAD_DIM))
+    k = nn.with_logical_constraint(rotary(k, positions, cfg), (sh.BATCH, length, sh.ACT_KV_HEADS, sh.HEAD_DIM))
+    v = nn.with_logical_constraint(v, (sh.BATCH, length, sh.ACT_KV_HEADS, sh.HEAD_DIM))
     if cache is None:
       out = attend(
         q,
@@ -112,6 +115,8 @@ class Attention(nn.Module):
         implementation=cfg.attention,
         mask=self.mask,
         diffusion_block=self.diffusion_block,
+        layout=self.layout,
+        context_parallel=cfg.context_parallel,
       )
     else:
       cache_k, cache_v, cache_segments, starts, *paged = cache  # A paged cache: this layer's pages and the tables.
@@ -130,12 +135,13 @@ class Attention(nn.Module):
         implementation=cfg.attention,
         table=paged[0] if paged else None,
       )
-    out = nn.with_logical_constraint(out, (sh.BATCH, sh.LENGTH, sh.ACT_HEADS, sh.HEAD_DIM))
+    out = nn.with_logical_constraint(out, (sh.BATCH, length, sh.ACT_HEADS, sh.HEAD_DIM))
     return dense(out, w_o, contract=2), (k, v)  # [batch, length, embed]
 
 
 class SwiGLU(nn.Module):
   config: ModelConfig
+  layout: SequenceLayout | None = None
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
@@ -151,7 +157,7 @@ class SwiGLU(nn.Module):
       pdt,
     ).astype(dtype)
     hidden = jax.nn.silu(dense(x, w_gate)) * dense(x, w_up)  # [batch, length, mlp]
-    hidden = nn.with_logical_constraint(hidden, (sh.BATCH, sh.LENGTH, sh.ACT_MLP))
+    hidden = nn.with_logical_constraint(hidden, (sh.BATCH, _length_axis(self.layout), sh.ACT_MLP))
     return dense(hidden, w_down)
 
 
@@ -163,18 +169,44 @@ class Block(nn.Module):
   mask: str = "bidirectional"
   diffusion_block: int | None = None
   return_kv: bool = False
+  layout: SequenceLayout | None = None
 
   @nn.compact
   def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None, layer_cache, cache_rest):
     cfg, dtype, pdt = self.config, dtype_of(self.config.dtype), dtype_of(self.config.param_dtype)
-    x = nn.with_logical_constraint(x, (sh.BATCH, sh.LENGTH, sh.ACT_EMBED))
+    activation = (sh.BATCH, _length_axis(self.layout), sh.ACT_EMBED)
+    x = nn.with_logical_constraint(x, activation)
     cache = None if layer_cache is None else (*layer_cache, *cache_rest)
-    attended, kv = Attention(cfg, self.mask, self.diffusion_block, name="attention")(
+    attended, kv = Attention(cfg, self.mask, self.diffusion_block, self.layout, name="attention")(
       RMSNorm(cfg.norm_eps, dtype, pdt, name="attention_norm")(x), positions, segment_ids, cache
     )
     x = x + attended
-    x = x + SwiGLU(cfg, name="mlp")(RMSNorm(cfg.norm_eps, dtype, pdt, name="mlp_norm")(x))
-    return nn.with_logical_constraint(x, (sh.BATCH, sh.LENGTH, sh.ACT_EMBED)), kv if self.return_kv else None
+    x = x + SwiGLU(cfg, self.layout, name="mlp")(RMSNorm(cfg.norm_eps, dtype, pdt, name="mlp_norm")(x))
+    return nn.with_logical_constraint(x, activation), kv if self.return_kv else None
+
+
+def _length_axis(layout: SequenceLayout | None) -> str | None:
+  """The logical name of the activations' length axis: split over ``sequence`` only in a context-parallel pass (a
+  pass over a cache, or a length the shards do not divide, keeps its whole length on every shard)."""
+  return sh.LENGTH if layout is not None else None
+
+
+def sequence_layout(length: int, mask: str) -> SequenceLayout | None:
+  """How a pass of ``length`` positions under ``mask`` splits over the ``sequence`` mesh axis of the mesh and rules in
+  context (:func:`mercury_jax.sharding.context`): zig-zag for the masks whose work grows along the sequence (when
+  ``2 * shards`` divides ``length``), else contiguous; None without a sequence axis, or when its shards do not divide
+  ``length`` (the pass then runs whole on every shard of the axis)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return None
+  shards = sh.sequence_shards(mesh, nn.get_logical_axis_rules())
+  if shards <= 1:
+    return None
+  for kind in ("contiguous",) if mask == "bidirectional" else ("zigzag", "contiguous"):
+    layout = SequenceLayout(shards, kind)
+    if layout.divides(length):
+      return layout
+  return None
 
 
 def timestep_embedding(t: jax.Array, dim: int, max_period: float = 10_000.0) -> jax.Array:
@@ -267,6 +299,18 @@ class Transformer(nn.Module):
     batch, length = tokens.shape
     if positions is None:
       positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
+    if mask is None:
+      mask = "causal" if cfg.causal else "bidirectional"
+    clean_segments = segment_ids
+    # Context parallelism: every per-position input enters in the layout's order (split over `sequence` from the
+    # first constraint on), and the last hidden state, the keys and values leave in the natural one.
+    layout = sequence_layout(length, mask) if cache is None and not latent_params else None
+    if layout is not None:
+      tokens, positions, segment_ids, latents, noise_level, self_cond = (
+        None if a is None else layout.to_layout(a, 1)
+        for a in (tokens, positions, segment_ids, latents, noise_level, self_cond)
+      )
+    length_axis = _length_axis(layout)
     embedding = _param(
       self, "embedding", (cfg.vocab_size, cfg.d_model), (sh.VOCAB, sh.EMBED), nn.initializers.normal(1.0), pdt
     )
@@ -294,10 +338,8 @@ class Transformer(nn.Module):
       w_t2 = _param(self, "time_out", (cfg.d_model, cfg.d_model), (sh.MLP, sh.EMBED), nn.initializers.zeros)
       t_emb = jax.nn.silu(timestep_embedding(t, cfg.d_model) @ w_t) @ w_t2  # [batch, embed]
       x = x + t_emb[:, None, :].astype(dtype)
-    x = nn.with_logical_constraint(x, (sh.BATCH, sh.LENGTH, sh.ACT_EMBED))
+    x = nn.with_logical_constraint(x, (sh.BATCH, length_axis, sh.ACT_EMBED))
 
-    if mask is None:
-      mask = "causal" if cfg.causal else "bidirectional"
     layer_cache, cache_rest = None, None
     if cache is not None:
       if cache_start is None:
@@ -308,7 +350,7 @@ class Transformer(nn.Module):
     if cfg.remat:
       block = nn.remat(block, prevent_cse=False, policy=jax.checkpoint_policies.nothing_saveable)
     stack = nn.scan(
-      functools.partial(block, mask=mask, diffusion_block=diffusion_block, return_kv=return_kv),
+      functools.partial(block, mask=mask, diffusion_block=diffusion_block, return_kv=return_kv, layout=layout),
       variable_axes={"params": 0},
       split_rngs={"params": True},
       in_axes=(nn.broadcast, nn.broadcast, 0, nn.broadcast),
@@ -317,6 +359,10 @@ class Transformer(nn.Module):
       metadata_params={nn.PARTITION_NAME: sh.LAYERS},
     )
     x, kv = stack(cfg, name="blocks")(x, positions, segment_ids, layer_cache, cache_rest)
+    if layout is not None:
+      x = layout.to_natural(x, 1, (sh.BATCH, sh.LENGTH, sh.ACT_EMBED))
+      kv_axes = (None, sh.BATCH, sh.LENGTH, sh.ACT_KV_HEADS, sh.HEAD_DIM)  # [layers, batch, length, ...]
+      kv = None if kv is None else tuple(layout.to_natural(a, 2, kv_axes) for a in kv)
     if logits_length is not None:
       x = x[:, :logits_length]
     x = RMSNorm(cfg.norm_eps, dtype, pdt, name="final_norm")(x)
@@ -327,10 +373,13 @@ class Transformer(nn.Module):
     else:
       head = _param(self, "head", (cfg.d_model, cfg.vocab_size), (sh.EMBED, sh.VOCAB), dtype=pdt).astype(dtype)
       logits = dense(x, head)  # [batch, length, vocab]
-    logits = nn.with_logical_constraint(logits.astype(jnp.float32), (sh.BATCH, sh.LENGTH, sh.ACT_VOCAB))
+    split = layout is not None and logits.shape[1] % layout.shards == 0
+    logits = nn.with_logical_constraint(
+      logits.astype(jnp.float32), (sh.BATCH, length_axis if split else None, sh.ACT_VOCAB)
+    )
     if not return_kv:
       return logits
-    segments = jnp.ones((batch, length), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
+    segments = jnp.ones((batch, length), jnp.int32) if clean_segments is None else clean_segments.astype(jnp.int32)
     return logits, KVCache(kv[0], kv[1], segments)  # keys and values [layers, batch, length, kv_heads, head_dim]
 
   def _latent_inputs(self, x, latents, noise_level, self_cond, dtype) -> jax.Array:

@@ -218,7 +218,9 @@ def build_parser() -> argparse.ArgumentParser:
   )
   p.add_argument("--num-samples", type=int, default=1, help="samples per prompt")
   p.add_argument("--seed", type=int, default=0)
-  p.add_argument("--mesh", help="DATA,FSDP,TENSOR sizes (default: every device on the data axis)")
+  p.add_argument(
+    "--mesh", help="DATA,FSDP,TENSOR or DATA,FSDP,SEQUENCE,TENSOR sizes (default: every device on the data axis)"
+  )
   structured = p.add_mutually_exclusive_group()
   structured.add_argument(
     "--json-schema", metavar="FILE_OR_JSON", help="generate JSON valid under this JSON Schema (a file, or JSON text)"

@@ -1,8 +1,12 @@
 """Sharding by logical axis names: the names, the one rules table, and the mesh.
 
 Parameters carry ``nn.with_logical_partitioning`` and activations ``nn.with_logical_constraint`` with the names
-below; ``RULES`` maps them onto the mesh axes ``data``, ``fsdp`` and ``tensor``. A config may override single rules
-(``mesh.rules = ["vocab=", "mlp=tensor"]``). A single device is simply a mesh of size 1.
+below; ``RULES`` maps them onto the mesh axes ``data``, ``fsdp``, ``sequence`` and ``tensor``. A config may override
+single rules (``mesh.rules = ["vocab=", "mlp=tensor"]``). A single device is simply a mesh of size 1.
+
+``sequence`` is context parallelism: the activations' ``length`` axis is split over it, and attention runs across the
+shards (:mod:`mercury_jax.kernels.context_parallel`). It sits between ``fsdp`` and ``tensor`` in the device order,
+so that on a real slice the shards of one sequence are near neighbours, after the tensor-parallel group.
 """
 
 from __future__ import annotations
@@ -19,8 +23,9 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from mercury_jax.config import ConfigError, MeshConfig
 
-MESH_AXES = ("data", "fsdp", "tensor")
+MESH_AXES = ("data", "fsdp", "sequence", "tensor")
 DATA_AXES = ("data", "fsdp")  # The batch is split over both; fsdp additionally shards parameters.
+SEQUENCE_AXIS = "sequence"  # The activations' length is split over it (context parallelism).
 
 # Logical axis names: parameters.
 EMBED = "embed"
@@ -41,7 +46,7 @@ ACT_VOCAB = "activation_vocab"
 
 RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
   (BATCH, DATA_AXES),
-  (LENGTH, None),
+  (LENGTH, SEQUENCE_AXIS),
   (EMBED, "fsdp"),
   (HEADS, "tensor"),
   (KV_HEADS, "tensor"),
@@ -72,48 +77,87 @@ def axis_rules(mesh_cfg: MeshConfig | None = None) -> tuple[tuple[str, str | tup
   return tuple(rules.items())
 
 
-def mesh_shape(mesh_cfg: MeshConfig, num_devices: int) -> tuple[int, int, int]:
-  """Resolves the -1 entry of the configured mesh and checks the product against ``num_devices``."""
-  shape = [mesh_cfg.data, mesh_cfg.fsdp, mesh_cfg.tensor]
+def mesh_shape(mesh_cfg: MeshConfig, num_devices: int) -> tuple[int, int, int, int]:
+  """Resolves the -1 entry of the configured mesh and checks the product against ``num_devices``; the sizes in
+  :data:`MESH_AXES` order ``(data, fsdp, sequence, tensor)``."""
+  shape = [mesh_cfg.data, mesh_cfg.fsdp, mesh_cfg.sequence, mesh_cfg.tensor]
+  named = ", ".join(f"{a}={s}" for a, s in zip(MESH_AXES, shape, strict=True))
   if any(s == 0 or s < -1 for s in shape) or shape.count(-1) > 1:
-    raise ConfigError(
-      f"mesh (data={shape[0]}, fsdp={shape[1]}, tensor={shape[2]}) needs positive sizes and at most one -1"
-    )
+    raise ConfigError(f"mesh ({named}) needs positive sizes and at most one -1")
   if -1 in shape:
     known = math.prod(s for s in shape if s != -1)
     if num_devices % known:
-      raise ConfigError(f"mesh fsdp*tensor*...={known} does not divide the {num_devices} available devices")
+      raise ConfigError(
+        f"mesh ({named}): the product {known} of the known sizes does not divide the {num_devices} available devices"
+      )
     shape[shape.index(-1)] = num_devices // known
   if math.prod(shape) != num_devices:
     raise ConfigError(
-      f"mesh (data={shape[0]}, fsdp={shape[1]}, tensor={shape[2]}) needs {math.prod(shape)} devices but "
-      f"{num_devices} are available; set mesh.data=-1 or sizes whose product is {num_devices}"
+      f"mesh ({named}) needs {math.prod(shape)} devices but {num_devices} are available; set mesh.data=-1 or sizes "
+      f"whose product is {num_devices}"
     )
   return tuple(shape)  # type: ignore[return-value]
 
 
 def make_mesh(mesh_cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
-  """Builds the ``(data, fsdp, tensor)`` mesh (Auto axis types, as Flax linen's constraints require)."""
+  """Builds the ``(data, fsdp, sequence, tensor)`` mesh (Auto axis types, as Flax linen's constraints require)."""
   devices = list(jax.devices() if devices is None else devices)
   shape = mesh_shape(mesh_cfg, len(devices))
+  auto = (AxisType.Auto,) * len(MESH_AXES)
   if devices == list(jax.devices()):
-    return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * 3)
-  return Mesh(np.asarray(devices).reshape(shape), MESH_AXES, axis_types=(AxisType.Auto,) * 3)
+    return jax.make_mesh(shape, MESH_AXES, axis_types=auto)
+  return Mesh(np.asarray(devices).reshape(shape), MESH_AXES, axis_types=auto)
 
 
 def mesh_from_flag(spec: str | None) -> Mesh:
-  """The mesh of a command's ``--mesh DATA,FSDP,TENSOR`` flag (None: every device on the data axis).
+  """The mesh of a command's ``--mesh`` flag: ``DATA,FSDP,TENSOR`` or ``DATA,FSDP,SEQUENCE,TENSOR`` (None: every
+  device on the data axis).
 
   Raises:
-    ConfigError: The flag is not three integers, or its sizes do not fit the devices.
+    ConfigError: The flag is not three or four integers, or its sizes do not fit the devices.
   """
   if spec is None:
     return make_mesh(MeshConfig(data=-1))
   try:
-    data, fsdp, tensor = (int(v) for v in spec.split(","))
+    sizes = [int(v) for v in spec.split(",")]
   except ValueError:
-    raise ConfigError(f"--mesh {spec!r} must be three integers DATA,FSDP,TENSOR, e.g. 4,1,2") from None
-  return make_mesh(MeshConfig(data=data, fsdp=fsdp, tensor=tensor))
+    sizes = []
+  if len(sizes) not in (3, 4):
+    raise ConfigError(
+      f"--mesh {spec!r} must be three integers DATA,FSDP,TENSOR or four DATA,FSDP,SEQUENCE,TENSOR, e.g. 4,1,2 or "
+      "2,1,2,2"
+    )
+  if len(sizes) == 3:
+    sizes.insert(2, 1)
+  data, fsdp, sequence, tensor = sizes
+  return make_mesh(MeshConfig(data=data, fsdp=fsdp, sequence=sequence, tensor=tensor))
+
+
+def mesh_spec(logical: tuple[str | None, ...], shape: tuple[int, ...], mesh, rules) -> P:
+  """The partition spec of an array of ``shape`` with the logical axes ``logical`` under ``rules``, keeping only the
+  mesh axes that are not manual (inside a ``shard_map``), have more than one device and divide their dimension."""
+  free = {
+    name
+    for name, kind in zip(mesh.axis_names, mesh.axis_types, strict=True)
+    if kind != AxisType.Manual and mesh.shape[name] > 1
+  }
+  spec = []
+  for axes, size in zip(nn.logical_to_mesh_axes(logical, rules), shape, strict=True):
+    axes = tuple(a for a in ((axes,) if isinstance(axes, str) else axes or ()) if a in free)
+    if size % math.prod(mesh.shape[a] for a in axes):
+      axes = ()
+    spec.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+  return P(*spec)
+
+
+def constrain(x: jax.Array, logical: tuple[str | None, ...]) -> jax.Array:
+  """``nn.with_logical_constraint`` for arrays whose sizes the mesh may not divide: each dimension is split over the
+  mesh axes its logical name maps to only where they divide it (:func:`mesh_spec`). A no-op outside a mesh and
+  rules context."""
+  mesh, rules = jax.sharding.get_abstract_mesh(), nn.get_logical_axis_rules()
+  if mesh.empty or not rules:
+    return x
+  return jax.lax.with_sharding_constraint(x, mesh_spec(logical, x.shape, mesh, rules))
 
 
 def logical_to_sharding(logical_specs, mesh: Mesh, rules) -> object:
@@ -129,6 +173,13 @@ def batch_spec(rules, ndim: int) -> P:
 
 def batch_sharding(mesh: Mesh, rules, ndim: int = 2) -> NamedSharding:
   return NamedSharding(mesh, batch_spec(rules, ndim))
+
+
+def sequence_shards(mesh: Mesh, rules) -> int:
+  """How many ways the activations' length is split on ``mesh`` (1: no context parallelism)."""
+  (spec,) = nn.logical_to_mesh_axes((LENGTH,), rules)
+  axes = (spec,) if isinstance(spec, str) else (spec or ())
+  return math.prod(mesh.shape[a] for a in axes if a in mesh.shape)
 
 
 def data_parallel_size(mesh: Mesh, rules) -> int:

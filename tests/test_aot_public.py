@@ -100,7 +100,7 @@ def test_cli_reads_a_converted_checkpoint_without_its_weights(tmp_path, capsys):
     (["--family", "llada", "--batch", "0"], "--batch '0' must be comma-separated positive integers"),
     (["--family", "llada", "--length", "5000"], "--length 5000 must lie in [1, 4096]"),
     (["--family", "sdar", "--cache", "dual"], "--cache='dual' is the approximate cache"),
-    ([], "--sample needs --checkpoint DIR, --hf-config PATH or --family NAME"),
+    ([], "--sample needs exactly one of --checkpoint DIR, --hf-config PATH, --family NAME, --config NAME"),
   ],
 )
 def test_bad_input_is_one_line_and_exit_status_2(argv, message, capsys):

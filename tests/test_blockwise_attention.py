@@ -122,12 +122,13 @@ def test_attend_blockwise_true_forces_the_blockwise_path_on_short_sequences():
 def test_visited_key_chunks_hold_every_visible_key_and_causal_skips_all_empty_ones(mask, diffusion_block):
   length, block_q, block_k = 384, 32, 48
   half = length // 2 if mask in ("block_diffusion", "verified") else None
-  plan = bw._Plan(mask, diffusion_block, half, length, block_q, block_k, 1.0)
+  plan = bw.Plan(mask, diffusion_block, half, block_q, block_k, 1.0)
   visible = masks.dense(length, mask, block=diffusion_block, half=half)
   live = visible.reshape(length // block_q, block_q, length // block_k, block_k).any(axis=(1, 3))  # [q chunks, k]
   visited = np.zeros_like(live)
   for i in range(length // block_q):
-    lo, hi = (int(x) for x in bw._chunk_range(plan, jnp.int32(i)))
+    first, last = jnp.int32(i * block_q), jnp.int32(i * block_q + block_q - 1)
+    lo, hi = (int(x) for x in bw._chunk_range(plan, first, last, jnp.int32(0), length // block_k))
     visited[i, lo:hi] = True
   assert not (live & ~visited).any(), "a key chunk with visible keys is skipped"
   if mask in ("causal", "block_causal"):  # A prefix mask: exactly the chunks up to the diagonal (block).

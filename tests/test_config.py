@@ -132,7 +132,8 @@ def test_bad_preset_and_set_syntax(tmp_path):
 
 
 def test_mesh_is_validated_against_device_count():
-  assert sh.mesh_shape(MeshConfig(data=-1, fsdp=2, tensor=2), 8) == (2, 2, 2)
+  assert sh.mesh_shape(MeshConfig(data=-1, fsdp=2, tensor=2), 8) == (2, 2, 1, 2)  # (data, fsdp, sequence, tensor)
+  assert sh.mesh_shape(MeshConfig(data=1, sequence=-1, tensor=2), 8) == (1, 1, 4, 2)
   with pytest.raises(ConfigError, match="needs 12 devices but 8 are available"):
     sh.mesh_shape(MeshConfig(data=3, fsdp=2, tensor=2), 8)
   with pytest.raises(ConfigError, match="does not divide"):
@@ -175,7 +176,13 @@ SMALL_PRESETS = (
   "verified",
 )  # data = -1: compiled on the test's 8 devices as (2, 2, 2).
 # Compiled on their own mesh size: (devices, parameters).
-ACCELERATOR_PRESETS = {"gpu8_125m": (8, 135e6), "gpu8_125m_32k": (8, 135e6), "pod64_1b": (64, 0.98e9)}
+ACCELERATOR_PRESETS = {
+  "gpu8_125m": (8, 135e6),
+  "gpu8_125m_32k": (8, 135e6),
+  "pod64_1b": (64, 0.98e9),
+  "pod64_1b_128k": (64, 0.98e9),
+}
+LONG_PRESETS = ("gpu8_125m_32k", "pod64_1b_128k")  # Their step must fit a 16 GiB accelerator (TPU v5e) per device.
 # What GSPMD logs when it must replicate a tensor because two sharding annotations disagree.
 REMATERIALIZATION = "Involuntary full rematerialization"
 
@@ -204,7 +211,7 @@ def test_accelerator_presets_compile_ahead_of_time_on_their_mesh(name):
   assert proc.returncode == 0, proc.stderr[-2000:]
   assert f"compiled the train step on {devices} devices" in proc.stdout
   assert REMATERIALIZATION not in proc.stderr, proc.stderr[-2000:]
-  if name == "gpu8_125m_32k":  # A 32 K-token step fits a 16 GiB accelerator (TPU v5e) per device.
+  if name in LONG_PRESETS:
     used = sum(
       float(re.search(rf"{what}_bytes_per_device: ([\d.]+) GiB", proc.stdout)[1]) for what in ("argument", "temp")
     )

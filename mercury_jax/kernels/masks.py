@@ -110,7 +110,7 @@ def visible(q, k, mask: str, *, block: int | None = None, half: int | None = Non
   raise ValueError(f"{mask=} must be one of {MASKS}")
 
 
-def cached(segments, cache_segments, starts, mask: str, *, block: int | None = None, xp=np):
+def cached(segments, cache_segments, starts, mask: str, *, block: int | None = None, xp=np, offset=0):
   """What each query of a chunk sees when it attends over a key-value cache and its own keys and values:
   ``(cache part [batch, chunk, slots], chunk part [batch, chunk, chunk])`` bool.
 
@@ -122,11 +122,14 @@ def cached(segments, cache_segments, starts, mask: str, *, block: int | None = N
   ``verify_chunk`` (``block`` = the draft length ``k``, a chunk of ``k + k*k``): every query sees the cached slots
   before ``starts[b]`` (the committed context) and the chunk's keys that :func:`verify_chunk` allows, within its
   segment.
+
+  ``offset`` is the slot of ``cache_segments``' first column: one shard's part of a cache whose slots are split over
+  devices.
   """
   chunk, slots = segments.shape[1], cache_segments.shape[1]
   live = (segments != 0)[:, :, None]
   same_chunk = segments[:, None, :] == segments[:, :, None]  # [b, chunk, chunk]
-  cache_slots = xp.arange(slots)
+  cache_slots = offset + xp.arange(slots)
   same_cache = cache_segments[:, None, :] == segments[:, :, None]  # [b, chunk, slots]
   if mask == "verify_chunk":
     if block is None or chunk != block + block * block:

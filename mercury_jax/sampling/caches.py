@@ -195,7 +195,7 @@ class Exact(Strategy):
       starts=None if first else start,
       logits_length=0,
     )
-    return st.cache.write(kv, start)
+    return st.cache.write_prefix(kv) if first else st.cache.write(kv, start)
 
   def forward(self, params, st: State, needs: Needs) -> Forward:
     net, block = self.network, self.plan.block

@@ -91,7 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
     "sampled token may then depend on how many requests share the step (default: every request's tokens are the "
     "same whatever runs beside it)",
   )
-  p.add_argument("--mesh", help="DATA,FSDP,TENSOR sizes (default: every device on the data axis)")
+  p.add_argument(
+    "--mesh", help="DATA,FSDP,TENSOR or DATA,FSDP,SEQUENCE,TENSOR sizes (default: every device on the data axis)"
+  )
   p.add_argument(
     "--solver",
     help="a continuous checkpoint's ODE solver: euler or heun (default euler; heun: two passes a step)",
