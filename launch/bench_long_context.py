@@ -3,6 +3,7 @@
     python launch/bench_long_context.py prefill --model default_ar --lengths 4096,16384,32768 --chunks 0,512,2048
     python launch/bench_long_context.py gaps --model default_ar --long 16384 --chunk 512
     python launch/bench_long_context.py cached --slots 4096,16384 --chunk 512
+    python launch/bench_long_context.py tiles --slots 4096,16384 --chunk 512 --positions 0.125,0.5,1
 
 Both extend a bundled model's context with YaRN RoPE scaling (``model.rope_scaling``; the weights are unchanged, so
 text past the trained context is poor: these are speed and memory figures, not quality ones) into a temporary export.
@@ -15,11 +16,16 @@ memory (``ru_maxrss``), one markdown row each.
 ``gaps``: ``--streams`` short greedy requests stream from a server engine (``Scheduler``, ``--slots``); the inter-token
 gaps of the streams are recorded while nothing else runs, then while a ``--long``-token prompt is prefilled
 ``--chunk`` tokens per iteration beside them. Prints the gaps' median and 90th percentile in each phase, their ratio,
-and the long request's time to first token.
+and the long request's time to first token, and the median time of the engine's step and prefill-chunk programs
+(each call timed to its end). ``--one-softmax`` reads the cache in one softmax over every slot, as before the tiles.
 
 ``cached``: the XLA attention of a prefill chunk over a cache (``attention.attend_cached``, batched matmuls over
 ``[batch, kv_heads]``) against the einsum formulation it replaced (head axes between the query and slot axes),
 interleaved, for the model shapes given.
+
+``tiles``: the same attention reading the cache tile by tile up to the chunk's last visible slot
+(``attend_cached(blockwise=True)``, ``kernels/blockwise_cached_attention.py``) against one softmax over every slot
+(``blockwise=False``), for a chunk ending at several positions of the cache, interleaved.
 """
 
 from __future__ import annotations
@@ -119,14 +125,33 @@ def _gaps(times: list[list[float]], start: float, end: float) -> list[float]:
   return gaps
 
 
+def _timed(fn, times: list[float]):
+  """``fn`` that appends each call's time to ``times``, its result computed (``block_until_ready``)."""
+  import jax
+
+  def timed(*args):
+    start = time.perf_counter()
+    out = jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - start)
+    return out
+
+  return timed
+
+
 def gaps(args) -> None:
+  from mercury_jax import attention
   from mercury_jax.sampling.proposal import Knobs
   from mercury_jax.sampling.sampler import Sampler
   from mercury_jax.serve.scheduler import Request, Scheduler
 
+  if args.one_softmax:  # The cache read in one softmax over every slot, as before the tiles.
+    attention.CACHED_BLOCKWISE_MIN_SLOTS = sys.maxsize
   with tempfile.TemporaryDirectory() as tmp:  # the weights and tokenizer are in memory once loaded
     path = extended(args.model, args.long + 256, Path(tmp) / "long")
     scheduler = Scheduler(Sampler.from_checkpoint(path), slots=args.streams + 1, prefill_chunk=args.chunk)
+  programs = {"step": [], "chunk": []}  # the engine's step and prefill-chunk programs, each call timed
+  engine = scheduler.engine
+  engine._step, engine._fill = _timed(engine._step, programs["step"]), _timed(engine._fill, programs["chunk"])
   greedy = Knobs(0.0, 0, 1.0, 0.9)
   vocab = scheduler.vocab_size
   rng = np.random.default_rng(0)
@@ -170,6 +195,9 @@ def gaps(args) -> None:
     f"median ratio {statistics.median(busy) / statistics.median(quiet):.2f}; "
     f"long request TTFT {first - submitted:.2f} s"
   )
+  for name, times in programs.items():
+    if times:
+      print(f"{name} program: {len(times)} calls, median {1e3 * statistics.median(times):.1f} ms")
 
 
 def _einsum_cached(q, k, v, in_cache, in_chunk, cache_k, cache_v):
@@ -224,6 +252,54 @@ def cached(args) -> None:
       print(f"| {slots} | {args.chunk} | {heads} / {kv_heads} x {dim} | {a:.1f} | {b:.1f} | {a / b:.1f}x |", flush=True)
 
 
+def _tiles_program(blockwise: bool, segments, cache_segments):
+  """The compiled causal attention of a chunk over a cache, read in tiles (``blockwise``) or in one softmax."""
+  import jax
+
+  from mercury_jax.attention import attend_cached
+
+  def fn(q, k, v, cache_k, cache_v, starts):
+    return attend_cached(
+      q, k, v, segments, cache_k, cache_v, cache_segments, starts, mask="causal", implementation="xla",
+      blockwise=blockwise,
+    )  # fmt: skip
+
+  return jax.jit(fn)
+
+
+def tiles(args) -> None:
+  import jax
+  import jax.numpy as jnp
+
+  print("| slots | chunk | heads / kv heads x dim | chunk starts at | one softmax ms | tiles ms | speed-up |")
+  print("|---|---|---|---|---|---|---|")
+  for slots in args.slots:
+    for heads, kv_heads, dim in args.shapes:
+      keys = jax.random.split(jax.random.key(0), 5)
+      q = jax.random.normal(keys[0], (1, args.chunk, heads, dim))
+      k, v = (jax.random.normal(key, (1, args.chunk, kv_heads, dim)) for key in keys[1:3])
+      cache_k, cache_v = (jax.random.normal(key, (1, slots, kv_heads, dim)) for key in keys[3:5])
+      segments, cache_segments = jnp.ones((1, args.chunk), jnp.int32), jnp.ones((1, slots), jnp.int32)
+
+      one, tiled = (_tiles_program(blockwise, segments, cache_segments) for blockwise in (False, True))
+      for fraction in args.positions:
+        starts = jnp.asarray([max(int(fraction * slots) - args.chunk, 0)], jnp.int32)
+        inputs = (q, k, v, cache_k, cache_v, starts)
+        np.testing.assert_allclose(np.asarray(one(*inputs)), np.asarray(tiled(*inputs)), atol=1e-4, rtol=1e-4)
+        times = {"one": [], "tiled": []}
+        for _ in range(args.repeats):
+          for name, fn in (("one", one), ("tiled", tiled)):
+            start = time.perf_counter()
+            jax.block_until_ready(fn(*inputs))
+            times[name].append(time.perf_counter() - start)
+        a, b = (1e3 * statistics.median(times[n]) for n in ("one", "tiled"))
+        print(
+          f"| {slots} | {args.chunk} | {heads} / {kv_heads} x {dim} | {int(starts[0])} | {a:.1f} | {b:.1f} | "
+          f"{a / b:.1f}x |",
+          flush=True,
+        )
+
+
 def main(argv=None) -> None:
   if argv is None and len(sys.argv) > 1 and sys.argv[1] == "_prefill_once":  # a child of ``prefill``
     path, length, chunk, generate = sys.argv[2:6]
@@ -242,6 +318,7 @@ def main(argv=None) -> None:
   b.add_argument("--chunk", type=int, default=512, help="--prefill-chunk of the server (default 512)")
   b.add_argument("--streams", type=int, default=4, help="short streams (default 4)")
   b.add_argument("--warm-tokens", type=int, default=40, help="tokens each stream gets before the long prompt")
+  b.add_argument("--one-softmax", action="store_true", help="read the cache in one softmax (no tiles), as before")
   c = sub.add_parser("cached", help="the cached attention's XLA path against the einsum it replaced")
   c.add_argument("--slots", type=lambda s: [int(x) for x in s.split(",")], default=[4096, 16384])
   c.add_argument("--chunk", type=int, default=512, help="query tokens of the chunk (default 512)")
@@ -252,8 +329,20 @@ def main(argv=None) -> None:
     help="HEADS/KV_HEADS/HEAD_DIM,... (default 2/1/16,4/4/64: the tests' random model, the bundled models)",
   )
   c.add_argument("--repeats", type=int, default=7)
+  t = sub.add_parser("tiles", help="the cache read in tiles up to the chunk against one softmax over every slot")
+  t.add_argument("--slots", type=lambda s: [int(x) for x in s.split(",")], default=[4096, 16384])
+  t.add_argument("--chunk", type=int, default=512, help="query tokens of the chunk (default 512)")
+  t.add_argument("--positions", type=lambda s: [float(x) for x in s.split(",")], default=[0.125, 0.5, 1.0],
+                 help="where the chunk ends, as fractions of the cache (default 0.125,0.5,1)")  # fmt: skip
+  t.add_argument(
+    "--shapes",
+    type=lambda s: [tuple(int(x) for x in shape.split("/")) for shape in s.split(",")],
+    default=[(4, 4, 64)],
+    help="HEADS/KV_HEADS/HEAD_DIM,... (default 4/4/64: the bundled models)",
+  )
+  t.add_argument("--repeats", type=int, default=7)
   args = p.parse_args(argv)
-  {"prefill": prefill, "gaps": gaps, "cached": cached}[args.what](args)
+  {"prefill": prefill, "gaps": gaps, "cached": cached, "tiles": tiles}[args.what](args)
 
 
 if __name__ == "__main__":

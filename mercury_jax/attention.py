@@ -40,6 +40,10 @@ IMPLEMENTATIONS = ("auto", "xla", "pallas", "cudnn")
 # speed over the bidirectional, causal and block_diffusion masks; at 256-512 tokens both need 2-22 MiB and blockwise
 # forward + backward ran at 0.88-2.3x the dense speed, so short sequences keep the dense path's numerics.
 BLOCKWISE_MIN_LENGTH = 1024
+# From this many cache slots on, the XLA path of attention over a cache reads it in tiles up to each row's last
+# visible slot (kernels/blockwise_cached_attention.py) instead of scoring every slot; measured in BUILD_NOTES
+# ("Issue 26: the cache read up to what a chunk sees").
+CACHED_BLOCKWISE_MIN_SLOTS = 2048
 _BLOCK_MASKS = ("block_causal", "block_diffusion", "verified")  # The masks that take a diffusion_block.
 _TWO_HALVES = ("block_diffusion", "verified")  # The masks over two halves of equal length.
 
@@ -354,13 +358,18 @@ def attend_cached(
   diffusion_block: int | None = None,
   implementation: str = "auto",
   table: jax.Array | None = None,
+  blockwise: bool | None = None,
+  layer: jax.Array | None = None,
 ) -> jax.Array:
   """Attention of a chunk over a key-value cache and its own keys and values (what each query sees:
   :func:`mercury_jax.kernels.masks.cached`).
 
   The cache is dense, or paged (``table``, :class:`mercury_jax.kvcache.PagedKVCache`): the Pallas kernel reads the
-  pages in place through the table; the XLA path (``xla``, ``cudnn``, ``verify_chunk``), and the kernel when
-  ``page_size`` is not a multiple of 16, first gather each row's pages into a dense cache (``kvcache.read_pages``).
+  pages in place through the table. The XLA path (``xla``, ``cudnn``, ``verify_chunk``) reads a cache of
+  ``CACHED_BLOCKWISE_MIN_SLOTS`` slots or more tile by tile up to the last slot a row's chunk can see
+  (:mod:`mercury_jax.kernels.blockwise_cached_attention`, pages through the table), and a shorter one (or the
+  Pallas kernel when ``page_size`` is not a multiple of 16) after gathering each row's pages into a dense cache
+  (``kvcache.read_pages``), in one softmax.
 
   Args:
     q: ``[batch, chunk, heads, head_dim]``, the chunk's queries.
@@ -378,6 +387,10 @@ def attend_cached(
     implementation: ``auto``, ``xla``, ``pallas`` or ``cudnn`` (``cudnn`` runs the XLA path: cuDNN has no mask for a
       cache with per-row chunk positions; so does ``verify_chunk``, which the Pallas kernel does not implement).
     table: ``[batch, ceil(slots / page_size)]`` int32, each row's pages (None: a dense cache).
+    blockwise: the XLA path's reading: None tiles from ``CACHED_BLOCKWISE_MIN_SLOTS`` slots on (for the masks whose
+      visible slots end with the chunk), True / False force the tiles / the one-shot softmax.
+    layer: with it, ``cache_k`` and ``cache_v`` hold every layer (a leading ``layers`` axis) and this one reads its
+      own: inside the tiles' loop, so that no copy of the layer's cache is made for the loop.
 
   Returns:
     ``[batch, chunk, heads, head_dim]`` in ``v``'s dtype.
@@ -394,6 +407,20 @@ def attend_cached(
   mesh = jax.sharding.get_abstract_mesh()
   if pallas and not mesh.empty and sharding.sequence_shards(mesh, nn.get_logical_axis_rules()) > 1:
     pallas = False  # A cache split over `sequence`: the XLA path, whose softmax GSPMD reduces across the shards.
+  from mercury_jax.kernels import blockwise_cached_attention as bca
+
+  if blockwise and mask not in bca.BOUNDED:
+    raise ValueError(f"{blockwise=} needs a mask whose visible slots end with the chunk, one of {bca.BOUNDED}")
+  long = cache_segments.shape[1] >= CACHED_BLOCKWISE_MIN_SLOTS
+  tiled = not pallas and mask in bca.BOUNDED and (long if blockwise is None else blockwise)
+  # A cache split over `sequence` reads each shard's slots in one softmax (_cached_split).
+  if tiled and (table is not None or mesh.empty or sharding.sequence_shards(mesh, nn.get_logical_axis_rules()) == 1):
+    return bca.cached_attention(
+      q, k, v, segments, cache_k, cache_v, cache_segments, starts, mask=mask, diffusion_block=diffusion_block,
+      table=table, layer=layer,
+    )  # fmt: skip
+  if layer is not None:
+    cache_k, cache_v = cache_k[layer], cache_v[layer]
   if table is not None:
     in_place = False
     if pallas:

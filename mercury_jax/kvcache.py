@@ -166,9 +166,11 @@ class KVCache(NamedTuple):
     out_specs = chunk_specs if chunk_out else specs
     return jax.shard_map(per_shard, in_specs=in_specs, out_specs=out_specs, check_vma=False)(*args)
 
-  def layers(self) -> tuple[tuple[jax.Array, jax.Array], tuple[jax.Array, ...]]:
-    """``((keys, values) scanned over layers, what every layer reads besides)`` for the model's layer scan."""
-    return (self.keys, self.values), ()
+  def layers(self) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+    """``(the layer index, scanned over layers; what every layer reads: the stacked keys and values)`` for the model's
+    layer scan. A layer reads its own slice inside its attention (``attend_cached(layer=)``): a slice made by the scan
+    would be copied out of the stack once per layer and step when the attention loops over it."""
+    return jnp.arange(self.keys.shape[0], dtype=jnp.int32), (self.keys, self.values)
 
 
 class PagedKVCache(NamedTuple):
@@ -226,10 +228,10 @@ class PagedKVCache(NamedTuple):
     slots = jnp.minimum(slots, self.slots - 1)
     return KVCache(self.keys[:, pages, offsets], self.values[:, pages, offsets], self.segments[rows, slots])
 
-  def layers(self) -> tuple[tuple[jax.Array, jax.Array], tuple[jax.Array, ...]]:
-    """``((key pages, value pages) scanned over layers, (table,))``: each layer reads its rows through the table
-    (:func:`read_pages`)."""
-    return (self.keys, self.values), (self.table,)
+  def layers(self) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+    """``(the layer index, scanned over layers; (key pools, value pools, table))``: each layer reads its rows'
+    pages of its own pool through the table (:class:`KVCache.layers`)."""
+    return jnp.arange(self.keys.shape[0], dtype=jnp.int32), (self.keys, self.values, self.table)
 
   def insert(self, row: jax.Array, table: jax.Array, dense: KVCache) -> PagedKVCache:
     """This cache with row ``row`` on the pages ``table`` [ceil(slots / page_size)] holding the one-row dense cache

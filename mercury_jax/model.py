@@ -74,9 +74,9 @@ class Attention(nn.Module):
     segment_ids: jax.Array | None,
     cache: tuple[jax.Array, ...] | None,
   ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-    """``(output [batch, length, embed], (keys, values) of this chunk)``; ``cache``: this layer's cached keys and
-    values, the cache's segments and each row's first slot of the chunk (:class:`KVCache`), then a paged cache's
-    table (:class:`PagedKVCache`: the keys and values are this layer's pages)."""
+    """``(output [batch, length, embed], (keys, values) of this chunk)``; ``cache``: this layer's index, every
+    layer's cached keys and values (:class:`KVCache`; pools of pages for a :class:`PagedKVCache`), then a paged
+    cache's table, the cache's segments and each row's first slot of the chunk."""
     cfg, dtype, pdt = self.config, dtype_of(self.config.dtype), dtype_of(self.config.param_dtype)
     d, h, kv, hd = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
 
@@ -119,7 +119,7 @@ class Attention(nn.Module):
         context_parallel=cfg.context_parallel,
       )
     else:
-      cache_k, cache_v, cache_segments, starts, *paged = cache  # A paged cache: this layer's pages and the tables.
+      layer, cache_k, cache_v, *paged, cache_segments, starts = cache  # A paged cache: pools, then the tables.
       segment_ids = jnp.ones(q.shape[:2], jnp.int32) if segment_ids is None else segment_ids
       out = attend_cached(
         q,
@@ -134,6 +134,7 @@ class Attention(nn.Module):
         diffusion_block=self.diffusion_block,
         implementation=cfg.attention,
         table=paged[0] if paged else None,
+        layer=layer,
       )
     out = nn.with_logical_constraint(out, (sh.BATCH, length, sh.ACT_HEADS, sh.HEAD_DIM))
     return dense(out, w_o, contract=2), (k, v)  # [batch, length, embed]
@@ -176,7 +177,7 @@ class Block(nn.Module):
     cfg, dtype, pdt = self.config, dtype_of(self.config.dtype), dtype_of(self.config.param_dtype)
     activation = (sh.BATCH, _length_axis(self.layout), sh.ACT_EMBED)
     x = nn.with_logical_constraint(x, activation)
-    cache = None if layer_cache is None else (*layer_cache, *cache_rest)
+    cache = None if layer_cache is None else (layer_cache, *cache_rest)
     attended, kv = Attention(cfg, self.mask, self.diffusion_block, self.layout, name="attention")(
       RMSNorm(cfg.norm_eps, dtype, pdt, name="attention_norm")(x), positions, segment_ids, cache
     )
@@ -344,8 +345,8 @@ class Transformer(nn.Module):
     if cache is not None:
       if cache_start is None:
         raise ValueError("a pass over a cache needs cache_start, each row's first slot of the chunk")
-      layer_cache, paging = cache.layers()  # keys and values scanned over layers; a paged cache's table
-      cache_rest = (cache.segments, jnp.broadcast_to(jnp.asarray(cache_start, jnp.int32), (batch,)), *paging)
+      layer_cache, stacked = cache.layers()  # the layer index, scanned; every layer's keys and values (and table)
+      cache_rest = (*stacked, cache.segments, jnp.broadcast_to(jnp.asarray(cache_start, jnp.int32), (batch,)))
     block = Block
     if cfg.remat:
       block = nn.remat(block, prevent_cse=False, policy=jax.checkpoint_policies.nothing_saveable)

@@ -25,7 +25,7 @@ from flax import linen as nn
 
 from mercury_jax import attention, sharding
 from mercury_jax.config import MeshConfig, ModelConfig
-from mercury_jax.kernels import cached_attention as ca, masks
+from mercury_jax.kernels import blockwise_cached_attention as bca, cached_attention as ca, masks
 from mercury_jax.kvcache import SINK, KVCache, PagedKVCache, read_pages
 from mercury_jax.model import Transformer
 
@@ -542,3 +542,92 @@ def test_transformer_over_a_paged_cache_gives_the_dense_cache_logits():
   np.testing.assert_allclose(np.asarray(logits(paged)), np.asarray(want), atol=1e-5, rtol=1e-5)
   swapped = logits(paged._replace(table=paged.table[::-1]))  # The same pass over the other row's pages differs,
   assert float(jnp.max(jnp.abs(swapped - want))) > 1e-3  # by 100 times the tolerance (2e-3 measured).
+
+
+# ------------------------------------------------------------------------------------------- the XLA path in tiles
+
+# One token and 24 over a cache, block-causal chunks with GQA 2 and 1, a cache smaller than its chunk, the verified
+# chunk.
+TILED_CASES = [CASES[0], CASES[2], CASES[4], CASES[6], CASES[7], Case(6, 64, 4, 2, "verify_chunk", 2)]
+
+
+def _one_shot(case: Case, args):
+  """The XLA path's one softmax over every slot (``attention._cached_xla``), the tiles' reference."""
+  return jax.jit(lambda *a: attention._cached_xla(*a, case.mask, case.diffusion_block))(*args)
+
+
+@pytest.mark.parametrize("case", TILED_CASES, ids=str)
+def test_the_cache_read_in_tiles_equals_one_softmax_over_every_slot(case):
+  """Dense in tiles of 16 and 24 slots (a last tile that overlaps the one before) and paged (pages of 8 and 16 slots:
+  tiles of 24 and 32, a last tile past the cache), every bounded mask, chunks that start at slot 0, mid-cache and
+  past the end."""
+  args = _inputs(case, jnp.float32)
+  want = _one_shot(case, args)
+  if case.mask != "verify_chunk":
+    _check_f32(want, ca.reference_cached_attention(*args, **_options(case)))
+  q, k, v, segments, cache_k, cache_v, cache_segments, starts = args
+  for tile, page_size in ((16, None), (24, None), (24, 8), (24, 16)):
+    tiled = jax.jit(functools.partial(bca.cached_attention, tile=tile, **_options(case)))
+    if page_size is None:
+      _check_f32(tiled(*args), want)
+      continue
+    pool_k, pool_v, table = _paged(cache_k, cache_v, cache_segments.at[3].set(0), page_size)
+    _check_f32(tiled(q, k, v, segments, pool_k, pool_v, cache_segments, starts, table=table), want)
+
+
+@pytest.mark.parametrize("mask, diffusion_block", [("causal", None), ("block_causal", 4), ("verify_chunk", 2)])
+def test_tiles_past_the_last_visible_slot_are_never_read(mask, diffusion_block):
+  """Values of NaN in every tile past the batch's last visible slot: a read would turn the output into NaN (a masked
+  score gives weight 0, and 0 * NaN = NaN)."""
+  chunk = 6 if mask == "verify_chunk" else 4
+  case = Case(chunk, 160, 4, 2, mask, diffusion_block)
+  q, k, v, segments, cache_k, cache_v, cache_segments, _ = _inputs(case, jnp.float32)
+  starts = jnp.asarray([0, 37, 21, 5], jnp.int32)
+  end = int(jnp.max(bca.visible_end(starts, chunk, mask, diffusion_block)))
+  first_unread = -(-end // 16) * 16
+  poisoned = cache_v.at[:, first_unread:].set(jnp.nan)
+  args = (q, k, v, segments, cache_k, cache_v, cache_segments, starts)
+  got = bca.cached_attention(q, k, v, segments, cache_k, poisoned, cache_segments, starts, mask=mask,
+                             diffusion_block=diffusion_block, tile=16)  # fmt: skip
+  assert first_unread < 160 and np.isfinite(np.asarray(got)).all()
+  _check_f32(got, _one_shot(case, args))
+
+
+def test_a_rows_result_is_the_same_whatever_the_other_rows_read():
+  """Row 0 (a chunk at slot 0) beside a row that reads one tile or nine: bitwise the same, since the extra tiles are
+  fully masked for row 0 and leave its softmax state as it was."""
+  case = Case(4, 160, 4, 2, "causal")
+  q, k, v, segments, cache_k, cache_v, cache_segments, _ = _inputs(case, jnp.float32)
+  tiled = jax.jit(functools.partial(bca.cached_attention, mask="causal", tile=16))
+  outs = [
+    np.asarray(tiled(q, k, v, segments, cache_k, cache_v, cache_segments, jnp.asarray([0, s, 3, 5], jnp.int32)))
+    for s in (2, 140)
+  ]
+  np.testing.assert_array_equal(outs[0][0], outs[1][0])
+
+
+def test_attend_cached_reads_long_caches_in_tiles_and_short_ones_in_one_softmax():
+  """Told apart by the program: the tiled reading loops (a while loop), the one-shot softmax does not."""
+  chunk, kv = 8, (2, 16)
+
+  def text(slots: int, blockwise=None) -> str:
+    q = jax.ShapeDtypeStruct((1, chunk, 4, 16), jnp.float32)
+    k = jax.ShapeDtypeStruct((1, chunk, *kv), jnp.float32)
+    cache = jax.ShapeDtypeStruct((1, slots, *kv), jnp.float32)
+    seg = jax.ShapeDtypeStruct((1, chunk), jnp.int32)
+    cache_seg = jax.ShapeDtypeStruct((1, slots), jnp.int32)
+
+    def fn(q, k, v, seg, ck, cv, cs):
+      return attention.attend_cached(
+        q, k, v, seg, ck, cv, cs, jnp.zeros((1,), jnp.int32), mask="causal", implementation="xla", blockwise=blockwise
+      )
+
+    return jax.jit(fn).lower(q, k, k, seg, cache, cache, cache_seg).as_text()
+
+  assert "while" in text(attention.CACHED_BLOCKWISE_MIN_SLOTS)
+  assert "while" not in text(attention.CACHED_BLOCKWISE_MIN_SLOTS - 16)
+  assert "while" in text(64, blockwise=True)
+  with pytest.raises(ValueError, match="blockwise=True needs a mask"):
+    attention.attend_cached(*([jnp.zeros((1, 4, 2, 16))] * 3), jnp.ones((1, 4), jnp.int32),
+                            *([jnp.zeros((1, 8, 2, 16))] * 2), jnp.ones((1, 8), jnp.int32), jnp.zeros((1,), jnp.int32),
+                            mask="bidirectional", blockwise=True)  # fmt: skip
