@@ -12,6 +12,10 @@ permissive licence) or ``site-packages:NAME,...`` (those distributions), a path 
 ``{"text": ...}`` for language modelling, or ``{"prompt": ..., "response": ...}``, which selects SFT mode), or any
 other glob of UTF-8 text files. The mode follows from the data, so there is no ``--sft`` flag.
 
+``--corpus kv-retrieval[:name=value,...]`` generates a synthetic key-value retrieval corpus (a needle in a haystack,
+``mercury_jax.data.retrieval``) instead of reading one: its records hold their own layout of context and targets, so
+it is prepared alone.
+
 ``--corpus`` may be repeated to mix corpora of one mode, each as ``SPEC@W`` with an integer weight ``W >= 1`` (default
 1): each of its train documents is packed ``W`` times (validation documents once), and documents are deduplicated by
 content across the corpora (``mercury_jax.data.mixture``). One ``--corpus`` of weight 1 is prepared exactly as it
@@ -26,6 +30,8 @@ Bad input prints one line on stderr and exits with status 2.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -39,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from mercury_jax import kinds
-from mercury_jax.data import corpus as corpus_lib, mixture as mixture_lib, pipeline, records
+from mercury_jax.data import corpus as corpus_lib, mixture as mixture_lib, pipeline, records, retrieval
 from mercury_jax.data.tokenizer import MIN_VOCAB_SIZE, Tokenizer, train_tokenizer
 
 MIN_SEQ_LEN = 8
@@ -53,7 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     action="append",
     metavar="SPEC[@W]",
     help="python-stdlib, site-packages[:NAME,...], FILE.jsonl or a *.jsonl glob, or a glob of text files ('**' "
-    "recurses); repeat to mix corpora, each train document packed W times (default 1)",
+    "recurses); repeat to mix corpora, each train document packed W times (default 1); or the generated "
+    "kv-retrieval[:records=N,queries=Q,seed=S,...] (alone)",
   )
   parser.add_argument("--out", required=True, help="the data directory to create")
   parser.add_argument("--tokenizer", help="reuse this tokenizer.model instead of training one")
@@ -100,6 +107,79 @@ def _encode_split(
     "prompt_characters": sum(len(d.prompt or "") for d in kept),
   }
   return packed, stats, per_part
+
+
+Encoded = tuple[Any, dict[str, int], list[dict[str, int]]]  # records, split metadata, per-corpus counts
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+  """What ``prepare`` needs of its input, whether read (corpora, mixtures) or generated (``kv-retrieval``).
+
+  Attributes:
+    mode: ``"lm"`` or ``"sft"`` (``metadata.json``'s mode).
+    corpus: ``metadata.json``'s ``corpus``: the spec, or every spec of a mixture.
+    parts: A mixture's corpora (spec, kind, weight), or ``()``: their counts go to ``metadata.json``'s ``corpora``.
+    texts: The texts to train a tokenizer on.
+    encode: ``(split, tokenizer, seq_len) -> (records, split metadata, per-part counts)``.
+    manifest: What went in (``manifest.json``).
+  """
+
+  mode: str
+  corpus: str | list[str]
+  parts: tuple[dict[str, Any], ...]
+  texts: Callable[[], list[str]]
+  encode: Callable[[str, Tokenizer, int], Encoded]
+  manifest: dict[str, Any]
+
+
+def _read_source(specs: list[str]) -> Source:
+  """The corpora of ``specs`` (one, or a mixture), packed by ``pack_lm`` or ``pack_sft``."""
+  source = mixture_lib.load_mixture(specs)
+  single = source.parts[0].corpus if source.single else None
+  parts = () if single else tuple({"spec": p.spec, "kind": p.corpus.kind, "weight": p.weight} for p in source.parts)
+  if not source.packed(corpus_lib.TRAIN):
+    raise ValueError(f"--corpus {' --corpus '.join(map(repr, specs))} has no documents in the train split")
+
+  def texts() -> list[str]:  # Each distinct train document once, whatever the weights.
+    return [t for d in source.split(corpus_lib.TRAIN) for t in (d.prompt, d.text) if t]
+
+  def encode(name: str, tokenizer: Tokenizer, seq_len: int) -> Encoded:
+    pairs = source.packed(name)
+    docs, indices = [d for d, _ in pairs], [i for _, i in pairs]
+    packed, stats, per_part = _encode_split(docs, tokenizer, source.mode, seq_len, indices, len(source.parts))
+    return packed, stats, per_part if parts else []
+
+  return Source(source.mode, single.source if single else specs, parts, texts, encode, source.manifest())
+
+
+def _retrieval_source(spec: str) -> Source:
+  """The generated ``kv-retrieval`` corpus (``mercury_jax.data.retrieval``)."""
+  generated = retrieval.parse_spec(spec)
+
+  def encode(name: str, tokenizer: Tokenizer, seq_len: int) -> Encoded:
+    packed = retrieval.records(generated, name, seq_len, retrieval.Symbols.of(tokenizer))
+    return packed, {**retrieval.split_stats(packed, tokenizer), **records.record_stats(packed)}, []
+
+  texts = functools.partial(retrieval.tokenizer_texts, generated)
+  return Source("sft", generated.spec, (), texts, encode, retrieval.manifest(generated))
+
+
+def load_source(specs: list[str]) -> Source:
+  """The ``Source`` of ``--corpus`` values.
+
+  Raises:
+    ValueError: A bad spec, or ``kv-retrieval`` beside other corpora or weighted.
+  """
+  bases = [mixture_lib.parse_weight(s)[0] for s in specs]
+  if any(retrieval.is_spec(b) for b in bases):
+    if len(specs) != 1 or not retrieval.is_spec(specs[0]):
+      raise ValueError(
+        f"--corpus {retrieval.SPEC} is generated with its own record layout; prepare it alone (no other --corpus, "
+        "no @W), and give records=N for more of it"
+      )
+    return _retrieval_source(specs[0])
+  return _read_source(specs)
 
 
 def _sha256(path: Path) -> str:
@@ -165,23 +245,17 @@ def prepare(
   _check_destination(out, force)
   tokenizer = Tokenizer.load(tokenizer_path) if tokenizer_path else None
   specs = [corpus] if isinstance(corpus, str) else list(corpus)
-  source = mixture_lib.load_mixture(specs)
-  single = source.parts[0].corpus if source.single else None
-  splits = {name: source.packed(name) for name in corpus_lib.SPLITS}
-  if not splits[corpus_lib.TRAIN]:
-    raise ValueError(f"--corpus {' --corpus '.join(map(repr, specs))} has no documents in the train split")
-  if tokenizer is None:  # Trained on each distinct train document once, whatever the weights.
-    texts = [t for d in source.split(corpus_lib.TRAIN) for t in (d.prompt, d.text) if t]
-    tokenizer = train_tokenizer(texts, vocab_size)
+  source = load_source(specs)
+  if tokenizer is None:
+    tokenizer = train_tokenizer(source.texts(), vocab_size)
 
   out.parent.mkdir(parents=True, exist_ok=True)
   tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
   tmp.mkdir()  # Unlike tempfile.mkdtemp, this keeps the umask's permissions for the final directory.
   try:
-    split_meta, part_meta = {}, [{"spec": p.spec, "kind": p.corpus.kind, "weight": p.weight} for p in source.parts]
-    for name, pairs in splits.items():
-      docs, parts = [d for d, _ in pairs], [i for _, i in pairs]
-      packed, stats, per_part = _encode_split(docs, tokenizer, source.mode, seq_len, parts, len(source.parts))
+    split_meta, part_meta = {}, [dict(p) for p in source.parts]
+    for name in corpus_lib.SPLITS:
+      packed, stats, per_part = source.encode(name, tokenizer, seq_len)
       if name == corpus_lib.TRAIN and not stats["records"]:
         raise ValueError(
           f"no train example fits in --seq-len {seq_len} ({stats['skipped_documents']} skipped); use a larger --seq-len"
@@ -190,7 +264,7 @@ def prepare(
       for meta, counts in zip(part_meta, per_part, strict=True):
         meta.setdefault("splits", {})[name] = counts
     tokenizer.save(tmp / pipeline.TOKENIZER_FILE)
-    manifest = source.manifest()
+    manifest = source.manifest
     (tmp / pipeline.MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
     metadata = {
       "format_version": pipeline.FORMAT_VERSION,
@@ -204,8 +278,8 @@ def prepare(
       "mask_id": tokenizer.mask_id,
       "record": {"dtype": "int32", "shape": [2, seq_len], "rows": ["tokens", "kinds"]},
       "kinds": {"padding": kinds.PAD, "prompt": kinds.FIXED, "target": kinds.TARGET},
-      "corpus": single.source if single else specs,
-      **({} if single else {"corpora": part_meta}),
+      "corpus": source.corpus,
+      **({"corpora": part_meta} if part_meta else {}),
       "python_version": manifest.get("python_version"),
       "tokenizer": {
         "file": pipeline.TOKENIZER_FILE,

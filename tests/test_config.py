@@ -169,6 +169,8 @@ SMALL_PRESETS = (
   "tiny_bd",
   "tiny_verified",
   "tiny_continuous",
+  "tiny_retrieval",
+  "tiny_retrieval_8k",
   "default_continuous",
   "default",
   "default_ar",

@@ -99,7 +99,7 @@ class SequenceLayout:
     """``x`` with its ``axis`` (natural order, a multiple of ``pieces``) permuted into the layout's order.
 
     ``logical``: ``x``'s logical axis names, for an ``x`` split over the sequence shards (``sharding.LENGTH`` at
-    ``axis``): the pieces then move between the shards by two neighbour exchanges (:func:`_exchange`), where a
+    ``axis``): the pieces then move between the shards by two collective permutes (:func:`_exchange`), where a
     plain gather would make GSPMD gather the whole of ``x`` on every device."""
     return self._permute(x, axis, logical, natural=False)
 
