@@ -189,3 +189,17 @@ def test_an_iteration_admits_one_pass_prefills_within_the_chunk_budget(checkpoin
   finally:
     loop.close()
   assert counts == [1, 1, 2, 1, 1]
+
+
+def test_a_step_pads_its_bucket_with_free_rows_before_rows_still_being_prefilled():
+  """The bucket of 4 for 3 busy rows takes free row 4, not row 3 whose prompt has chunks left: a row stepped before
+  its last chunk advanced unreported and its request failed ("skipped slots 17..20"; 4 streams and a 16 K prompt in
+  chunks of 8). Only when no free row is left does a filling row pad the bucket."""
+  from mercury_jax.serve.slots import SlotEngine
+
+  engine = types.SimpleNamespace(busy={0, 1, 2}, filling={3: [8, 16]}, slots=5, row_buckets=(1, 2, 4, 5))
+  np.testing.assert_array_equal(SlotEngine.live_rows(engine), [0, 1, 2, 4])
+  engine.filling = {3: [8], 4: [8, 16]}  # every other row is filling: the bucket must still be full
+  assert SlotEngine.live_rows(engine).tolist() in ([0, 1, 2, 3], [0, 1, 2, 4])
+  engine.busy, engine.filling = {0}, {1: [8]}
+  np.testing.assert_array_equal(SlotEngine.live_rows(engine), [0])

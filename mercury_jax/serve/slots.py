@@ -571,10 +571,13 @@ class SlotEngine:
 
   def live_rows(self) -> np.ndarray:
     """int32 [n]: the rows the next step runs, the busy ones then free ones up to the smallest batch bucket ``n``
-    that holds every busy row."""
+    that holds every busy row. A row whose prompt is still being prefilled in chunks (``filling``) pads the bucket
+    only when no free row is left: a step advances the rows it runs, and one of them must not step before its
+    last chunk (its request then fails on a gap in its slots)."""
     busy = sorted(self.busy)
     size = next(n for n in self.row_buckets if n >= len(busy))
-    free = [slot for slot in range(self.slots) if slot not in self.busy]
+    free = [slot for slot in range(self.slots) if slot not in self.busy and slot not in self.filling]
+    free += [slot for slot in self.filling if slot not in self.busy]
     return np.asarray(busy + free[: size - len(busy)], np.int32)
 
   def _view(self, live: np.ndarray, packed: np.ndarray) -> View:
