@@ -218,6 +218,31 @@ def _einsum_cached(q, k, v, in_cache, in_chunk, cache_k, cache_v):
   return (out / total).reshape(batch, chunk, heads, head_dim)
 
 
+def _chunk_inputs(chunk: int, slots: int, heads: int, kv_heads: int, dim: int):
+  """Random ``(q, k, v, cache_k, cache_v)`` of one row's chunk over a cache, and ``(segments, cache_segments)``."""
+  import jax
+  import jax.numpy as jnp
+
+  keys = jax.random.split(jax.random.key(0), 5)
+  q = jax.random.normal(keys[0], (1, chunk, heads, dim))
+  k, v = (jax.random.normal(key, (1, chunk, kv_heads, dim)) for key in keys[1:3])
+  cache_k, cache_v = (jax.random.normal(key, (1, slots, kv_heads, dim)) for key in keys[3:5])
+  return (q, k, v, cache_k, cache_v), (jnp.ones((1, chunk), jnp.int32), jnp.ones((1, slots), jnp.int32))
+
+
+def _interleaved_ms(fns, inputs, repeats: int) -> list[float]:
+  """Each function's median milliseconds on ``inputs``, the functions run in turn ``repeats`` times."""
+  import jax
+
+  times = [[] for _ in fns]
+  for _ in range(repeats):
+    for fn, spent in zip(fns, times, strict=True):
+      start = time.perf_counter()
+      jax.block_until_ready(fn(*inputs))
+      spent.append(time.perf_counter() - start)
+  return [1e3 * statistics.median(t) for t in times]
+
+
 def cached(args) -> None:
   import jax
   import jax.numpy as jnp
@@ -229,11 +254,7 @@ def cached(args) -> None:
   print("|---|---|---|---|---|---|")
   for slots in args.slots:
     for heads, kv_heads, dim in args.shapes:
-      keys = jax.random.split(jax.random.key(0), 5)
-      q = jax.random.normal(keys[0], (1, args.chunk, heads, dim))
-      k, v = (jax.random.normal(key, (1, args.chunk, kv_heads, dim)) for key in keys[1:3])
-      cache_k, cache_v = (jax.random.normal(key, (1, slots, kv_heads, dim)) for key in keys[3:5])
-      segments, cache_segments = jnp.ones((1, args.chunk), jnp.int32), jnp.ones((1, slots), jnp.int32)
+      (q, k, v, cache_k, cache_v), (segments, cache_segments) = _chunk_inputs(args.chunk, slots, heads, kv_heads, dim)
       starts = jnp.asarray([slots - args.chunk], jnp.int32)
       visible = masks.cached(segments, cache_segments, starts, "causal", block=None, xp=jnp)
       old = jax.jit(lambda q, k, v, ck, cv, vis=visible: _einsum_cached(q, k, v, *vis, ck, cv))
@@ -244,13 +265,7 @@ def cached(args) -> None:
       )
       inputs = (q, k, v, cache_k, cache_v)
       np.testing.assert_allclose(np.asarray(old(*inputs)), np.asarray(new(*inputs)), atol=1e-4, rtol=1e-4)
-      times = {"old": [], "new": []}
-      for _ in range(args.repeats):
-        for name, fn in (("old", old), ("new", new)):
-          start = time.perf_counter()
-          jax.block_until_ready(fn(*inputs))
-          times[name].append(time.perf_counter() - start)
-      a, b = (1e3 * statistics.median(times[n]) for n in ("old", "new"))
+      a, b = _interleaved_ms((old, new), inputs, args.repeats)
       print(f"| {slots} | {args.chunk} | {heads} / {kv_heads} x {dim} | {a:.1f} | {b:.1f} | {a / b:.1f}x |", flush=True)
 
 
@@ -270,31 +285,20 @@ def _tiles_program(blockwise: bool, segments, cache_segments):
 
 
 def tiles(args) -> None:
-  import jax
   import jax.numpy as jnp
 
   print("| slots | chunk | heads / kv heads x dim | chunk starts at | one softmax ms | tiles ms | speed-up |")
   print("|---|---|---|---|---|---|---|")
   for slots in args.slots:
     for heads, kv_heads, dim in args.shapes:
-      keys = jax.random.split(jax.random.key(0), 5)
-      q = jax.random.normal(keys[0], (1, args.chunk, heads, dim))
-      k, v = (jax.random.normal(key, (1, args.chunk, kv_heads, dim)) for key in keys[1:3])
-      cache_k, cache_v = (jax.random.normal(key, (1, slots, kv_heads, dim)) for key in keys[3:5])
-      segments, cache_segments = jnp.ones((1, args.chunk), jnp.int32), jnp.ones((1, slots), jnp.int32)
+      (q, k, v, cache_k, cache_v), (segments, cache_segments) = _chunk_inputs(args.chunk, slots, heads, kv_heads, dim)
 
       one, tiled = (_tiles_program(blockwise, segments, cache_segments) for blockwise in (False, True))
       for fraction in args.positions:
         starts = jnp.asarray([max(int(fraction * slots) - args.chunk, 0)], jnp.int32)
         inputs = (q, k, v, cache_k, cache_v, starts)
         np.testing.assert_allclose(np.asarray(one(*inputs)), np.asarray(tiled(*inputs)), atol=1e-4, rtol=1e-4)
-        times = {"one": [], "tiled": []}
-        for _ in range(args.repeats):
-          for name, fn in (("one", one), ("tiled", tiled)):
-            start = time.perf_counter()
-            jax.block_until_ready(fn(*inputs))
-            times[name].append(time.perf_counter() - start)
-        a, b = (1e3 * statistics.median(times[n]) for n in ("one", "tiled"))
+        a, b = _interleaved_ms((one, tiled), inputs, args.repeats)
         print(
           f"| {slots} | {args.chunk} | {heads} / {kv_heads} x {dim} | {int(starts[0])} | {a:.1f} | {b:.1f} | "
           f"{a / b:.1f}x |",
