@@ -71,7 +71,7 @@ def engine_overhead(
         )
         starts = engine.starts(moved)
         if plan.draft:  # Verified decoding: the verify+draft chunk, every step alike.
-          logits, _, cache = engine.cache.window(p, moved, starts, settings.mask_id)
+          logits, _, cache = engine.cache.window(p, moved, starts, settings.mask_id, jnp.ones((batch,), bool))
           return total + logits[0, 0, 0], cache
         needs = Needs(starts, jnp.ones((batch,), jnp.float32), jnp.ones((batch,), bool), moved.fresh)
         out = engine.cache.forward(p, moved, needs)

@@ -275,9 +275,12 @@ class Verified(Exact):
   chunk per step, ``k`` causal tokens (the last committed one and ``k - 1`` drafts, whose keys and values are written)
   and ``k`` pre-draft blocks of ``k`` tokens (``masks.verify_chunk``)."""
 
-  def window(self, params, st: State, starts: jax.Array, mask_id: int):
+  def window(self, params, st: State, starts: jax.Array, mask_id: int, active: jax.Array):
     """``(next-token logits [b, k, vocab], block logits [b, k, k, vocab], cache)`` of the chunk whose causal part
-    starts at slot ``starts - 1`` (the last committed token), laid out by :func:`verify_inputs`."""
+    starts at slot ``starts - 1`` (the last committed token), laid out by :func:`verify_inputs`. Only the ``active``
+    [b] rows write their keys and values: an inert row's cache stays as it was (a server's row still prefilling in
+    chunks pads a step's bucket with its own pages, where a key written again by another program may round
+    otherwise than its chunk's)."""
     k = self.plan.draft
     tokens, positions, segments = verify_inputs(st, starts, k, mask_id)
     logits, kv = self.network.chunk(
@@ -292,6 +295,7 @@ class Verified(Exact):
     )
     causal = KVCache(kv.keys[:, :, :k], kv.values[:, :, :k], kv.segments[:, :k])
     batch, vocab = logits.shape[0], logits.shape[-1]
+    causal = per_row(active, causal, st.cache.rows(starts - 1, k))
     return logits[:, :k], logits[:, k:].reshape(batch, k, k, vocab), st.cache.write(causal, starts - 1)
 
 

@@ -152,3 +152,33 @@ def put_rows(st: State, rows_: jax.Array, part: State) -> State:
     else:
       fields[name] = jax.tree.map(lambda a, b: a.at[rows_].set(b), mine, theirs)
   return st._replace(**fields)
+
+
+def where_rows(keep: jax.Array, new: State, old: State) -> State:
+  """``new`` in the rows ``keep`` [b] marks and ``old`` in the others: a step's result for the rows it was for, the
+  others as they went in. The batch counters and a paged pool are ``new``'s (the pool is every row's; a row that
+  must stay as it was writes nothing into it)."""
+
+  def pick(axis: int):
+    def where(a, b):
+      shape = [1] * a.ndim
+      shape[axis] = keep.shape[0]
+      return jnp.where(keep.reshape(shape), a, b)
+
+    return where
+
+  fields = {}
+  for name in State._fields:
+    mine, theirs = getattr(new, name), getattr(old, name)
+    if name in BATCH_COUNTERS or mine is None or isinstance(mine, PagedKVCache):
+      continue
+    if isinstance(mine, KVCache):  # [layers, b, ...] keys and values, [b, S] segments
+      rows_of = pick(1)
+      fields[name] = KVCache(
+        rows_of(mine.keys, theirs.keys), rows_of(mine.values, theirs.values), pick(0)(mine.segments, theirs.segments)
+      )
+    elif name == "constraint":
+      fields[name] = Constraint(mine.tables, pick(0)(mine.dfa, theirs.dfa), pick(0)(mine.end, theirs.end), mine.passes)
+    else:
+      fields[name] = jax.tree.map(pick(_row_axis(name)), mine, theirs)
+  return new._replace(**fields)

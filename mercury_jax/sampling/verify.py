@@ -120,7 +120,7 @@ class Verifier:
     batch = st.z.shape[0]
     starts = engine.starts(st)  # [b] the first uncommitted slot
     active = engine.unfinished(st)
-    ar_logits, block_logits, cache = engine.cache.window(params, st, starts, mask_id)
+    ar_logits, block_logits, cache = engine.cache.window(params, st, starts, mask_id, active)
     slots = starts[:, None] + jnp.arange(k)[None, :]  # [b, k] the slots p verifies: starts .. starts + k - 1
     z_w, generate_w = rows(st.z, starts, k), rows(st.generate, starts, k)
     open_w = generate_w & (z_w == mask_id)  # still to generate; the others are fixed text or padding

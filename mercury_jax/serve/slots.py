@@ -62,7 +62,7 @@ from mercury_jax.sampling.network import RowwiseNetwork
 from mercury_jax.sampling.plan import BlockPlan
 from mercury_jax.sampling.proposal import Knobs
 from mercury_jax.sampling.sampler import Sampler
-from mercury_jax.sampling.state import BATCH_COUNTERS, Healing, State, put_rows, take_rows
+from mercury_jax.sampling.state import BATCH_COUNTERS, Healing, State, put_rows, take_rows, where_rows
 from mercury_jax.serve.pages import NoPages, PagePool
 
 MIN_BUCKET = 32  # The smallest prefill bucket, in slots; buckets double up to the whole context.
@@ -301,8 +301,11 @@ class SlotEngine:
     def step(params, st: State, live: jax.Array):
       part = take_rows(st, live)
       worked = engine.starts(part)
-      part = engine.advance(params, part, max_steps=jnp.ones((), jnp.int32))
-      return put_rows(st, live, part), news(engine, part, worked)
+      moved = engine.advance(params, part, max_steps=jnp.ones((), jnp.int32))
+      # A row with nothing to generate pads the bucket (a free row, or one still prefilling in chunks): it comes out
+      # as it went in (the engine would move its block on), and it wrote nothing into the pool.
+      moved = where_rows(jnp.any(part.generate, axis=-1), moved, part)
+      return put_rows(st, live, moved), news(engine, moved, worked)
 
     def blank(row: State) -> State:  # the batch state of ``slots`` copies of a one-row state, over an empty pool
       st = jax.tree.map(lambda a: jnp.repeat(a, slots, axis=0) if jnp.ndim(a) else a, row._replace(trace=(), cache=()))
@@ -314,7 +317,12 @@ class SlotEngine:
 
     def prefill(size: int):
       def fn(p, c, k, n, kn, t, h, e):
-        return engine.init(p, c, k, n, kn, prefill=size, tables=t, healing=h, extra_steps=e)
+        row = engine.init(p, c, k, n, kn, prefill=size, tables=t, healing=h, extra_steps=e)
+        if size:
+          return row
+        # A chunked prefill's row: inert until its last chunk (nothing to generate, as a free row), so a step whose
+        # bucket it pads leaves it as it was; its positions to generate, held apart, arm it then (``arm``).
+        return row._replace(generate=jnp.zeros_like(row.generate)), row.generate
 
       return sh.MeshJit(fn, mesh, rules, in_shardings=(params, *[None] * 7))
 
@@ -323,7 +331,12 @@ class SlotEngine:
       part = part._replace(cache=engine.cache.fill(params, part, start, self.prefill_chunk))
       return put_rows(st, slot[None], part)
 
+    def arm(st: State, slot: jax.Array, generate: jax.Array) -> State:
+      return st._replace(generate=jax.lax.dynamic_update_slice_in_dim(st.generate, generate, slot, axis=0))
+
     self._prefill = [prefill(size) for size in (*self.buckets, 0)]  # the last: a chunked prefill's row, unfilled
+    self._held: dict[int, jax.Array] = {}  # filling rows' positions to generate [1, S], until their last chunk
+    self._arm = sh.MeshJit(arm, mesh, rules, donate_argnums=(0,))
     self._fill = sh.MeshJit(fill, mesh, rules, in_shardings=(params, None, None, None), donate_argnums=(1,))
     self._insert = sh.MeshJit(engine.insert, mesh, rules, donate_argnums=(0,))
     self._release = sh.MeshJit(engine.release, mesh, rules, donate_argnums=(0,))
@@ -494,11 +507,15 @@ class SlotEngine:
     place = self._place
     canvas = Canvas(place(command.tokens[row]), place(command.kinds[row]), place(command.streams[row]))
     knobs = Knobs(*(place(k[row]) for k in command.knobs))
-    fn = self._prefill[int(command.bucket[slot])]
+    bucket = int(command.bucket[slot])
     tables = self._tables([self._automata.pop(slot, None)])
     heal = self._healing([self._heals.pop(slot, "")], [int(np.argmax(command.kinds[slot] == K.TARGET))])
-    steps, extra = place(command.steps[row]), place(command.extra[row])
-    return fn(self.sampler.params, canvas, place(command.keys[slot]), steps, knobs, tables, heal, extra)
+    steps, extra, key = place(command.steps[row]), place(command.extra[row]), place(command.keys[slot])
+    out = self._prefill[bucket](self.sampler.params, canvas, key, steps, knobs, tables, heal, extra)
+    if bucket < len(self.buckets):
+      return out
+    row, self._held[slot] = out  # A chunked prefill's row, inert until :meth:`_fill_next` runs its last chunk.
+    return row
 
   def _healing(self, texts: list[str], positions: list[int]) -> Healing:
     """Rows' token-healing masks (every row has one, so one program serves all): a row with healed characters lets
@@ -535,6 +552,7 @@ class SlotEngine:
       self.state = self._sync(self._release(self.state, self._place(np.int32(slot))))
       self.busy.discard(int(slot))
       self.filling.pop(int(slot), None)
+      self._held.pop(int(slot), None)
     failures = {}
     for slot in np.flatnonzero(command.bucket >= 0):
       try:
@@ -548,6 +566,8 @@ class SlotEngine:
       except Exception as error:  # noqa: BLE001  The request fails alone; the engine keeps serving.
         failures[int(slot)] = f"{type(error).__name__}: {error}"
         self.pool.give_back(int(slot))
+        self.filling.pop(int(slot), None)
+        self._held.pop(int(slot), None)
     self._fill_next()
     if not bool(command.step) or not self.busy:
       return None, failures
@@ -565,15 +585,16 @@ class SlotEngine:
     starts = self.filling[slot]
     where = (self._place(np.int32(slot)), self._place(np.int32(starts.pop(0))))
     self.state = self._sync(self._fill(self.sampler.params, self.state, *where))
-    if not starts:
+    if not starts:  # Whole: the row is armed and steps from this iteration on.
       del self.filling[slot]
+      self.state = self._sync(self._arm(self.state, self._place(np.int32(slot)), self._held.pop(slot)))
       self.busy.add(slot)
 
   def live_rows(self) -> np.ndarray:
-    """int32 [n]: the rows the next step runs, the busy ones then free ones up to the smallest batch bucket ``n``
-    that holds every busy row. A row whose prompt is still being prefilled in chunks (``filling``) pads the bucket
-    only when no free row is left: a step advances the rows it runs, and one of them must not step before its
-    last chunk (its request then fails on a gap in its slots)."""
+    """int32 [n]: the rows the next step runs, the busy ones then others up to the smallest batch bucket ``n``
+    that holds every busy row. Free rows pad first; a row whose prompt is still being prefilled in chunks
+    (``filling``) pads the bucket only when no free row is left, and is inert there: it has nothing to generate
+    until its last chunk arms it, so the step leaves its state and its pages as they were."""
     busy = sorted(self.busy)
     size = next(n for n in self.row_buckets if n >= len(busy))
     free = [slot for slot in range(self.slots) if slot not in self.busy and slot not in self.filling]
@@ -625,6 +646,7 @@ class SlotEngine:
     self.pool.reset()
     self.busy.clear()
     self.filling.clear()
+    self._held.clear()
     command = self.command()
     bos = self.settings.bos_id
     for bucket, size in enumerate(self.buckets):  # A prompt whose first block ends at the bucket's end.
@@ -642,6 +664,7 @@ class SlotEngine:
       self._admit_now(command, 0)
       self.busy.discard(0)
       self.state = self._sync(self._fill(self.sampler.params, self.state, *map(self._place, np.zeros(2, np.int32))))
+      self.state = self._sync(self._arm(self.state, self._place(np.int32(0)), self._held.pop(0)))
       self.state = self._sync(self._release(self.state, self._place(np.int32(0))))
     small, row = Request(prompt=(bos,), max_tokens=1), None
     for slot in range(self.slots):  # Every row busy (one prefill for all), then the step of each batch bucket.
