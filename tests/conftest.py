@@ -16,6 +16,11 @@ _QUICK = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes
 # twice). One part per program compiles on the calling thread only; with two test processes on two cores the
 # parallel split bought nothing.
 _QUICK += " --xla_cpu_parallel_codegen_split_count=1"
+# XLA:CPU's MLIR fusion emitters take several times longer to compile a fusion than its older loop emitters, and the
+# tests compile far more than they run: with the older ones a serving engine's warm-up (every prefill and step
+# bucket) compiled in 13-24 s instead of 47-50 s, test_engine.py ran in 246 s instead of 392 s, and 300 training
+# steps ran as fast (interleaved runs; BUILD_NOTES, the suite's time).
+_QUICK += " --xla_cpu_use_fusion_emitters=false"
 _FLAGS = os.environ.get("XLA_FLAGS", "")
 _FLAGS += "" if "xla_backend_optimization_level" in _FLAGS else f" {_QUICK}"
 os.environ["XLA_FLAGS"] = f"{_FLAGS} --xla_force_host_platform_device_count=8".strip()

@@ -26,6 +26,7 @@ from mercury_jax.sampling.proposal import Knobs
 from mercury_jax.sampling.sampler import Sampler
 from mercury_jax.sampling.settings import SettingError
 from mercury_jax.serve.scheduler import Request, Scheduler
+from mercury_jax.serve.slots import SlotEngine
 
 KINDS = ("block_diffusion", "autoregressive", "verified")
 GREEDY = Knobs(0.0, 0, 1.0, 0.9)
@@ -144,9 +145,10 @@ def test_streams_keep_flowing_while_a_16k_prompt_is_prefilled(checkpoints, tmp_p
     assert len(during) >= chunks - 2, (len(during), chunks)  # a token in (nearly) every iteration of the prefill
 
 
-def test_a_request_over_max_model_len_gets_400_with_its_count(checkpoints):
+def test_a_request_over_max_model_len_gets_400_with_its_count(checkpoints, monkeypatch):
   path = checkpoints["block_diffusion"]
   sampler = Sampler.from_checkpoint(path)
+  monkeypatch.setattr(SlotEngine, "warm_up", lambda self: None)  # The check and the sizes need no program.
   scheduler = Scheduler(sampler, slots=1, max_model_len=48)
   with pytest.raises(SettingError, match="together 50 positions, but the model's context is 48 tokens"):
     scheduler.check(Request(tuple(range(5, 45)), 10))
@@ -170,10 +172,11 @@ def test_a_request_over_max_model_len_gets_400_with_its_count(checkpoints):
     srv.stop()
 
 
-def test_an_iteration_admits_one_pass_prefills_within_the_chunk_budget(checkpoints):
+def test_an_iteration_admits_one_pass_prefills_within_the_chunk_budget(checkpoints, monkeypatch):
   """With ``prefill_chunk=32``: prompts whose prefill covers 28 slots are admitted one per iteration (the budget),
   prompts of a few tokens several at once, and a long prompt's admission (its first chunk) spends the whole budget;
-  the first waiting request is always admitted."""
+  the first waiting request is always admitted. (Admission is the host's: no program runs, none is compiled.)"""
+  monkeypatch.setattr(SlotEngine, "warm_up", lambda self: None)
   scheduler = Scheduler(Sampler.from_checkpoint(checkpoints["block_diffusion"]), slots=6, prefill_chunk=32)
   engine = scheduler.engine
   medium = Request(tuple(range(5, 25)), 4)  # its prefill covers 28 slots
@@ -196,11 +199,8 @@ def test_an_iteration_admits_one_pass_prefills_within_the_chunk_budget(checkpoin
 
 
 def test_a_step_pads_its_bucket_with_free_rows_before_rows_still_being_prefilled():
-  """The bucket of 4 for 3 busy rows takes free row 4, not row 3 whose prompt has chunks left: a row stepped before
-  its last chunk advanced unreported and its request failed ("skipped slots 17..20"; 4 streams and a 16 K prompt in
-  chunks of 8). Only when no free row is left does a filling row pad the bucket."""
-  from mercury_jax.serve.slots import SlotEngine
-
+  """The bucket of 4 for 3 busy rows takes free row 4 before row 3, whose prompt has chunks left; only when no free
+  row is left does a filling row pad the bucket (inert there: the first test)."""
   engine = types.SimpleNamespace(busy={0, 1, 2}, filling={3: [8, 16]}, slots=5, row_buckets=(1, 2, 4, 5))
   np.testing.assert_array_equal(SlotEngine.live_rows(engine), [0, 1, 2, 4])
   engine.filling = {3: [8], 4: [8, 16]}  # every other row is filling: the bucket must still be full
