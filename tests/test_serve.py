@@ -1,9 +1,14 @@
 """The OpenAI-compatible server, live: a subprocess on a free port, spoken to over real sockets by the `openai` client.
 
-The model is a tiny block-diffusion model fine-tuned (SFT) in the module fixture to sort digits behind a chat
-template stored in its config, so chat answers can be checked for being right, not only well formed. Structured
-output (``response_format``, tool calls) is checked for being valid against its schema; tool calls, longer than the
-model's context, go to the same weights served with a longer one (``tool_server``).
+The model is a tiny block-diffusion model fine-tuned (SFT) to sort digits behind a chat template stored in its config,
+so chat answers can be checked for being right, not only well formed. It is shipped, params-only in bfloat16, as
+``tests/fixtures/sort_chat`` (2000 steps, 0.15 M parameters); ``python tests/fixtures/make_sort_chat.py`` trains and
+exports it again (about 3 minutes on 2 CPU cores) and prints how many of 40 lists its greedy chat replies sort.
+Structured output (``response_format``, tool calls) is checked for being valid against its schema; tool calls, longer
+than the model's context, go to the same weights served with a longer one (``tool_server``).
+
+The servers compile at the test processes' quick optimisation level (:data:`QUICK_FLAGS`): their start-up, a
+compilation per prefill and batch bucket, takes far longer than the tiny model's requests.
 """
 
 from __future__ import annotations
@@ -20,18 +25,17 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
+import jax
 import jsonschema
 import openai
 import pytest
 from random_models import random_checkpoint
 
 from mercury_jax.checkpoint import export_params, find_tokenizer, restore_params
-from mercury_jax.config import load_config
-from mercury_jax.prepare import main as prepare_main
 from mercury_jax.sampling.sampler import Sampler
-from mercury_jax.train import train
 
 TEMPLATE = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant:"
 CONTEXT = 24
@@ -39,44 +43,17 @@ CONTEXT = 24
 # tool_server's context holds the prompt of SORT_ME (13 tokens) and CALL_TOKENS.
 TOOL_CONTEXT = 96
 CALL_TOKENS = 80
-TRAIN = {
-  "model.max_length": str(CONTEXT),
-  "model.vocab_size": "400",
-  "data.batch_size": "32",
-  "optim.learning_rate": "3e-3",
-  "optim.warmup_steps": "20",
-  "train.steps": "1000",
-  "train.eval_every": "0",
-  "train.log_every": "100",
-  "checkpoint.every": "1000",
-  "checkpoint.async_save": "false",
-}
+# The shipped sort-digits chat model (tests/fixtures/make_sort_chat.py): "sort 3 1 2" -> "1 2 3", prompts rendered by
+# its own chat template (TEMPLATE). Its greedy chat replies sorted 40 of 40 lists in the recipe's check and through
+# the tests' server alike (lists drawn with other seeds than its 2,000 training prompts, which cover most of the 1,000
+# lists there are); 1000 steps of the same recipe sorted 35 of 40 through the server, 8 of test_chat_sorts_digits' 10.
+SORT_CHAT = Path(__file__).parent / "fixtures" / "sort_chat"
+# The test processes' XLA flags (conftest's quick compilation: LLVM at -O0 and more) without their device count.
+QUICK_FLAGS = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split() if "host_platform_device_count" not in f)
 
 
 def _digits(rng: random.Random) -> list[int]:
   return [rng.randint(0, 9) for _ in range(3)]
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-  """A tiny block-diffusion chat model: "sort 3 1 2" -> "1 2 3", prompts rendered by its own chat template.
-
-  1000 steps (about 30 s on 2 cores) get 39 of 40 held-out lists right with greedy decoding; 400 steps get 1 in 3.
-  """
-  root = tmp_path_factory.mktemp("serve")
-  rng = random.Random(0)
-  lines = []
-  for _ in range(2000):
-    digits = _digits(rng)
-    prompt = f"user: sort {' '.join(map(str, digits))}\nassistant:"  # TEMPLATE of one user message
-    lines.append(json.dumps({"prompt": prompt, "response": " " + " ".join(map(str, sorted(digits)))}))
-  (root / "task.jsonl").write_text("\n".join(lines) + "\n")
-  data = root / "data"
-  args = ["--corpus", str(root / "task.jsonl"), "--out", str(data), "--vocab-size", "400", "--seq-len", str(CONTEXT)]
-  assert prepare_main(args) == 0
-  cfg = load_config("tiny_bd", {**TRAIN, "data.path": str(data), "data.chat_template": TEMPLATE})
-  train(cfg, root / "run", log=False)
-  return root / "run"
 
 
 def _free_port() -> int:
@@ -88,11 +65,12 @@ def _free_port() -> int:
 class Server:
   """``python -m mercury_jax.serve`` in a subprocess, up once it printed its address."""
 
-  def __init__(self, checkpoint, *flags: str, devices: int = 1, processes: int = 1):
+  def __init__(self, checkpoint, *flags: str, devices: int = 1, processes: int = 1, quick: bool = False):
+    """``quick``: compile at the test processes' level (:data:`QUICK_FLAGS`) instead of XLA's default."""
     self.port = _free_port()
     self.url = f"http://127.0.0.1:{self.port}"
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "JAX_PLATFORMS": "cpu"}
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    env["XLA_FLAGS"] = f"{QUICK_FLAGS if quick else ''} --xla_force_host_platform_device_count={devices}".strip()
     command = [sys.executable, "-m", "mercury_jax.serve", "--checkpoint", str(checkpoint), "--port", str(self.port)]
     command += flags
     self.followers: list[subprocess.Popen] = []
@@ -149,8 +127,8 @@ class Server:
 
 
 @pytest.fixture(scope="module")
-def server(checkpoint):
-  srv = Server(checkpoint, "--slots", "8", "--max-queue", "128")
+def server():
+  srv = Server(SORT_CHAT, "--slots", "4", "--max-queue", "128", quick=True)  # batch buckets 1, 2 and 4
   yield srv
   srv.stop()
 
@@ -178,6 +156,13 @@ def _streamed(client, **kw) -> tuple[str, str | None, list]:
 # ----------------------------------------------------------------------------------------------- completions
 
 
+def test_the_fixture_is_the_sort_chat_model():
+  params, cfg = restore_params(SORT_CHAT)
+  assert (cfg.model.max_length, cfg.objective.block_size, cfg.data.chat_template) == (CONTEXT, 4, TEMPLATE)
+  assert sum(p.size for p in jax.tree.leaves(params)) < 200_000  # 0.15 M parameters
+  assert sum(f.stat().st_size for f in SORT_CHAT.rglob("*") if f.is_file()) < 2**19  # bfloat16: < 512 KiB
+
+
 def test_completion_streamed_equals_unstreamed_and_usage_counts_tokens(server):
   client = server.client()
   # The prompt ends inside the reply: token healing re-generates its last token, " 1", where the chat model was
@@ -203,11 +188,11 @@ def test_completions_heal_a_prompt_cut_inside_a_token_as_the_python_sampler_does
   prompt and usage counts the prompt's tokens as sent."""
   path = random_checkpoint(tmp_path, "block_diffusion", data_dir / "tokenizer.model")
   sampler = Sampler.from_checkpoint(path)
-  srv = Server(path, "--slots", "2")
+  srv = Server(path, "--slots", "1", quick=True)  # one request at a time
   try:
     client = srv.client()
     changed = 0
-    for prompt in ("print(", "def fibon", "x = [1, 2,"):
+    for prompt in ("print(", "def fibon", "class Fo"):  # 5 tokens each: the sampler compiles once per mode
       out = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0)
       knobs = dict(length=12, temperature=0.0, rule="threshold", threshold=0.9)  # the server's defaults
       healed = sampler.generate(prompt, **knobs)[0]
@@ -216,7 +201,7 @@ def test_completions_heal_a_prompt_cut_inside_a_token_as_the_python_sampler_does
       assert out.usage.prompt_tokens == len(sampler.tokenizer.encode(prompt))
       assert out.usage.completion_tokens == len(healed.tokens) - 1
       changed += healed.text != plain.text
-    assert changed >= 1  # so an unhealed reply could not pass (this model changes all three)
+    assert changed >= 1  # so an unhealed reply could not pass (this model changes "class Fo")
   finally:
     srv.stop()
 
@@ -379,18 +364,18 @@ SORT_ME = [{"role": "user", "content": "sort 3 1 2"}]
 
 
 @pytest.fixture(scope="module")
-def tool_server(checkpoint, tmp_path_factory):
+def tool_server(tmp_path_factory):
   """The fixture's model served with a context of TOOL_CONTEXT tokens, room for a tool call.
 
   The same weights, exported with a longer ``model.max_length``: rotary position embeddings have no parameters that
   depend on it. Beyond the CONTEXT positions it was trained on the model writes poor text, which the constraint keeps
   valid.
   """
-  params, cfg = restore_params(checkpoint)
+  params, cfg = restore_params(SORT_CHAT)
   cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, max_length=TOOL_CONTEXT))
   folder = tmp_path_factory.mktemp("tools")
-  export_params(folder, params, cfg, find_tokenizer(checkpoint))
-  srv = Server(folder, "--slots", "8")
+  export_params(folder, params, cfg, find_tokenizer(SORT_CHAT))
+  srv = Server(folder, "--slots", "2", quick=True)  # two calls (two automata) per step; the other requests wait
   yield srv
   srv.stop()
 
@@ -600,8 +585,9 @@ def test_models_health_and_metrics(server):
 # ------------------------------------------------------------------------------------- a full queue, SIGTERM
 
 
-def test_full_queue_answers_429_and_sigterm_drains_then_exits_0(checkpoint):
-  srv = Server(checkpoint, "--slots", "1", "--max-queue", "1", "--grace", "30")
+def test_full_queue_answers_429_and_sigterm_drains_then_exits_0():
+  # Structured output, not used here, is off: its automaton tables make the step's program larger.
+  srv = Server(SORT_CHAT, "--slots", "1", "--max-queue", "1", "--grace", "30", "--constraint-capacity", "0", quick=True)
   try:
     body = {"prompt": "sort", "max_tokens": 20, "steps_per_block": 4, "threshold": 1.0}
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
@@ -622,7 +608,7 @@ def test_full_queue_answers_429_and_sigterm_drains_then_exits_0(checkpoint):
     srv.kill()
 
 
-def test_a_multi_host_server_answers_as_one_process_with_as_many_devices(checkpoint):
+def test_a_multi_host_server_answers_as_one_process_with_as_many_devices():
   """Two processes of one device each (process 0 serves HTTP) against one process of two devices: same mesh shape,
   same tokens; the followers compile the structured requests' constraints from process 0's broadcast specs."""
   schema = {"type": "object", "properties": {"d": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["d"]}
@@ -636,7 +622,8 @@ def test_a_multi_host_server_answers_as_one_process_with_as_many_devices(checkpo
   ]
   results = []
   for devices, processes in ((2, 1), (1, 2)):
-    srv = Server(checkpoint, "--slots", "4", devices=devices, processes=processes)
+    # Two slots: one batch bucket, a row per device (the 14 requests wait their turn).
+    srv = Server(SORT_CHAT, "--slots", "2", devices=devices, processes=processes, quick=True)
     try:
       client = srv.client(timeout=120)
       time.sleep(2.5)  # Idle: process 0 sends its followers no-op commands (one a second) meanwhile.

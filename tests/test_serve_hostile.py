@@ -1,5 +1,5 @@
 """A live server under hostile requests: huge knobs, a megabyte stop string, schemas whose automaton explodes, a 50 MB
-body, missing and wrong API keys, and SIGTERM with 32 requests in flight. Real sockets, the official ``openai``
+body, missing and wrong API keys, and SIGTERM with 8 requests in flight. Real sockets, the official ``openai``
 client where it can send the request, a tiny random-weights checkpoint (what it writes does not matter here).
 """
 
@@ -49,7 +49,7 @@ def checkpoint(tmp_path_factory, data_dir) -> Path:
 @pytest.fixture(scope="module")
 def server(checkpoint):
   """Compile jobs stop after 0.5 s, so a schema that slips past the compiler's own size checks answers in time."""
-  srv = Server(checkpoint, "--slots", "4", "--api-key", KEY, "--compile-timeout", "0.5")
+  srv = Server(checkpoint, "--slots", "4", "--api-key", KEY, "--compile-timeout", "0.5", quick=True)
   yield srv
   assert srv.stop() == 0, "".join(srv.log)
 
@@ -176,30 +176,38 @@ def _complete(url: str, body: dict) -> tuple[int, dict | None]:
   return response.status_code, {"finish_reason": reason, "text": text} if done and reason else None
 
 
-def test_sigterm_with_32_requests_in_flight_loses_none_and_exits_0(tmp_path, data_dir):
-  """32 requests (half of them streamed) of about 100 steps each, in 64 slots (each step computes every slot, so a
-  request lasts long enough for all of them to arrive): SIGTERM once the server has accepted all of them (most still
-  running); each one finishes complete within --grace, and the process exits 0."""
-  srv = Server(flat_checkpoint(tmp_path, data_dir / "tokenizer.model", 128), "--slots", "64", "--grace", "60")
+def test_sigterm_with_8_requests_in_flight_loses_none_and_exits_0(tmp_path, data_dir):
+  """8 requests (half of them streamed) of about 100 steps each, in 4 slots: SIGTERM once the server has accepted
+  all of them (4 running, the others waiting for a slot); each one finishes complete within --grace, and the process
+  exits 0.
+
+  A drain that dropped a running or a waiting request, cut a stream short or exited otherwise than 0 fails here as it
+  did with 32 requests in 64 slots: uvicorn waits for every open connection and the scheduler for every running and
+  waiting request, whatever their number. 4 slots compile 3 batch buckets at start-up where 64 compiled 7.
+  Structured output, not used here, is off: its automaton tables make every step's program larger.
+  """
+  path = flat_checkpoint(tmp_path, data_dir / "tokenizer.model", 128)
+  srv = Server(path, "--slots", "4", "--grace", "60", "--constraint-capacity", "0", quick=True)
   try:
     url = f"{srv.url}/v1/completions"
     bodies = [
-      {"prompt": PROMPT, "max_tokens": 100, "steps_per_block": 4, "seed": i, "stream": i % 2 == 1} for i in range(32)
+      {"prompt": PROMPT, "max_tokens": 100, "steps_per_block": 4, "seed": i, "stream": i % 2 == 1} for i in range(8)
     ]
-    with concurrent.futures.ThreadPoolExecutor(32) as pool:
+    with concurrent.futures.ThreadPoolExecutor(len(bodies)) as pool:
       futures = [pool.submit(_complete, url, body) for body in bodies]
       deadline = time.monotonic() + 60
       while True:
         metrics = httpx.get(f"{srv.url}/metrics").text
-        running = _sample(metrics, "mercury_busy_slots") + _sample(metrics, "mercury_queue_depth")
-        if running + _sample(metrics, "mercury_requests_total", 'status="200"') >= 32:
+        waiting = _sample(metrics, "mercury_queue_depth")
+        running = _sample(metrics, "mercury_busy_slots") + waiting
+        if running + _sample(metrics, "mercury_requests_total", 'status="200"') >= len(bodies):
           break
-        assert time.monotonic() < deadline, "the server never accepted the 32 requests"
+        assert time.monotonic() < deadline, f"the server never accepted the {len(bodies)} requests"
         time.sleep(0.02)
       srv.process.send_signal(signal.SIGTERM)
       outcomes = [f.result() for f in futures]
-    print(f"{running:.0f} requests in flight at SIGTERM")
-    assert running >= 16, f"only {running:.0f} requests were in flight at SIGTERM"
+    print(f"{running:.0f} requests in flight at SIGTERM, {waiting:.0f} of them waiting for a slot")
+    assert running >= len(bodies) // 2, f"only {running:.0f} requests were in flight at SIGTERM"
     code = srv.stop()
     assert code == 0, "".join(srv.log)
     assert all(status == 200 and outcome is not None for status, outcome in outcomes), outcomes
