@@ -29,6 +29,22 @@ SETS = [
 ]
 
 
+@pytest.fixture(scope="module")
+def cli_env(tmp_path_factory) -> dict[str, str]:
+  """The environment of the module's ``python -m mercury_jax.train`` runs: one device instead of the conftest's 8
+  (resuming, signals and divergence are not about sharding, which the mesh-restore tests below and
+  ``test_multiprocess`` cover; 8 simulated devices cost this model about 1.5x the time of one), and one compilation
+  cache, so that a rerun of a command loads the programs its first run compiled instead of compiling them again."""
+  flags = [f for f in os.environ["XLA_FLAGS"].split() if not f.startswith("--xla_force_host_platform_device_count")]
+  return {
+    **os.environ,
+    "XLA_FLAGS": " ".join([*flags, "--xla_force_host_platform_device_count=1"]),
+    "JAX_COMPILATION_CACHE_DIR": str(tmp_path_factory.mktemp("jax_cache")),
+    "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+    "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+  }
+
+
 def _train_cmd(workdir: Path, data_dir: Path, steps: int, *extra: str) -> list[str]:
   sets = [*SETS, f"data.path={data_dir}", f"train.steps={steps}", *extra]
   return [
@@ -60,15 +76,19 @@ def _wait_for_checkpoint(workdir: Path, proc: subprocess.Popen, minimum: int, ti
   raise AssertionError("timed out waiting for a checkpoint")
 
 
-def test_kill_and_resume_gives_bitwise_identical_parameters(tmp_path, data_dir):
-  steps = 120
+def test_kill_and_resume_gives_bitwise_identical_parameters(tmp_path, data_dir, cli_env):
+  # Killed after its checkpoint at step 8 or a later one, the run resumes from there with steps still to train, and
+  # may have logged a step past it that the resumed run must drop: a resume that lost the optimiser state, the key,
+  # the step or the data stream's position ends on other parameters. From step 8 the run has 32 steps and 8
+  # synchronous checkpoints to go (seconds on 2 cores), ample time for the 50 ms poll to kill it first.
+  steps = 40
   reference = subprocess.run(
-    _train_cmd(tmp_path / "uninterrupted", data_dir, steps), capture_output=True, text=True, timeout=600
+    _train_cmd(tmp_path / "uninterrupted", data_dir, steps), capture_output=True, text=True, timeout=600, env=cli_env
   )
   assert reference.returncode == 0, reference.stderr[-3000:]
 
   workdir = tmp_path / "killed"
-  proc = subprocess.Popen(_train_cmd(workdir, data_dir, steps), stderr=subprocess.PIPE, text=True)
+  proc = subprocess.Popen(_train_cmd(workdir, data_dir, steps), stderr=subprocess.PIPE, text=True, env=cli_env)
   try:
     killed_after = _wait_for_checkpoint(workdir, proc, minimum=8)
     proc.send_signal(signal.SIGKILL)
@@ -76,7 +96,9 @@ def test_kill_and_resume_gives_bitwise_identical_parameters(tmp_path, data_dir):
   finally:
     proc.kill()
   assert killed_after < steps, "the run finished before it could be killed; raise `steps`"
-  resumed = subprocess.run(_train_cmd(workdir, data_dir, steps), capture_output=True, text=True, timeout=600)
+  resumed = subprocess.run(
+    _train_cmd(workdir, data_dir, steps), capture_output=True, text=True, timeout=600, env=cli_env
+  )
   assert resumed.returncode == 0, resumed.stderr[-3000:]
   assert "resuming at step" in resumed.stderr
 
@@ -144,10 +166,10 @@ def test_block_diffusion_preset_trains(data_dir):
   assert trained < random - 1.0, (random, trained)
 
 
-def test_sigterm_saves_and_exits_cleanly_then_resumes(tmp_path, data_dir):
+def test_sigterm_saves_and_exits_cleanly_then_resumes(tmp_path, data_dir, cli_env):
   workdir = tmp_path / "run"
   proc = subprocess.Popen(
-    _train_cmd(workdir, data_dir, 100000, "checkpoint.every=1000"), stderr=subprocess.PIPE, text=True
+    _train_cmd(workdir, data_dir, 100000, "checkpoint.every=1000"), stderr=subprocess.PIPE, text=True, env=cli_env
   )
   try:
     deadline = time.time() + 240
@@ -163,7 +185,7 @@ def test_sigterm_saves_and_exits_cleanly_then_resumes(tmp_path, data_dir):
   assert len(saved) == 1 and 0 < saved[0] < 1000, saved  # Saved where it stopped, not at a checkpoint boundary.
 
 
-def test_nonfinite_loss_stops_without_touching_the_last_good_checkpoint(tmp_path, data_dir):
+def test_nonfinite_loss_stops_without_touching_the_last_good_checkpoint(tmp_path, data_dir, cli_env):
   workdir = tmp_path / "diverge"
   proc = subprocess.run(
     _train_cmd(
@@ -178,6 +200,7 @@ def test_nonfinite_loss_stops_without_touching_the_last_good_checkpoint(tmp_path
     capture_output=True,
     text=True,
     timeout=600,
+    env=cli_env,
   )
   assert proc.returncode == 1, proc.stderr[-3000:]
   assert proc.stderr.strip().splitlines()[-1].startswith("error: non-finite loss")
