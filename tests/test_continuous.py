@@ -211,8 +211,8 @@ def test_training_lowers_the_held_out_bound_fits_the_schedule_and_keeps_latents_
   model = Transformer(cfg.model)
   fresh = nn.meta.unbox(init_params(model, jax.random.key(cfg.train.seed)))
   before = evaluate_params(fresh, cfg, data_dir, t_samples=4, batch_size=8)
-  # The training command in a process of its own on one device: measured one after the other, this training took
-  # 58 s on the conftest's 8 simulated devices and 34 s on one; the command adds its start-up, about 5 s.
+  # The training command in a process of its own on one device: measured interleaved, this training took 52 s on
+  # the conftest's 8 simulated devices and 30 s on one; the command's start-up adds about 8 s.
   command = [sys.executable, "-m", "mercury_jax.train", "--config", "tiny_continuous"]
   command += ["--workdir", str(tmp_path / "run")]
   command += [arg for key, value in overrides.items() for arg in ("--set", f"{key}={value}")]

@@ -52,8 +52,8 @@ def sampler(tmp_path_factory) -> Sampler:
   data = root / "data"
   args = ["--corpus", str(root / "task.jsonl"), "--out", str(data), "--vocab-size", "400", "--seq-len", str(SEQ_LEN)]
   assert prepare_main(args) == 0
-  # The training command in a process of its own on one device: measured one after the other, the fixture took 45 s
-  # training in the test process on the conftest's 8 simulated devices, 27 s this way (33 s at XLA's default
+  # The training command in a process of its own on one device: measured one after the other, the fixture took 49 s
+  # training in the test process on the conftest's 8 simulated devices, 23-29 s this way (34 s at XLA's default
   # optimisation instead of the conftest's -O0).
   command = [sys.executable, "-m", "mercury_jax.train", "--config", "tiny", "--workdir", str(root / "run")]
   command += [arg for key, value in {**TRAIN, "data.path": str(data)}.items() for arg in ("--set", f"{key}={value}")]
