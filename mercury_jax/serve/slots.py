@@ -321,8 +321,8 @@ class SlotEngine:
         if size:
           return row
         # A chunked prefill's row: inert until its last chunk (nothing to generate, as a free row), so a step whose
-        # bucket it pads leaves it as it was; its positions to generate, held apart, arm it then (``arm``).
-        return row._replace(generate=jnp.zeros_like(row.generate)), row.generate
+        # bucket it pads leaves it as it was; ``arm`` then gives it its positions to generate (its holes, as ``init``).
+        return row._replace(generate=jnp.zeros_like(row.generate))
 
       return sh.MeshJit(fn, mesh, rules, in_shardings=(params, *[None] * 7))
 
@@ -331,11 +331,10 @@ class SlotEngine:
       part = part._replace(cache=engine.cache.fill(params, part, start, self.prefill_chunk))
       return put_rows(st, slot[None], part)
 
-    def arm(st: State, slot: jax.Array, generate: jax.Array) -> State:
-      return st._replace(generate=jax.lax.dynamic_update_slice_in_dim(st.generate, generate, slot, axis=0))
+    def arm(st: State, slot: jax.Array) -> State:
+      return st._replace(generate=st.generate.at[slot].set(st.target[slot]))
 
     self._prefill = [prefill(size) for size in (*self.buckets, 0)]  # the last: a chunked prefill's row, unfilled
-    self._held: dict[int, jax.Array] = {}  # filling rows' positions to generate [1, S], until their last chunk
     self._arm = sh.MeshJit(arm, mesh, rules, donate_argnums=(0,))
     self._fill = sh.MeshJit(fill, mesh, rules, in_shardings=(params, None, None, None), donate_argnums=(1,))
     self._insert = sh.MeshJit(engine.insert, mesh, rules, donate_argnums=(0,))
@@ -511,11 +510,7 @@ class SlotEngine:
     tables = self._tables([self._automata.pop(slot, None)])
     heal = self._healing([self._heals.pop(slot, "")], [int(np.argmax(command.kinds[slot] == K.TARGET))])
     steps, extra, key = place(command.steps[row]), place(command.extra[row]), place(command.keys[slot])
-    out = self._prefill[bucket](self.sampler.params, canvas, key, steps, knobs, tables, heal, extra)
-    if bucket < len(self.buckets):
-      return out
-    row, self._held[slot] = out  # A chunked prefill's row, inert until :meth:`_fill_next` runs its last chunk.
-    return row
+    return self._prefill[bucket](self.sampler.params, canvas, key, steps, knobs, tables, heal, extra)
 
   def _healing(self, texts: list[str], positions: list[int]) -> Healing:
     """Rows' token-healing masks (every row has one, so one program serves all): a row with healed characters lets
@@ -552,7 +547,6 @@ class SlotEngine:
       self.state = self._sync(self._release(self.state, self._place(np.int32(slot))))
       self.busy.discard(int(slot))
       self.filling.pop(int(slot), None)
-      self._held.pop(int(slot), None)
     failures = {}
     for slot in np.flatnonzero(command.bucket >= 0):
       try:
@@ -566,8 +560,6 @@ class SlotEngine:
       except Exception as error:  # noqa: BLE001  The request fails alone; the engine keeps serving.
         failures[int(slot)] = f"{type(error).__name__}: {error}"
         self.pool.give_back(int(slot))
-        self.filling.pop(int(slot), None)
-        self._held.pop(int(slot), None)
     self._fill_next()
     if not bool(command.step) or not self.busy:
       return None, failures
@@ -587,7 +579,7 @@ class SlotEngine:
     self.state = self._sync(self._fill(self.sampler.params, self.state, *where))
     if not starts:  # Whole: the row is armed and steps from this iteration on.
       del self.filling[slot]
-      self.state = self._sync(self._arm(self.state, self._place(np.int32(slot)), self._held.pop(slot)))
+      self.state = self._sync(self._arm(self.state, self._place(np.int32(slot))))
       self.busy.add(slot)
 
   def live_rows(self) -> np.ndarray:
@@ -646,7 +638,6 @@ class SlotEngine:
     self.pool.reset()
     self.busy.clear()
     self.filling.clear()
-    self._held.clear()
     command = self.command()
     bos = self.settings.bos_id
     for bucket, size in enumerate(self.buckets):  # A prompt whose first block ends at the bucket's end.
@@ -664,7 +655,7 @@ class SlotEngine:
       self._admit_now(command, 0)
       self.busy.discard(0)
       self.state = self._sync(self._fill(self.sampler.params, self.state, *map(self._place, np.zeros(2, np.int32))))
-      self.state = self._sync(self._arm(self.state, self._place(np.int32(0)), self._held.pop(0)))
+      self.state = self._sync(self._arm(self.state, self._place(np.int32(0))))
       self.state = self._sync(self._release(self.state, self._place(np.int32(0))))
     small, row = Request(prompt=(bos,), max_tokens=1), None
     for slot in range(self.slots):  # Every row busy (one prefill for all), then the step of each batch bucket.
