@@ -13,11 +13,14 @@ of that many tokens through the block engine (``BlockEngine.init``, the command 
 ``--generate`` tokens; it prints the prefill's tokens/s, the generation's seconds and the process's peak resident
 memory (``ru_maxrss``), one markdown row each.
 
-``gaps``: ``--streams`` short greedy requests stream from a server engine (``Scheduler``, ``--slots``); the inter-token
-gaps of the streams are recorded while nothing else runs, then while a ``--long``-token prompt is prefilled
-``--chunk`` tokens per iteration beside them. Prints the gaps' median and 90th percentile in each phase, their ratio,
-and the long request's time to first token, and the median time of the engine's step and prefill-chunk programs
-(each call timed to its end). ``--one-softmax`` reads the cache in one softmax over every slot, as before the tiles.
+``gaps``: ``--streams`` short greedy requests stream from a server engine (``Scheduler``); they run once alone, then
+again (the same prompts and seeds, so the same tokens in the same updates) with a ``--long``-token prompt arriving
+after ``--warm-tokens`` and prefilled in chunks of ``--chunk`` at ``--prefill-share`` ``--share``. Each update that
+arrived during the long prefill is compared with the same update of the run alone, at the same stream lengths (a
+stream's own step grows with its length, prefill or not). Prints both sides' gap median, mean, 90th percentile and
+maximum, their ratios, the long request's time to first token and its chunks' share of that time, and the median
+time of the engine's step and prefill-chunk programs in the second run (each call timed to its end).
+``--one-softmax`` reads the cache in one softmax over every slot, as before the tiles.
 
 ``cached``: the XLA attention of a prefill chunk over a cache (``attention.attend_cached``, batched matmuls over
 ``[batch, kv_heads]``) against the einsum formulation it replaced (head axes between the query and slot axes),
@@ -117,12 +120,15 @@ def prefill(args) -> None:
         )
 
 
-def _gaps(times: list[list[float]], start: float, end: float) -> list[float]:
-  gaps = []
-  for stream in times:
-    inside = [t for t in stream if start <= t <= end]
-    gaps += np.diff(inside).tolist()
-  return gaps
+def _pairs(alone: list[list[float]], beside: list[list[float]], start: float, end: float):
+  """(gap alone, gap beside) of every stream's updates that arrived within ``[start, end]`` beside the long prefill,
+  each against the same update's gap in the run without it (greedy: the same tokens in the same updates)."""
+  pairs = []
+  for quiet, busy in zip(alone, beside, strict=True):
+    for j in range(1, min(len(quiet), len(busy))):
+      if start <= busy[j - 1] and busy[j] <= end:
+        pairs.append((quiet[j] - quiet[j - 1], busy[j] - busy[j - 1]))
+  return pairs
 
 
 def _timed(fn, times: list[float]):
@@ -148,54 +154,71 @@ def gaps(args) -> None:
     attention.CACHED_BLOCKWISE_MIN_SLOTS = sys.maxsize
   with tempfile.TemporaryDirectory() as tmp:  # the weights and tokenizer are in memory once loaded
     path = extended(args.model, args.long + 256, Path(tmp) / "long")
-    scheduler = Scheduler(Sampler.from_checkpoint(path), slots=args.streams + 1, prefill_chunk=args.chunk)
+    sampler = Sampler.from_checkpoint(path)
+  scheduler = Scheduler(sampler, slots=args.streams + 1, prefill_chunk=args.chunk, prefill_share=args.share)
   programs = {"step": [], "chunk": []}  # the engine's step and prefill-chunk programs, each call timed
   engine = scheduler.engine
   engine._step, engine._fill = _timed(engine._step, programs["step"]), _timed(engine._fill, programs["chunk"])
   greedy = Knobs(0.0, 0, 1.0, 0.9)
   vocab = scheduler.vocab_size
   rng = np.random.default_rng(0)
+  prompts = [tuple(rng.integers(5, vocab, 16).tolist()) for _ in range(args.streams)]
   long = Request(tuple(rng.integers(5, vocab, args.long).tolist()), 8, knobs=greedy)
   scheduler.start()
 
-  async def main():
+  async def run(with_long: bool):
+    """The streams' update times, and (with the long prompt) when it arrived and when its first token came."""
     loop = asyncio.get_running_loop()
     shorts = [
-      scheduler.submit(
-        Request(tuple(rng.integers(5, vocab, 16).tolist()), args.stream_tokens, knobs=greedy, seed=i), loop
-      )
-      for i in range(args.streams)
+      scheduler.submit(Request(prompt, args.stream_tokens, knobs=greedy, seed=i), loop)
+      for i, prompt in enumerate(prompts)
     ]
     times = [[] for _ in shorts]
 
     async def follow(i, handle):
       async for update in handle.updates():
-        times[i].append(update.time)
+        if update.tokens:
+          times[i].append(update.time)
 
     followers = [asyncio.create_task(follow(i, h)) for i, h in enumerate(shorts)]
-    while min(len(t) for t in times) < args.warm_tokens:
-      await asyncio.sleep(0.005)
-    submitted = time.perf_counter()  # the streams' quiet phase ends here
-    updates = [u async for u in scheduler.submit(long, loop).updates()]
-    first = min(u.time for u in updates if u.tokens)
+    submitted = first = None
+    if with_long:
+      while min(len(t) for t in times) < args.warm_tokens:
+        await asyncio.sleep(0.005)
+      submitted = time.perf_counter()
+      updates = [u async for u in scheduler.submit(long, loop).updates()]
+      first = min(u.time for u in updates if u.tokens)
     await asyncio.gather(*followers)
     return times, submitted, first
 
   try:
-    times, submitted, first = asyncio.run(main())
+    alone, _, _ = asyncio.run(run(False))  # the same streams without the long prompt: the baseline, token by token
+    for key in programs:
+      programs[key].clear()
+    chunks_before, chunk_seconds_before = scheduler.stats.chunks, scheduler.stats.chunk_seconds
+    beside, submitted, first = asyncio.run(run(True))
   finally:
     scheduler.shutdown(0)
-  quiet = _gaps(times, 0.0, submitted)
-  busy = _gaps(times, submitted, first)
-  p90 = lambda g: float(np.percentile(g, 90))  # noqa: E731
-  print(f"model {args.model}, {args.streams} streams, a {args.long}-token prompt prefilled {args.chunk} per iteration")
-  print("| phase | gaps | median ms | p90 ms |")
-  print("|---|---|---|---|")
-  print(f"| streams alone | {len(quiet)} | {1e3 * statistics.median(quiet):.1f} | {1e3 * p90(quiet):.1f} |")
-  print(f"| during the long prefill | {len(busy)} | {1e3 * statistics.median(busy):.1f} | {1e3 * p90(busy):.1f} |")
+  pairs = _pairs(alone, beside, submitted, first)
+  if not pairs:
+    raise SystemExit("no stream received two updates during the long prefill: raise --stream-tokens")
+  quiet, busy = (np.asarray(side) for side in zip(*pairs, strict=True))
+  longest = max(len(t) for t in beside)
+  share = (scheduler.stats.chunk_seconds - chunk_seconds_before) / (first - submitted)
   print(
-    f"median ratio {statistics.median(busy) / statistics.median(quiet):.2f}; "
-    f"long request TTFT {first - submitted:.2f} s"
+    f"model {args.model}, {args.streams} streams of {args.stream_tokens} tokens, a {args.long}-token prompt "
+    f"prefilled in chunks of {args.chunk}, --prefill-share {args.share}"
+  )
+  print("| the streams' updates during the long prefill | gaps | median ms | mean ms | p90 ms | max ms |")
+  print("|---|---|---|---|---|---|")
+  for name, g in (("the same updates without it", quiet), ("beside it", busy)):
+    stats = (np.median(g), g.mean(), np.percentile(g, 90), g.max())
+    print(f"| {name} | {len(g)} | " + " | ".join(f"{1e3 * v:.1f}" for v in stats) + " |")
+  print(
+    f"ratio beside / without: mean {busy.mean() / quiet.mean():.2f}, median {np.median(busy) / np.median(quiet):.2f}, "
+    f"p90 {np.percentile(busy, 90) / np.percentile(quiet, 90):.2f}; long request TTFT {first - submitted:.2f} s; "
+    f"chunks {scheduler.stats.chunks - chunks_before}, {100 * share:.0f} % of the prefill's time; "
+    f"the streams' updates beside it: up to {longest}"
   )
   for name, times in programs.items():
     if times:
@@ -322,13 +345,14 @@ def main(argv=None) -> None:
   b.add_argument("--model", default="default_ar", help="a bundled model (default default_ar)")
   b.add_argument("--long", type=int, default=16384, help="the long prompt's tokens (default 16384)")
   b.add_argument("--chunk", type=int, default=512, help="--prefill-chunk of the server (default 512)")
+  b.add_argument("--share", type=float, default=0.5, help="--prefill-share of the server (default 0.5)")
   b.add_argument("--streams", type=int, default=4, help="short streams (default 4)")
   b.add_argument("--warm-tokens", type=int, default=40, help="tokens each stream gets before the long prompt")
   b.add_argument(
     "--stream-tokens",
     type=int,
     default=200,
-    help="tokens each stream asks for (default 200; enough to outlast the long prefill measures all of it)",
+    help="tokens each stream asks for (default 200; streams that outlast the long prefill measure all of it)",
   )
   b.add_argument("--one-softmax", action="store_true", help="read the cache in one softmax (no tiles), as before")
   c = sub.add_parser("cached", help="the cached attention's XLA path against the einsum it replaced")

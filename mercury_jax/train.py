@@ -24,9 +24,9 @@ from pathlib import Path
 from typing import Any
 
 import jax
-from tensorboardX.proto.event_pb2 import Event, SessionLog
-from tensorboardX.record_writer import RecordWriter
-from tensorboardX.summary import scalar
+from tensorboard.compat.proto.event_pb2 import Event, SessionLog
+from tensorboard.compat.proto.summary_pb2 import Summary
+from tensorboard.summary.writer.record_writer import RecordWriter
 
 from mercury_jax import distributed, sharding as sh
 from mercury_jax.bench.throughput import peak_flops
@@ -60,9 +60,10 @@ class _Progress:
 class _Summaries:
   """Metrics of the primary process: JSON lines in ``metrics.jsonl`` and a TensorBoard event file in the workdir.
 
-  Events are written synchronously with tensorboardX's record writer and protos (its ``SummaryWriter`` queues events
-  for a background thread, so a killed run would lose those not yet written) and flushed with every record, like the
-  JSON lines. On resume, JSON lines from steps after the restored one are dropped, and the new event file starts with
+  Events are written synchronously with TensorBoard's own record writer and protos (no TensorFlow; tensorboardX's
+  ``SummaryWriter`` queues events for a background thread, so a killed run would lose those not yet written, and its
+  package imports torch wherever torch is installed) and flushed with every record, like the JSON lines. On resume,
+  JSON lines from steps after the restored one are dropped, and the new event file starts with
   TensorBoard's purge marker (a ``SessionLog.START`` at the next step), which hides the old events of those steps:
   a resumed run reads as one run in both.
   """
@@ -93,7 +94,7 @@ class _Summaries:
       tmp.write_text("".join(line + "\n" for line in kept))
       os.replace(tmp, self.path)
     name = f"events.out.tfevents.{time.time():.0f}.{socket.gethostname()}.{os.getpid()}"
-    self.events = RecordWriter(str(workdir / name))
+    self.events = RecordWriter((workdir / name).open("wb"))
     self._event(Event(wall_time=time.time(), file_version="brain.Event:2"))
     if resume_step:
       start = SessionLog(status=SessionLog.START)
@@ -111,7 +112,8 @@ class _Summaries:
     now = time.time()
     for key, tag in self.SCALARS.items():
       if record.get(key) is not None:
-        self._event(Event(wall_time=now, step=record["step"], summary=scalar(tag, record[key])))
+        summary = Summary(value=[Summary.Value(tag=tag, simple_value=float(record[key]))])
+        self._event(Event(wall_time=now, step=record["step"], summary=summary))
     self.events.flush()
 
   def close(self) -> None:

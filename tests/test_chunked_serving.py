@@ -1,15 +1,17 @@
 """Chunked prefill in the server (``--prefill-chunk``) and the served context (``--max-model-len``).
 
-A prompt whose prefill covers more than a chunk fills its row's pages one chunk per engine iteration while the other
-rows keep stepping: its pages must end up holding the one-pass prefill's keys and values and it must decode the same
-greedy tokens; streams already running must keep receiving tokens while a 16 K-token prompt is prefilled; a request
-longer than ``--max-model-len`` gets HTTP 400 with its count.
+A prompt whose prefill covers more than a chunk fills its row's pages in chunks (as many per engine iteration as the
+command says) while the other rows keep stepping: its pages must end up holding the one-pass prefill's keys and
+values and it must decode the same greedy tokens; streams already running must keep receiving tokens while a
+16 K-token prompt is prefilled; a request longer than ``--max-model-len`` gets HTTP 400 with its count. How many
+chunks an iteration runs (``serve.pacing``) is tested in ``test_pacing.py``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import time
 import types
 
@@ -66,14 +68,16 @@ def test_a_prompt_prefilled_in_chunks_holds_the_one_pass_cache_and_decodes_its_t
   for slot, request in enumerate(requests):
     engine.admit(command, slot, request)
     one_pass.engine.admit(reference, slot, request, pages=False)
-  engine.run(command)  # the admissions, the first chunk of the 90-token prompt
-  iterations, padded = 1, 0
+  engine.run(command._replace(chunks=np.int32(1)))  # the admissions, the first chunk of the 90-token prompt
+  iterations, padded, ran = 1, 0, [engine.timing.chunks]
   while engine.filling:
     assert not engine.busy & set(engine.filling)  # a row steps only once its prefill is whole
     padded += bool(set(engine.live_rows().tolist()) & set(engine.filling))
-    engine.run(engine.command())
+    engine.run(engine.command()._replace(chunks=np.int32(1 + iterations % 2)))  # 2, 1, 2, ... chunks
+    ran.append(engine.timing.chunks)
     iterations += 1
-  assert iterations == sum(chunks) and engine.busy == set(range(5)) and padded >= 2
+  assert sum(ran) == sum(chunks) and ran[1] == 2 and ran[-1] in (1, 2) and engine.busy == set(range(5))
+  assert padded >= 2
   st = engine.state
   for slot in range(5):
     dense = one_pass.engine.prefill(reference, slot).cache  # the one-pass prefill of the same request
@@ -100,10 +104,12 @@ def test_a_prompt_prefilled_in_chunks_holds_the_one_pass_cache_and_decodes_its_t
 
 
 def test_streams_keep_flowing_while_a_16k_prompt_is_prefilled(checkpoints, tmp_path):
-  """Four short greedy streams of the twin are running when a prompt of 16 K tokens arrives: it is prefilled 512
-  tokens per iteration, and every iteration of its prefill also steps the streams still running (each receives a
-  token), so none stalls for the whole prefill. Then the long request decodes too. (The random model ends some
-  streams early with EOS; the ones that outlive the prefill are checked.)"""
+  """Four lanes of short greedy streams of the twin are running when a prompt of 16 K tokens arrives (a lane
+  submits its next stream when the random model ends one with EOS, so four decode all along): it is prefilled in
+  chunks of 512 tokens, paced (``serve.pacing``). Every iteration that runs a chunk also steps the streams (each
+  lane receives a token, but in the iterations that admit its next stream), so none stalls for the whole prefill,
+  and the chunks take about their share of the prefill's time (0.5), not all of it as one chunk per iteration would
+  (a chunk here costs many of the tiny model's steps). Then the long request decodes too."""
   params, cfg = restore_params(checkpoints["autoregressive"])
   cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, max_length=LONG + 64))  # RoPE: no new weights
   path = export_params(tmp_path / "long", params, cfg, find_tokenizer(checkpoints["autoregressive"])).parent
@@ -111,38 +117,47 @@ def test_streams_keep_flowing_while_a_16k_prompt_is_prefilled(checkpoints, tmp_p
   engine = scheduler.engine
   long = Request(tuple(np.random.default_rng(1).integers(5, 400, LONG).tolist()), 8, knobs=GREEDY)
   chunks = len(engine.chunk_starts(len(long.prompt)))
-  assert chunks == LONG // 512 + 1 and max(engine.buckets) == 512
+  assert chunks == LONG // 512 + 1 and max(engine.buckets) == 512 and scheduler.pacer.share == 0.5
   scheduler.start()
 
   async def main():
     loop = asyncio.get_running_loop()
-    shorts = [scheduler.submit(Request((7 + i, 9), 200, knobs=GREEDY), loop) for i in range(4)]
-    times = [[] for _ in shorts]
+    times, starts, done = [[] for _ in range(4)], [[] for _ in range(4)], asyncio.Event()
 
-    async def follow(i, handle):
-      async for update in handle.updates():
-        if update.tokens:
-          times[i].append(time.perf_counter())
+    async def lane(i):
+      for k in itertools.count():
+        starts[i].append(time.perf_counter())
+        handle = scheduler.submit(Request((7 + i, 9 + k), 4096, knobs=GREEDY), loop)
+        async for update in handle.updates():
+          if update.tokens:
+            times[i].append(time.perf_counter())
+          if done.is_set():
+            handle.cancel()
+        if done.is_set():
+          return
 
-    followers = [asyncio.create_task(follow(i, h)) for i, h in enumerate(shorts)]
+    lanes = [asyncio.create_task(lane(i)) for i in range(4)]
     while not all(times):
       await asyncio.sleep(0.01)
-    submitted = time.perf_counter()
+    submitted, before = time.perf_counter(), scheduler.stats.chunk_seconds
     long_updates = await _updates(scheduler, long)
     first = min(u.time for u in long_updates if u.tokens)
-    await asyncio.gather(*followers)
-    return times, submitted, first, long_updates
+    share = (scheduler.stats.chunk_seconds - before) / (first - submitted)
+    done.set()
+    await asyncio.gather(*lanes)
+    return times, starts, submitted, first, long_updates, share
 
   try:
-    times, submitted, first, long_updates = asyncio.run(main())
+    times, starts, submitted, first, long_updates, share = asyncio.run(main())
   finally:
     scheduler.shutdown(0)
   assert len(_tokens(long_updates)) == 8
-  running = [stream for stream in times if stream[-1] > first]  # still streaming when the long prompt was in
-  assert running
-  for stream in running:
+  assert scheduler.stats.chunks == chunks  # every chunk ran once, counted
+  for stream, begun in zip(times, starts, strict=True):
     during = [t for t in stream if submitted < t < first]
-    assert len(during) >= chunks - 2, (len(during), chunks)  # a token in (nearly) every iteration of the prefill
+    new = sum(submitted < t < first for t in begun)  # streams the lane began during the prefill
+    assert len(during) >= chunks - 2 - 2 * new, (len(during), new, chunks)  # a token in (nearly) every chunk's
+  assert share < 0.7, share  # about the pacer's 0.5 (one chunk per iteration: above 0.9 here)
 
 
 def test_a_request_over_max_model_len_gets_400_with_its_count(checkpoints, monkeypatch):
@@ -155,7 +170,7 @@ def test_a_request_over_max_model_len_gets_400_with_its_count(checkpoints, monke
   assert scheduler.engine.plan.slots <= 4 + 48 and scheduler.engine.pages_per_row == -(-(4 + 48) // 16)
   srv = Server(path, "--slots", "2", "--max-model-len", "48", "--prefill-chunk", "16")
   try:
-    assert any("requests of up to 48 tokens, prompts prefilled 16 tokens per iteration" in line for line in srv.log)
+    assert any("requests of up to 48 tokens, prompts prefilled in chunks of 16 tokens" in line for line in srv.log)
     client = srv.client(timeout=120)
     text = "def f(x):\n  return x + 1\n" * 3
     count = len(sampler.tokenizer.encode(text))

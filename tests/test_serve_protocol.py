@@ -122,7 +122,7 @@ class FakeScheduler:
     self.reply, self.block, self.autoregressive, self.max_length = reply, block, autoregressive, context
     self.block_length_fixed, self.slots, self.mask_id, self.default_steps = True, 4, MASK, block
     self.vocab_size, self.default_knobs = self.tokenizer.vocab_size, Knobs(1.0, 0, 1.0, 0.9)
-    self.queue_depth, self.busy_slots, self.compilations, self.stats = 1, 2, 7, StepStats(5, 2.0, 0.25)
+    self.queue_depth, self.busy_slots, self.compilations, self.stats = 1, 2, 7, StepStats(5, 2.0, 0.25, 3, 0.5)
     self.kv_pages, self.free_pages = 40, 31
     self.error, self.queue_full_after, self.wait, self.per_stream = None, None, False, False
     self.refuse, self.down, self.healthy = None, False, True
@@ -703,6 +703,8 @@ def test_metrics_read_the_scheduler_and_count_requests_tokens_and_forward_passes
     "mercury_engine_iterations_total 5.0",
     "mercury_engine_seconds_total 2.0",
     "mercury_engine_host_seconds_total 0.25",
+    "mercury_prefill_chunks_total 3.0",
+    "mercury_prefill_chunk_seconds_total 0.5",
     "mercury_generated_tokens_total 11.0",
     'mercury_requests_total{endpoint="/v1/completions",status="200"} 1.0',
     'mercury_requests_total{endpoint="/v1/completions",status="400"} 1.0',
@@ -997,6 +999,8 @@ def test_parse_tool_call_reads_only_a_call_object():
     (["--page-size", "0"], "--page-size=0 must lie in [1, 4096]"),
     (["--max-model-len", "0"], "--max-model-len=0 must be >= 1"),
     (["--prefill-chunk", "-1"], "--prefill-chunk=-1 must lie in [0, 1048576] (0: one pass)"),
+    (["--prefill-share", "1"], "--prefill-share=1.0 must lie in [0.05, 0.95]"),
+    (["--prefill-share", "nan"], "--prefill-share=nan must lie in [0.05, 0.95]"),
     (["--max-model-len", "1000000"], "--max-model-len=1000000 exceeds the model's context of"),
     (["--no-batch-invariance", "--slots", "0"], "--slots=0 must be >= 1"),
     (["--solver", "rk4"], "--solver='rk4' is unknown; choose one of euler, heun"),

@@ -8,6 +8,7 @@ measured f32 matmul.
 
 from __future__ import annotations
 
+import functools
 import re
 import time
 from collections.abc import Callable
@@ -65,11 +66,17 @@ def peak_flops(device, dtype: str) -> tuple[float | None, str]:
     CPU (``"measured"``), or ``(None, reason)`` for an accelerator the table does not know.
   """
   if device.platform == "cpu":
-    return matmul_peak(), "measured f32 matmul"
+    return _cpu_peak(), "measured f32 matmul"
   peak = datasheet_peak(device.device_kind, dtype)
   if peak is None:
     return None, f"no datasheet peak for {device.device_kind!r} in {dtype}"
   return peak, f"{chip_name(device.device_kind)} datasheet, {dtype}"
+
+
+@functools.cache
+def _cpu_peak() -> float:
+  """:func:`matmul_peak` once per process (a process that trains several times, as the tests do, measures once)."""
+  return matmul_peak()
 
 
 def matmul_peak(n: int = 2048, dtype=jnp.float32, repeats: int = 5) -> float:

@@ -36,6 +36,7 @@ import sys
 from pathlib import Path
 
 from mercury_jax import usage
+from mercury_jax.serve.pacing import DEFAULT_SHARE, MAX_SHARE, MIN_SHARE
 
 BUNDLED_NAME = "mercury_jax-{model}"  # The model name of a bundled checkpoint (--model).
 DEFAULT_PREFILL_CHUNK = 512  # Prompt tokens an engine iteration prefills at most (--prefill-chunk).
@@ -79,9 +80,16 @@ def build_parser() -> argparse.ArgumentParser:
     "--prefill-chunk",
     type=int,
     default=DEFAULT_PREFILL_CHUNK,
-    help="prompt tokens prefilled per engine iteration: a longer prompt is prefilled a chunk per iteration between "
-    f"the other requests' steps, so their streams keep flowing (default {DEFAULT_PREFILL_CHUNK}; 0: every prompt in "
-    "one pass)",
+    help="prompt tokens of a prefill chunk: a longer prompt is prefilled in chunks between the other requests' "
+    f"steps, so their streams keep flowing (default {DEFAULT_PREFILL_CHUNK}; 0: every prompt in one pass)",
+  )
+  p.add_argument(
+    "--prefill-share",
+    type=float,
+    default=DEFAULT_SHARE,
+    help="the engine's time chunked prefills may take while other requests decode; the streams keep the rest, so "
+    f"their mean inter-token gap during a long prefill stays within 1 / (1 - share) of their gap without it "
+    f"(default {DEFAULT_SHARE}; from {MIN_SHARE} to {MAX_SHARE})",
   )
   p.add_argument(
     "--no-batch-invariance",
@@ -181,6 +189,8 @@ def _check_args(args: argparse.Namespace) -> None:
     _fail(f"--page-size={args.page_size} must lie in [1, 4096]")
   if args.max_model_len is not None and args.max_model_len < 1:
     _fail(f"--max-model-len={args.max_model_len} must be >= 1")
+  if not MIN_SHARE <= args.prefill_share <= MAX_SHARE:  # also NaN
+    _fail(f"--prefill-share={args.prefill_share} must lie in [{MIN_SHARE}, {MAX_SHARE}]")
   if not 0 <= args.prefill_chunk <= MAX_PREFILL_CHUNK:
     _fail(f"--prefill-chunk={args.prefill_chunk} must lie in [0, {MAX_PREFILL_CHUNK}] (0: one pass)")
   if args.block_length < 0:
@@ -269,6 +279,7 @@ def _load(args: argparse.Namespace):
       batch_invariant=args.batch_invariant,
       max_model_len=args.max_model_len,
       prefill_chunk=args.prefill_chunk,
+      prefill_share=args.prefill_share,
       solver=args.solver,
       guidance=args.guidance,
     )
@@ -295,7 +306,7 @@ def _print_memory(engine) -> None:
     f"kv cache: {memory['pages'] - 1} pages of {memory['page_size']} slots ({mib(memory['page'])} each), "
     f"{mib(memory['pool'])} in all; a whole context takes {engine.pages_per_row} pages; a dense cache of "
     f"{engine.slots} slots would take {mib(dense)}; requests of up to {engine.max_model_len} tokens"
-    + (f", prompts prefilled {engine.prefill_chunk} tokens per iteration" if engine.prefill_chunk else ""),
+    + (f", prompts prefilled in chunks of {engine.prefill_chunk} tokens" if engine.prefill_chunk else ""),
     flush=True,
   )
 

@@ -5,13 +5,15 @@ Read from the scheduler when scraped: ``mercury_queue_depth``, ``mercury_busy_sl
 per-request knobs are traced), and where the engine thread's time goes (``Scheduler.stats``):
 ``mercury_engine_iterations_total`` (iterations that ran a step), ``mercury_engine_seconds_total`` (time in the engine:
 dispatches, device work, the copy of each step's view) and ``mercury_engine_host_seconds_total`` (the rest of those
-iterations: commands, admissions, reading views, handing out updates); the host share of a step is the difference
-of the last over the difference of both between two scrapes. Recorded by the routes: ``mercury_generated_tokens_total``,
-``mercury_tokens_per_second`` (generated tokens over the last :data:`RATE_WINDOW` seconds),
-``mercury_time_to_first_token_seconds`` (submit to the first committed token of each choice),
+iterations: commands, admissions, reading views, handing out updates); the host share of a step is the difference of the
+last over the difference of both between two scrapes. ``mercury_prefill_chunks_total`` and
+``mercury_prefill_chunk_seconds_total`` count the chunks of chunked prefills and their time (``serve.pacing`` holds them
+to ``--prefill-share`` of the engine's time while other requests decode). Recorded by the routes:
+``mercury_generated_tokens_total``, ``mercury_tokens_per_second`` (generated tokens over the last :data:`RATE_WINDOW`
+seconds), ``mercury_time_to_first_token_seconds`` (submit to the first committed token of each choice),
 ``mercury_request_nfe`` and ``mercury_tokens_per_forward`` (per choice, when it ends) and
-``mercury_requests_total{endpoint, status}`` (HTTP status of every API request; a stream that fails after its
-headers counts as 500, one whose client went away as 499).
+``mercury_requests_total{endpoint, status}`` (HTTP status of every API request; a stream that fails after its headers
+counts as 500, one whose client went away as 499).
 """
 
 from __future__ import annotations
@@ -44,6 +46,12 @@ class _Engine(Collector):
       "mercury_engine_host_seconds",
       "Seconds the engine thread spent on the host around steps",
       lambda s: s.stats.host_seconds,
+    ),
+    ("mercury_prefill_chunks", "Chunks of chunked prefills run", lambda s: s.stats.chunks),
+    (
+      "mercury_prefill_chunk_seconds",
+      "Seconds the chunks of chunked prefills took",
+      lambda s: s.stats.chunk_seconds,
     ),
   )
 

@@ -39,6 +39,7 @@ from mercury_jax.constrain import device as constrained
 from mercury_jax.sampling.proposal import Knobs
 from mercury_jax.sampling.sampler import Sampler
 from mercury_jax.sampling.settings import SettingError
+from mercury_jax.serve.pacing import DEFAULT_SHARE, PrefillPacer
 from mercury_jax.serve.pages import NoPages
 from mercury_jax.serve.slots import DEFAULT_CAPACITY, DEFAULT_PAGE_SIZE, Request, SlotEngine, View
 
@@ -185,11 +186,15 @@ class StepStats:
     engine_seconds: Seconds in :meth:`SlotEngine.run`: releases, prefills, the step and the copy of its view (the
       dispatches and the device work).
     host_seconds: The rest of those iterations: commands, admissions, reading the view, handing out updates.
+    chunks: Chunks of chunked prefills run.
+    chunk_seconds: Their seconds (a part of ``engine_seconds`` where a step ran beside them).
   """
 
   iterations: int = 0
   engine_seconds: float = 0.0
   host_seconds: float = 0.0
+  chunks: int = 0
+  chunk_seconds: float = 0.0
 
 
 class Scheduler:
@@ -212,9 +217,12 @@ class Scheduler:
     batch_invariant: Each request's tokens are the same whatever runs beside it (``SlotEngine``); False batches the
       rows through the network (faster under load, tokens equal only up to rounding).
     max_model_len: The longest request (prompt, ``max_tokens`` and suffix) served; default the model's context.
-    prefill_chunk: Prompt tokens an iteration prefills at most (``SlotEngine``): a longer prompt is prefilled a chunk
-      per iteration between the other requests' steps, and the one-pass prefills admitted together stay within it
-      (one is always admitted); 0: no limit, every prompt in one pass.
+    prefill_chunk: Prompt tokens a chunk of a chunked prefill holds (``SlotEngine``): a longer prompt is prefilled
+      in chunks between the other requests' steps, and the one-pass prefills admitted in one iteration stay within
+      it (one is always admitted); 0: no limit, every prompt in one pass.
+    prefill_share: The engine's time the chunks may take while other requests decode (``serve.pacing``): the
+      decoding streams keep the rest, so their mean inter-token gap during a long prefill stays within
+      ``1 / (1 - prefill_share)`` of their gap without it.
     solver: A continuous checkpoint's ODE solver (``SamplerSettings.solver``); None: the default (Euler).
     guidance: Its classifier-free guidance scale (``SamplerSettings.guidance``); None: the default (1, off).
   """
@@ -235,11 +243,13 @@ class Scheduler:
     batch_invariant: bool = True,
     max_model_len: int | None = None,
     prefill_chunk: int = 0,
+    prefill_share: float = DEFAULT_SHARE,
     solver: str | None = None,
     guidance: float | None = None,
   ):
     if max_queue < 0:
       raise ValueError(f"max_queue={max_queue} must be >= 0")
+    self.pacer = PrefillPacer(prefill_share)  # chunks per iteration (the engine thread's)
     lowerings()  # Count from before the first compilation.
     self.engine = SlotEngine(
       sampler,
@@ -515,7 +525,9 @@ class Scheduler:
     began = time.perf_counter()
     engine, command = self.engine, self.engine.command()
     admitted = self._admit(command)
-    command = command._replace(step=np.asarray(bool(self._active or admitted)))
+    one_pass = any(engine.bucket(handle.request) < len(engine.buckets) for handle in admitted.values())
+    chunks = self.pacer.chunks(decoding=bool(engine.busy) or one_pass)
+    command = command._replace(step=np.asarray(bool(self._active or admitted)), chunks=np.asarray(chunks, np.int32))
     ran = time.perf_counter()
     try:
       view, failures = engine.run(command)
@@ -531,6 +543,14 @@ class Scheduler:
       engine.reset()
       return
     stepped = time.perf_counter()
+    timing = engine.timing
+    if timing.chunks or engine.filling:
+      self.pacer.record(timing.chunks, timing.chunk_seconds, timing.step_seconds)
+    else:
+      self.pacer.idle()
+    if timing.chunks:
+      self.stats.chunks += timing.chunks
+      self.stats.chunk_seconds += timing.chunk_seconds
     with self._lock:
       for slot, handle in admitted.items():
         if slot in failures:

@@ -6,8 +6,10 @@ engine behind every other entry point:
 * **prefill** (:meth:`BlockEngine.init` of one request): the request's canvas is laid into slots and its prompt runs
   through the model over the smallest *bucket* of slots that covers its first block, giving its keys and values.
   One compilation per bucket, all made at start-up (:meth:`SlotEngine.warm_up`). A prompt longer than
-  ``prefill_chunk`` is admitted unfilled and prefilled a chunk per iteration straight into its pages, between the
-  other rows' steps (:meth:`SlotEngine.run`), so it never stalls the streams already running.
+  ``prefill_chunk`` is admitted unfilled and prefilled in chunks straight into its pages, between the other rows'
+  steps (:meth:`SlotEngine.run`; the command says how many chunks an iteration runs, which process 0's
+  :class:`~mercury_jax.serve.pacing.PrefillPacer` sizes to a share of the engine's time), so it never stalls the
+  streams already running.
 * **insert**: that one-row state is written into a free row of the batch state, its keys and values into the pages
   the request was given (:class:`PagePool`).
 * **generate**: one jitted step advances every busy slot by one refinement step of its own block, over the smallest
@@ -42,6 +44,7 @@ is being served.
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import NamedTuple
 
 import jax
@@ -115,6 +118,15 @@ class Command(NamedTuple):
   constraint: np.ndarray  # [slots] int32: bytes of an admitted request's constraint spec (0: none; see ``_specs``)
   heal: np.ndarray  # [slots] int32: bytes of an admitted request's healed characters (UTF-8; 0: none)
   tables: np.ndarray  # [slots, pages per row] int32: an admitted request's pages (the sink past its canvas)
+  chunks: np.ndarray  # [] int32: chunks of chunked prefills to run after the admissions (``serve.pacing``)
+
+
+class Timing(NamedTuple):
+  """What the last :meth:`SlotEngine.run` measured on this process (the pacer of chunked prefills reads it)."""
+
+  chunks: int  # chunks of chunked prefills it ran
+  chunk_seconds: float  # their seconds, together
+  step_seconds: float | None  # its step's, to the copy of the view; None: it ran no step
 
 
 class View(NamedTuple):
@@ -191,8 +203,9 @@ class SlotEngine:
     max_model_len: The longest request served (prompt, generated tokens and suffix); default the model's context. It
       sizes the canvas, the prefill buckets and the default page pool.
     prefill_chunk: A prompt whose prefill covers more slots than this (rounded up to whole blocks) is prefilled a
-      chunk at a time, one chunk per iteration between the other rows' steps (:meth:`run`), so a long prompt never
-      stalls the streams already running; 0: every prompt in one pass at its admission.
+      chunk at a time, as many chunks per iteration as its command's ``chunks`` between the other rows' steps
+      (:meth:`run`), so a long prompt never stalls the streams already running; 0: every prompt in one pass at its
+      admission.
   """
 
   def __init__(
@@ -264,11 +277,12 @@ class SlotEngine:
     )
     self.length = self.plan.length  # canvas positions of a row
     # Chunked prefill (the exact cache): prompts whose prefill covers more than ``prefill_chunk`` slots fill their rows'
-    # pages a chunk per iteration (``filling``: slot -> the chunks' first slots still to run, in admission order).
+    # pages in chunks (``filling``: slot -> the chunks' first slots still to run, in admission order).
     self.prefill_chunk = -(-prefill_chunk // block) * block if cache == "exact" else 0
     if self.prefill_chunk >= self.length:  # No prompt is that long: every prefill is one pass.
       self.prefill_chunk = 0
     self.filling: dict[int, list[int]] = {}
+    self.timing = Timing(0, 0.0, None)
     self.width = width(self.plan)
     continuous = sampler.cfg.objective.continuous
     latent = {name: value for name, value in (("solver", solver), ("guidance", guidance)) if value is not None}
@@ -420,6 +434,7 @@ class SlotEngine:
       constraint=zeros(np.int32),
       heal=zeros(np.int32),
       tables=np.full((n, self.pages_per_row), SINK, np.int32),
+      chunks=np.zeros((), np.int32),
     )
 
   def admit(self, command: Command, slot: int, request: Request, *, pages: bool = True) -> None:
@@ -553,26 +568,39 @@ class SlotEngine:
         row = self._sync(self.prefill(command, int(slot)))
         table = self._place(command.tables[slot])
         self.state = self._sync(self._insert(self.state, row, self._place(np.int32(slot)), table))
-        if command.bucket[slot] == len(self.buckets):  # A long prompt: its chunks run one per iteration from now.
+        if command.bucket[slot] == len(self.buckets):  # A long prompt: its chunks run from now, paced.
           self.filling[int(slot)] = self.chunk_starts(int(np.argmax(command.kinds[slot] == K.TARGET)))
         else:
           self.busy.add(int(slot))
       except Exception as error:  # noqa: BLE001  The request fails alone; the engine keeps serving.
         failures[int(slot)] = f"{type(error).__name__}: {error}"
         self.pool.give_back(int(slot))
-    self._fill_next()
+    self.timing = Timing(*self._fill_chunks(int(command.chunks)), None)
     if not bool(command.step) or not self.busy:
       return None, failures
     live = self.live_rows()
+    began = time.perf_counter()
     self.state, packed = self._sync(self._step(self.sampler.params, self.state, self._place(live)))
-    return self._view(live, self.sampler.placement.gather(packed)), failures
+    view = self._view(live, self.sampler.placement.gather(packed))  # the copy waits for the step
+    self.timing = self.timing._replace(step_seconds=time.perf_counter() - began)
+    return view, failures
+
+  def _fill_chunks(self, count: int) -> tuple[int, float]:
+    """Runs up to ``count`` chunks of chunked prefills (the command's ``chunks``, which process 0's pacer chose);
+    returns how many ran and their seconds, each waited for (the step after them waits for them anyway)."""
+    count = min(count, sum(map(len, self.filling.values())))
+    if not count:
+      return 0, 0.0
+    jax.block_until_ready(self.state)  # the admissions' work is not the chunks'
+    began = time.perf_counter()
+    for _ in range(count):
+      self._fill_next()
+    jax.block_until_ready(self.state)
+    return count, time.perf_counter() - began
 
   def _fill_next(self) -> None:
-    """Runs the next chunk of the longest-waiting chunked prefill (one per iteration, so an iteration's prompt work
-    is bounded by ``prefill_chunk``); its row joins the steps after its last chunk. A failure here is the batch
-    state's, like a failed step's."""
-    if not self.filling:
-      return
+    """Runs the next chunk of the longest-waiting chunked prefill; its row joins the steps after its last chunk. A
+    failure here is the batch state's, like a failed step's."""
     slot = next(iter(self.filling))
     starts = self.filling[slot]
     where = (self._place(np.int32(slot)), self._place(np.int32(starts.pop(0))))
