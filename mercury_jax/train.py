@@ -20,6 +20,7 @@ import shutil
 import socket
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -168,11 +169,24 @@ def evaluate(trainer: Trainer, params, batches: list[dict[str, jax.Array]], seed
   }
 
 
-def train(cfg: Config, workdir: str | Path, *, log: bool = True, init_from: str | Path | None = None) -> dict[str, Any]:
+def train(
+  cfg: Config,
+  workdir: str | Path,
+  *,
+  log: bool = True,
+  init_from: str | Path | None = None,
+  devices: Sequence[jax.Device] | None = None,
+) -> dict[str, Any]:
   """Trains (or resumes) ``cfg`` in ``workdir``; returns the last metrics. See the module docstring.
 
-  ``init_from``: a checkpoint whose parameters start a fresh run (``checkpoint.init_params_from``); ignored when
-  ``workdir`` already holds a checkpoint, which is resumed.
+  Args:
+    cfg: The run's config.
+    workdir: Where the checkpoints, metrics and summaries go.
+    log: Print the progress line and the metrics on stderr (primary process only).
+    init_from: A checkpoint whose parameters start a fresh run (``checkpoint.init_params_from``); ignored when
+      ``workdir`` already holds a checkpoint, which is resumed.
+    devices: The devices that ``cfg.mesh`` lays out (default: every device of every process). A subset, e.g.
+      ``jax.devices()[:1]``, trains a one-process run on fewer devices than the host has.
   """
   workdir = Path(workdir)
   primary = distributed.is_primary()
@@ -181,7 +195,7 @@ def train(cfg: Config, workdir: str | Path, *, log: bool = True, init_from: str 
   distributed.check_shared_directory(workdir, "--workdir")
   meta = pipeline.read_metadata(cfg.data.path)
   _check_data(cfg, meta)
-  mesh = sh.make_mesh(cfg.mesh)
+  mesh = sh.make_mesh(cfg.mesh, devices)
   trainer = Trainer(cfg, mesh)
   checkpointer = Checkpointer(workdir / "checkpoints", cfg.checkpoint)
   dataset = pipeline.train_dataset(
@@ -230,9 +244,9 @@ def train(cfg: Config, workdir: str | Path, *, log: bool = True, init_from: str 
     * cfg.model.max_length
   )
   # On an accelerator MFU divides by every chip's datasheet peak; simulated CPU devices share one host's cores.
-  peak, peak_source = peak_flops(jax.devices()[0], cfg.model.dtype)
+  peak, peak_source = peak_flops(mesh.devices.flat[0], cfg.model.dtype)
   if peak is not None and jax.default_backend() != "cpu":
-    peak *= jax.device_count()
+    peak *= mesh.devices.size
   schedule = learning_rate_schedule(cfg.optim, cfg.train.steps)
   progress.show(
     f"{cfg.name}: {num_params / 1e6:.2f} M parameters, mesh {dict(mesh.shape)}, resuming at step {start_step}"

@@ -82,7 +82,7 @@ def test_training_and_evaluation_run_on_document_segments(long_records, tmp_path
   cfg = load_config("tiny", sets)
   trainer = Trainer(cfg, sh.make_mesh(cfg.mesh))
   assert trainer.batch_keys == ("tokens", "kinds", "segments")
-  train(cfg, tmp_path, log=False)
+  train(cfg, tmp_path, log=False, devices=jax.devices()[:1])  # No sharding under test.
   metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
   assert np.isfinite(metrics[-1]["loss"]) and np.isfinite(metrics[-1]["eval_nats_per_token"])
   params, stored = restore_params(tmp_path)

@@ -30,7 +30,7 @@ SMALL = {
 
 def test_diffusion_bound_is_finite_and_consistent_with_training(tmp_path, data_dir):
   cfg = load_config("tiny", {**SMALL, "data.path": str(data_dir), "train.steps": "40"})
-  last = train(cfg, tmp_path / "run", log=False)
+  last = train(cfg, tmp_path / "run", log=False, devices=jax.devices()[:1])  # No sharding under test.
   params, stored = restore_params(tmp_path / "run")
   result = evaluate_params(params, stored, data_dir, t_samples=8, batch_size=8)
   assert math.isfinite(result["nats_per_token"]) and result["nats_per_token_stderr"] > 0
@@ -62,7 +62,7 @@ def test_autoregressive_nll_is_exact_and_draw_free(tmp_path, data_dir):
       "data.batch_size": "8",
     },
   )
-  train(cfg, tmp_path / "ar", log=False)
+  train(cfg, tmp_path / "ar", log=False, devices=jax.devices()[:1])
   params, stored = restore_params(tmp_path / "ar")
   a = evaluate_params(params, stored, data_dir, t_samples=5, seed=0, batch_size=8)
   b = evaluate_params(params, stored, data_dir, t_samples=5, seed=9, batch_size=8)

@@ -58,13 +58,14 @@ def test_init_applies_to_a_fresh_run_only(tmp_path, data_dir):
   sets = {**TINY, "data.path": str(data_dir), "train.steps": "1", "checkpoint.every": "1"}
   # Zero learning rate through the whole (one-step) schedule: the saved step 1 still holds the initial parameters.
   cfg = load_config("tiny", {**sets, "optim.learning_rate": "1e-30", "optim.weight_decay": "0"})
-  train(cfg, tmp_path / "run", log=False, init_from=source)
+  train(cfg, tmp_path / "run", log=False, init_from=source, devices=jax.devices()[:1])  # No sharding under test.
   saved, _ = restore_params(tmp_path / "run")
   for got, want in zip(jax.tree.leaves(saved), jax.tree.leaves(params), strict=True):
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6, atol=1e-30)
   mismatched, _ = _exported_tiny(tmp_path / "other", data_dir, **{"model.d_model": "32", "model.mlp_dim": "96"})
   resumed = load_config("tiny", {**sets, "train.steps": "2", "optim.learning_rate": "1e-30"})
-  train(resumed, tmp_path / "run", log=False, init_from=mismatched)  # Resumes; the mismatch is never read.
+  # Resumes; the mismatch is never read.
+  train(resumed, tmp_path / "run", log=False, init_from=mismatched, devices=jax.devices()[:1])
   assert Checkpointer(tmp_path / "run" / "checkpoints", CheckpointConfig()).latest_step() == 2
 
 
