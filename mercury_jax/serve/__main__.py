@@ -87,9 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
     "--prefill-share",
     type=float,
     default=DEFAULT_SHARE,
-    help="the engine's time chunked prefills may take while other requests decode; the streams keep the rest, so "
-    f"their mean inter-token gap during a long prefill stays within 1 / (1 - share) of their gap without it "
-    f"(default {DEFAULT_SHARE}; from {MIN_SHARE} to {MAX_SHARE})",
+    help="the engine's time chunked prefills may take while other requests decode, which keep the rest: more gives "
+    f"a long prompt its first token sooner, less keeps the other streams faster (default {DEFAULT_SHARE}; from "
+    f"{MIN_SHARE} to {MAX_SHARE})",
   )
   p.add_argument(
     "--no-batch-invariance",

@@ -221,8 +221,7 @@ class Scheduler:
       in chunks between the other requests' steps, and the one-pass prefills admitted in one iteration stay within
       it (one is always admitted); 0: no limit, every prompt in one pass.
     prefill_share: The engine's time the chunks may take while other requests decode (``serve.pacing``): the
-      decoding streams keep the rest, so their mean inter-token gap during a long prefill stays within
-      ``1 / (1 - prefill_share)`` of their gap without it.
+      decoding streams keep the rest.
     solver: A continuous checkpoint's ODE solver (``SamplerSettings.solver``); None: the default (Euler).
     guidance: Its classifier-free guidance scale (``SamplerSettings.guidance``); None: the default (1, off).
   """
