@@ -612,7 +612,9 @@ def test_full_queue_answers_429_and_sigterm_drains_then_exits_0():
 
 def test_a_multi_host_server_answers_as_one_process_with_as_many_devices():
   """Two processes of one device each (process 0 serves HTTP) against one process of two devices: same mesh shape,
-  same tokens; the followers compile the structured requests' constraints from process 0's broadcast specs."""
+  same tokens; the followers compile the structured requests' constraints from process 0's broadcast specs, and run
+  the chunks of chunked prefills that process 0's pacer chose (chunks of 16 tokens: the longer prompts fill in
+  several)."""
   schema = {"type": "object", "properties": {"d": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["d"]}
   structured = [
     {"response_format": {"type": "json_schema", "json_schema": {"name": "digit", "schema": schema}}},
@@ -625,12 +627,13 @@ def test_a_multi_host_server_answers_as_one_process_with_as_many_devices():
   results = []
   for devices, processes in ((2, 1), (1, 2)):
     # Two slots: one batch bucket, a row per device (the 14 requests wait their turn).
-    srv = Server(SORT_CHAT, "--slots", "2", devices=devices, processes=processes, quick=True)
+    srv = Server(SORT_CHAT, "--slots", "2", "--prefill-chunk", "16", devices=devices, processes=processes, quick=True)
     try:
       client = srv.client(timeout=120)
       time.sleep(2.5)  # Idle: process 0 sends its followers no-op commands (one a second) meanwhile.
       with concurrent.futures.ThreadPoolExecutor(12) as pool:
         results.append(list(pool.map(lambda kw, client=client: _text(client, **kw), requests)))
+      assert srv.metric("mercury_prefill_chunks_total") > len(requests)  # most prompts filled in two chunks or more
       assert srv.stop() == 0, "".join(srv.log)
     except Exception as error:
       raise AssertionError(f"{devices=} {processes=}: {error}\n{srv.kill()}") from error
