@@ -182,8 +182,10 @@ def test_config_errors_name_the_key(sets, match):
 
 
 def test_tiny_preset_learns_both_halves(data_dir):
-  """200 steps of tiny_verified: both held-out losses fall far below a fresh model's."""
+  """80 steps of tiny_verified (its schedule fitted to them): both held-out losses fall far below a fresh model's."""
+  # The preset's 200 steps: 29 s for this test; 80 steps: 16 s (back to back), both losses still well past the bars.
   overrides = {"model.max_length": "64", "model.vocab_size": "400", "mesh.data": "1", "data.path": str(data_dir)}
+  overrides["train.steps"] = "80"
   cfg = load_config("tiny_verified", overrides)
   trainer = Trainer(cfg, sh.make_mesh(cfg.mesh, jax.devices()[:1]))
   state = trainer.init_state(cfg.train.seed)
@@ -201,8 +203,9 @@ def test_tiny_preset_learns_both_halves(data_dir):
     state, metrics = trainer.train_step(state, pipeline.to_global(next(batches), trainer.mesh, trainer.rules))
   assert {"ar_loss", "draft_loss"} <= set(metrics)
   trained = losses(state["params"])
-  # Measured: next-token 6.00 -> 4.58 nats, drafting 6.03 -> 4.86 (a fresh model is near ln 399 for both). A broken
-  # mask, target shift or draft scoring leaves a half near the fresh model.
+  # Measured at 200 steps: next-token 6.00 -> 4.58 nats, drafting 6.03 -> 4.86 (a fresh model is near ln 399 for
+  # both); at 80 steps the drops were 1.30 and 1.29 nats (1.22 and 1.25 at 60). A broken mask, target shift or draft
+  # scoring leaves a half near the fresh model.
   assert trained["ar"] < fresh["ar"] - 1.0, (fresh, trained)
   assert trained["draft"] < fresh["draft"] - 0.8, (fresh, trained)
 
