@@ -94,22 +94,23 @@ def _work(fd: int) -> None:
     "json_object": lambda _: compiler.json_object(),
   }
   _limit_memory(memory)
-  conn.send(("ready", None))
-  while True:
-    try:
+  try:
+    conn.send(("ready", None))
+    while True:
       kind, source = conn.recv()
-    except (EOFError, OSError):  # The server went away.
-      return
-    try:
-      conn.send(("ok", compile_[kind](source)))
-    except ConstraintError as e:
-      conn.send(("refused", (str(e), e.param)))
-    except RecursionError:
-      conn.send(("refused", ("the constraint is nested too deeply to compile", None)))
-    except MemoryError:
-      conn.send(("memory", None))
-    except Exception as e:  # noqa: BLE001  Whatever the input does to the compiler, the process goes on serving.
-      conn.send(("failed", f"{type(e).__name__}: {e}"))
+      try:
+        answer = ("ok", compile_[kind](source))
+      except ConstraintError as e:
+        answer = ("refused", (str(e), e.param))
+      except RecursionError:
+        answer = ("refused", ("the constraint is nested too deeply to compile", None))
+      except MemoryError:
+        answer = ("memory", None)
+      except Exception as e:  # noqa: BLE001  Whatever the input does to the compiler, the process goes on serving.
+        answer = ("failed", f"{type(e).__name__}: {e}")
+      conn.send(answer)
+  except (EOFError, OSError):  # The server went away (exited, or failed at start-up): nothing to answer, no trace.
+    return
 
 
 class _Worker:
