@@ -252,6 +252,11 @@ def _load(args: argparse.Namespace):
     sampler = Sampler.from_checkpoint(path, mesh=mesh)
   except (FileNotFoundError, ConfigError, ValueError) as e:
     _fail(f"--checkpoint {str(path)!r}: {e}")
+  if args.max_model_len is not None and args.max_model_len > sampler.max_length:
+    _fail(
+      f"--max-model-len={args.max_model_len} exceeds the model's context of {sampler.max_length} tokens (a longer "
+      "context needs a model trained or extended to it, e.g. with RoPE scaling)"
+    )
   pool = None
   if args.capacity is not None and jax.process_index() == 0:  # Its processes start while the engine compiles.
     from mercury_jax.serve.compiling import CompilePool, CompilerSpec
@@ -260,11 +265,6 @@ def _load(args: argparse.Namespace):
     spec = CompilerSpec(sampler.tokenizer.to_bytes(), *args.capacity, remedy=CAPACITY_REMEDY)
     pool = CompilePool(spec, workers=args.compile_workers, timeout=args.compile_timeout)
     pool.start()
-  if args.max_model_len is not None and args.max_model_len > sampler.max_length:
-    _fail(
-      f"--max-model-len={args.max_model_len} exceeds the model's context of {sampler.max_length} tokens (a longer "
-      "context needs a model trained or extended to it, e.g. with RoPE scaling)"
-    )
   try:
     scheduler = Scheduler(
       sampler,
@@ -283,10 +283,10 @@ def _load(args: argparse.Namespace):
       solver=args.solver,
       guidance=args.guidance,
     )
-  except SettingError as e:
-    _fail(e.named("--" + e.field.replace("_", "-")))
-  except ValueError as e:
-    _fail(str(e))
+  except (SettingError, ValueError) as e:
+    if pool is not None:  # Its processes are not left to find the server gone.
+      pool.close()
+    _fail(e.named("--" + e.field.replace("_", "-")) if isinstance(e, SettingError) else str(e))
   name = args.model_name or (
     BUNDLED_NAME.format(model=args.model) if args.checkpoint is None else Path(path).resolve().name
   )
