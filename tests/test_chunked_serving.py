@@ -168,7 +168,7 @@ def test_a_request_over_max_model_len_gets_400_with_its_count(checkpoints, monke
   with pytest.raises(SettingError, match="together 50 positions, but the model's context is 48 tokens"):
     scheduler.check(Request(tuple(range(5, 45)), 10))
   assert scheduler.engine.plan.slots <= 4 + 48 and scheduler.engine.pages_per_row == -(-(4 + 48) // 16)
-  srv = Server(path, "--slots", "2", "--max-model-len", "48", "--prefill-chunk", "16", quick=True)
+  srv = Server(path, "--slots", "1", "--max-model-len", "48", "--prefill-chunk", "16", quick=True)
   try:
     assert any("requests of up to 48 tokens, prompts prefilled in chunks of 16 tokens" in line for line in srv.log)
     client = srv.client(timeout=120)
