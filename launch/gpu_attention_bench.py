@@ -6,7 +6,10 @@ it prints the worst error relative to the largest reference value and PASS/FAIL.
 forward+backward in bfloat16 over lengths 1k..32k with batch * length fixed, printing TFLOP/s: 4 * B * H * L^2 * D per
 forward, halved for causal; forward+backward counts 3.5x that (the backward pass is 2.5 forwards, the FlashAttention-2
 convention). A combination that fails or runs out of memory is skipped with a note. ``--sweep`` also times alternative
-BlockSizes for our kernel.
+BlockSizes for our kernel. ``--cached`` times attention of a decoding chunk over a key-value cache
+(``attention.attend_cached``, what every engine step runs): the Pallas kernel over a dense cache and over pages read in
+place through a page table (the server's ``PagedKVCache``), against the XLA path over the same two layouts (it gathers
+pages, or reads long caches in tiles), printing microseconds per call and the cache's visible bytes read per second.
 
 Run (from the repository root, on the GPU host; the default grid takes about 6-8 minutes on one H200)::
 
@@ -33,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mercury_jax import attention  # noqa: E402
 from mercury_jax.kernels import flash_attention as fa  # noqa: E402
+from mercury_jax.kvcache import read_pages  # noqa: E402
 
 TOLERANCE = {"float32": 1e-4, "bfloat16": 2e-2}  # max |error| / max |reference|
 IMPLS = ("ours", "bundled", "cudnn", "xla")
@@ -274,6 +278,63 @@ def run_grid(interpret: bool, quick: bool, budget_s: float, xla_max_len: int, sw
   return results
 
 
+def run_cached(interpret: bool, page_size: int = 16) -> list[dict]:
+  """Times ``attend_cached`` for decoding chunks (1 token: the twin; a block of 8: block diffusion) over caches of
+  several lengths, dense and paged, Pallas and XLA; each row's chunk starts at a random slot in the cache's second
+  half (its cache filled up to there), its pages shuffled over a pool that holds every row's."""
+  if interpret:
+    grid, heads, kv_heads, dim = [(2, 1, 64), (2, 8, 64)], 4, 2, 64
+  else:
+    grid = [(64, chunk, slots) for chunk in (1, 8) for slots in (2048, 16384)]
+    heads, kv_heads, dim = 8, 2, 128
+  print(f"\n== cached attention, bfloat16, heads {heads}, kv heads {kv_heads}, head_dim {dim}, pages of {page_size}")
+  names = ("pallas dense", "pallas paged", "xla dense", "xla paged")
+  print("  rows chunk  slots   " + "".join(f"{n:>16s}" for n in names))
+  rng, results = np.random.default_rng(0), []
+  for rows, chunk, slots in grid:
+    mask, block = ("causal", None) if chunk == 1 else ("block_causal", chunk)
+    q = _random((rows, chunk, heads, dim), jnp.bfloat16, 0)
+    k, v = (_random((rows, chunk, kv_heads, dim), jnp.bfloat16, s) for s in (1, 2))
+    cache_k, cache_v = (_random((rows, slots, kv_heads, dim), jnp.bfloat16, s) for s in (3, 4))
+    starts = (rng.integers(slots // 2, slots - chunk, rows) // chunk * chunk).astype(np.int32)
+    cache_segments = jnp.asarray(np.arange(slots)[None, :] < starts[:, None], jnp.int32)
+    segments = jnp.ones((rows, chunk), jnp.int32)
+    per_row = slots // page_size
+    table = rng.permutation(np.arange(1, 1 + rows * per_row)).reshape(rows, per_row).astype(np.int32)
+    pool_k, pool_v = (
+      jnp.zeros((1 + rows * per_row, page_size, kv_heads, dim), jnp.bfloat16)
+      .at[table.reshape(-1)]
+      .set(x.reshape(rows * per_row, page_size, kv_heads, dim))
+      for x in (cache_k, cache_v)
+    )
+    table = jnp.asarray(table)
+    assert bool(jnp.all(read_pages(pool_k, table, slots) == cache_k))
+    visible = 2 * float(starts.sum()) * kv_heads * dim * 2  # bytes of keys and values each row's chunk can see
+    cells = []
+    for impl, paged in (("pallas", False), ("pallas", True), ("xla", False), ("xla", True)):
+      record = {"check": "cached", "impl": impl, "paged": paged, "rows": rows, "chunk": chunk, "slots": slots}
+      try:
+        fn = jax.jit(
+          functools.partial(
+            attention.attend_cached, mask=mask, diffusion_block=block, implementation=impl,
+            table=table if paged else None,
+          )
+        )  # fmt: skip
+        caches = (pool_k, pool_v) if paged else (cache_k, cache_v)
+        _, seconds = _time(fn, (q, k, v, segments, *caches, cache_segments, jnp.asarray(starts)), reps=20)
+        record.update(us=seconds * 1e6, gbps=visible / seconds / 1e9)
+        cells.append(f"{seconds * 1e6:8.1f} us {visible / seconds / 1e9:5.0f}G")
+      except Exception as e:  # noqa: BLE001 - report and go on
+        record["note"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+        cells.append(f"{'ERROR':>16s}")
+      results.append(record)
+    print(f"  {rows:4d} {chunk:5d} {slots:6d}   " + "".join(f"{c:>16s}" for c in cells), flush=True)
+    for r in results[-4:]:
+      if r.get("note"):
+        print(f"      note: {r['impl']} paged={r['paged']}: {r['note']}")
+  return results
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--quick", action="store_true", help="a short grid (and fewer correctness combinations)")
@@ -282,6 +343,7 @@ def main(argv=None) -> int:
   parser.add_argument("--skip-correctness", action="store_true")
   parser.add_argument("--skip-timing", action="store_true")
   parser.add_argument("--sweep", action="store_true", help="also time alternative BlockSizes for our kernel")
+  parser.add_argument("--cached", action="store_true", help="also time attention over a dense and a paged cache")
   parser.add_argument("--budget-s", type=float, default=240.0, help="start no new timing shape after this long")
   parser.add_argument("--xla-max-len", type=int, default=8192, help="XLA materialises L^2 scores: skip longer L")
   args = parser.parse_args(argv)
@@ -295,6 +357,8 @@ def main(argv=None) -> int:
     report["correctness"] = check_correctness(args.interpret, args.quick)
   if not args.skip_timing:
     report["timing"] = run_grid(args.interpret, args.quick, args.budget_s, args.xla_max_len, args.sweep)
+  if args.cached:
+    report["cached"] = run_cached(args.interpret)
   failed = [c for c in report.get("correctness", []) if not c["pass"]]
   print(f"\ncorrectness: {'FAIL' if failed else 'PASS'} ({len(failed)} of {len(report.get('correctness', []))} failed)")
   if args.json:

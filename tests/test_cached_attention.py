@@ -407,19 +407,32 @@ PAGED_CASES = [
 ]
 
 
-@pytest.mark.parametrize("case,page_size", PAGED_CASES, ids=lambda x: str(x) if isinstance(x, Case) else f"page{x}")
-def test_paged_kernel_matches_the_dense_kernel_and_the_reference(case, page_size):
+def _check_paged_kernel(case, page_size, interpret):
   q, k, v, segments, cache_k, cache_v, cache_segments, first_starts = _inputs(case, jnp.float32)
   # Row 3, a padding row (as a free row in a batch bucket), holds no page: its whole table is on the sink.
   pool_k, pool_v, table = _paged(cache_k, cache_v, cache_segments.at[3].set(0), page_size)
-  options = {"block_sizes": case.blocks, "interpret": True, **_options(case)}
+  options = {"block_sizes": case.blocks, "interpret": interpret, **_options(case)}
   for starts in (first_starts, jnp.asarray([16, 15, case.slots - 1, 31], jnp.int32)):
     paged = _KERNEL(q, k, v, segments, pool_k, pool_v, cache_segments, starts, table=table, **options)
     dense = _KERNEL(q, k, v, segments, cache_k, cache_v, cache_segments, starts, **options)
-    want = ca.reference_cached_attention(q, k, v, segments, cache_k, cache_v, cache_segments, starts, **_options(case))
+    with jax.default_matmul_precision("highest"):  # No TF32 in the float32 reference on a GPU.
+      want = ca.reference_cached_attention(
+        q, k, v, segments, cache_k, cache_v, cache_segments, starts, **_options(case)
+      )
     _check_f32(paged, want)
     _check_f32(dense, want)
     _check_f32(paged, dense)
+
+
+@pytest.mark.parametrize("case,page_size", PAGED_CASES, ids=lambda x: str(x) if isinstance(x, Case) else f"page{x}")
+def test_paged_kernel_matches_the_dense_kernel_and_the_reference(case, page_size):
+  _check_paged_kernel(case, page_size, interpret=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case,page_size", PAGED_CASES, ids=lambda x: str(x) if isinstance(x, Case) else f"page{x}")
+def test_gpu_paged_kernel_matches_the_dense_kernel_and_the_reference(case, page_size):
+  _check_paged_kernel(case, page_size, interpret=False)
 
 
 def test_paged_kernel_reads_each_row_through_its_own_table():

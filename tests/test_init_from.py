@@ -70,8 +70,9 @@ def test_init_applies_to_a_fresh_run_only(tmp_path, data_dir):
 
 
 def test_a_continuous_model_starts_from_a_discrete_one_with_fresh_latent_parameters(tmp_path, data_dir):
-  """The default_continuous recipe at tiny size: every shared parameter is the source's, the latent path is the new
-  model's own initialisation; a discrete model asked to grow anything else still fails naming the parameter."""
+  """A continuous model grown from a discrete one (``train --init-from``), at tiny size: every shared parameter is the
+  source's, the latent path is the new model's own initialisation; a discrete model asked to grow anything else still
+  fails naming the parameter."""
   source, params = _exported_tiny(tmp_path, data_dir)
   cfg = load_config("tiny_continuous", {**TINY, "data.path": str(data_dir)})
   trainer = Trainer(cfg, sh.make_mesh(MeshConfig(data=1), jax.devices()[:1]))

@@ -315,8 +315,16 @@ def _mask_scores(s, visible, q_seg, k_seg, transposed: bool = False):
 
 
 def _dot(a, b, contract: tuple[int, int]):
-  """2-D matmul contracting ``a``'s dim ``contract[0]`` with ``b``'s dim ``contract[1]``, accumulated in f32."""
-  return lax.dot_general(a, b, (((contract[0],), (contract[1],)), ((), ())), preferred_element_type=jnp.float32)
+  """2-D matmul contracting ``a``'s dim ``contract[0]`` with ``b``'s dim ``contract[1]``, accumulated in f32.
+
+  float32 inputs ask for ``HIGHEST`` precision, which the Triton lowering turns into IEEE float32. Its default
+  precision is TF32 (10 mantissa bits): on an H200 that put the float32 kernel 1e-3 off its reference, where
+  ``BlockSizes.get_default``'s float32 tiles assume IEEE dots (BUILD_NOTES, "GPU").
+  """
+  exact = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+  return lax.dot_general(
+    a, b, (((contract[0],), (contract[1],)), ((), ())), precision=exact, preferred_element_type=jnp.float32
+  )
 
 
 def _tile_loops(ranges, seg_range_ref, step, carry):
