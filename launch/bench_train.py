@@ -55,17 +55,18 @@ def main() -> None:
     for _ in range(4)
   ]
   step_flops = flops_per_token(cfg.model, count_params(state["params"])) * b * length
-  n = 2048
-  a = jnp.ones((n, n), jnp.float32)
-  matmul = jax.jit(lambda x: x @ x)
-  for i in range(3):  # Compile and warm up both programs.
-    state, _ = trainer.train_step(state, batches[i % 4])
-    jax.block_until_ready(matmul(a))
-  jax.block_until_ready(state)
-
   device = jax.devices()[0]
   accelerator = device.platform != "cpu"
   datasheet, source = peak_flops(device, cfg.model.dtype) if accelerator else (None, "measured f32 matmul")
+  n = 2048
+  a = jnp.ones((n, n), jnp.float32)
+  matmul = jax.jit(lambda x: x @ x)
+  for i in range(3):  # Compile and warm up the step (and, on a CPU, the probe).
+    state, _ = trainer.train_step(state, batches[i % 4])
+    if not accelerator:
+      jax.block_until_ready(matmul(a))
+  jax.block_until_ready(state)
+
   step_times, ratios, peaks = [], [], []
   for i in range(args.steps):
     start = time.perf_counter()

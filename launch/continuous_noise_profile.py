@@ -40,9 +40,10 @@ def main(argv=None) -> int:
     parser.error(f"--checkpoint {args.checkpoint}: objective {cfg.objective.name!r}, not a continuous checkpoint")
   objective = dataclasses.replace(cfg.objective, self_conditioning=0.0)
   model = Transformer(cfg.model)
-  batches = pipeline.eval_batches(
-    args.data, "validation", seq_len=cfg.model.max_length, global_batch_size=args.batch_size, num_batches=args.batches
+  split = pipeline.eval_batches(
+    args.data, "validation", seq_len=cfg.model.max_length, global_batch_size=args.batch_size, num_batches=None
   )
+  batches = split[: args.batches]
   blocks = cfg.model.max_length // (objective.block_size or cfg.model.max_length)
 
   @jax.jit
@@ -55,9 +56,6 @@ def main(argv=None) -> int:
     out = continuous.loss(logits_fn, tokens, kinds, key, objective, training=True, u=u)
     return out["loss_sum"] / out["tokens"]
 
-  split = pipeline.eval_batches(
-    args.data, "validation", seq_len=cfg.model.max_length, global_batch_size=512, num_batches=None
-  )
   targets = np.concatenate([b["tokens"][b["kinds"] == K.TARGET] for b in split])
   counts = np.bincount(targets, minlength=cfg.model.vocab_size).astype(np.float64)
   freq = counts[counts > 0] / counts.sum()
@@ -71,7 +69,7 @@ def main(argv=None) -> int:
       for i, b in enumerate(batches)
     ]
     print(f"sigma {sigma:7.2f}: cross-entropy {np.mean(values):.3f} nats/token")
-  schedules = {"warp": params["noise_warp"], "gumbel": params["noise_gumbel"]}
+  schedules = model.apply({"params": params}, split[0]["tokens"], latent_params=True)  # as the objective reads them
   drawn = np.asarray(
     continuous.sigma_of(continuous.inverse_cdf(jnp.linspace(5e-4, 1 - 5e-4, 2000), schedules, objective), objective)
   )

@@ -29,23 +29,14 @@ import jax
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench_serve import PROMPTS  # noqa: E402  (launch/, this script's folder)
+
 from mercury_jax import sharding as sh  # noqa: E402
 from mercury_jax.checkpoint import restore_params  # noqa: E402
 from mercury_jax.config import MeshConfig  # noqa: E402
 from mercury_jax.data.tokenizer import load_tokenizer  # noqa: E402
 from mercury_jax.sampling.registry import BUNDLED_MODELS, default_checkpoint  # noqa: E402
 from mercury_jax.sampling.sampler import Sampler  # noqa: E402
-
-PROMPTS = (
-  "def fibonacci(n):",
-  "class Stack:\n    def push(self, item):",
-  "def is_prime(n):",
-  "def read_config(path):",
-  "import json\n\ndef load(path):",
-  "def merge_sorted(a, b):",
-  "class Node:\n    def __init__(self, value):",
-  "def binary_search(items, target):",
-)
 
 
 def _csv(kind):
