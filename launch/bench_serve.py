@@ -713,8 +713,11 @@ def main(argv: list[str] | None = None) -> int:
   (out / "results.json").write_text(json.dumps(_finite(results), indent=1))
   written = [out / "results.md", out / "results.json"]
   if any(model.get("levels") for model in models.values()):
-    plot(models, out / "latency_throughput.png")
-    written.append(out / "latency_throughput.png")
+    try:
+      plot(models, out / "latency_throughput.png")
+      written.append(out / "latency_throughput.png")
+    except ImportError:  # The measurements are written; only the figure needs the bench extra.
+      print("no figure: matplotlib is not installed (pip install -e '.[bench]')")
   print(f"\nwrote {', '.join(map(str, written))}")
   return 1 if failed else 0
 

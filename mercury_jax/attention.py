@@ -30,6 +30,7 @@ from flax import linen as nn
 from jax.sharding import PartitionSpec as P
 
 from mercury_jax import sharding
+from mercury_jax.batch_invariance import Tiling, by_rows
 from mercury_jax.kernels import masks
 from mercury_jax.kvcache import read_pages
 
@@ -240,7 +241,9 @@ def attend(
   return fn(q, k, v, segment_ids, mask, diffusion_block)
 
 
-def _cached_xla(q, k, v, segments, cache_k, cache_v, cache_segments, starts, mask, diffusion_block, split=None):
+def _cached_xla(
+  q, k, v, segments, cache_k, cache_v, cache_segments, starts, mask, diffusion_block, split=None, invariant=False
+):
   """Attention over ``[cache ; chunk]`` with two score blocks and one softmax, so the cache is never concatenated.
 
   The products are plain batched matmuls over ``[batch, kv_heads]``, the query rows of a key/value head's group laid
@@ -250,7 +253,12 @@ def _cached_xla(q, k, v, segments, cache_k, cache_v, cache_segments, starts, mas
 
   ``split``: the mesh axis the cache's slots are split over, inside a ``shard_map`` (:func:`_cached_split`): this
   shard's cache holds the slots from ``axis_index * slots``, the first shard alone scores the chunk's own keys, and
-  the softmax's maximum, normaliser and weighted values are reduced over the shards (split-K, as flash-decoding)."""
+  the softmax's maximum, normaliser and weighted values are reduced over the shards (split-K, as flash-decoding).
+
+  ``invariant``: a row's output must not depend on the batch (:mod:`mercury_jax.batch_invariance`). Every product
+  here is a matmul batched over ``[batch, kv_heads]``, which XLA runs as one product per batch element whatever
+  their number, and a maximum rounds nothing; the normaliser, a sum whose order XLA:CPU picks by the batch's shape,
+  is then taken by the weighted values' product (a column of ones appended to the values)."""
   batch, chunk, heads, head_dim = q.shape
   kv_heads = k.shape[2]
   groups = heads // kv_heads
@@ -273,8 +281,13 @@ def _cached_xla(q, k, v, segments, cache_k, cache_v, cache_segments, starts, mas
     top = jax.lax.pmax(top, split)
   top = jnp.where(jnp.isfinite(top), top, 0.0)  # A query that sees nothing: every weight is 0.
   cached, own = jnp.exp(cached - top), jnp.exp(own - top)
-  total = jnp.sum(cached, axis=-1, keepdims=True) + jnp.sum(own, axis=-1, keepdims=True)
-  out = jnp.matmul(cached, heads_first(cache_v)) + jnp.matmul(own, heads_first(v))  # [b, kv, groups * chunk, d]
+  if invariant:
+    ones = lambda x: jnp.concatenate([x, jnp.ones(x.shape[:-1] + (1,), x.dtype)], axis=-1)  # noqa: E731
+    out = jnp.matmul(cached, ones(heads_first(cache_v))) + jnp.matmul(own, ones(heads_first(v)))  # [..., d + 1]
+    out, total = out[..., :head_dim], out[..., head_dim:]
+  else:
+    total = jnp.sum(cached, axis=-1, keepdims=True) + jnp.sum(own, axis=-1, keepdims=True)
+    out = jnp.matmul(cached, heads_first(cache_v)) + jnp.matmul(own, heads_first(v))  # [b, kv, groups * chunk, d]
   if split is not None:
     total, out = jax.lax.psum(total, split), jax.lax.psum(out, split)
   out = jnp.where(total > 0, out / jnp.where(total > 0, total, 1.0), 0.0)
@@ -360,6 +373,7 @@ def attend_cached(
   table: jax.Array | None = None,
   blockwise: bool | None = None,
   layer: jax.Array | None = None,
+  tiling: Tiling | None = None,
 ) -> jax.Array:
   """Attention of a chunk over a key-value cache and its own keys and values (what each query sees:
   :func:`mercury_jax.kernels.masks.cached`).
@@ -391,6 +405,9 @@ def attend_cached(
       visible slots end with the chunk), True / False force the tiles / the one-shot softmax.
     layer: with it, ``cache_k`` and ``cache_v`` hold every layer (a leading ``layers`` axis) and this one reads its
       own: inside the tiles' loop, so that no copy of the layer's cache is made for the loop.
+    tiling: Batch-invariant (:mod:`mercury_jax.batch_invariance`): a row's output does not depend on the rows beside
+      it. The Pallas kernel is (one program per row), so is the one-softmax XLA path with its normaliser taken by a
+      product; the others run row by row.
 
   Returns:
     ``[batch, chunk, heads, head_dim]`` in ``v``'s dtype.
@@ -414,24 +431,39 @@ def attend_cached(
   long = cache_segments.shape[1] >= CACHED_BLOCKWISE_MIN_SLOTS
   tiled = not pallas and mask in bca.BOUNDED and (long if blockwise is None else blockwise)
   # A cache split over `sequence` reads each shard's slots in one softmax (_cached_split).
+  sequence_split = not mesh.empty and sharding.sequence_shards(mesh, nn.get_logical_axis_rules()) > 1
+  if tiling is not None and not pallas and (tiled or sequence_split):  # Row by row: the tiles' online softmax.
+    options = dict(mask=mask, diffusion_block=diffusion_block, implementation=implementation, blockwise=blockwise)
+    if table is None and layer is not None:  # A dense cache's rows go one by one: this layer's, batch first.
+      cache_k, cache_v, layer = cache_k[layer], cache_v[layer], None
+
+    def row(q, k, v, segments, cache_segments, starts, table, cache_rows):
+      keys, values = (cache_k, cache_v) if cache_rows is None else cache_rows
+      return attend_cached(q, k, v, segments, keys, values, cache_segments, starts, table=table, layer=layer, **options)
+
+    rows = None if table is not None else (cache_k, cache_v)  # a pool of pages is every row's: never split
+    return by_rows(row, tiling.shards, q, k, v, segments, cache_segments, starts, table, rows)
   if tiled and (table is not None or mesh.empty or sharding.sequence_shards(mesh, nn.get_logical_axis_rules()) == 1):
     return bca.cached_attention(
       q, k, v, segments, cache_k, cache_v, cache_segments, starts, mask=mask, diffusion_block=diffusion_block,
       table=table, layer=layer,
     )  # fmt: skip
-  if layer is not None:
-    cache_k, cache_v = cache_k[layer], cache_v[layer]
   if table is not None:
     in_place = False
     if pallas:
       from mercury_jax.kernels import cached_attention as ca
 
-      in_place = cache_k.shape[1] % ca.PAGE_MULTIPLE == 0
+      in_place = cache_k.shape[-3] % ca.PAGE_MULTIPLE == 0  # [..., pages, page_size, kv_heads, head_dim]
     if not in_place:  # Each row's pages gathered into a dense [batch, slots, kv_heads, head_dim] cache.
-      cache_k, cache_v = (read_pages(pool, table, cache_segments.shape[1]) for pool in (cache_k, cache_v))
-      table = None
+      # The layer's pages in the same gather: a slice of the layer's pool first would be a copy of the pool (hoisted
+      # out of a loop over rows, InvariantNetwork's).
+      slots = cache_segments.shape[1]
+      cache_k, cache_v = (read_pages(pool, table, slots, layer=layer) for pool in (cache_k, cache_v))
+      table, layer = None, None
+  if layer is not None:
+    cache_k, cache_v = cache_k[layer], cache_v[layer]
   if pallas:
     return _cached_pallas(q, k, v, segments, cache_k, cache_v, cache_segments, starts, mask, diffusion_block, table)
   args = (q, k, v, segments, cache_k, cache_v, cache_segments, starts, mask, diffusion_block)
   split = _cached_split(*args) if table is None else None
-  return _cached_xla(*args) if split is None else split
+  return _cached_xla(*args, invariant=tiling is not None) if split is None else split

@@ -260,9 +260,10 @@ class PagedKVCache(NamedTuple):
     )
 
 
-def read_pages(pool: jax.Array, table: jax.Array, slots: int) -> jax.Array:
+def read_pages(pool: jax.Array, table: jax.Array, slots: int, layer: jax.Array | None = None) -> jax.Array:
   """``[batch, slots, kv_heads, head_dim]``: one layer's pages ``pool`` [pages, page_size, ...] laid out as each
-  row's slots through ``table`` [batch, ceil(slots / page_size)]."""
+  row's slots through ``table`` [batch, ceil(slots / page_size)]; with ``layer``, ``pool`` holds every layer
+  ``[layers, pages, ...]`` and layer ``layer``'s pages are read (one gather, no copy of the layer's pool)."""
   batch, per_row = table.shape
-  gathered = pool[table]  # [batch, per_row, page_size, kv_heads, head_dim]
-  return gathered.reshape(batch, per_row * pool.shape[1], *pool.shape[2:])[:, :slots]
+  gathered = pool[table] if layer is None else pool[layer, table]  # [batch, per_row, page_size, kv_heads, head_dim]
+  return gathered.reshape(batch, per_row * gathered.shape[2], *gathered.shape[3:])[:, :slots]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -19,6 +20,7 @@ from jax.sharding import Mesh
 
 from mercury_jax import sharding as sh
 from mercury_jax.attention import attend, attend_cached
+from mercury_jax.batch_invariance import Tiling, by_rows, tiled
 from mercury_jax.config import ModelConfig, dtype_of
 from mercury_jax.kernels.context_parallel import SequenceLayout
 from mercury_jax.kvcache import KVCache, PagedKVCache
@@ -27,14 +29,16 @@ from mercury_jax.rope import rotary
 _INIT = nn.initializers.normal(stddev=0.02)
 
 
-def dense(x: jax.Array, w: jax.Array, contract: int = 1) -> jax.Array:
-  """Contracts the last ``contract`` dims of ``x`` with the first ``contract`` dims of ``w``, as one 2-D matmul.
+def dense(x: jax.Array, w: jax.Array, contract: int = 1, tiling: Tiling | None = None) -> jax.Array:
+  """Contracts the last ``contract`` dims of ``x`` with the first ``contract`` dims of ``w``, as one 2-D matmul
+  (under ``tiling``, one per tile of positions: :func:`~mercury_jax.batch_invariance.tiled`).
 
   ``[..., *in] @ [*in, *out] -> [..., *out]``. Flattening to ``[tokens, in] @ [in, out]`` keeps the backward pass's
   weight gradient a plain matmul: XLA:CPU runs the 3-D ``bld,blm->dm`` contraction about 1.6x slower.
   """
   lead, inner, out = x.shape[: x.ndim - contract], x.shape[x.ndim - contract :], w.shape[contract:]
-  y = x.reshape(math.prod(lead), math.prod(inner)) @ w.reshape(math.prod(inner), math.prod(out))
+  w = w.reshape(math.prod(inner), math.prod(out))
+  y = tiled(lambda rows: rows @ w, tiling, x.reshape(math.prod(lead), math.prod(inner)))
   return y.reshape(*lead, *out)
 
 
@@ -49,13 +53,24 @@ class RMSNorm(nn.Module):
   dtype: jnp.dtype
   param_dtype: jnp.dtype = jnp.float32
   axis: str = sh.EMBED  # The logical axis of the normalised (last) dimension.
+  tiling: Tiling | None = None
 
   @nn.compact
-  def __call__(self, x: jax.Array) -> jax.Array:
+  def __call__(self, x: jax.Array, then: Callable[[jax.Array], Any] | None = None) -> Any:
+    """``x`` normalised over its last axis, or ``then`` of it: a position-wise function (the next layer's
+    projections), which a tiling runs in the same loop over tiles; its outputs keep ``x``'s leading axes."""
     scale = _param(self, "scale", (x.shape[-1],), (self.axis,), nn.initializers.ones, self.param_dtype)
-    x32 = x.astype(jnp.float32)
-    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-    return (normed * scale.astype(jnp.float32)).astype(self.dtype)
+
+    def norm(rows: jax.Array) -> Any:  # [..., dim]
+      x32 = rows.astype(jnp.float32)
+      normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+      normed = (normed * scale.astype(jnp.float32)).astype(self.dtype)
+      return normed if then is None else then(normed)
+
+    if self.tiling is None:
+      return norm(x)
+    out = tiled(norm, self.tiling, x.reshape(-1, x.shape[-1]))  # [positions, ...]
+    return jax.tree.map(lambda a: a.reshape(*x.shape[:-1], *a.shape[1:]), out)
 
 
 class Attention(nn.Module):
@@ -65,6 +80,7 @@ class Attention(nn.Module):
   mask: str = "bidirectional"
   diffusion_block: int | None = None
   layout: SequenceLayout | None = None  # The sequence split over the `sequence` mesh axis (context parallelism).
+  tiling: Tiling | None = None
 
   @nn.compact
   def __call__(
@@ -73,27 +89,32 @@ class Attention(nn.Module):
     positions: jax.Array,
     segment_ids: jax.Array | None,
     cache: tuple[jax.Array, ...] | None,
+    norm: RMSNorm | None = None,
   ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     """``(output [batch, length, embed], (keys, values) of this chunk)``; ``cache``: this layer's index, every
     layer's cached keys and values (:class:`KVCache`; pools of pages for a :class:`PagedKVCache`), then a paged
-    cache's table, the cache's segments and each row's first slot of the chunk."""
+    cache's table, the cache's segments and each row's first slot of the chunk. ``norm``: the pre-norm of ``x``."""
     cfg, dtype, pdt = self.config, dtype_of(self.config.dtype), dtype_of(self.config.param_dtype)
     d, h, kv, hd = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
 
-    def project(name: str, heads: int, heads_axis: str) -> jax.Array:  # [batch, length, heads, head_dim]
+    def weights(name: str, heads: int, heads_axis: str) -> tuple[jax.Array, jax.Array | None]:
       w = _param(self, name, (d, heads, hd), (sh.EMBED, heads_axis, sh.HEAD_DIM), dtype=pdt).astype(dtype)
-      y = dense(x, w)
+      bias = None
       if cfg.qkv_bias:
         bias = _param(self, f"{name}_bias", (heads, hd), (heads_axis, sh.HEAD_DIM), nn.initializers.zeros, pdt)
-        y = y + bias.astype(dtype)
-      if cfg.qk_norm and name != "value":
-        y = RMSNorm(cfg.norm_eps, dtype, pdt, sh.HEAD_DIM, name=f"{name}_norm")(y)
-      return y
+      return w, bias
 
     # Parameters are created in this order (query, key, value, out): Flax derives each one's init key from it.
-    q = project("query", h, sh.HEADS)  # [batch, length, heads, head_dim]
-    k = project("key", kv, sh.KV_HEADS)  # [batch, length, kv_heads, head_dim]
-    v = project("value", kv, sh.KV_HEADS)
+    projections = (weights("query", h, sh.HEADS), weights("key", kv, sh.KV_HEADS), weights("value", kv, sh.KV_HEADS))
+
+    def project(rows: jax.Array) -> tuple[jax.Array, ...]:  # [..., embed] -> [..., heads, head_dim] each
+      return tuple(dense(rows, w) if b is None else dense(rows, w) + b.astype(dtype) for w, b in projections)
+
+    # [batch, length, heads or kv_heads, head_dim]; under a tiling, the norm and the projections in one loop
+    q, k, v = project(x) if norm is None else norm(x, then=project)
+    if cfg.qk_norm:
+      q = RMSNorm(cfg.norm_eps, dtype, pdt, sh.HEAD_DIM, self.tiling, name="query_norm")(q)
+      k = RMSNorm(cfg.norm_eps, dtype, pdt, sh.HEAD_DIM, self.tiling, name="key_norm")(k)
     w_o = _param(
       self,
       "out",
@@ -106,46 +127,60 @@ class Attention(nn.Module):
     q = nn.with_logical_constraint(rotary(q, positions, cfg), (sh.BATCH, length, sh.ACT_HEADS, sh.HEAD_DIM))
     k = nn.with_logical_constraint(rotary(k, positions, cfg), (sh.BATCH, length, sh.ACT_KV_HEADS, sh.HEAD_DIM))
     v = nn.with_logical_constraint(v, (sh.BATCH, length, sh.ACT_KV_HEADS, sh.HEAD_DIM))
+    out = nn.with_logical_constraint(
+      self._attend(q, k, v, segment_ids, cache), (sh.BATCH, length, sh.ACT_HEADS, sh.HEAD_DIM)
+    )
+    return dense(out, w_o, contract=2, tiling=self.tiling), (k, v)  # [batch, length, embed]
+
+  def _attend(self, q, k, v, segment_ids, cache) -> jax.Array:
+    """The attention of the queries ``q`` over the chunk's keys and values (and the cache), ``[batch, length, heads,
+    head_dim]``; under a tiling, batch-invariant (a whole-sequence pass row by row; ``attend_cached(tiling=)``)."""
+    cfg = self.config
     if cache is None:
-      out = attend(
-        q,
-        k,
-        v,
-        segment_ids=segment_ids,
-        implementation=cfg.attention,
-        mask=self.mask,
-        diffusion_block=self.diffusion_block,
-        layout=self.layout,
-        context_parallel=cfg.context_parallel,
-      )
-    else:
-      layer, cache_k, cache_v, *paged, cache_segments, starts = cache  # A paged cache: pools, then the tables.
-      segment_ids = jnp.ones(q.shape[:2], jnp.int32) if segment_ids is None else segment_ids
-      out = attend_cached(
-        q,
-        k,
-        v,
-        segment_ids,
-        cache_k,
-        cache_v,
-        cache_segments,
-        starts,
-        mask=self.mask,
-        diffusion_block=self.diffusion_block,
-        implementation=cfg.attention,
-        table=paged[0] if paged else None,
-        layer=layer,
-      )
-    out = nn.with_logical_constraint(out, (sh.BATCH, length, sh.ACT_HEADS, sh.HEAD_DIM))
-    return dense(out, w_o, contract=2), (k, v)  # [batch, length, embed]
+
+      def whole(q, k, v, segment_ids):
+        return attend(
+          q,
+          k,
+          v,
+          segment_ids=segment_ids,
+          implementation=cfg.attention,
+          mask=self.mask,
+          diffusion_block=self.diffusion_block,
+          layout=self.layout,
+          context_parallel=cfg.context_parallel,
+        )
+
+      args = (q, k, v, segment_ids)
+      return whole(*args) if self.tiling is None else by_rows(whole, self.tiling.shards, *args)
+    layer, cache_k, cache_v, *paged, cache_segments, starts = cache  # A paged cache: pools, then the tables.
+    segment_ids = jnp.ones(q.shape[:2], jnp.int32) if segment_ids is None else segment_ids
+    return attend_cached(
+      q,
+      k,
+      v,
+      segment_ids,
+      cache_k,
+      cache_v,
+      cache_segments,
+      starts,
+      mask=self.mask,
+      diffusion_block=self.diffusion_block,
+      implementation=cfg.attention,
+      table=paged[0] if paged else None,
+      layer=layer,
+      tiling=self.tiling,
+    )
 
 
 class SwiGLU(nn.Module):
   config: ModelConfig
   layout: SequenceLayout | None = None
+  tiling: Tiling | None = None
 
   @nn.compact
-  def __call__(self, x: jax.Array) -> jax.Array:
+  def __call__(self, x: jax.Array, norm: RMSNorm | None = None) -> jax.Array:
+    """The MLP of ``x`` (``norm``: its pre-norm; under a tiling the norm and the MLP run in one loop)."""
     cfg, dtype, pdt = self.config, dtype_of(self.config.dtype), dtype_of(self.config.param_dtype)
     w_gate = _param(self, "gate", (cfg.d_model, cfg.mlp_dim), (sh.EMBED, sh.MLP), dtype=pdt).astype(dtype)
     w_up = _param(self, "up", (cfg.d_model, cfg.mlp_dim), (sh.EMBED, sh.MLP), dtype=pdt).astype(dtype)
@@ -157,9 +192,16 @@ class SwiGLU(nn.Module):
       nn.initializers.normal(stddev=0.02 / math.sqrt(2 * cfg.num_layers)),
       pdt,
     ).astype(dtype)
-    hidden = jax.nn.silu(dense(x, w_gate)) * dense(x, w_up)  # [batch, length, mlp]
-    hidden = nn.with_logical_constraint(hidden, (sh.BATCH, _length_axis(self.layout), sh.ACT_MLP))
-    return dense(hidden, w_down)
+
+    def mlp(rows: jax.Array) -> jax.Array:  # [..., embed]
+      hidden = jax.nn.silu(dense(rows, w_gate)) * dense(rows, w_up)  # [..., mlp]
+      if self.tiling is None:
+        hidden = nn.with_logical_constraint(hidden, (sh.BATCH, _length_axis(self.layout), sh.ACT_MLP))
+      return dense(hidden, w_down)
+
+    if norm is not None:
+      return norm(x, then=mlp)
+    return mlp(x) if self.tiling is None else tiled(mlp, self.tiling, x.reshape(-1, x.shape[-1])).reshape(x.shape)
 
 
 class Block(nn.Module):
@@ -171,18 +213,22 @@ class Block(nn.Module):
   diffusion_block: int | None = None
   return_kv: bool = False
   layout: SequenceLayout | None = None
+  tiling: Tiling | None = None
 
   @nn.compact
   def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None, layer_cache, cache_rest):
-    cfg, dtype, pdt = self.config, dtype_of(self.config.dtype), dtype_of(self.config.param_dtype)
+    cfg, dtype, pdt, tiling = self.config, dtype_of(self.config.dtype), dtype_of(self.config.param_dtype), self.tiling
     activation = (sh.BATCH, _length_axis(self.layout), sh.ACT_EMBED)
     x = nn.with_logical_constraint(x, activation)
     cache = None if layer_cache is None else (layer_cache, *cache_rest)
-    attended, kv = Attention(cfg, self.mask, self.diffusion_block, self.layout, name="attention")(
-      RMSNorm(cfg.norm_eps, dtype, pdt, name="attention_norm")(x), positions, segment_ids, cache
+    attention_norm = RMSNorm(cfg.norm_eps, dtype, pdt, tiling=tiling, name="attention_norm")
+    attended, kv = Attention(cfg, self.mask, self.diffusion_block, self.layout, tiling, name="attention")(
+      x, positions, segment_ids, cache, norm=attention_norm
     )
     x = x + attended
-    x = x + SwiGLU(cfg, self.layout, name="mlp")(RMSNorm(cfg.norm_eps, dtype, pdt, name="mlp_norm")(x))
+    x = x + SwiGLU(cfg, self.layout, tiling, name="mlp")(
+      x, norm=RMSNorm(cfg.norm_eps, dtype, pdt, tiling=tiling, name="mlp_norm")
+    )
     return nn.with_logical_constraint(x, activation), kv if self.return_kv else None
 
 
@@ -238,9 +284,16 @@ LATENT_PARAMS = (
 
 
 class Transformer(nn.Module):
-  """Maps tokens ``[batch, length]`` (and optionally ``t`` of shape ``[batch]``) to float32 logits."""
+  """Maps tokens ``[batch, length]`` (and optionally ``t`` of shape ``[batch]``) to float32 logits.
+
+  Attributes:
+    config: The network.
+    tiling: Batch-invariant execution (:mod:`mercury_jax.batch_invariance`): a row's outputs do not depend on the
+      rows beside it, bitwise. None: batched (training, ``Sampler``).
+  """
 
   config: ModelConfig
+  tiling: Tiling | None = None
 
   @nn.compact
   def __call__(
@@ -306,6 +359,12 @@ class Transformer(nn.Module):
     # Context parallelism: every per-position input enters in the layout's order (split over `sequence` from the
     # first constraint on), and the last hidden state, the keys and values leave in the natural one.
     layout = sequence_layout(length, mask) if cache is None and not latent_params else None
+    tiling = self.tiling
+    if tiling is not None and layout is not None:
+      raise ValueError(
+        "a batch-invariant pass (tiling) runs no context-parallel whole-sequence pass; use a mesh without a "
+        "`sequence` axis, or batched execution (the server's --no-batch-invariance)"
+      )
     if layout is not None:
       tokens, positions, segment_ids, latents, noise_level, self_cond = (
         None if a is None else layout.to_layout(a, 1)
@@ -337,7 +396,7 @@ class Transformer(nn.Module):
         raise ValueError("model.time_conditioning=true needs t of shape [batch]")
       w_t = _param(self, "time_in", (cfg.d_model, cfg.d_model), (sh.EMBED, sh.MLP))
       w_t2 = _param(self, "time_out", (cfg.d_model, cfg.d_model), (sh.MLP, sh.EMBED), nn.initializers.zeros)
-      t_emb = jax.nn.silu(timestep_embedding(t, cfg.d_model) @ w_t) @ w_t2  # [batch, embed]
+      t_emb = dense(jax.nn.silu(dense(timestep_embedding(t, cfg.d_model), w_t, tiling=tiling)), w_t2, tiling=tiling)
       x = x + t_emb[:, None, :].astype(dtype)
     x = nn.with_logical_constraint(x, (sh.BATCH, length_axis, sh.ACT_EMBED))
 
@@ -351,7 +410,9 @@ class Transformer(nn.Module):
     if cfg.remat:
       block = nn.remat(block, prevent_cse=False, policy=jax.checkpoint_policies.nothing_saveable)
     stack = nn.scan(
-      functools.partial(block, mask=mask, diffusion_block=diffusion_block, return_kv=return_kv, layout=layout),
+      functools.partial(
+        block, mask=mask, diffusion_block=diffusion_block, return_kv=return_kv, layout=layout, tiling=tiling
+      ),
       variable_axes={"params": 0},
       split_rngs={"params": True},
       in_axes=(nn.broadcast, nn.broadcast, 0, nn.broadcast),
@@ -366,14 +427,16 @@ class Transformer(nn.Module):
       kv = None if kv is None else tuple(layout.to_natural(a, 2, kv_axes) for a in kv)
     if logits_length is not None:
       x = x[:, :logits_length]
-    x = RMSNorm(cfg.norm_eps, dtype, pdt, name="final_norm")(x)
+    x = RMSNorm(cfg.norm_eps, dtype, pdt, tiling=tiling, name="final_norm")(x)
     if cfg.tie_embeddings:
-      logits = jnp.einsum("bld,vd->blv", x, embedding.astype(dtype))
+      tied = embedding.astype(dtype)
+      logits = tiled(lambda rows: jnp.einsum("nd,vd->nv", rows, tied), tiling, x.reshape(-1, cfg.d_model))
+      logits = logits.reshape(*x.shape[:2], cfg.vocab_size)  # [batch, length, vocab]
       if cfg.scale_tied_logits:
         logits = logits / math.sqrt(cfg.d_model)
     else:
       head = _param(self, "head", (cfg.d_model, cfg.vocab_size), (sh.EMBED, sh.VOCAB), dtype=pdt).astype(dtype)
-      logits = dense(x, head)  # [batch, length, vocab]
+      logits = dense(x, head, tiling=tiling)  # [batch, length, vocab]
     split = layout is not None and logits.shape[1] % layout.shards == 0
     logits = nn.with_logical_constraint(
       logits.astype(jnp.float32), (sh.BATCH, length_axis if split else None, sh.ACT_VOCAB)
@@ -400,11 +463,13 @@ class Transformer(nn.Module):
     noisy = sigma > 0
     safe = jnp.where(noisy, sigma, 1.0)
     c_in = jax.lax.rsqrt(safe * safe + 1.0)[..., None]
-    h = dense((latents.astype(jnp.float32) * c_in).astype(dtype), w_in.astype(dtype))
+    tiling = self.tiling
+    h = dense((latents.astype(jnp.float32) * c_in).astype(dtype), w_in.astype(dtype), tiling=tiling)
     features = timestep_embedding(jnp.log(safe) / 40.0, d)  # log(sigma) / 4 (EDM's c_noise), at timestep scale 100
-    h = h + (jax.nn.silu(features.astype(dtype) @ w_n1.astype(dtype)) @ w_n2.astype(dtype))
+    noise = jax.nn.silu(dense(features.astype(dtype), w_n1.astype(dtype), tiling=tiling))
+    h = h + dense(noise, w_n2.astype(dtype), tiling=tiling)
     if self_cond is not None:
-      h = h + dense(self_cond.astype(dtype), w_self.astype(dtype))
+      h = h + dense(self_cond.astype(dtype), w_self.astype(dtype), tiling=tiling)
     return jnp.where(noisy[..., None], h, x)
 
 

@@ -1000,6 +1000,8 @@ def test_parse_tool_call_reads_only_a_call_object():
     (["--max-model-len", "0"], "--max-model-len=0 must be >= 1"),
     (["--prefill-chunk", "-1"], "--prefill-chunk=-1 must lie in [0, 1048576] (0: one pass)"),
     (["--prefill-share", "1"], "--prefill-share=1.0 must lie in [0.05, 0.95]"),
+    (["--invariant-tile", "100000"], "--invariant-tile=100000 must lie in [0, 1024]"),
+    (["--invariant-tile", "-1"], "--invariant-tile=-1 must lie in [0, 1024]"),
     (["--prefill-share", "nan"], "--prefill-share=nan must lie in [0.05, 0.95]"),
     (["--max-model-len", "1000000"], "--max-model-len=1000000 exceeds the model's context of"),
     (["--no-batch-invariance", "--slots", "0"], "--slots=0 must be >= 1"),

@@ -7,14 +7,14 @@ the project), for tests and experiments that decode a function of their own with
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
+from mercury_jax.batch_invariance import Tiling, by_rows
 from mercury_jax.config import ModelConfig
-from mercury_jax.kvcache import KVCache, PagedKVCache
+from mercury_jax.kvcache import KVCache
 from mercury_jax.model import Transformer
 from mercury_jax.objectives.masked_diffusion import DenoiseFn
 
@@ -128,104 +128,41 @@ class Network:
 
   def map_rows(self, fn, *args):
     """``fn(*args)``: a function of batched pytrees (``[b, ...]`` leaves; None allowed) that works on each row alone.
-    :class:`RowwiseNetwork` runs it row by row, so that its rounding does not depend on the batch either."""
+    :class:`InvariantNetwork` runs it row by row, so that its rounding does not depend on the batch either."""
     return fn(*args)
 
   def empty_cache(self, batch: int, slots: int) -> KVCache:
     return KVCache.empty(self.cfg, batch, slots)
 
 
-class RowwiseNetwork(Network):
-  """The network run one batch row at a time (a ``lax.map`` over rows), so a row's outputs are bitwise the same
-  whatever else is in its batch.
+class InvariantNetwork(Network):
+  """The network run batch-invariantly: a row's outputs are bitwise the same whatever else is in its batch.
 
   A batched pass is row-independent only up to rounding: XLA picks other kernels as a product's rows grow (on XLA:CPU
-  a matmul over 64 tokens rounds otherwise than over 32, and so do the cached attention's reductions), and one ulp
-  can flip a sampled token. The serving engine's batch buckets run this network, so a request's tokens do not depend
-  on its bucket; it gives up the weight reuse of batched matmuls (``BUILD_NOTES.md`` has the cost).
+  a matmul over 64 tokens rounds otherwise than over 32, and so do softmax reductions), and one ulp can flip a
+  sampled token. The serving engine's batch buckets run this network, so a request's tokens do not depend on its
+  bucket. Every matmul and normalisation runs over fixed tiles of positions, attention over a cache takes its
+  normaliser by a batched product (or runs row by row where it cannot), and proposals run row by row
+  (:mod:`mercury_jax.batch_invariance`); ``BUILD_NOTES.md`` (issue 28) has the cost.
 
   Args:
     cfg: The model.
-    group: Rows per pass: the data-parallel size of the mesh, so that every device runs one row of its own shard per
-      pass (row ``r`` of a batch of ``n`` goes with rows ``r + n / group``, ``r + 2 n / group``, ...: one from each
-      shard).
+    group: The data-parallel size of the mesh: every device works on its own shard's rows.
+    tile: Positions per tile of a matmul (a bucket's positions are padded to whole tiles of every shard).
   """
 
-  def __init__(self, cfg: ModelConfig, group: int = 1):
+  def __init__(self, cfg: ModelConfig, group: int = 1, tile: int = 8):
     super().__init__(cfg)
-    self.group = group
-
-  def _rows(self, tree):
-    """``[b, ...]`` leaves as ``[b / g, g, ...]`` (``g``: ``group``, or what divides a smaller batch, a prefill's
-    one row): pass ``i`` takes row ``i`` of every shard."""
-    g = math.gcd(self.group, jax.tree.leaves(tree)[0].shape[0])
-    return jax.tree.map(lambda a: jnp.swapaxes(a.reshape(g, a.shape[0] // g, *a.shape[1:]), 0, 1), tree)
-
-  def _batch(self, tree):
-    """The inverse of :meth:`_rows` over the leading two axes."""
-    return jax.tree.map(lambda a: jnp.swapaxes(a, 0, 1).reshape(a.shape[0] * a.shape[1], *a.shape[2:]), tree)
+    if tile < 1:
+      raise ValueError(f"tile={tile} must be >= 1")
+    self.tiling = Tiling(tile, group)
+    self.model = Transformer(cfg, tiling=self.tiling)
 
   def map_rows(self, fn, *args):
-    """``fn(*args)`` run over groups of rows (see :meth:`_rows`) in a ``lax.map``: XLA:CPU reduces a ``[1, ...]``
-    array in another order than a ``[4, ...]`` one (a proposal's softmax normaliser moved by 20 ulp between batch
-    buckets 1 and 4, which flipped a near tie of two positions' confidences), so every batch runs the same program on
-    each row."""
-    return self._batch(jax.lax.map(lambda rows: fn(*rows), self._rows(args)))
-
-  def logits(self, params, tokens, t=None, *, segments, positions, latent=None, **kwargs):
-    def one(rows):
-      tokens, t, segments, positions, latent = rows
-      return super(RowwiseNetwork, self).logits(
-        params, tokens, t, segments=segments, positions=positions, latent=latent, **kwargs
-      )
-
-    rows = self._rows((tokens, self._t(t, tokens.shape[0]), segments, positions, latent))
-    return self._batch(jax.lax.map(one, rows))
-
-  def chunk(
-    self, params, tokens, t=None, *, segments, positions, cache=None, starts=None, return_kv=True, latent=None, **kwargs
-  ):
-    batch = tokens.shape[0]
-    starts = None if starts is None else jnp.broadcast_to(jnp.asarray(starts, jnp.int32), (batch,))
-    per_row, rebuild = _cache_rows(cache)
-
-    def one(rows):
-      tokens, t, segments, positions, starts, cache_rows, latent = rows
-      out = super(RowwiseNetwork, self).chunk(
-        params,
-        tokens,
-        t,
-        segments=segments,
-        positions=positions,
-        cache=rebuild(cache_rows),
-        starts=starts,
-        return_kv=return_kv,
-        latent=latent,
-        **kwargs,
-      )
-      if not return_kv:
-        return out
-      logits, kv = out  # the chunk's keys and values with the rows first: [rows, layers, length, ...]
-      return logits, KVCache(jnp.moveaxis(kv.keys, 1, 0), jnp.moveaxis(kv.values, 1, 0), kv.segments)
-
-    rows = (tokens, self._t(t, batch), segments, positions, starts, per_row, latent)
-    out = self._batch(jax.lax.map(one, self._rows(rows)))
-    if not return_kv:
-      return out
-    logits, kv = out
-    return logits, KVCache(jnp.moveaxis(kv.keys, 0, 1), jnp.moveaxis(kv.values, 0, 1), kv.segments)
-
-
-def _cache_rows(cache):
-  """``(per-row part, rebuild)`` of a cache for :class:`RowwiseNetwork`: the part ``lax.map`` slices (leading axis:
-  rows), and the function that makes the cache of a slice. A paged cache's pool is shared by every row and never
-  sliced."""
-  if cache is None:
-    return None, lambda rows: None
-  if isinstance(cache, PagedKVCache):
-    return (cache.segments, cache.table), lambda rows: PagedKVCache(cache.keys, cache.values, *rows)
-  per_row = (jnp.moveaxis(cache.keys, 1, 0), jnp.moveaxis(cache.values, 1, 0), cache.segments)  # [b, layers, ...]
-  return per_row, lambda rows: KVCache(jnp.moveaxis(rows[0], 0, 1), jnp.moveaxis(rows[1], 0, 1), rows[2])
+    """``fn(*args)`` one row of every shard at a time: XLA:CPU reduces a ``[1, ...]`` array in another order than a
+    ``[4, ...]`` one (a proposal's softmax normaliser moved by 20 ulp between batch buckets 1 and 4, which flipped a
+    near tie of two positions' confidences), so every batch runs the same program on each row."""
+    return by_rows(fn, self.tiling.shards, *args)
 
 
 def unshift(logits: jax.Array) -> jax.Array:

@@ -40,6 +40,7 @@ from mercury_jax.serve.pacing import DEFAULT_SHARE, MAX_SHARE, MIN_SHARE
 
 BUNDLED_NAME = "mercury_jax-{model}"  # The model name of a bundled checkpoint (--model).
 DEFAULT_PREFILL_CHUNK = 512  # Prompt tokens an engine iteration prefills at most (--prefill-chunk).
+MAX_TILE = 1024  # The largest --invariant-tile (SlotEngine's bound): a lone request pays a product this long.
 MAX_PREFILL_CHUNK = 1 << 20  # The largest --prefill-chunk accepted (a bound on the flag, far above any context).
 
 
@@ -95,9 +96,16 @@ def build_parser() -> argparse.ArgumentParser:
     "--no-batch-invariance",
     dest="batch_invariant",
     action="store_false",
-    help="batch the rows of a step through the network (faster under load) instead of running each row alone; a "
-    "sampled token may then depend on how many requests share the step (default: every request's tokens are the "
-    "same whatever runs beside it)",
+    help="batch the rows of a step through the network (faster under load) instead of running its matmuls over "
+    "fixed tiles of positions; a sampled token may then depend on how many requests share the step (default: every "
+    "request's tokens are the same whatever runs beside it)",
+  )
+  p.add_argument(
+    "--invariant-tile",
+    type=int,
+    default=0,
+    help="positions per matmul tile of a batch-invariant step: a lone request pays for one tile, a full step runs "
+    f"its positions a tile at a time (default 0: four rows' positions of a step, in [8, 64]; at most {MAX_TILE})",
   )
   p.add_argument(
     "--mesh", help="DATA,FSDP,TENSOR or DATA,FSDP,SEQUENCE,TENSOR sizes (default: every device on the data axis)"
@@ -193,6 +201,8 @@ def _check_args(args: argparse.Namespace) -> None:
     _fail(f"--prefill-share={args.prefill_share} must lie in [{MIN_SHARE}, {MAX_SHARE}]")
   if not 0 <= args.prefill_chunk <= MAX_PREFILL_CHUNK:
     _fail(f"--prefill-chunk={args.prefill_chunk} must lie in [0, {MAX_PREFILL_CHUNK}] (0: one pass)")
+  if not 0 <= args.invariant_tile <= MAX_TILE:
+    _fail(f"--invariant-tile={args.invariant_tile} must lie in [0, {MAX_TILE}] (0: four rows' positions of a step)")
   if args.block_length < 0:
     _fail(f"--block-length={args.block_length} must be >= 0 (0: the model's own)")
   if args.solver not in (None, "euler", "heun"):
@@ -277,6 +287,7 @@ def _load(args: argparse.Namespace):
       page_size=args.page_size,
       kv_pages=args.kv_pages,
       batch_invariant=args.batch_invariant,
+      invariant_tile=args.invariant_tile,
       max_model_len=args.max_model_len,
       prefill_chunk=args.prefill_chunk,
       prefill_share=args.prefill_share,

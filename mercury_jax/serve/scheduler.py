@@ -216,6 +216,7 @@ class Scheduler:
       fewer, a request waits in the queue until running requests give back the pages it needs.
     batch_invariant: Each request's tokens are the same whatever runs beside it (``SlotEngine``); False batches the
       rows through the network (faster under load, tokens equal only up to rounding).
+    invariant_tile: Positions per matmul tile of a batch-invariant step (``SlotEngine``; 0: the plan's).
     max_model_len: The longest request (prompt, ``max_tokens`` and suffix) served; default the model's context.
     prefill_chunk: Prompt tokens a chunk of a chunked prefill holds (``SlotEngine``): a longer prompt is prefilled
       in chunks between the other requests' steps, and the one-pass prefills admitted in one iteration stay within
@@ -240,6 +241,7 @@ class Scheduler:
     page_size: int = DEFAULT_PAGE_SIZE,
     kv_pages: int | None = None,
     batch_invariant: bool = True,
+    invariant_tile: int = 0,
     max_model_len: int | None = None,
     prefill_chunk: int = 0,
     prefill_share: float = DEFAULT_SHARE,
@@ -261,6 +263,7 @@ class Scheduler:
       page_size=page_size,
       kv_pages=kv_pages,
       batch_invariant=batch_invariant,
+      invariant_tile=invariant_tile,
       max_model_len=max_model_len,
       prefill_chunk=prefill_chunk,
       solver=solver,

@@ -36,9 +36,9 @@ queue) broadcasts it and every process runs the same programs in the same order 
 
 Nothing a request asks for compiles: its knobs are arrays, its prompt length picks a prefill bucket and the busy rows
 a batch bucket, all compiled at start-up. A request draws from ``fold_in(key(seed), stream)``, runs alone in its
-prefill, and its row of a step runs alone through the network (:class:`~mercury_jax.sampling.network.RowwiseNetwork`:
-a batched product may round otherwise as the bucket grows), so its tokens are the same in every bucket, whatever else
-is being served.
+prefill, and every step runs the network batch-invariantly (:class:`~mercury_jax.sampling.network.InvariantNetwork`:
+matmuls over fixed tiles of positions, reductions by products or row by row; a batched product may round otherwise
+as the bucket grows), so its tokens are the same in every bucket, whatever else is being served.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ from mercury_jax.sampling import healing
 from mercury_jax.sampling.canvas import Canvas
 from mercury_jax.sampling.decoders import APPROXIMATE_BLOCK
 from mercury_jax.sampling.engine import BlockEngine
-from mercury_jax.sampling.network import RowwiseNetwork
+from mercury_jax.sampling.network import InvariantNetwork
 from mercury_jax.sampling.plan import BlockPlan
 from mercury_jax.sampling.proposal import Knobs
 from mercury_jax.sampling.sampler import Sampler
@@ -163,6 +163,17 @@ class View(NamedTuple):
     )
 
 
+MAX_TILE = 1024  # The largest invariant_tile: a lone request pays a product over this many positions.
+
+
+def invariant_tile_of(plan: BlockPlan) -> int:
+  """Positions per matmul tile of a batch-invariant step: four rows' positions (a step's block, a verified step's
+  ``k + k * k`` chunk, a whole-sequence canvas), a multiple of 8 in [8, 64]. A full bucket's products then run four
+  rows at a time, and a lone row pays a four-row product, whose weights it reads once (BUILD_NOTES.md, issue 28)."""
+  positions = plan.length if plan.whole_sequence else plan.draft + plan.draft**2 if plan.draft else plan.block
+  return min(64, max(8, -(-4 * positions // 8) * 8))
+
+
 def width(plan: BlockPlan) -> int:
   """The tokens a step can commit in a row from its worked slot: the block, or verified decoding's draft length."""
   return max(plan.block, plan.draft)
@@ -196,10 +207,12 @@ class SlotEngine:
     page_size: Slots of a page of the paged key-value cache.
     kv_pages: Pages of the pool, the sink included; default: enough for every slot to hold a whole context (the
       memory of a dense cache). Fewer make requests wait for pages (:class:`NoPages`) under load.
-    batch_invariant: A request's tokens are the same in every batch bucket, alone or beside any other requests: the
-      network runs each row alone (:class:`~mercury_jax.sampling.network.RowwiseNetwork`), since a product over more
-      rows may round differently. False batches the rows (faster under load), and a sampled token may then change
-      with the load.
+    batch_invariant: A request's tokens are the same in every batch bucket, alone or beside any other requests: a step
+      runs the network's matmuls over fixed tiles of positions (:class:`~mercury_jax.sampling.network.
+      InvariantNetwork`), since a product over more rows may round otherwise. False batches the rows, and a sampled
+      token may then change with the load. Prefills run one row, batched either way.
+    invariant_tile: Positions per matmul tile of a batch-invariant step (a lone row pads its step to one tile); 0:
+      :func:`invariant_tile` of the plan.
     max_model_len: The longest request served (prompt, generated tokens and suffix); default the model's context. It
       sizes the canvas, the prefill buckets and the default page pool.
     prefill_chunk: A prompt whose prefill covers more slots than this (rounded up to whole blocks) is prefilled a
@@ -221,6 +234,7 @@ class SlotEngine:
     page_size: int = DEFAULT_PAGE_SIZE,
     kv_pages: int | None = None,
     batch_invariant: bool = True,
+    invariant_tile: int = 0,
     max_model_len: int | None = None,
     prefill_chunk: int = 0,
     solver: str | None = None,
@@ -230,6 +244,8 @@ class SlotEngine:
       raise ValueError(f"slots={slots} must be >= 1")
     if page_size < 1:
       raise ValueError(f"page_size={page_size} must be >= 1")
+    if not 0 <= invariant_tile <= MAX_TILE:
+      raise ValueError(f"invariant_tile={invariant_tile} must lie in [0, {MAX_TILE}] (0: the plan's)")
     self.sampler, self.slots, self.capacity = sampler, slots, capacity
     self.compiler = None
     if capacity is not None:
@@ -291,11 +307,15 @@ class SlotEngine:
     settings = self.settings
     self.default_knobs = Knobs(settings.temperature, settings.top_k, settings.top_p, settings.threshold)
     self.buckets = self._buckets()
-    network = sampler.network
-    if batch_invariant:  # A row's tokens must not depend on its bucket: the network runs row by row.
-      network = RowwiseNetwork(sampler.cfg.model, group=sh.data_parallel_size(sampler.mesh, sampler.rules))
     self.batch_invariant = batch_invariant
-    self.engine = engine = BlockEngine(network, self.settings, self.plan)
+    # A prefill runs one row whatever the load, so it is invariant batched; a step's rows must not depend on its bucket.
+    self.prefiller = BlockEngine(sampler.network, self.settings, self.plan)
+    self.engine = engine = self.prefiller
+    self.invariant_tile = (invariant_tile or invariant_tile_of(self.plan)) if batch_invariant else 0
+    if batch_invariant:
+      shards = sh.data_parallel_size(sampler.mesh, sampler.rules)
+      network = InvariantNetwork(sampler.cfg.model, group=shards, tile=self.invariant_tile)
+      self.engine = engine = BlockEngine(network, self.settings, self.plan)
     self.multiprocess = jax.process_count() > 1
     mesh, rules, params = sampler.mesh, sampler.rules, sampler.param_shardings
     # Batch buckets: a step runs the smallest that holds every busy row (multiples of the data-parallel size).
@@ -331,7 +351,7 @@ class SlotEngine:
 
     def prefill(size: int):
       def fn(p, c, k, n, kn, t, h, e):
-        row = engine.init(p, c, k, n, kn, prefill=size, tables=t, healing=h, extra_steps=e)
+        row = self.prefiller.init(p, c, k, n, kn, prefill=size, tables=t, healing=h, extra_steps=e)
         if size:
           return row
         # A chunked prefill's row: inert until its last chunk (nothing to generate, as a free row), so a step whose
@@ -342,7 +362,7 @@ class SlotEngine:
 
     def fill(params, st: State, slot: jax.Array, start: jax.Array):  # one chunk of a chunked prefill, into the pages
       part = take_rows(st, slot[None])
-      part = part._replace(cache=engine.cache.fill(params, part, start, self.prefill_chunk))
+      part = part._replace(cache=self.prefiller.cache.fill(params, part, start, self.prefill_chunk))
       return put_rows(st, slot[None], part)
 
     def arm(st: State, slot: jax.Array) -> State:

@@ -1,0 +1,75 @@
+"""The serving engine's step per batch bucket: batched against batch-invariant, interleaved in one run.
+
+    python launch/bench_slot_step.py --model mercury_jax/assets/default_bd [--tiles 0,8,32] [--rounds 3]
+
+Every row of ``--slots`` holds a request (a 40-token prompt, 200 tokens to generate); each timed call is one
+``SlotEngine`` step over the first ``n`` rows for every batch bucket ``n``, so nothing but the network and the
+engine's step is timed (no HTTP, no client on the same cores: ``launch/bench_serve.py`` measures those). The
+engines run in turn within each round (a CPU host's speed drifts for minutes at a time), and a cell is the fastest
+of ``--repeats`` steps, then the median over rounds. ``--tiles``: the batch-invariant engines' ``invariant_tile``
+(0: the plan's default). Prints a markdown table of ms per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import jax
+import numpy as np
+
+from mercury_jax.sampling.sampler import Sampler
+from mercury_jax.serve.slots import Request, SlotEngine
+
+
+def _engine(sampler: Sampler, slots: int, tile: int | None) -> SlotEngine:
+  """A warm engine with every row busy (``tile`` None: batched)."""
+  kwargs = {"batch_invariant": False} if tile is None else {"invariant_tile": tile}
+  engine = SlotEngine(sampler, slots=slots, capacity=None, **kwargs)
+  engine.warm_up()
+  command, rng = engine.command(), np.random.default_rng(0)
+  for slot in range(slots):
+    engine.admit(command, slot, Request(tuple(int(x) for x in rng.integers(5, 400, 40)), 200))
+  engine.run(command)
+  return engine
+
+
+def _step_ms(engine: SlotEngine, rows: int, repeats: int) -> float:
+  live, params, best = np.arange(rows, dtype=np.int32), engine.sampler.params, float("inf")
+  for _ in range(repeats):
+    began = time.perf_counter()
+    engine.state, packed = engine._step(params, engine.state, live)
+    jax.block_until_ready(packed)
+    best = min(best, time.perf_counter() - began)
+  return 1e3 * best
+
+
+def main() -> None:
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--model", required=True, help="a checkpoint directory (the bundled ones: mercury_jax/assets/...)")
+  p.add_argument("--slots", type=int, default=16)
+  p.add_argument("--tiles", default="0", help="comma-separated invariant_tile values (0: the plan's default)")
+  p.add_argument("--rounds", type=int, default=3)
+  p.add_argument("--repeats", type=int, default=4)
+  args = p.parse_args()
+  sampler = Sampler.from_checkpoint(args.model)
+  names = {"batched": None, **{f"invariant, tile {t or 'auto'}": int(t) for t in args.tiles.split(",")}}
+  engines = {name: _engine(sampler, args.slots, tile) for name, tile in names.items()}
+  buckets = engines["batched"].row_buckets
+  times = {name: {n: [] for n in buckets} for name in engines}
+  for _ in range(args.rounds):
+    for n in buckets:
+      for name, engine in engines.items():
+        times[name][n].append(_step_ms(engine, n, args.repeats))
+  tiles = {name: engine.invariant_tile or "-" for name, engine in engines.items()}
+  print(f"{args.model}: ms per step by batch bucket (rows), median of {args.rounds} rounds of best-of-{args.repeats}")
+  print("| engine | tile | " + " | ".join(str(n) for n in buckets) + " |")
+  print("|---|---|" + "---|" * len(buckets))
+  for name in engines:
+    cells = " | ".join(f"{statistics.median(times[name][n]):.2f}" for n in buckets)
+    print(f"| {name} | {tiles[name]} | {cells} |")
+
+
+if __name__ == "__main__":
+  main()

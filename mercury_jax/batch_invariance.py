@@ -1,0 +1,89 @@
+"""Batch-invariant execution: a row's outputs bitwise the same whatever rows share its batch.
+
+A batched pass is row-independent only up to rounding. XLA:CPU picks other matmul kernels (another order of the
+contraction) as a product's rows grow, and reduces a ``[1, ...]`` array in another order than a ``[4, ...]`` one; one
+ulp then flips a sampled token a few steps later. The serving engine runs a step over a batch bucket that changes
+with the load, so it cannot let a request's tokens depend on the bucket (``BUILD_NOTES.md``, issue 28).
+
+Under a :class:`Tiling` every operation that reduces runs over operands of one fixed shape, in a loop whose body is
+the same program in every batch:
+
+- :func:`tiled`: a matmul or a normalisation over a fixed tile of ``tokens`` positions (the last one padded). The
+  weights stay in cache from one tile to the next, so this keeps most of a batched matmul's weight reuse, which a
+  whole network run row by row (each row reading every weight again) gives up.
+- :func:`by_rows`: attention and the proposals' softmax, one row at a time (there is no weight to share).
+
+Elementwise work runs batched: it rounds the same at any shape. Each loop's body is fenced with
+``lax.optimization_barrier``, so that XLA cannot fuse it with its neighbours when a loop of one trip (a bucket of
+one row) is inlined: the body then compiles to the program it is in a longer loop.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+
+class Tiling(NamedTuple):
+  """Batch-invariant execution of the model (:class:`~mercury_jax.model.Transformer`'s ``tiling``).
+
+  Attributes:
+    tokens: Positions per tile of a matmul or normalisation.
+    shards: The data-parallel size of the mesh: a tile holds ``tokens`` positions of every shard's rows (each device
+      works on its own), and a row pass takes one row of every shard. The rows of a batch split over the shards in
+      contiguous runs, so every leading axis given here must be a multiple of ``shards``.
+  """
+
+  tokens: int
+  shards: int = 1
+
+
+def _fenced(fn: Callable) -> Callable:
+  return lambda args: jax.lax.optimization_barrier(fn(*jax.lax.optimization_barrier(args)))
+
+
+def tiled(fn: Callable[..., Any], tiling: Tiling | None, *xs: jax.Array) -> Any:
+  """``fn(*xs)`` for a function that works on each row of its ``[n, ...]`` operands alone (a matmul by a weight, a
+  normalisation over the last axis), run over tiles of ``tiling.tokens`` rows of every shard; batched when
+  ``tiling`` is None.
+
+  Returns:
+    ``fn``'s outputs (a pytree of ``[n, ...]`` arrays).
+  """
+  if tiling is None:
+    return fn(*xs)
+  n, shards, size = xs[0].shape[0], tiling.shards, tiling.tokens
+  if n % shards:
+    raise ValueError(f"{n=} rows must split evenly over the {shards} data shards")
+  per, pad = n // shards, -(n // shards) % size
+
+  def split(a: jax.Array) -> jax.Array:  # [n, ...] -> [tiles, shards * size, ...]
+    a = jnp.pad(a.reshape(shards, per, *a.shape[1:]), [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 1))
+    a = jnp.swapaxes(a.reshape(shards, (per + pad) // size, size, *a.shape[2:]), 0, 1)
+    return a.reshape(a.shape[0], shards * size, *a.shape[3:])
+
+  def merge(a: jax.Array) -> jax.Array:  # the inverse of split
+    a = jnp.swapaxes(a.reshape(a.shape[0], shards, size, *a.shape[2:]), 0, 1)
+    return a.reshape(shards, -1, *a.shape[3:])[:, :per].reshape(n, *a.shape[3:])
+
+  return jax.tree.map(merge, jax.lax.map(_fenced(fn), tuple(split(a) for a in xs)))
+
+
+def by_rows(fn: Callable[..., Any], shards: int, *args: Any) -> Any:
+  """``fn(*args)`` for a function of batched pytrees (``[b, ...]`` leaves; None allowed) that works on each row
+  alone, run one row of every shard at a time (row ``r`` of a batch of ``b`` goes with rows ``r + b / shards``,
+  ``r + 2 b / shards``, ...), so that every batch runs the same program on each row."""
+  batch = jax.tree.leaves(args)[0].shape[0]
+  group = math.gcd(shards, batch)  # a smaller batch (a prefill's one row) than the shards: what divides it
+
+  def rows(a: jax.Array) -> jax.Array:  # [b, ...] -> [b / group, group, ...]
+    return jnp.swapaxes(a.reshape(group, a.shape[0] // group, *a.shape[1:]), 0, 1)
+
+  def batched(a: jax.Array) -> jax.Array:
+    return jnp.swapaxes(a, 0, 1).reshape(a.shape[0] * a.shape[1], *a.shape[2:])
+
+  return jax.tree.map(batched, jax.lax.map(_fenced(fn), jax.tree.map(rows, args)))
