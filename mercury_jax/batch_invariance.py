@@ -73,6 +73,15 @@ def tiled(fn: Callable[..., Any], tiling: Tiling | None, *xs: jax.Array) -> Any:
   return jax.tree.map(merge, jax.lax.map(_fenced(fn), tuple(split(a) for a in xs)))
 
 
+def positionwise(fn: Callable[[jax.Array], Any], tiling: Tiling | None, x: jax.Array) -> Any:
+  """``fn(x)`` for a function of each position of ``x`` ``[..., features]`` alone (a norm, a projection), under a
+  tiling over tiles of positions (:func:`tiled`); its outputs keep ``x``'s leading axes."""
+  if tiling is None:
+    return fn(x)
+  out = tiled(fn, tiling, x.reshape(-1, x.shape[-1]))  # [positions, ...]
+  return jax.tree.map(lambda a: a.reshape(*x.shape[:-1], *a.shape[1:]), out)
+
+
 def by_rows(fn: Callable[..., Any], shards: int, *args: Any) -> Any:
   """``fn(*args)`` for a function of batched pytrees (``[b, ...]`` leaves; None allowed) that works on each row
   alone, run one row of every shard at a time (row ``r`` of a batch of ``b`` goes with rows ``r + b / shards``,

@@ -20,7 +20,7 @@ from jax.sharding import Mesh
 
 from mercury_jax import sharding as sh
 from mercury_jax.attention import attend, attend_cached
-from mercury_jax.batch_invariance import Tiling, by_rows, tiled
+from mercury_jax.batch_invariance import Tiling, by_rows, positionwise, tiled
 from mercury_jax.config import ModelConfig, dtype_of
 from mercury_jax.kernels.context_parallel import SequenceLayout
 from mercury_jax.kvcache import KVCache, PagedKVCache
@@ -67,10 +67,7 @@ class RMSNorm(nn.Module):
       normed = (normed * scale.astype(jnp.float32)).astype(self.dtype)
       return normed if then is None else then(normed)
 
-    if self.tiling is None:
-      return norm(x)
-    out = tiled(norm, self.tiling, x.reshape(-1, x.shape[-1]))  # [positions, ...]
-    return jax.tree.map(lambda a: a.reshape(*x.shape[:-1], *a.shape[1:]), out)
+    return positionwise(norm, self.tiling, x)
 
 
 class Attention(nn.Module):
@@ -111,7 +108,7 @@ class Attention(nn.Module):
       return tuple(dense(rows, w) if b is None else dense(rows, w) + b.astype(dtype) for w, b in projections)
 
     # [batch, length, heads or kv_heads, head_dim]; under a tiling, the norm and the projections in one loop
-    q, k, v = project(x) if norm is None else norm(x, then=project)
+    q, k, v = positionwise(project, self.tiling, x) if norm is None else norm(x, then=project)
     if cfg.qk_norm:
       q = RMSNorm(cfg.norm_eps, dtype, pdt, sh.HEAD_DIM, self.tiling, name="query_norm")(q)
       k = RMSNorm(cfg.norm_eps, dtype, pdt, sh.HEAD_DIM, self.tiling, name="key_norm")(k)
@@ -199,9 +196,7 @@ class SwiGLU(nn.Module):
         hidden = nn.with_logical_constraint(hidden, (sh.BATCH, _length_axis(self.layout), sh.ACT_MLP))
       return dense(hidden, w_down)
 
-    if norm is not None:
-      return norm(x, then=mlp)
-    return mlp(x) if self.tiling is None else tiled(mlp, self.tiling, x.reshape(-1, x.shape[-1])).reshape(x.shape)
+    return positionwise(mlp, self.tiling, x) if norm is None else norm(x, then=mlp)
 
 
 class Block(nn.Module):

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mercury_jax.batch_invariance import Tiling, by_rows, tiled
+from mercury_jax.batch_invariance import Tiling, by_rows, positionwise, tiled
 from mercury_jax.config import load_config
 from mercury_jax.kvcache import KVCache, PagedKVCache
 from mercury_jax.model import Transformer
@@ -41,6 +41,11 @@ def test_tiled_runs_the_function_on_every_row_in_place():
       np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-5, err_msg=f"{tiling} {name}")
   with pytest.raises(ValueError, match="split evenly over the 5 data shards"):
     tiled(fn, Tiling(4, shards=5), x)
+  # Over the positions of a [batch, length, features] array: outputs keep its leading axes.
+  x3 = x.reshape(2, 6, 6)
+  got = jax.jit(lambda x3: positionwise(fn, Tiling(4, shards=2), x3))(x3)
+  assert got["product"].shape == (2, 6, 5) and got["norm"].shape == (2, 6)
+  np.testing.assert_allclose(got["product"], want["product"].reshape(2, 6, 5), rtol=1e-5, atol=1e-5)
 
 
 def test_by_rows_runs_the_function_on_every_row_in_place():
