@@ -443,7 +443,7 @@ def attend_cached(
 
     rows = None if table is not None else (cache_k, cache_v)  # a pool of pages is every row's: never split
     return by_rows(row, tiling.shards, q, k, v, segments, cache_segments, starts, table, rows)
-  if tiled and (table is not None or mesh.empty or sharding.sequence_shards(mesh, nn.get_logical_axis_rules()) == 1):
+  if tiled and (table is not None or not sequence_split):
     return bca.cached_attention(
       q, k, v, segments, cache_k, cache_v, cache_segments, starts, mask=mask, diffusion_block=diffusion_block,
       table=table, layer=layer,

@@ -425,8 +425,7 @@ class Transformer(nn.Module):
     x = RMSNorm(cfg.norm_eps, dtype, pdt, tiling=tiling, name="final_norm")(x)
     if cfg.tie_embeddings:
       tied = embedding.astype(dtype)
-      logits = tiled(lambda rows: jnp.einsum("nd,vd->nv", rows, tied), tiling, x.reshape(-1, cfg.d_model))
-      logits = logits.reshape(*x.shape[:2], cfg.vocab_size)  # [batch, length, vocab]
+      logits = positionwise(lambda rows: jnp.einsum("...d,vd->...v", rows, tied), tiling, x)  # [batch, length, vocab]
       if cfg.scale_tied_logits:
         logits = logits / math.sqrt(cfg.d_model)
     else:

@@ -212,7 +212,7 @@ class SlotEngine:
       InvariantNetwork`), since a product over more rows may round otherwise. False batches the rows, and a sampled
       token may then change with the load. Prefills run one row, batched either way.
     invariant_tile: Positions per matmul tile of a batch-invariant step (a lone row pads its step to one tile); 0:
-      :func:`invariant_tile` of the plan.
+      :func:`invariant_tile_of` the plan.
     max_model_len: The longest request served (prompt, generated tokens and suffix); default the model's context. It
       sizes the canvas, the prefill buckets and the default page pool.
     prefill_chunk: A prompt whose prefill covers more slots than this (rounded up to whole blocks) is prefilled a
@@ -309,13 +309,13 @@ class SlotEngine:
     self.buckets = self._buckets()
     self.batch_invariant = batch_invariant
     # A prefill runs one row whatever the load, so it is invariant batched; a step's rows must not depend on its bucket.
-    self.prefiller = BlockEngine(sampler.network, self.settings, self.plan)
-    self.engine = engine = self.prefiller
+    self.prefiller = engine = BlockEngine(sampler.network, self.settings, self.plan)
     self.invariant_tile = (invariant_tile or invariant_tile_of(self.plan)) if batch_invariant else 0
     if batch_invariant:
       shards = sh.data_parallel_size(sampler.mesh, sampler.rules)
       network = InvariantNetwork(sampler.cfg.model, group=shards, tile=self.invariant_tile)
-      self.engine = engine = BlockEngine(network, self.settings, self.plan)
+      engine = BlockEngine(network, self.settings, self.plan)
+    self.engine = engine
     self.multiprocess = jax.process_count() > 1
     mesh, rules, params = sampler.mesh, sampler.rules, sampler.param_shardings
     # Batch buckets: a step runs the smallest that holds every busy row (multiples of the data-parallel size).
