@@ -23,10 +23,13 @@ from mercury_jax.sampling.sampler import Sampler
 from mercury_jax.serve.slots import Request, SlotEngine
 
 
-def _engine(sampler: Sampler, slots: int, tile: int | None) -> SlotEngine:
-  """A warm engine with every row busy (``tile`` None: batched)."""
+def _engine(sampler: Sampler, slots: int, tile: int | None, structured: bool = True) -> SlotEngine:
+  """A warm engine with every row busy (``tile`` None: batched); ``structured``: with the server's default
+  constraint capacity (no request here is constrained), else with none."""
   kwargs = {"batch_invariant": False} if tile is None else {"invariant_tile": tile}
-  engine = SlotEngine(sampler, slots=slots, capacity=None, **kwargs)
+  if not structured:
+    kwargs["capacity"] = None
+  engine = SlotEngine(sampler, slots=slots, **kwargs)
   engine.warm_up()
   command, rng = engine.command(), np.random.default_rng(0)
   for slot in range(slots):
@@ -52,10 +55,13 @@ def main() -> None:
   p.add_argument("--tiles", default="0", help="comma-separated invariant_tile values (0: the plan's default)")
   p.add_argument("--rounds", type=int, default=3)
   p.add_argument("--repeats", type=int, default=4)
+  p.add_argument(
+    "--no-structured", action="store_true", help="engines without structured output's tables (the server has them)"
+  )
   args = p.parse_args()
   sampler = Sampler.from_checkpoint(args.model)
   names = {"batched": None, **{f"invariant, tile {t or 'auto'}": int(t) for t in args.tiles.split(",")}}
-  engines = {name: _engine(sampler, args.slots, tile) for name, tile in names.items()}
+  engines = {name: _engine(sampler, args.slots, tile, not args.no_structured) for name, tile in names.items()}
   buckets = engines["batched"].row_buckets
   times = {name: {n: [] for n in buckets} for name in engines}
   for _ in range(args.rounds):

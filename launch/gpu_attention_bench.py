@@ -301,10 +301,10 @@ def run_cached(interpret: bool, page_size: int = 16) -> list[dict]:
     segments = jnp.ones((rows, chunk), jnp.int32)
     per_row = slots // page_size
     table = rng.permutation(np.arange(1, 1 + rows * per_row)).reshape(rows, per_row).astype(np.int32)
-    pool_k, pool_v = (
-      jnp.zeros((1 + rows * per_row, page_size, kv_heads, dim), jnp.bfloat16)
+    pool_k, pool_v = (  # PagedKVCache's pages: [pages, kv_heads, page_size, head_dim]
+      jnp.zeros((1 + rows * per_row, kv_heads, page_size, dim), jnp.bfloat16)
       .at[table.reshape(-1)]
-      .set(x.reshape(rows * per_row, page_size, kv_heads, dim))
+      .set(x.reshape(rows * per_row, page_size, kv_heads, dim).swapaxes(1, 2))
       for x in (cache_k, cache_v)
     )
     table = jnp.asarray(table)

@@ -129,9 +129,9 @@ def _head_split(q_shape, k_shape, mesh, rules, *, length: bool):
   names = (head_axes,) if isinstance(head_axes, str) else head_axes or ()
   local_heads = heads // math.prod(mesh.shape[a] for a in names)
 
-  def select_kv(x):
+  def select_kv(x, axis=2):  # axis: the kv heads' ([b, l, kv, d]; a pool of pages [pages, kv, page_size, d]: 1)
     first = jax.lax.axis_index(head_axes) * local_heads
-    return jnp.take(x, (first + jnp.arange(local_heads)) // (heads // kv_heads), axis=2)  # [b, l, local, d]
+    return jnp.take(x, (first + jnp.arange(local_heads)) // (heads // kv_heads), axis=axis)  # [b, l, local, d]
 
   return q_spec, P(rows, q_spec[1], None, kv_spec[3]), select_kv if names else None
 
@@ -242,25 +242,33 @@ def attend(
 
 
 def _cached_xla(
-  q, k, v, segments, cache_k, cache_v, cache_segments, starts, mask, diffusion_block, split=None, invariant=False
+  q, k, v, segments, cache_k, cache_v, cache_segments, starts, mask, diffusion_block, split=None, heads_first=False
 ):
   """Attention over ``[cache ; chunk]`` with two score blocks and one softmax, so the cache is never concatenated.
 
-  The products are plain batched matmuls over ``[batch, kv_heads]``, the query rows of a key/value head's group laid
-  out as one ``[groups * chunk, head_dim]`` matrix: on XLA:CPU the einsum that kept the head axes between the query
-  and slot axes made this attention 1.8-3.4x slower for a prefill chunk of 512 tokens over 4 K and 16 K slots
-  (``launch/bench_long_context.py cached``, ``BUILD_NOTES.md``).
+  The products are plain matmuls batched over ``[batch, kv_heads]``, the query rows of a key/value head's group laid
+  out as one ``[groups * chunk, head_dim]`` matrix (on XLA:CPU the einsum that kept the head axes between the query
+  and slot axes made this attention 1.8-3.4x slower for a prefill chunk of 512 tokens over 4 K and 16 K slots:
+  ``launch/bench_long_context.py cached``, ``BUILD_NOTES.md``). The scores are laid out slots-major, ``keys @
+  queries^T`` ``[batch, kv_heads, keys, rows]``: the keys, the large operand, are read as they lie, ``[slots,
+  head_dim]`` row-major, and only the queries are transposed; the softmax reduces over the keys' axis and the
+  weighted values' product contracts it (``scores^T`` against ``[slots, head_dim]``). The usual ``queries @ keys^T``
+  either copies every key into ``[head_dim, slots]`` or runs a product that packs them: 1.8x the time of the
+  attention of a serving step in ``BUILD_NOTES.md`` (issue 28).
+
+  It is batch-invariant (:mod:`mercury_jax.batch_invariance`): a row's output does not depend on the rows beside it.
+  Each product is a matmul batched over ``[batch, kv_heads]``, which XLA runs as one product per batch element
+  whatever their number; a maximum rounds nothing; and the normaliser, a sum whose order XLA:CPU picks by the batch's
+  shape, is taken by the weighted values' product instead, through a column of ones appended to the values.
 
   ``split``: the mesh axis the cache's slots are split over, inside a ``shard_map`` (:func:`_cached_split`): this
   shard's cache holds the slots from ``axis_index * slots``, the first shard alone scores the chunk's own keys, and
   the softmax's maximum, normaliser and weighted values are reduced over the shards (split-K, as flash-decoding).
 
-  ``invariant``: a row's output must not depend on the batch (:mod:`mercury_jax.batch_invariance`). Every product
-  here is a matmul batched over ``[batch, kv_heads]``, which XLA runs as one product per batch element whatever
-  their number, and a maximum rounds nothing; the normaliser, a sum whose order XLA:CPU picks by the batch's shape,
-  is then taken by the weighted values' product (a column of ones appended to the values)."""
+  ``heads_first``: the cache is ``[batch, kv_heads, slots, head_dim]``, as a paged cache's pages are gathered
+  (``kvcache.read_pages``); a dense cache ``[batch, slots, kv_heads, head_dim]`` is transposed first."""
   batch, chunk, heads, head_dim = q.shape
-  kv_heads = k.shape[2]
+  kv_heads, dtype = k.shape[2], v.dtype
   groups = heads // kv_heads
   offset = 0 if split is None else jax.lax.axis_index(split) * cache_segments.shape[1]
   in_cache, in_chunk = masks.cached(
@@ -268,31 +276,32 @@ def _cached_xla(
   )
   if split is not None:
     in_chunk = in_chunk & (jax.lax.axis_index(split) == 0)
-  heads_first = lambda x: jnp.swapaxes(x.astype(jnp.float32), 1, 2)  # noqa: E731  [b, n, kv, d] -> [b, kv, n, d]
+  to_heads_first = lambda x: jnp.swapaxes(x.astype(jnp.float32), 1, 2)  # noqa: E731  [b, n, kv, d] -> [b, kv, n, d]
+  if heads_first:
+    cache_k, cache_v = cache_k.astype(jnp.float32), cache_v.astype(jnp.float32)
+  else:
+    cache_k, cache_v = to_heads_first(cache_k), to_heads_first(cache_v)
+  k, v = to_heads_first(k), to_heads_first(v)
   q = q.reshape(batch, chunk, kv_heads, groups, head_dim).astype(jnp.float32) * head_dim**-0.5
   q = q.transpose(0, 2, 3, 1, 4).reshape(batch, kv_heads, groups * chunk, head_dim)  # rows: (group, chunk token)
-  cached = jnp.matmul(q, jnp.swapaxes(heads_first(cache_k), 2, 3))  # [b, kv, groups * chunk, slots]
-  own = jnp.matmul(q, jnp.swapaxes(heads_first(k), 2, 3))  # [b, kv, groups * chunk, chunk]
-  rows = lambda visible: jnp.tile(visible, (1, groups, 1))[:, None]  # noqa: E731  [b, 1, groups * chunk, keys]
-  cached = jnp.where(rows(in_cache), cached, -jnp.inf)
-  own = jnp.where(rows(in_chunk), own, -jnp.inf)
-  top = jnp.maximum(jnp.max(cached, axis=-1), jnp.max(own, axis=-1))[..., None]  # [b, kv, groups * chunk, 1]
+  batched = ((0, 1), (0, 1))
+  scores = lambda keys: jax.lax.dot_general(keys, q, (((3,), (3,)), batched))  # noqa: E731  [b, kv, keys, rows]
+  keys_major = lambda visible: jnp.swapaxes(jnp.tile(visible, (1, groups, 1)), 1, 2)[:, None]  # noqa: E731
+  cached = jnp.where(keys_major(in_cache), scores(cache_k), -jnp.inf)  # [b, kv, slots, groups * chunk]
+  own = jnp.where(keys_major(in_chunk), scores(k), -jnp.inf)  # [b, kv, chunk, groups * chunk]
+  top = jnp.maximum(jnp.max(cached, axis=2), jnp.max(own, axis=2))[:, :, None]  # [b, kv, 1, groups * chunk]
   if split is not None:
     top = jax.lax.pmax(top, split)
   top = jnp.where(jnp.isfinite(top), top, 0.0)  # A query that sees nothing: every weight is 0.
-  cached, own = jnp.exp(cached - top), jnp.exp(own - top)
-  if invariant:
-    ones = lambda x: jnp.concatenate([x, jnp.ones(x.shape[:-1] + (1,), x.dtype)], axis=-1)  # noqa: E731
-    out = jnp.matmul(cached, ones(heads_first(cache_v))) + jnp.matmul(own, ones(heads_first(v)))  # [..., d + 1]
-    out, total = out[..., :head_dim], out[..., head_dim:]
-  else:
-    total = jnp.sum(cached, axis=-1, keepdims=True) + jnp.sum(own, axis=-1, keepdims=True)
-    out = jnp.matmul(cached, heads_first(cache_v)) + jnp.matmul(own, heads_first(v))  # [b, kv, groups * chunk, d]
+  ones = lambda x: jnp.concatenate([x, jnp.ones(x.shape[:-1] + (1,), x.dtype)], axis=-1)  # noqa: E731
+  weigh = lambda weights, values: jax.lax.dot_general(weights, ones(values), (((2,), (2,)), batched))  # noqa: E731
+  out = weigh(jnp.exp(cached - top), cache_v) + weigh(jnp.exp(own - top), v)  # [b, kv, groups * chunk, d + 1]
   if split is not None:
-    total, out = jax.lax.psum(total, split), jax.lax.psum(out, split)
+    out = jax.lax.psum(out, split)
+  out, total = out[..., :head_dim], out[..., head_dim:]
   out = jnp.where(total > 0, out / jnp.where(total > 0, total, 1.0), 0.0)
   out = out.reshape(batch, kv_heads, groups, chunk, head_dim).transpose(0, 3, 1, 2, 4)  # [b, chunk, kv, groups, d]
-  return out.reshape(batch, chunk, heads, head_dim).astype(v.dtype)
+  return out.reshape(batch, chunk, heads, head_dim).astype(dtype)
 
 
 def _cached_split(q, k, v, segments, cache_k, cache_v, cache_segments, starts, mask, diffusion_block):
@@ -326,9 +335,9 @@ def _cached_pallas(q, k, v, segments, cache_k, cache_v, cache_segments, starts, 
   rows over the data axes, heads over ``tensor`` (kv heads with them when they split alike, else whole on every
   shard, which then reads the kv heads its query heads use).
 
-  With ``table``, ``cache_k`` and ``cache_v`` are one layer's pools ``[pages, page_size, kv_heads, head_dim]``, read
+  With ``table``, ``cache_k`` and ``cache_v`` are one layer's pools ``[pages, kv_heads, page_size, head_dim]``, read
   in place. A pool is not split by rows (any row's table may name any page): on a mesh it is replicated over the data
-  axes, its kv heads split like the chunk's (``P(None, None, kv heads' axes, None)``), while the tables, like the
+  axes, its kv heads split like the chunk's (``P(None, kv heads' axes, None, None)``), while the tables, like the
   segments, split by rows. When the kv heads do not split like the query heads, each shard takes the kv heads it
   reads out of the whole pool, a copy of the pool."""
   from mercury_jax.kernels import cached_attention as ca
@@ -345,11 +354,12 @@ def _cached_pallas(q, k, v, segments, cache_k, cache_v, cache_segments, starts, 
 
   def per_shard(q, k, v, segments, cache_k, cache_v, cache_segments, starts, *table):
     if select_kv is not None:
-      k, v, cache_k, cache_v = (select_kv(x) for x in (k, v, cache_k, cache_v))
+      k, v = select_kv(k), select_kv(v)
+      cache_k, cache_v = (select_kv(c, axis=1 if table else 2) for c in (cache_k, cache_v))
     return kernel(q, k, v, segments, cache_k, cache_v, cache_segments, starts, table=table[0] if table else None)
 
   rows_2d, rows_1d = P(rows, None), P(rows)
-  cache_spec = kv_spec if table is None else P(None, None, kv_spec[2], None)  # A pool: every page on every row shard.
+  cache_spec = kv_spec if table is None else P(None, kv_spec[2], None, None)  # A pool: every page on every row shard.
   specs = (q_spec, kv_spec, kv_spec, rows_2d, cache_spec, cache_spec, rows_2d, rows_1d)
   args = (q, k, v, segments, cache_k, cache_v, cache_segments, starts)
   if table is not None:
@@ -391,7 +401,7 @@ def attend_cached(
     v: like ``k``.
     segments: ``[batch, chunk]`` int32, the chunk's segments (0: padding, whose output is zeros).
     cache_k: ``[batch, slots, kv_heads, head_dim]``, the cached keys; with ``table``, one layer's pool of pages
-      ``[pages, page_size, kv_heads, head_dim]``.
+      ``[pages, kv_heads, page_size, head_dim]``.
     cache_v: like ``cache_k``.
     cache_segments: ``[batch, slots]`` int32 (dense for a paged cache too).
     starts: ``[batch]`` int32, each row's first slot of the chunk.
@@ -453,17 +463,21 @@ def attend_cached(
     if pallas:
       from mercury_jax.kernels import cached_attention as ca
 
-      in_place = cache_k.shape[-3] % ca.PAGE_MULTIPLE == 0  # [..., pages, page_size, kv_heads, head_dim]
-    if not in_place:  # Each row's pages gathered into a dense [batch, slots, kv_heads, head_dim] cache.
-      # The layer's pages in the same gather: a slice of the layer's pool first would be a copy of the pool (hoisted
-      # out of a loop over rows, InvariantNetwork's).
-      slots = cache_segments.shape[1]
-      cache_k, cache_v = (read_pages(pool, table, slots, layer=layer) for pool in (cache_k, cache_v))
+      in_place = cache_k.shape[-2] % ca.PAGE_MULTIPLE == 0  # [..., pages, kv_heads, page_size, head_dim]
+    if not in_place:  # Each row's pages gathered: heads-first for the XLA path's products, which read them as they
+      # are; as a dense cache for the Pallas kernel and for a cache split over `sequence` (_cached_split). The layer's
+      # pages in the same gather: a slice of the layer's pool first would be a copy of the pool (hoisted out of a loop
+      # over rows, InvariantNetwork's).
+      slots, heads_first = cache_segments.shape[1], not pallas and not sequence_split
+      cache_k, cache_v = (read_pages(p, table, slots, layer=layer, heads_first=heads_first) for p in (cache_k, cache_v))
       table, layer = None, None
+      if heads_first:
+        args = (q, k, v, segments, cache_k, cache_v, cache_segments, starts, mask, diffusion_block)
+        return _cached_xla(*args, heads_first=True)
   if layer is not None:
     cache_k, cache_v = cache_k[layer], cache_v[layer]
   if pallas:
     return _cached_pallas(q, k, v, segments, cache_k, cache_v, cache_segments, starts, mask, diffusion_block, table)
   args = (q, k, v, segments, cache_k, cache_v, cache_segments, starts, mask, diffusion_block)
   split = _cached_split(*args) if table is None else None
-  return _cached_xla(*args, invariant=tiling is not None) if split is None else split
+  return _cached_xla(*args) if split is None else split

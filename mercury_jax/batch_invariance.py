@@ -59,18 +59,25 @@ def tiled(fn: Callable[..., Any], tiling: Tiling | None, *xs: jax.Array) -> Any:
   n, shards, size = xs[0].shape[0], tiling.shards, tiling.tokens
   if n % shards:
     raise ValueError(f"{n=} rows must split evenly over the {shards} data shards")
-  per, pad = n // shards, -(n // shards) % size
+  per = n // shards
+  count = -(-per // size)
+  if count == 0:  # no row: nothing rounds
+    return fn(*xs)
+  # [n, ...] -> [shards, count * size, ...]: each shard's rows, padded to whole tiles.
+  padded = [
+    jnp.pad(a.reshape(shards, per, *a.shape[1:]), [(0, 0), (0, count * size - per)] + [(0, 0)] * (a.ndim - 1))
+    for a in xs
+  ]
+  tile = lambda a, i: a[:, i * size : (i + 1) * size].reshape(shards * size, *a.shape[2:])  # noqa: E731
+  # The tiles unrolled (their number is static): a loop over them costs a copy of every tile in and out.
+  outs = [_fenced(fn)(tuple(tile(a, i) for a in padded)) for i in range(count)]
 
-  def split(a: jax.Array) -> jax.Array:  # [n, ...] -> [tiles, shards * size, ...]
-    a = jnp.pad(a.reshape(shards, per, *a.shape[1:]), [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 1))
-    a = jnp.swapaxes(a.reshape(shards, (per + pad) // size, size, *a.shape[2:]), 0, 1)
-    return a.reshape(a.shape[0], shards * size, *a.shape[3:])
+  def merge(*tiles: jax.Array) -> jax.Array:  # [shards * size, ...] per tile -> [n, ...]
+    rest = tiles[0].shape[1:]
+    a = jnp.stack([t.reshape(shards, size, *rest) for t in tiles], axis=1).reshape(shards, count * size, *rest)
+    return a[:, :per].reshape(n, *rest)
 
-  def merge(a: jax.Array) -> jax.Array:  # the inverse of split
-    a = jnp.swapaxes(a.reshape(a.shape[0], shards, size, *a.shape[2:]), 0, 1)
-    return a.reshape(shards, -1, *a.shape[3:])[:, :per].reshape(n, *a.shape[3:])
-
-  return jax.tree.map(merge, jax.lax.map(_fenced(fn), tuple(split(a) for a in xs)))
+  return jax.tree.map(merge, *outs)
 
 
 def positionwise(fn: Callable[[jax.Array], Any], tiling: Tiling | None, x: jax.Array) -> Any:

@@ -173,12 +173,20 @@ class KVCache(NamedTuple):
     return jnp.arange(self.keys.shape[0], dtype=jnp.int32), (self.keys, self.values)
 
 
+def _slots_first(chunk: jax.Array, dtype) -> jax.Array:
+  """A dense chunk ``[layers, batch, size, kv_heads, head_dim]`` as the pool's index ``[:, pages, :, offsets]``
+  (``pages`` and ``offsets`` ``[batch, size]``) lays it out: ``[batch, size, layers, kv_heads, head_dim]``."""
+  return chunk.transpose(1, 2, 0, 3, 4).astype(dtype)
+
+
 class PagedKVCache(NamedTuple):
   """Keys and values in a pool of pages shared by the rows, addressed through a per-row page table (see the module
   docstring). The segments stay one dense ``[batch, slots]`` array: a few bytes a slot, gathered with the rows."""
 
-  keys: jax.Array  # [layers, pages, page_size, kv_heads, head_dim] (page 0: the sink)
-  values: jax.Array  # [layers, pages, page_size, kv_heads, head_dim]
+  # A page holds each kv head's slots together, ``[kv_heads, page_size, head_dim]``: gathered through the table, the
+  # pages come out heads-first, as the attention's products read them, with no transpose (read_pages).
+  keys: jax.Array  # [layers, pages, kv_heads, page_size, head_dim] (page 0: the sink)
+  values: jax.Array  # [layers, pages, kv_heads, page_size, head_dim]
   segments: jax.Array  # [batch, slots] int32
   table: jax.Array  # [batch, ceil(slots / page_size)] int32: each run of page_size slots' page
 
@@ -189,7 +197,7 @@ class PagedKVCache(NamedTuple):
       raise ValueError(f"pages={pages} must be >= 2 (page 0 is the sink)")
     if page_size < 1:
       raise ValueError(f"page_size={page_size} must be >= 1")
-    shape = (cfg.num_layers, pages, page_size, cfg.num_kv_heads, cfg.head_dim)
+    shape = (cfg.num_layers, pages, cfg.num_kv_heads, page_size, cfg.head_dim)
     dtype = dtype_of(cfg.dtype)
     table = jnp.full((batch, -(-slots // page_size)), SINK, jnp.int32)
     return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch, slots), jnp.int32), table)
@@ -200,7 +208,7 @@ class PagedKVCache(NamedTuple):
 
   @property
   def page_size(self) -> int:
-    return self.keys.shape[2]
+    return self.keys.shape[3]
 
   def _address(self, starts: jax.Array, size: int) -> tuple[jax.Array, ...]:
     """``(rows, slots, pages, offsets)`` [batch, size] of the ``size`` slots from ``starts[r]`` of every row ``r``;
@@ -216,9 +224,11 @@ class PagedKVCache(NamedTuple):
     row ``r``, through the rows' tables (slots past a row's end are dropped)."""
     rows, slots, pages, offsets = self._address(starts, chunk.slots)
     pages = jnp.where(slots < self.slots, pages, self.keys.shape[1])  # past the pool: dropped
+    # A chunk [layers, batch, size, kv, d] goes to the pool indexed at [:, pages, :, offsets]: [batch, size, ...].
+    put = lambda pool, new: pool.at[:, pages, :, offsets].set(_slots_first(new, pool.dtype), mode="drop")  # noqa: E731
     return self._replace(
-      keys=self.keys.at[:, pages, offsets].set(chunk.keys.astype(self.keys.dtype), mode="drop"),
-      values=self.values.at[:, pages, offsets].set(chunk.values.astype(self.values.dtype), mode="drop"),
+      keys=put(self.keys, chunk.keys),
+      values=put(self.values, chunk.values),
       segments=self.segments.at[rows, slots].set(chunk.segments, mode="drop"),
     )
 
@@ -226,7 +236,8 @@ class PagedKVCache(NamedTuple):
     """The ``size`` slots from ``starts[r]`` of every row ``r``, as a dense chunk."""
     rows, slots, pages, offsets = self._address(starts, size)
     slots = jnp.minimum(slots, self.slots - 1)
-    return KVCache(self.keys[:, pages, offsets], self.values[:, pages, offsets], self.segments[rows, slots])
+    take = lambda pool: pool[:, pages, :, offsets].transpose(2, 0, 1, 3, 4)  # noqa: E731  -> [layers, batch, size, ...]
+    return KVCache(take(self.keys), take(self.values), self.segments[rows, slots])
 
   def layers(self) -> tuple[jax.Array, tuple[jax.Array, ...]]:
     """``(the layer index, scanned over layers; (key pools, value pools, table))``: each layer reads its rows'
@@ -235,12 +246,18 @@ class PagedKVCache(NamedTuple):
 
   def insert(self, row: jax.Array, table: jax.Array, dense: KVCache) -> PagedKVCache:
     """This cache with row ``row`` on the pages ``table`` [ceil(slots / page_size)] holding the one-row dense cache
-    ``dense`` (an admitted request's prefill); slots whose table entry is the sink keep nothing."""
-    slots = jnp.arange(self.slots)
-    pages, offsets = table[slots // self.page_size], slots % self.page_size
+    ``dense`` (an admitted request's prefill); slots whose table entry is the sink keep nothing. Whole pages are
+    written, one contiguous ``[kv_heads, page_size, head_dim]`` block each (the row's last page padded)."""
+    per_row, size = table.shape[0], self.page_size
+
+    def pages(a: jax.Array) -> jax.Array:  # [layers, 1, slots, kv, d] -> [layers, per_row, kv, page_size, d]
+      a = jnp.pad(a[:, 0], ((0, 0), (0, per_row * size - a.shape[2]), (0, 0), (0, 0)))
+      return a.reshape(a.shape[0], per_row, size, *a.shape[2:]).swapaxes(2, 3)
+
+    put = lambda pool, new: pool.at[:, table].set(pages(new).astype(pool.dtype))  # noqa: E731
     return PagedKVCache(
-      self.keys.at[:, pages, offsets].set(dense.keys[:, 0].astype(self.keys.dtype)),
-      self.values.at[:, pages, offsets].set(dense.values[:, 0].astype(self.values.dtype)),
+      put(self.keys, dense.keys),
+      put(self.values, dense.values),
       self.segments.at[row].set(dense.segments[0]),
       self.table.at[row].set(table),
     )
@@ -260,10 +277,17 @@ class PagedKVCache(NamedTuple):
     )
 
 
-def read_pages(pool: jax.Array, table: jax.Array, slots: int, layer: jax.Array | None = None) -> jax.Array:
-  """``[batch, slots, kv_heads, head_dim]``: one layer's pages ``pool`` [pages, page_size, ...] laid out as each
-  row's slots through ``table`` [batch, ceil(slots / page_size)]; with ``layer``, ``pool`` holds every layer
-  ``[layers, pages, ...]`` and layer ``layer``'s pages are read (one gather, no copy of the layer's pool)."""
+def read_pages(
+  pool: jax.Array, table: jax.Array, slots: int, layer: jax.Array | None = None, *, heads_first: bool = False
+) -> jax.Array:
+  """Each row's slots of one layer's pages ``pool`` [pages, kv_heads, page_size, head_dim] through ``table``
+  [batch, ceil(slots / page_size)]: ``[batch, slots, kv_heads, head_dim]``, as a dense cache holds them, or with
+  ``heads_first`` ``[batch, kv_heads, slots, head_dim]``, as the attention's products read them, in one gather and no
+  transpose (each page keeps a head's slots together). With ``layer``, ``pool`` holds every layer ``[layers, pages,
+  ...]`` and layer ``layer``'s pages are read in the same gather (no copy of the layer's pool)."""
   batch, per_row = table.shape
-  gathered = pool[table] if layer is None else pool[layer, table]  # [batch, per_row, page_size, kv_heads, head_dim]
-  return gathered.reshape(batch, per_row * gathered.shape[2], *gathered.shape[3:])[:, :slots]
+  heads = jnp.arange(pool.shape[-3], dtype=table.dtype)[None, :, None]
+  pages = table[:, None, :]  # with ``heads``: [batch, kv_heads, per_row]
+  gathered = pool[pages, heads] if layer is None else pool[layer, pages, heads]  # [batch, kv, per_row, size, d]
+  gathered = gathered.reshape(batch, heads.shape[1], per_row * gathered.shape[3], gathered.shape[4])[:, :, :slots]
+  return gathered if heads_first else jnp.swapaxes(gathered, 1, 2)

@@ -109,15 +109,11 @@ def test_a_rows_chunk_over_a_cache_does_not_depend_on_its_batch(paged):
       rows, per_row = keys.shape[1], slots // page
       order = jnp.asarray(np.random.default_rng(4).permutation(rows * per_row) + 1, jnp.int32)
       table = order.reshape(rows, per_row)
-      pool = (
-        lambda a: (
-          jnp.zeros((a.shape[0], rows * per_row + 1, page, *a.shape[3:]), a.dtype)
-          .at[:, table]
-          .set(  # noqa: E731
-            a.reshape(a.shape[0], rows, per_row, page, *a.shape[3:])
-          )
-        )
-      )
+
+      def pool(a):  # [layers, rows, slots, kv, d] -> [layers, pages, kv, page, d]
+        pages = a.reshape(a.shape[0], rows, per_row, page, *a.shape[3:]).swapaxes(3, 4)
+        return jnp.zeros((a.shape[0], rows * per_row + 1, *pages.shape[3:]), a.dtype).at[:, table].set(pages)
+
       cache = PagedKVCache(pool(keys), pool(values), segments, table)
     return model.apply(
       {"params": params},

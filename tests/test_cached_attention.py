@@ -389,7 +389,8 @@ def _paged(cache_k, cache_v, cache_segments, page_size: int, seed: int = 0):
   pools = []
   for x in (cache_k, cache_v):
     rows = np.pad(np.asarray(x), ((0, 0), (0, pad), (0, 0), (0, 0))).reshape(batch, per_row, page_size, *x.shape[2:])
-    pool = 100.0 * rng.standard_normal((pages, page_size, *x.shape[2:])).astype(rows.dtype)
+    rows = rows.swapaxes(2, 3)  # a page holds each kv head's slots together: [batch, per_row, kv, page_size, d]
+    pool = 100.0 * rng.standard_normal((pages, *rows.shape[2:])).astype(rows.dtype)
     pool[table[live]] = rows[live]
     pools.append(jnp.asarray(pool))
   return pools[0], pools[1], jnp.asarray(table)
@@ -453,7 +454,7 @@ def test_paged_kernel_reads_each_row_through_its_own_table():
 
 
 def test_paged_arguments_and_page_sizes():
-  pool = lambda page_size, pages=5: jnp.zeros((pages, page_size, 2, 16))
+  pool = lambda page_size, pages=5: jnp.zeros((pages, 2, page_size, 16))  # [pages, kv_heads, page_size, head_dim]
   for page_size in (8, 24):
     with pytest.raises(ValueError, match=f"page_size={page_size} must be a multiple of 16"):
       _call_with(cache_k=pool(page_size), cache_v=pool(page_size), table=jnp.zeros((2, 4), jnp.int32))
@@ -509,8 +510,8 @@ def test_paged_kernel_lowers_to_triton_for_gpu():
       shape((batch, chunk, kv_heads, head_dim), dtype),
       shape((batch, chunk, kv_heads, head_dim), dtype),
       shape((batch, chunk), jnp.int32),
-      shape((pages, page_size, kv_heads, head_dim), dtype),
-      shape((pages, page_size, kv_heads, head_dim), dtype),
+      shape((pages, kv_heads, page_size, head_dim), dtype),
+      shape((pages, kv_heads, page_size, head_dim), dtype),
       shape((batch, slots), jnp.int32),
       shape((batch,), jnp.int32),
       shape((batch, -(-slots // page_size)), jnp.int32),

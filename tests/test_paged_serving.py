@@ -13,6 +13,7 @@ import asyncio
 import random
 import time
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -20,10 +21,12 @@ import pytest
 from random_models import random_checkpoint
 
 from mercury_jax.config import ModelConfig
+from mercury_jax.constrain import device as constrained
 from mercury_jax.kvcache import SINK, KVCache, PagedKVCache, read_pages
 from mercury_jax.sampling.proposal import Knobs
 from mercury_jax.sampling.sampler import Sampler
 from mercury_jax.sampling.settings import SettingError
+from mercury_jax.sampling.state import Constraint, State, put_rows, take_rows
 from mercury_jax.serve.pages import NoPages, PagePool
 from mercury_jax.serve.scheduler import QueueFull, Request, Scheduler
 
@@ -219,6 +222,37 @@ def test_a_request_decodes_the_same_in_bucket_1_4_and_16_and_no_load_compiles(si
     assert 3 <= len(text) <= 9 and text.isalpha() and text.islower(), text
   assert scheduler.compilations == compiled  # every bucket was compiled at start-up
   assert _settled(scheduler)
+
+
+def test_a_bucket_reads_its_rows_automata_in_place_and_writes_back_only_their_states():
+  """A bucket's constraint keeps the whole batch's automata (a few hundred KiB a row, gathered only behind the hooks'
+  ``lax.cond`` on a constrained row): ``view()`` and ``on`` are the bucket's rows' in the bucket's order, through
+  a bucket of a bucket too, and ``put_rows`` writes back the rows' automaton states, never the tables."""
+  rng, batch = np.random.default_rng(0), 6
+  shapes = {"on": (), "start": (), "budgeted": (), "classes": (5,), "table": (3, 4), "distance": (3,), "forced": (3,)}
+  shapes |= {name: (7,) for name in ("src", "cls", "dst", "edge_ok")}
+  tables = constrained.Tables(**{
+    name: jnp.asarray(rng.integers(0, 2, (batch, *shape)), bool) if name in ("on", "budgeted", "edge_ok")
+    else jnp.asarray(rng.integers(-1, 50, (batch, *shape)), jnp.int32)
+    for name, shape in shapes.items()
+  })  # fmt: skip
+  dfa, end = jnp.arange(batch, dtype=jnp.int32), 100 + jnp.arange(batch, dtype=jnp.int32)
+  st = State(**dict.fromkeys(State._fields))._replace(
+    z=jnp.zeros((batch, 4), jnp.int32), constraint=Constraint(tables, dfa, end, jnp.zeros((), jnp.int32))
+  )
+  rows_ = jnp.asarray([4, 1, 3])
+  part = take_rows(st, rows_)
+  assert part.constraint.tables is tables  # nothing gathered
+  chex.assert_trees_all_equal(part.constraint.view(), jax.tree.map(lambda a: a[rows_], tables))
+  np.testing.assert_array_equal(part.constraint.on, tables.on[rows_])
+  np.testing.assert_array_equal(part.constraint.dfa, dfa[rows_])
+  inner = take_rows(part, jnp.asarray([2, 0]))  # rows 3 and 4 of the batch
+  chex.assert_trees_all_equal(inner.constraint.view(), jax.tree.map(lambda a: a[jnp.asarray([3, 4])], tables))
+  moved = part._replace(constraint=part.constraint._replace(dfa=jnp.asarray([7, 8, 9], jnp.int32)))
+  back = put_rows(st, rows_, moved).constraint
+  assert back.tables is tables and back.rows is None
+  np.testing.assert_array_equal(back.dfa, [0, 8, 2, 9, 7, 5])
+  np.testing.assert_array_equal(back.end, end)
 
 
 # ------------------------------------------------------------------------------------------- pages come back

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from mercury_jax.kernels import masks
+from mercury_jax.kvcache import read_pages
 
 BOUNDED = ("causal", "block_causal", "verify_chunk")
 DEFAULT_TILE = 512  # Slots per tile (rounded up to whole pages of a paged cache).
@@ -65,7 +66,7 @@ def cached_attention(
     q: ``[batch, chunk, heads, head_dim]``.
     k: ``[batch, chunk, kv_heads, head_dim]``, the chunk's keys; ``v`` likewise.
     segments: ``[batch, chunk]`` int32 (0: padding).
-    cache_k: ``[batch, slots, kv_heads, head_dim]``; with ``table``, one layer's pool ``[pages, page_size, kv_heads,
+    cache_k: ``[batch, slots, kv_heads, head_dim]``; with ``table``, one layer's pool ``[pages, kv_heads, page_size,
       head_dim]``. ``cache_v`` likewise.
     cache_segments: ``[batch, slots]`` int32.
     starts: ``[batch]`` int32, each row's first slot of the chunk.
@@ -84,7 +85,7 @@ def cached_attention(
   groups = heads // kv_heads
   if layer is None:  # One layer's cache: as a stack of one.
     cache_k, cache_v, layer = cache_k[None], cache_v[None], jnp.zeros((), jnp.int32)
-  page = 1 if table is None else cache_k.shape[2]
+  page = 1 if table is None else cache_k.shape[3]
   tile = min(-(-tile // page) * page, -(-slots // page) * page)
   tiles = -(-slots // tile)
   end = jnp.minimum(jnp.max(visible_end(starts, chunk, mask, diffusion_block)), slots)
@@ -114,18 +115,20 @@ def cached_attention(
 
   def tile_step(j, state):
     first = jnp.minimum(j * tile, slots - tile) if table is None else j * tile  # a dense last tile overlaps
-    if table is None:  # [layers, b, slots, kv, d] -> this layer's [b, tile, kv, d]
+    if table is None:  # [layers, b, slots, kv, d] -> this layer's [b, kv, tile, d]
       keys, values = (
-        lax.dynamic_slice(c, (layer, 0, first, 0, 0), (1, batch, tile, *c.shape[3:]))[0] for c in (cache_k, cache_v)
+        heads_first(lax.dynamic_slice(c, (layer, 0, first, 0, 0), (1, batch, tile, *c.shape[3:]))[0])
+        for c in (cache_k, cache_v)
       )
-    else:  # The tile's pages through the table: [b, tile / page, page, kv, d] -> [b, tile, kv, d].
+    else:  # The tile's pages through the table, heads-first as the pool keeps them: [b, kv, tile, d].
       pages = lax.dynamic_slice_in_dim(table, j * (tile // page), tile // page, axis=1)
-      keys, values = (c[layer, pages].reshape(batch, tile, *c.shape[3:]) for c in (cache_k, cache_v))
+      keys, values = (read_pages(c, pages, tile, layer=layer, heads_first=True) for c in (cache_k, cache_v))
+      keys, values = keys.astype(jnp.float32), values.astype(jnp.float32)
     seg = lax.dynamic_slice_in_dim(padded_segments, first, tile, axis=1)
     in_cache, _ = masks.cached(segments, seg, starts, mask, block=diffusion_block, xp=jnp, offset=first)
     in_cache = in_cache & (first + jnp.arange(tile) >= j * tile)[None, None]  # slots an earlier tile scored: once
-    scores = jnp.where(live(in_cache), jnp.matmul(q, jnp.swapaxes(heads_first(keys), 2, 3)), -jnp.inf)
-    return fold(state, scores, heads_first(values))
+    scores = jnp.where(live(in_cache), jnp.matmul(q, jnp.swapaxes(keys, 2, 3)), -jnp.inf)
+    return fold(state, scores, values)
 
   m, ell, acc = lax.fori_loop(0, (end + tile - 1) // tile, tile_step, state)
   out = jnp.where(ell[..., None] > 0, acc / jnp.where(ell > 0, ell, 1.0)[..., None], 0.0)

@@ -38,7 +38,7 @@ are always applied, in every tile. No ``[C, S]`` array is ever built.
 
 Paged caches. The cache is either dense (``cache_k [batch, S, kv_heads, head_dim]``, a row's slots contiguous) or
 paged, as :class:`mercury_jax.kvcache.PagedKVCache` keeps it (vLLM's PagedAttention layout, Kwon et al. 2023,
-arXiv:2309.06180): one layer's pool of pages ``[pages, page_size, kv_heads, head_dim]`` shared by the rows, and a page
+arXiv:2309.06180): one layer's pool of pages ``[pages, kv_heads, page_size, head_dim]`` shared by the rows, and a page
 table ``[batch, pages per row]`` that puts row ``b``'s slot ``s`` at slot ``s % page_size`` of page
 ``table[b, s // page_size]``. The same kernel reads either: a program of a paged cache gets the whole pool of its
 key/value head (its ``BlockSpec`` selects the head only) and its row of the table, and loads cache tile ``t`` (slots
@@ -363,7 +363,7 @@ def _segment_ranges(q_seg, cache_segments, block_q: int, block_k: int):
 def _call(q, q_seg, k, v, k_seg, cache_k, cache_v, cache_segments, starts, table, plan: _Plan):
   """``q``: ``[batch, kv_heads, rows, head_dim]``; the other arrays padded; returns ``q``'s shape. ``table`` is None
   over a dense cache ``[batch, slots, kv_heads, head_dim]``, else the page table of the pools ``cache_k, cache_v``
-  ``[pages, page_size, kv_heads, head_dim]``, which every program reads whole (one kv head's pages) in place."""
+  ``[pages, kv_heads, page_size, head_dim]``, which every program reads whole (one kv head's pages) in place."""
   batch, kv_heads, rows, head_dim = q.shape
   chunk, slots = k.shape[1], cache_segments.shape[1]
   block_q = plan.blocks.block_q
@@ -372,7 +372,8 @@ def _call(q, q_seg, k, v, k_seg, cache_k, cache_v, cache_segments, starts, table
     cache_spec = pl.BlockSpec((None, slots, None, head_dim), lambda i, b, h: (b, 0, h, 0))  # the row's slots
     paging, paging_specs = (), []
   else:
-    cache_spec = pl.BlockSpec((*cache_k.shape[:2], None, head_dim), lambda i, b, h: (0, 0, h, 0))  # every page
+    pages, _, page_size, _ = cache_k.shape
+    cache_spec = pl.BlockSpec((pages, None, page_size, head_dim), lambda i, b, h: (0, h, 0, 0))  # every page
     paging, paging_specs = (table,), [pl.BlockSpec((None, table.shape[1]), lambda i, b, h: (b, 0))]  # the row's
   return pl.pallas_call(
     functools.partial(_kernel, plan=plan),
@@ -415,10 +416,10 @@ def _check_args(q, k, v, segments, cache_k, cache_v, cache_segments, starts, mas
       )
   else:
     slots = cache_segments.shape[-1]
-    pages, page_size = cache_k.shape[:2]
-    if cache_k.shape != cache_v.shape or cache_k.shape != (pages, page_size, kv_heads, head_dim):
+    pages, page_size = cache_k.shape[0], cache_k.shape[2]
+    if cache_k.shape != cache_v.shape or cache_k.shape != (pages, kv_heads, page_size, head_dim):
       raise ValueError(
-        f"paged {cache_k.shape=} and {cache_v.shape=} must both be (pages, page_size, kv_heads, head_dim) matching "
+        f"paged {cache_k.shape=} and {cache_v.shape=} must both be (pages, kv_heads, page_size, head_dim) matching "
         f"{k.shape=}"
       )
     if table.ndim != 2 or table.shape[0] != batch or not jnp.issubdtype(table.dtype, jnp.integer):
@@ -478,7 +479,7 @@ def cached_attention(
     v: the chunk's values, shaped like ``k``.
     segments: int32 ``[batch, C]``, the chunk's non-negative segment ids; 0 is padding (sees nothing, outputs zeros).
     cache_k: the cache's keys ``[batch, S, kv_heads, head_dim]``; slots ``[starts, starts + C)`` are not read. With
-      ``table``: the pool of pages ``[pages, page_size, kv_heads, head_dim]``, ``page_size`` a multiple of 16.
+      ``table``: the pool of pages ``[pages, kv_heads, page_size, head_dim]``, ``page_size`` a multiple of 16.
     cache_v: the cache's values, shaped like ``cache_k``.
     cache_segments: int32 ``[batch, S]``, each slot's non-negative segment id; 0 for empty slots (dense for a paged
       cache too: it gives ``S``).
@@ -507,7 +508,7 @@ def cached_attention(
   blocks = (block_sizes or BlockSizes.get_default(head_dim, q.dtype)).fit(chunk * groups, chunk, slots)
   page_size = None
   if table is not None:
-    page_size = cache_k.shape[1]
+    page_size = cache_k.shape[2]
     blocks = dataclasses.replace(blocks, block_k=page_block_k(blocks.block_k, page_size))
   rows = -(-chunk * groups // blocks.block_q) * blocks.block_q  # Padded query rows.
   padded_chunk = -(-chunk // blocks.block_c) * blocks.block_c

@@ -77,7 +77,6 @@ class Structured:
 
   def propose(self, st: State, view: View, logits, x0, confidence):
     settings, block, c = self.settings, self.plan.block, st.constraint
-    tables = c.tables
     hole = rows(st.target, view.starts, block)
     end = self.plan.slots - jnp.argmax(st.target[:, ::-1], axis=1)  # [b] one past the hole's last slot
     remaining = end[:, None] - (view.starts[:, None] + jnp.arange(block)[None, :]) - 1
@@ -87,9 +86,9 @@ class Structured:
       class_keys = jax.vmap(lambda k: jax.random.fold_in(k, CLASS_NOISE))(view.keys)
       # Drawn [classes, B]: a draw is a prefix of a longer one along its first axis, so a row's noise does not
       # depend on the capacity its batch pads the classes to.
-      class_noise = jnp.swapaxes(uniform_noise(class_keys, (tables.table.shape[2], block)), 1, 2)
+      class_noise = jnp.swapaxes(uniform_noise(class_keys, (c.tables.table.shape[2], block)), 1, 2)
       y, found = constrained.propose(
-        tables, c.dfa, clean, st.knobs, view.z, hole, remaining, view.noise, class_noise, settings.mask_id
+        c.view(), c.dfa, clean, st.knobs, view.z, hole, remaining, view.noise, class_noise, settings.mask_id
       )
       use = found[:, None] & hole
       conf = confidence
@@ -98,7 +97,7 @@ class Structured:
         conf = jnp.where(use, jnp.exp(jnp.take_along_axis(clean, y[..., None], axis=-1)[..., 0] - log_z), conf)
       return jnp.where(use, y, x0), conf
 
-    active = jnp.any(tables.on & view.has_open)
+    active = jnp.any(c.on & view.has_open)
     x0, confidence = jax.lax.cond(active, run, lambda: (x0, confidence))
     return x0, confidence, st._replace(constraint=c._replace(passes=c.passes + active.astype(jnp.int32)))
 
@@ -106,7 +105,7 @@ class Structured:
     """[b, B, vocab] bool: the tokens each position's automaton state allows after the block's earlier tokens and
     proposals ``x0`` (the continuous rule's restriction of its denoiser, :mod:`~mercury_jax.sampling.latents`); every
     token where the row is unconstrained, the position lies outside the hole or the path has left the automaton."""
-    tables, block = st.constraint.tables, self.plan.block
+    tables, block = st.constraint.view(), self.plan.block
     hole = rows(st.target, view.starts, block)
     tokens = jnp.where(view.open, x0, view.z)
 
@@ -122,22 +121,21 @@ class Structured:
 
   def after_commit(self, st: State, view: View, z_b):
     c = st.constraint
-    active = jnp.any(c.tables.on)
+    active = jnp.any(c.on)
     hole = rows(st.target, view.starts, self.plan.block)
     z_b, forced, end = jax.lax.cond(
       active,
-      lambda: constrained.force(c.tables, c.dfa, z_b, hole, self.settings.mask_id),
+      lambda: constrained.force(c.view(), c.dfa, z_b, hole, self.settings.mask_id),
       lambda: (z_b, jnp.zeros(z_b.shape, bool), c.dfa),
     )
     return z_b, forced, st._replace(constraint=c._replace(end=end, passes=c.passes + active.astype(jnp.int32)))
 
   def enter(self, st: State, advance, z, score):
     c = st.constraint
-    tables = c.tables
-    dfa = jnp.where(advance & tables.on, c.end, c.dfa)
+    dfa = jnp.where(advance & c.on, c.end, c.dfa)
     upcoming = jnp.minimum(st.first + st.block + advance.astype(jnp.int32), st.last) * self.plan.block
     forced_z = jax.lax.cond(
-      jnp.any(tables.on & advance), lambda: self._force(tables, dfa, z, st.target, upcoming)[0], lambda: z
+      jnp.any(c.on & advance), lambda: self._force(c.view(), dfa, z, st.target, upcoming)[0], lambda: z
     )
     score = jnp.where(advance[:, None] & (forced_z != z), 1.0, score)
     z = jnp.where(advance[:, None], forced_z, z)

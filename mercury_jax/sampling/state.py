@@ -19,6 +19,20 @@ class Constraint(NamedTuple):
   dfa: jax.Array  # [b] the automaton state before the row's step block (0 for unconstrained rows)
   end: jax.Array  # [b] the state after the step block's last commit (the next block's ``dfa`` once the row advances)
   passes: jax.Array  # [] steps that ran the constrained proposals or the forced-token walk (a waste counter)
+  # [b] the rows of ``tables`` that are this state's rows: a serving engine's batch bucket (take_rows) keeps the
+  # whole batch's tables, a few hundred KiB a row, and gathers its rows' only where a row is constrained. None: the
+  # same rows.
+  rows: jax.Array | None = None
+
+  def view(self) -> constrained.Tables:
+    """The automata of the state's rows: ``tables``, or the bucket's rows of it (a gather: the hooks take it behind a
+    ``lax.cond`` on :attr:`on`, so a bucket with no constrained row copies none)."""
+    return self.tables if self.rows is None else jax.tree.map(lambda a: a[self.rows], self.tables)
+
+  @property
+  def on(self) -> jax.Array:
+    """[b] bool: the state's constrained rows."""
+    return self.tables.on if self.rows is None else self.tables.on[self.rows]
 
 
 class Healing(NamedTuple):
@@ -118,7 +132,8 @@ def take_rows(st: State, rows_: jax.Array) -> State:
     elif isinstance(value, KVCache):  # [layers, b, ...] keys and values, [b, S] segments
       fields[name] = KVCache(value.keys[:, rows_], value.values[:, rows_], value.segments[rows_])
     elif name == "constraint":
-      fields[name] = Constraint(*(jax.tree.map(lambda a: a[rows_], v) for v in value[:3]), value.passes)
+      taken = rows_ if value.rows is None else value.rows[rows_]
+      fields[name] = Constraint(value.tables, value.dfa[rows_], value.end[rows_], value.passes, taken)
     else:
       axis = _row_axis(name)
       fields[name] = jax.tree.map(lambda a, axis=axis: jnp.take(a, rows_, axis=axis), value)
@@ -144,7 +159,7 @@ def put_rows(st: State, rows_: jax.Array, part: State) -> State:
       )
     elif name == "constraint":
       dfa, end = (getattr(mine, f).at[rows_].set(getattr(theirs, f)) for f in ("dfa", "end"))
-      fields[name] = Constraint(mine.tables, dfa, end, theirs.passes)
+      fields[name] = mine._replace(dfa=dfa, end=end, passes=theirs.passes)
     elif name == "healing":
       fields[name] = Healing(mine.allowed, mine.slot.at[rows_].set(theirs.slot))
     elif name == "trace":
@@ -178,7 +193,7 @@ def where_rows(keep: jax.Array, new: State, old: State) -> State:
         rows_of(mine.keys, theirs.keys), rows_of(mine.values, theirs.values), pick(0)(mine.segments, theirs.segments)
       )
     elif name == "constraint":
-      fields[name] = Constraint(mine.tables, pick(0)(mine.dfa, theirs.dfa), pick(0)(mine.end, theirs.end), mine.passes)
+      fields[name] = mine._replace(dfa=pick(0)(mine.dfa, theirs.dfa), end=pick(0)(mine.end, theirs.end))
     else:
       fields[name] = jax.tree.map(pick(_row_axis(name)), mine, theirs)
   return new._replace(**fields)

@@ -131,14 +131,15 @@ class Verifier:
     states = None
     if st.constraint is not None:
       c = st.constraint
+      tables = c.view()
       hole = rows(st.target, starts, k)
       states = [c.dfa]
       for i in range(k - 1):
-        moved = constrained.step(c.tables, states[-1], inputs[:, i])
+        moved = constrained.step(tables, states[-1], inputs[:, i])
         states.append(jnp.where(hole[:, i], moved, states[-1]))
       states = jnp.stack(states, axis=1)  # [b, k] the state before each verified position
       remaining = self._remaining(st, slots)
-      allowed = jax.vmap(lambda s, r: _allowed(c.tables, s, r), in_axes=1, out_axes=1)(states, remaining)
+      allowed = jax.vmap(lambda s, r: _allowed(tables, s, r), in_axes=1, out_axes=1)(states, remaining)
       clean = jnp.where(allowed, clean, -jnp.inf)
     p = self._probs(clean, st.knobs)  # [b, k, vocab]
 
@@ -192,8 +193,8 @@ class Verifier:
       before = jnp.take_along_axis(states, last[:, None], axis=1)[:, 0]
       token = jnp.take_along_axis(new, last[:, None], axis=1)[:, 0]
       in_hole = jnp.take_along_axis(rows(st.target, starts, k), last[:, None], axis=1)[:, 0]
-      moved = jnp.where(in_hole, constrained.step(constraint.tables, before, token), before)
-      dfa = jnp.where((count > 0) & constraint.tables.on, moved, constraint.dfa)
+      moved = jnp.where(in_hole, constrained.step(constraint.view(), before, token), before)
+      dfa = jnp.where((count > 0) & constraint.on, moved, constraint.dfa)
       constraint = constraint._replace(dfa=dfa, end=dfa, passes=constraint.passes + 1)
 
     # The next drafts: pre-draft block a, after its first position (the token committed now).
@@ -254,14 +255,15 @@ class Verifier:
       tokens = self._draw(q, noise)
     else:
       c = st.constraint
+      tables = c.view()
       hole = jnp.take_along_axis(st.target, slots, axis=1)
       remaining = self._remaining(st, slots)
       state, tokens, qs = c.dfa, [], []
       for i in range(k - 1):
-        allowed = _allowed(c.tables, state, remaining[:, i])
+        allowed = _allowed(tables, state, remaining[:, i])
         q_i = self._probs(jnp.where(allowed, clean[:, i], -jnp.inf)[:, None], st.knobs)[:, 0]
         t_i = jnp.where(known[:, i], z_w[:, i], self._draw(q_i[:, None], noise[:, i : i + 1])[:, 0])
-        state = jnp.where(hole[:, i], constrained.step(c.tables, state, t_i), state)
+        state = jnp.where(hole[:, i], constrained.step(tables, state, t_i), state)
         tokens.append(t_i)
         qs.append(q_i)
       tokens, q = jnp.stack(tokens, axis=1), jnp.stack(qs, axis=1)
