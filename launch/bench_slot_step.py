@@ -60,7 +60,7 @@ def main() -> None:
   )
   args = p.parse_args()
   sampler = Sampler.from_checkpoint(args.model)
-  names = {"batched": None, **{f"invariant, tile {t or 'auto'}": int(t) for t in args.tiles.split(",")}}
+  names = {"batched": None, **{f"invariant, tile {int(t) or 'auto'}": int(t) for t in args.tiles.split(",")}}
   engines = {name: _engine(sampler, args.slots, tile, not args.no_structured) for name, tile in names.items()}
   buckets = engines["batched"].row_buckets
   times = {name: {n: [] for n in buckets} for name in engines}

@@ -5,17 +5,18 @@ contraction) as a product's rows grow, and reduces a ``[1, ...]`` array in anoth
 ulp then flips a sampled token a few steps later. The serving engine runs a step over a batch bucket that changes
 with the load, so it cannot let a request's tokens depend on the bucket (``BUILD_NOTES.md``, issue 28).
 
-Under a :class:`Tiling` every operation that reduces runs over operands of one fixed shape, in a loop whose body is
-the same program in every batch:
+Under a :class:`Tiling` every operation that reduces runs over operands of one fixed shape, as the same program in
+every batch:
 
-- :func:`tiled`: a matmul or a normalisation over a fixed tile of ``tokens`` positions (the last one padded). The
-  weights stay in cache from one tile to the next, so this keeps most of a batched matmul's weight reuse, which a
-  whole network run row by row (each row reading every weight again) gives up.
+- :func:`tiled`: a matmul or a normalisation over a fixed tile of ``tokens`` positions (the last one padded), the
+  tiles unrolled (their number is static). The weights stay in cache from one tile to the next, so this keeps most
+  of a batched matmul's weight reuse, which a whole network run row by row (each row reading every weight again)
+  gives up.
 - :func:`by_rows`: attention and the proposals' softmax, one row at a time (there is no weight to share).
 
-Elementwise work runs batched: it rounds the same at any shape. Each loop's body is fenced with
-``lax.optimization_barrier``, so that XLA cannot fuse it with its neighbours when a loop of one trip (a bucket of
-one row) is inlined: the body then compiles to the program it is in a longer loop.
+Elementwise work runs batched: it rounds the same at any shape. Each tile's and each row's program is fenced with
+``lax.optimization_barrier``, so that XLA cannot fuse it with its neighbours (a bucket of one tile, or a loop of one
+trip inlined): it compiles to the program it is among many.
 """
 
 from __future__ import annotations

@@ -58,7 +58,7 @@ class RMSNorm(nn.Module):
   @nn.compact
   def __call__(self, x: jax.Array, then: Callable[[jax.Array], Any] | None = None) -> Any:
     """``x`` normalised over its last axis, or ``then`` of it: a position-wise function (the next layer's
-    projections), which a tiling runs in the same loop over tiles; its outputs keep ``x``'s leading axes."""
+    projections), which a tiling runs over the same tiles; its outputs keep ``x``'s leading axes."""
     scale = _param(self, "scale", (x.shape[-1],), (self.axis,), nn.initializers.ones, self.param_dtype)
 
     def norm(rows: jax.Array) -> Any:  # [..., dim]
@@ -107,7 +107,7 @@ class Attention(nn.Module):
     def project(rows: jax.Array) -> tuple[jax.Array, ...]:  # [..., embed] -> [..., heads, head_dim] each
       return tuple(dense(rows, w) if b is None else dense(rows, w) + b.astype(dtype) for w, b in projections)
 
-    # [batch, length, heads or kv_heads, head_dim]; under a tiling, the norm and the projections in one loop
+    # [batch, length, heads or kv_heads, head_dim]; under a tiling, the norm and the projections in one tile program
     q, k, v = positionwise(project, self.tiling, x) if norm is None else norm(x, then=project)
     if cfg.qk_norm:
       q = RMSNorm(cfg.norm_eps, dtype, pdt, sh.HEAD_DIM, self.tiling, name="query_norm")(q)
@@ -177,7 +177,7 @@ class SwiGLU(nn.Module):
 
   @nn.compact
   def __call__(self, x: jax.Array, norm: RMSNorm | None = None) -> jax.Array:
-    """The MLP of ``x`` (``norm``: its pre-norm; under a tiling the norm and the MLP run in one loop)."""
+    """The MLP of ``x`` (``norm``: its pre-norm; under a tiling the norm and the MLP run in one tile program)."""
     cfg, dtype, pdt = self.config, dtype_of(self.config.dtype), dtype_of(self.config.param_dtype)
     w_gate = _param(self, "gate", (cfg.d_model, cfg.mlp_dim), (sh.EMBED, sh.MLP), dtype=pdt).astype(dtype)
     w_up = _param(self, "up", (cfg.d_model, cfg.mlp_dim), (sh.EMBED, sh.MLP), dtype=pdt).astype(dtype)
