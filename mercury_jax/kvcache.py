@@ -173,12 +173,6 @@ class KVCache(NamedTuple):
     return jnp.arange(self.keys.shape[0], dtype=jnp.int32), (self.keys, self.values)
 
 
-def _slots_first(chunk: jax.Array, dtype) -> jax.Array:
-  """A dense chunk ``[layers, batch, size, kv_heads, head_dim]`` as the pool's index ``[:, pages, :, offsets]``
-  (``pages`` and ``offsets`` ``[batch, size]``) lays it out: ``[batch, size, layers, kv_heads, head_dim]``."""
-  return chunk.transpose(1, 2, 0, 3, 4).astype(dtype)
-
-
 class PagedKVCache(NamedTuple):
   """Keys and values in a pool of pages shared by the rows, addressed through a per-row page table (see the module
   docstring). The segments stay one dense ``[batch, slots]`` array: a few bytes a slot, gathered with the rows."""
@@ -224,8 +218,10 @@ class PagedKVCache(NamedTuple):
     row ``r``, through the rows' tables (slots past a row's end are dropped)."""
     rows, slots, pages, offsets = self._address(starts, chunk.slots)
     pages = jnp.where(slots < self.slots, pages, self.keys.shape[1])  # past the pool: dropped
-    # A chunk [layers, batch, size, kv, d] goes to the pool indexed at [:, pages, :, offsets]: [batch, size, ...].
-    put = lambda pool, new: pool.at[:, pages, :, offsets].set(_slots_first(new, pool.dtype), mode="drop")  # noqa: E731
+
+    def put(pool: jax.Array, new: jax.Array) -> jax.Array:  # pool[:, pages, :, offsets] is [batch, size, layers, ...]
+      return pool.at[:, pages, :, offsets].set(new.transpose(1, 2, 0, 3, 4).astype(pool.dtype), mode="drop")
+
     return self._replace(
       keys=put(self.keys, chunk.keys),
       values=put(self.values, chunk.values),
