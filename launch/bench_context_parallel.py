@@ -42,6 +42,7 @@ import numpy as np  # noqa: E402
 
 from mercury_jax import attention, sharding as sh  # noqa: E402
 from mercury_jax.config import MeshConfig, ModelConfig  # noqa: E402
+from mercury_jax.kernels import masks  # noqa: E402
 from mercury_jax.kernels.context_parallel import SequenceLayout  # noqa: E402
 
 _MIB = 2**20
@@ -85,7 +86,7 @@ def _attention_grads(mask: str, block, strategy: str, layout):
 def attention_rows(args) -> list[str]:
   rows = []
   for mask in args.masks.split(","):
-    block = args.diffusion_block if mask in ("block_causal", "block_diffusion", "verified") else None
+    block = args.diffusion_block if mask in masks.BLOCK_MASKS else None
     for length in (int(n) for n in args.lengths.split(",")):
       keys = jax.random.split(jax.random.key(0), 3)
       q = jax.random.normal(keys[0], (1, length, args.heads, args.head_dim), jnp.float32)

@@ -270,7 +270,7 @@ def cached(args) -> None:
   import jax
   import jax.numpy as jnp
 
-  from mercury_jax.attention import attend_cached
+  from mercury_jax.attention import CachedInputs, attend_cached
   from mercury_jax.kernels import masks
 
   print("| slots | chunk | heads / kv heads x dim | einsum ms | batched matmuls ms | speed-up |")
@@ -283,7 +283,7 @@ def cached(args) -> None:
       old = jax.jit(lambda q, k, v, ck, cv, vis=visible: _einsum_cached(q, k, v, *vis, ck, cv))
       new = jax.jit(
         lambda q, k, v, ck, cv, s=segments, cs=cache_segments, st=starts: attend_cached(
-          q, k, v, s, ck, cv, cs, st, mask="causal", implementation="xla"
+          CachedInputs(q, k, v, s, ck, cv, cs, st), mask="causal", implementation="xla"
         )
       )
       inputs = (q, k, v, cache_k, cache_v)
@@ -296,13 +296,11 @@ def _tiles_program(blockwise: bool, segments, cache_segments):
   """The compiled causal attention of a chunk over a cache, read in tiles (``blockwise``) or in one softmax."""
   import jax
 
-  from mercury_jax.attention import attend_cached
+  from mercury_jax.attention import CachedInputs, attend_cached
 
   def fn(q, k, v, cache_k, cache_v, starts):
-    return attend_cached(
-      q, k, v, segments, cache_k, cache_v, cache_segments, starts, mask="causal", implementation="xla",
-      blockwise=blockwise,
-    )  # fmt: skip
+    inputs = CachedInputs(q, k, v, segments, cache_k, cache_v, cache_segments, starts)
+    return attend_cached(inputs, mask="causal", implementation="xla", blockwise=blockwise)
 
   return jax.jit(fn)
 

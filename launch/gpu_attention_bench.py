@@ -321,7 +321,8 @@ def run_cached(interpret: bool, page_size: int = 16) -> list[dict]:
           )
         )  # fmt: skip
         caches = (pool_k, pool_v) if paged else (cache_k, cache_v)
-        _, seconds = _time(fn, (q, k, v, segments, *caches, cache_segments, jnp.asarray(starts)), reps=20)
+        inputs = attention.CachedInputs(q, k, v, segments, *caches, cache_segments, jnp.asarray(starts))
+        _, seconds = _time(fn, (inputs,), reps=20)
         record.update(us=seconds * 1e6, gbps=visible / seconds / 1e9)
         cells.append(f"{seconds * 1e6:8.1f} us {visible / seconds / 1e9:5.0f}G")
       except Exception as e:  # noqa: BLE001 - report and go on
