@@ -19,8 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from mercury_jax.sampling import canvas as cv
-from mercury_jax.sampling.decoders import Decoder
 from mercury_jax.sampling.engine import BlockEngine
+from mercury_jax.sampling.plan import Decoding
 from mercury_jax.sampling.sampler import Sampler
 
 PROMPTS = (
@@ -55,7 +55,8 @@ def main() -> None:
   compiled = {}
 
   def run(cache: str, canvas: cv.Canvas) -> np.ndarray:
-    canvas, plan = sampler.plan(canvas, Decoder(cache, args.block))
+    plan = sampler.plan(Decoding(cache, args.block), np.shape(canvas.tokens)[1])
+    canvas = cv.pad_length(canvas, plan.length)
     if (cache, plan) not in compiled:
       compiled[(cache, plan)] = jax.jit(BlockEngine(sampler.network, settings, plan).sample)
     steps = jnp.full((1,), args.steps_per_block, jnp.int32)

@@ -149,7 +149,7 @@ def _profile(engine: BlockEngine, params, state, passes: int = 16) -> dict:
   def steps(p, st):
     def body(i, carry):
       total, cache = carry
-      after = engine._body(p, st._replace(fresh=jnp.zeros_like(st.fresh), changed=ones, cache=cache))
+      after = engine.step(p, st._replace(fresh=jnp.zeros_like(st.fresh), changed=ones, cache=cache))
       return total + after.score[0, 0], after.cache
 
     return jax.lax.fori_loop(0, passes, body, (jnp.zeros((), jnp.float32), st.cache))[0]

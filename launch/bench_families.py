@@ -47,10 +47,9 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from mercury_jax.checkpoint import restore_params
 from mercury_jax.convert import convert
 from mercury_jax.sampling import canvas as cv
-from mercury_jax.sampling.decoders import choose
 from mercury_jax.sampling.engine import BlockEngine
 from mercury_jax.sampling.network import Network
-from mercury_jax.sampling.plan import plan_blocks
+from mercury_jax.sampling.plan import Decoding, plan_blocks, plan_for
 from mercury_jax.sampling.settings import SamplerSettings
 
 SPECIAL = {"unk": 0, "pad": 1, "bos": 2, "eos": 3, "mask": 4}
@@ -246,7 +245,9 @@ class Engine:
     self.programs, self.compile_s = {}, {}
 
   def compile(self, cache: str) -> None:
-    decoder = choose(self.cfg, cache, self.run.block_length)
+    decoder = plan_for(
+      self.cfg, Decoding(cache, self.run.block_length), self.canvas.tokens.shape[1], whole_canvas=False
+    )
     settings = SamplerSettings(
       objective=self.cfg.objective, eos_id=SPECIAL["eos"], pad_id=SPECIAL["pad"], bos_id=SPECIAL["bos"],
       unk_id=SPECIAL["unk"], num_tokens=self.cfg.model.vocab_size, temperature=0.0, eos_to_pad=False,

@@ -68,6 +68,7 @@ def prefill_once(path: str, length: int, chunk: int, generate: int) -> dict:
 
   from mercury_jax.sampling import canvas as cv
   from mercury_jax.sampling.engine import BlockEngine
+  from mercury_jax.sampling.plan import Decoding
   from mercury_jax.sampling.sampler import Sampler
 
   sampler = Sampler.from_checkpoint(path)
@@ -75,8 +76,8 @@ def prefill_once(path: str, length: int, chunk: int, generate: int) -> dict:
   prompt = np.random.default_rng(0).integers(5, vocab, length).tolist()
   canvas = cv.make_canvas([cv.prefix(prompt, generate)])
   settings = sampler.settings(temperature=0.0, prefill_chunk=chunk)
-  decoder = sampler.decoder()
-  canvas, plan = sampler.plan(canvas, decoder, prefill_chunk=chunk)
+  plan = sampler.plan(Decoding(prefill_chunk=chunk), canvas.tokens.shape[1])
+  canvas = cv.pad_length(canvas, plan.length)
   engine = BlockEngine(sampler.network, settings, plan)
   init = jax.jit(lambda p, c: engine.init(p, c, jax.random.key(0), jnp.int32(1)))
   advance = jax.jit(engine.advance)

@@ -28,11 +28,12 @@ import jax
 import jax.numpy as jnp
 import jsonschema
 
-from mercury_jax.constrain import device as constrained
 from mercury_jax.constrain.suite import SCHEMAS
-from mercury_jax.sampling import canvas as cv
-from mercury_jax.sampling.decoders import APPROXIMATE_BLOCK, Decoder, without_knobs
+from mercury_jax.sampling import automata as constrained, canvas as cv
 from mercury_jax.sampling.engine import BlockEngine
+from mercury_jax.sampling.jobs import Budget
+from mercury_jax.sampling.plan import Decoding
+from mercury_jax.sampling.programs import without_knobs
 from mercury_jax.sampling.proposal import Knobs
 from mercury_jax.sampling.sampler import Sampler
 
@@ -47,11 +48,10 @@ def _per_step(sampler: Sampler, names: list[str], rounds: int, iterations: int, 
   automata = [sampler.constraint(json_schema=SCHEMAS[n]) for n in names]
   canvas = cv.make_canvas([cv.prefix(sampler.tokenizer.encode(PROMPT), LENGTH)] * len(names))
   settings = without_knobs(sampler.settings(rule="threshold", temperature=0.0))
-  decoder = sampler.decoder("auto", block_length)
-  if decoder.block == 0:  # A whole-sequence model's constrained decoding walks blocks.
-    decoder = Decoder("none", block_length or APPROXIMATE_BLOCK)
-  canvas, plan = sampler.plan(canvas, decoder)
-  steps = jnp.asarray(sampler.steps_per_block(None, None, canvas.kinds, plan.block, settings)[:, 0])
+  # A whole-sequence model's constrained decoding walks blocks.
+  plan = sampler.plan(Decoding(block_length=block_length), canvas.tokens.shape[1], whole_canvas=False)
+  canvas = cv.pad_length(canvas, plan.length)
+  steps = jnp.asarray(sampler.steps_per_block(Budget(), canvas.kinds, plan.block, settings)[:, 0])
   engine = BlockEngine(sampler.network, settings, plan)
   capacity = constrained.capacity_of(automata)
   tables = jax.tree.map(jnp.asarray, constrained.tables(automata, capacity, sampler.cfg.model.vocab_size))

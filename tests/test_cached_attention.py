@@ -549,7 +549,7 @@ def test_transformer_over_a_paged_cache_gives_the_dense_cache_logits():
   paged = PagedKVCache.empty(cfg, 2, 48, pages=8, page_size=16)
   for row, pages in enumerate(([5, 2, SINK], [7, 1, 3])):
     one = KVCache(dense.keys[:, row : row + 1], dense.values[:, row : row + 1], dense.segments[row : row + 1])
-    paged = paged.insert(row, jnp.asarray(pages, jnp.int32), one)
+    paged = paged.insert_row(row, one, jnp.asarray(pages, jnp.int32))
   paged = paged._replace(segments=paged.segments.at[1, 13:].set(0))  # Row 1 resumes at slot 13.
   dense = dense._replace(segments=paged.segments)
   starts = jnp.asarray([20, 13], jnp.int32)

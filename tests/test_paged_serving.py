@@ -21,8 +21,8 @@ import pytest
 from random_models import random_checkpoint
 
 from mercury_jax.config import ModelConfig
-from mercury_jax.constrain import device as constrained
 from mercury_jax.kvcache import SINK, KVCache, PagedKVCache, read_pages
+from mercury_jax.sampling import automata as constrained
 from mercury_jax.sampling.proposal import Knobs
 from mercury_jax.sampling.sampler import Sampler
 from mercury_jax.sampling.settings import SettingError
@@ -92,7 +92,7 @@ def test_paged_cache_holds_and_reads_what_the_dense_cache_does():
   paged = PagedKVCache.empty(cfg, batch, slots, 1 + batch * per_row + 2, page_size)  # two pages nobody holds
   for row in range(batch):
     one = KVCache(dense.keys[:, row : row + 1], dense.values[:, row : row + 1], dense.segments[row : row + 1])
-    paged = paged.insert(row, jnp.asarray(order[row], jnp.int32), one)
+    paged = paged.insert_row(row, one, jnp.asarray(order[row], jnp.int32))
 
   def laid_out(cache: PagedKVCache) -> tuple[jax.Array, jax.Array]:
     return tuple(

@@ -63,7 +63,7 @@ from mercury_jax.data import pipeline
 from mercury_jax.data.hf_files import SPECIAL_TOKENS_FILE, TOKENIZER_JSON
 from mercury_jax.sampling import canvas as cv
 from mercury_jax.sampling.canvas import SampleOutput
-from mercury_jax.sampling.decoders import bucketed_length
+from mercury_jax.sampling.plan import Decoding, bucketed_length
 from mercury_jax.sampling.registry import default_checkpoint
 from mercury_jax.sampling.sampler import Sampler
 from mercury_jax.sampling.settings import SamplerSettings
@@ -285,10 +285,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     args.length, args.steps, args.taus, temperatures, args.ar_temperatures, args.caches, drafts, continuous
   )
   for cache in args.caches:  # Reject a cache the diffusion model does not have before anything is timed.
-    samplers["diffusion"].decoder(cache)
+    samplers["diffusion"].plan(Decoding(cache))
   if "verified" in samplers:  # A draft length the model cannot take, before anything is timed.
     for draft in args.draft_lengths:
-      samplers["verified"].decoder(decode="verified", draft_length=draft)
+      samplers["verified"].plan(Decoding(decode="verified", draft_length=draft))
   batches = {b: make_batches(prompt_ids, args.length, context, b, tokenizer.pad_id) for b in args.batch_sizes}
   runner = Runner(samplers, args.seed)
   calls, gflops = measure(runner, settings, batches, len(prompts), args.repeats)

@@ -68,7 +68,7 @@ class SamplerSettings:
     unk_id: The unknown token (never proposed, unless it is also ``eos_id``).
     num_tokens: The tokenizer's size: ids at or above it (a padded vocabulary) are never proposed; 0: no limit.
     decode: ``auto`` (the checkpoint's best), ``ar``, ``diffusion`` or ``verified``
-      (:func:`~mercury_jax.sampling.decoders.choose`: which modes a checkpoint has).
+      (:func:`~mercury_jax.sampling.plan.plan_for`: which modes a checkpoint has).
     commit_counts: How many positions the ``confidence`` rule commits at a step (the ``threshold`` rule's minimum):
       ``even`` spreads a block's open positions evenly over its steps left, ``ceil(open / steps_left)`` (LLaDA's
       ``get_num_transfer_tokens``: the same counts); ``timesteps`` takes ``floor(open * (1 - s / t))`` on Dream's

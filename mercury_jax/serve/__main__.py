@@ -230,7 +230,7 @@ def _check_args(args: argparse.Namespace) -> None:
 
 def _capacity(flag: str):
   """``--constraint-capacity``: a ``Capacity``, or None for 0."""
-  from mercury_jax.constrain.device import Capacity
+  from mercury_jax.sampling.automata import Capacity
 
   if flag.strip() == "0":
     return None

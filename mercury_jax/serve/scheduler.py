@@ -35,7 +35,7 @@ from collections.abc import AsyncIterator
 import jax
 import numpy as np
 
-from mercury_jax.constrain import device as constrained
+from mercury_jax.sampling import automata as constrained
 from mercury_jax.sampling.proposal import Knobs
 from mercury_jax.sampling.sampler import Sampler
 from mercury_jax.sampling.settings import SettingError
@@ -206,7 +206,7 @@ class Scheduler:
     max_queue: Requests that may wait for a slot; beyond it :meth:`submit` raises :class:`QueueFull`.
     block_length: The block of a whole-sequence checkpoint (decoded without a cache, through the same engine);
       block-diffusion checkpoints use their trained block and the twin blocks of one token.
-    decode: How every request decodes (``auto``: the model's best; see ``sampling.decoders.choose``).
+    decode: How every request decodes (``auto``: the model's best; see ``sampling.plan.plan_for``).
     draft_length: Verified decoding's draft length (0: the checkpoint's).
     default_steps: Steps per block when a request gives none; default the block (one token per step).
     capacity: The automaton sizes each slot holds for structured output (``slots.DEFAULT_CAPACITY``); None turns
@@ -269,7 +269,7 @@ class Scheduler:
       solver=solver,
       guidance=guidance,
     )
-    self.decode = self.engine.decoder.decode  # ar, diffusion or verified
+    self.decode = self.engine.plan.decode  # ar, diffusion or verified
     self.compiler = self.engine.compiler  # structured output: regex / JSON Schema -> automaton (None: off)
     self.sampler, self.tokenizer, self.cfg = sampler, sampler.tokenizer, sampler.cfg
     self.autoregressive, self.block, self.slots = self.engine.autoregressive, self.engine.block, slots

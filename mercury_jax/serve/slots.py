@@ -54,18 +54,15 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from mercury_jax import kinds as K, sharding as sh
-from mercury_jax.constrain import device as constrained
 from mercury_jax.constrain.automaton import Automaton, Compiler
 from mercury_jax.kvcache import SINK, PagedKVCache
-from mercury_jax.sampling import healing
+from mercury_jax.sampling import automata as constrained, healing
 from mercury_jax.sampling.canvas import Canvas
-from mercury_jax.sampling.decoders import APPROXIMATE_BLOCK
-from mercury_jax.sampling.engine import BlockEngine
-from mercury_jax.sampling.network import InvariantNetwork
-from mercury_jax.sampling.plan import BlockPlan
+from mercury_jax.sampling.engine import Start, width
+from mercury_jax.sampling.plan import BlockPlan, Decoding
 from mercury_jax.sampling.proposal import Knobs
 from mercury_jax.sampling.sampler import Sampler
-from mercury_jax.sampling.state import BATCH_COUNTERS, Healing, State, put_rows, take_rows, where_rows
+from mercury_jax.sampling.state import Healing, State, repeat_rows
 from mercury_jax.serve.pages import NoPages, PagePool
 
 MIN_BUCKET = 32  # The smallest prefill bucket, in slots; buckets double up to the whole context.
@@ -174,22 +171,6 @@ def invariant_tile_of(plan: BlockPlan) -> int:
   return min(64, max(8, -(-4 * positions // 8) * 8))
 
 
-def width(plan: BlockPlan) -> int:
-  """The tokens a step can commit in a row from its worked slot: the block, or verified decoding's draft length."""
-  return max(plan.block, plan.draft)
-
-
-def news(engine: BlockEngine, st: State, worked: jax.Array) -> jax.Array:
-  """int32 [b, 3 W + 4]: a :class:`View` of ``st`` after a step that worked from slots ``worked`` [b] (``W``:
-  :func:`width`)."""
-  size, starts = width(engine.plan), engine.starts(st)
-  at = lambda first: jnp.take_along_axis(st.z, first[:, None] + jnp.arange(size)[None, :], axis=1)  # noqa: E731
-  proposal = jnp.pad(st.proposal, ((0, 0), (0, size - st.proposal.shape[1])))  # verified: k - 1 drafts at starts
-  scalars = (worked, starts, engine.unfinished(st), st.nfe)
-  columns = [at(worked), at(starts), proposal, *(jnp.asarray(a)[:, None] for a in scalars)]  # [b, W] and [b, 1]
-  return jnp.concatenate([c.astype(jnp.int32) for c in columns], axis=1)
-
-
 class SlotEngine:
   """The block engine over a fixed number of slots, for one model.
 
@@ -198,7 +179,7 @@ class SlotEngine:
     slots: Rows of every step: requests refined at once.
     block_length: The block of a whole-sequence checkpoint (decoded without a cache); block-diffusion checkpoints
       use their trained block (a different one is an error) and the autoregressive twin blocks of one token.
-    decode: ``auto``, ``ar``, ``diffusion`` or ``verified`` (:func:`~mercury_jax.sampling.decoders.choose`): every
+    decode: ``auto``, ``ar``, ``diffusion`` or ``verified`` (:func:`~mercury_jax.sampling.plan.plan_for`): every
       request of the engine decodes so (the plan is static).
     draft_length: Verified decoding's draft length (0: the checkpoint's).
     default_steps: Steps per block when a request gives none; default the block (one token per step).
@@ -258,20 +239,6 @@ class SlotEngine:
       )
     self._automata: dict[int, Automaton] = {}  # admitted requests' constraints, until their prefill
     self._heals: dict[int, str] = {}  # admitted requests' healed characters, until their prefill
-    decoder = sampler.decoder("auto", block_length, decode, draft_length)
-    self.decoder = decoder
-    self.autoregressive = decoder.autoregressive
-    self.whole_sequence = not (decoder.autoregressive or sampler.block_size or decoder.causal_context)
-    if self.whole_sequence and sampler.cfg.objective.continuous:
-      raise ValueError(
-        "a whole-sequence continuous checkpoint refines its whole canvas as one block, which a server's fixed slots "
-        "cannot hold; serve a block-causal one (objective.block_size > 0), or sample it with python -m "
-        "mercury_jax.sample"
-      )
-    if self.whole_sequence:
-      cache, block = "none", block_length or APPROXIMATE_BLOCK
-    else:
-      cache, block = "exact", decoder.block
     context = sampler.max_length if max_model_len is None else max_model_len
     if not 1 <= context <= sampler.max_length:
       raise ValueError(
@@ -280,17 +247,17 @@ class SlotEngine:
       )
     if prefill_chunk < 0:
       raise ValueError(f"prefill_chunk={prefill_chunk} must be >= 0 (0: every prompt in one pass)")
-    self.max_model_len = context
-    self.block = block
-    self.plan = BlockPlan(
-      block,
-      block + -(-context // block) * block + 2 * decoder.draft,
-      cache,
-      self.autoregressive,
-      self.whole_sequence,
-      decoder.draft,
-      decoder.causal_context,
-    )
+    # Fixed slots hold no whole canvas: a whole-sequence checkpoint decodes blocks without a cache.
+    self.plan = plan = sampler.plan(Decoding("auto", block_length, decode, draft_length), context, whole_canvas=False)
+    self.autoregressive, self.whole_sequence = plan.autoregressive, plan.whole_sequence
+    if self.whole_sequence and sampler.cfg.objective.continuous:
+      raise ValueError(
+        "a whole-sequence continuous checkpoint refines its whole canvas as one block, which a server's fixed slots "
+        "cannot hold; serve a block-causal one (objective.block_size > 0), or sample it with python -m "
+        "mercury_jax.sample"
+      )
+    self.max_model_len, self.block, cache = context, plan.block, plan.cache
+    block = plan.block
     self.length = self.plan.length  # canvas positions of a row
     # Chunked prefill (the exact cache): prompts whose prefill covers more than ``prefill_chunk`` slots fill their rows'
     # pages in chunks (``filling``: slot -> the chunks' first slots still to run, in admission order).
@@ -309,15 +276,12 @@ class SlotEngine:
     self.buckets = self._buckets()
     self.batch_invariant = batch_invariant
     # A prefill runs one row whatever the load, so it is invariant batched; a step's rows must not depend on its bucket.
-    self.prefiller = engine = BlockEngine(sampler.network, self.settings, self.plan)
-    self.invariant_tile = (invariant_tile or invariant_tile_of(self.plan)) if batch_invariant else 0
-    if batch_invariant:
-      shards = sh.data_parallel_size(sampler.mesh, sampler.rules)
-      network = InvariantNetwork(sampler.cfg.model, group=shards, tile=self.invariant_tile)
-      engine = BlockEngine(network, self.settings, self.plan)
-    self.engine = engine
+    programs = sampler.programs
+    self.prefiller = programs.engine(self.settings, plan)
+    self.invariant_tile = (invariant_tile or invariant_tile_of(plan)) if batch_invariant else 0
+    self.engine = engine = programs.engine(self.settings, plan, self.invariant_tile)
     self.multiprocess = jax.process_count() > 1
-    mesh, rules, params = sampler.mesh, sampler.rules, sampler.param_shardings
+    mesh, rules = sampler.mesh, sampler.rules
     # Batch buckets: a step runs the smallest that holds every busy row (multiples of the data-parallel size).
     parallel = sh.data_parallel_size(mesh, rules)
     self.row_buckets = tuple(
@@ -332,48 +296,17 @@ class SlotEngine:
     self.pool = PagePool(kv_pages if self.paged else 1)
     self.busy: set[int] = set()  # rows holding a request (the same on every process: it follows the commands)
 
-    def step(params, st: State, live: jax.Array):
-      part = take_rows(st, live)
-      worked = engine.starts(part)
-      moved = engine.advance(params, part, max_steps=jnp.ones((), jnp.int32))
-      # A row with nothing to generate pads the bucket (a free row, or one still prefilling in chunks): it comes out
-      # as it went in (the engine would move its block on), and it wrote nothing into the pool.
-      moved = where_rows(jnp.any(part.generate, axis=-1), moved, part)
-      return put_rows(st, live, moved), news(engine, moved, worked)
-
     def blank(row: State) -> State:  # the batch state of ``slots`` copies of a one-row state, over an empty pool
-      st = jax.tree.map(lambda a: jnp.repeat(a, slots, axis=0) if jnp.ndim(a) else a, row._replace(trace=(), cache=()))
-      trace = jax.tree.map(lambda a: jnp.repeat(a, slots, axis=1), row.trace)
-      cache = st.cache
-      if self.paged:
-        cache = PagedKVCache.empty(sampler.cfg.model, slots, self.plan.slots, self.pool.pages, page_size)
-      return st._replace(trace=trace, cache=cache, **{name: getattr(row, name) for name in BATCH_COUNTERS})
+      cache = (
+        PagedKVCache.empty(sampler.cfg.model, slots, self.plan.slots, self.pool.pages, page_size) if self.paged else ()
+      )
+      return repeat_rows(row, slots, cache)
 
-    def prefill(size: int):
-      def fn(p, c, k, n, kn, t, h, e):
-        row = self.prefiller.init(p, c, k, n, kn, prefill=size, tables=t, healing=h, extra_steps=e)
-        if size:
-          return row
-        # A chunked prefill's row: inert until its last chunk (nothing to generate, as a free row), so a step whose
-        # bucket it pads leaves it as it was; ``arm`` then gives it its positions to generate (its holes, as ``init``).
-        return row._replace(generate=jnp.zeros_like(row.generate))
-
-      return sh.MeshJit(fn, mesh, rules, in_shardings=(params, *[None] * 7))
-
-    def fill(params, st: State, slot: jax.Array, start: jax.Array):  # one chunk of a chunked prefill, into the pages
-      part = take_rows(st, slot[None])
-      part = part._replace(cache=self.prefiller.cache.fill(params, part, start, self.prefill_chunk))
-      return put_rows(st, slot[None], part)
-
-    def arm(st: State, slot: jax.Array) -> State:
-      return st._replace(generate=st.generate.at[slot].set(st.target[slot]))
-
-    self._prefill = [prefill(size) for size in (*self.buckets, 0)]  # the last: a chunked prefill's row, unfilled
-    self._arm = sh.MeshJit(arm, mesh, rules, donate_argnums=(0,))
-    self._fill = sh.MeshJit(fill, mesh, rules, in_shardings=(params, None, None, None), donate_argnums=(1,))
-    self._insert = sh.MeshJit(engine.insert, mesh, rules, donate_argnums=(0,))
-    self._release = sh.MeshJit(engine.release, mesh, rules, donate_argnums=(0,))
-    self._step = sh.MeshJit(step, mesh, rules, in_shardings=(params, None, None), donate_argnums=(1,))
+    # The last prefill: a chunked prefill's row, unfilled and inert until its last chunk ``arm`` s it.
+    self._prefill = [programs.prefill(self.prefiller, size) for size in self.buckets]
+    self._prefill.append(programs.prefill(self.prefiller, 0, inert=True))
+    self._arm, self._fill = programs.arm(engine), programs.fill(self.prefiller, self.prefill_chunk)
+    self._insert, self._release, self._step = programs.insert(engine), programs.release(engine), programs.step(engine)
     self._blank = sh.MeshJit(blank, mesh, rules)
     self.state: State | None = None
 
@@ -545,7 +478,7 @@ class SlotEngine:
     tables = self._tables([self._automata.pop(slot, None)])
     heal = self._healing([self._heals.pop(slot, "")], [int(np.argmax(command.kinds[slot] == K.TARGET))])
     steps, extra, key = place(command.steps[row]), place(command.extra[row]), place(command.keys[slot])
-    return self._prefill[bucket](self.sampler.params, canvas, key, steps, knobs, tables, heal, extra)
+    return self._prefill[bucket](self.sampler.params, Start(canvas, key, steps, knobs, tables, heal, extra))
 
   def _healing(self, texts: list[str], positions: list[int]) -> Healing:
     """Rows' token-healing masks (every row has one, so one program serves all): a row with healed characters lets
