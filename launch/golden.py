@@ -162,11 +162,13 @@ def record_server(paths: dict[str, Path]) -> dict:
 
   out = {}
   for name in ("default", "default_ar", "default_bd", "random_whole_sequence", "random_continuous_block"):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the server on one device
     proc = subprocess.Popen(
       [sys.executable, "-m", "mercury_jax.serve", "--checkpoint", str(paths[name]), "--port", "0", "--slots", "4"],
       stdout=subprocess.PIPE,
       stderr=subprocess.STDOUT,
       text=True,
+      env=env,
     )
     url, seen = None, []
     for line in proc.stdout:
@@ -209,18 +211,22 @@ def main() -> None:
   parser.add_argument("--part", choices=("all", "library", "server"), default="all", help="which cases to run")
   args = parser.parse_args()
   tokens = {}
+
+  def keep(new: dict) -> None:  # each part is written as soon as it is recorded
+    tokens.update(json.loads(json.dumps(new)))  # tuples as lists, as read back
+    if args.mode == "record":
+      args.out.parent.mkdir(parents=True, exist_ok=True)
+      before = json.loads(args.out.read_text()) if args.out.exists() else {}
+      args.out.write_text(json.dumps(before | tokens, indent=0, sort_keys=True))
+      print(f"{len(tokens)} cases written to {args.out}", flush=True)
+
   with tempfile.TemporaryDirectory() as tmp:
     paths = models(Path(tmp))
     if args.part in ("all", "library"):
-      tokens |= record_library(paths)
+      keep(record_library(paths))
     if args.part in ("all", "server"):
-      tokens |= record_server(paths)
-  tokens = json.loads(json.dumps(tokens))  # tuples as lists, as read back
+      keep(record_server(paths))
   if args.mode == "record":
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    before = json.loads(args.out.read_text()) if args.out.exists() else {}
-    args.out.write_text(json.dumps(before | tokens, indent=0, sort_keys=True))
-    print(f"{len(tokens)} cases written to {args.out}")
     return
   golden = json.loads(args.golden.read_text())
   if args.part != "all":
