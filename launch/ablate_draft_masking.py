@@ -16,6 +16,7 @@ import argparse
 import json
 from pathlib import Path
 
+from mercury_jax import files
 from mercury_jax.bench import prompts as bench_prompts, quality
 from mercury_jax.config import load_config
 from mercury_jax.data import pipeline
@@ -38,7 +39,7 @@ def main() -> None:
   p.add_argument("--json")
   args = p.parse_args()
   judge = Sampler.from_checkpoint(args.judge or default_checkpoint("default_ar"))
-  tokenizer = pipeline.load_tokenizer(args.data)
+  tokenizer = pipeline.load_data_tokenizer(args.data)
   prompts, _ = bench_prompts.select_prompts(
     args.data, args.prompts, lambda text: len(tokenizer.encode(text)) <= 256 - args.length, args.corpus
   )
@@ -51,7 +52,7 @@ def main() -> None:
       "data.path": args.data, "model.max_length": "256", "train.steps": str(args.steps), "train.eval_every": "0",
       "objective.draft_mask_min": low, "objective.draft_mask_max": high, "checkpoint.every": str(args.steps),
     }  # fmt: skip
-    if not (workdir / "checkpoints").exists():
+    if not (workdir / files.CHECKPOINTS).exists():
       train(load_config("tiny_verified", overrides), workdir, log=False)
     out = workdir / "eval.json"
     evaluate_main(["--checkpoint", str(workdir), "--data", args.data, "--max-batches", "16", "--json", str(out)])

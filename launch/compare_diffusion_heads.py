@@ -33,7 +33,7 @@ def main() -> None:
   p.add_argument("--steps", default="64,32")
   p.add_argument("--json")
   args = p.parse_args()
-  tokenizer = pipeline.load_tokenizer(args.data)
+  tokenizer = pipeline.load_data_tokenizer(args.data)
   verified, diffusion, twin = (Sampler.from_checkpoint(x) for x in (args.verified, args.diffusion, args.twin))
   room = min(verified.max_length, diffusion.max_length) - args.length
   prompts, _ = bench_prompts.select_prompts(

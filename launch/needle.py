@@ -53,10 +53,12 @@ def _run(args: list[str], log: Path) -> float:
 
 def prepare(root: Path) -> dict[str, Path]:
   """The three data folders (step 1), prepared once."""
+  from mercury_jax import files
+
   paths = {name: root / "data" / name for name in DATA}
-  tokenizer = paths["kv64"] / "tokenizer.model"
+  tokenizer = paths["kv64"] / files.TOKENIZER_FILE
   for name, (seq_len, spec) in DATA.items():
-    if (paths[name] / "metadata.json").is_file():
+    if (paths[name] / files.METADATA_FILE).is_file():
       continue
     extra = [] if name == "kv64" else ["--tokenizer", str(tokenizer)]
     cmd = ["mercury_jax.prepare", "--corpus", spec, "--out", str(paths[name]), "--seq-len", str(seq_len), *extra]

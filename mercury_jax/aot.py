@@ -41,6 +41,7 @@ from importlib import resources
 from pathlib import Path
 
 from mercury_jax.config import Config, ConfigError, MeshConfig
+from mercury_jax.files import CHECKPOINTS
 
 # Public models' config.json files shipped in configs/public/ (provenance in its README.md): family -> size -> file.
 # A family's first size is its default.
@@ -204,8 +205,8 @@ def checkpoint_config(path: str | Path) -> Config:
   root, step = Path(path).absolute(), None
   if not root.is_dir():
     raise AotError(f"--checkpoint {str(path)!r}: no such folder")
-  if (root / "checkpoints").is_dir():
-    root = root / "checkpoints"
+  if (root / CHECKPOINTS).is_dir():
+    root = root / CHECKPOINTS
   elif root.name.isdigit() and (root / "config").is_dir():
     root, step = root.parent, int(root.name)
   with ocp.CheckpointManager(root, item_names=("config",)) as manager:

@@ -31,11 +31,11 @@ from jax.sharding import PartitionSpec as P
 
 from mercury_jax import sharding
 from mercury_jax.batch_invariance import Tiling, by_rows
+from mercury_jax.config import ATTENTION_IMPLS
 from mercury_jax.kernels import masks
 from mercury_jax.kernels.common import CachedInputs
 from mercury_jax.kvcache import read_pages
 
-IMPLEMENTATIONS = ("auto", "xla", "pallas", "cudnn")
 # From this length on, ``xla`` runs blockwise. Measured on this CPU (2 cores, AMD EPYC; batch 1, 4 heads, head_dim 64,
 # float32, 512 x 512 chunks; launch/bench_long_attention.py, BUILD_NOTES "Issue 26"): at 1024 tokens blockwise took
 # half the dense path's compiled temp memory (forward 12.8 vs 32 MiB, forward + backward 25 vs 50 MiB) at 1.0-3.6x its
@@ -50,8 +50,8 @@ CACHED_BLOCKWISE_MIN_SLOTS = 2048
 
 def resolve_implementation(name: str) -> str:
   """Turns ``auto`` into the backend's best implementation: ``pallas`` on GPU, ``xla`` elsewhere."""
-  if name not in IMPLEMENTATIONS:
-    raise ValueError(f"attention implementation {name!r} must be one of {IMPLEMENTATIONS}")
+  if name not in ATTENTION_IMPLS:
+    raise ValueError(f"attention implementation {name!r} must be one of {ATTENTION_IMPLS}")
   if name != "auto":
     return name
   return "pallas" if jax.default_backend() == "gpu" else "xla"

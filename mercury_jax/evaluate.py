@@ -69,7 +69,7 @@ def evaluate_params(
     document_segments=cfg.data.document_segments,
   )
   batches = [pipeline.to_global(b, mesh, trainer.rules) for b in local[:max_batches]]
-  tokenizer = pipeline.load_tokenizer(data_dir)
+  tokenizer = pipeline.load_data_tokenizer(data_dir)
   covered = min(meta["splits"][split]["records"], len(batches) * batch_size)
   if cfg.objective.verified:
     return _evaluate_verified(trainer, params, batches, local[:max_batches], tokenizer, t_samples, seed) | {

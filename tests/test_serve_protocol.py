@@ -265,7 +265,7 @@ def test_setting_errors_of_the_scheduler_name_the_field():
   assert error["param"] == "top_p" and error["message"] == "top_p=0.5 must be something else"
 
 
-@pytest.mark.parametrize("value", [2**31, 2**63, 10**30])
+@pytest.mark.parametrize("value", [2**32, 2**63, 10**30])
 @pytest.mark.parametrize("field", ["steps", "steps_per_block", "top_k", "max_tokens", "seed", "n"])
 def test_every_integer_field_has_an_upper_bound_named_in_its_400(field, value):
   scheduler = FakeScheduler()

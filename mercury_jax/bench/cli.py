@@ -54,12 +54,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mercury_jax import kinds as K, usage
+from mercury_jax import files, kinds as K, usage
 from mercury_jax.bench import prompts as bench_prompts, quality, report as bench_report, verified as bench_verified
 from mercury_jax.bench.models import load_models
 from mercury_jax.bench.overhead import engine_overhead
 from mercury_jax.bench.throughput import time_call
-from mercury_jax.data import pipeline
 from mercury_jax.data.hf_files import SPECIAL_TOKENS_FILE, TOKENIZER_JSON
 from mercury_jax.sampling import canvas as cv
 from mercury_jax.sampling.canvas import SampleOutput
@@ -492,7 +491,7 @@ def _bundled_defaults(args: argparse.Namespace) -> None:
   if args.data is None:
     flag, given = next((f, getattr(args, f)) for f in ("diffusion", "verified", "autoregressive") if getattr(args, f))
     folder = Path(given)
-    if (folder / pipeline.METADATA_FILE).is_file() and (folder / pipeline.TOKENIZER_FILE).is_file():
+    if (folder / files.METADATA_FILE).is_file() and (folder / files.TOKENIZER_FILE).is_file():
       args.data = str(folder)
     elif args.corpus is None:  # With --corpus, the checkpoints' own tokenizers (bench.models).
       if (folder / TOKENIZER_JSON).is_file() and (folder / SPECIAL_TOKENS_FILE).is_file():

@@ -13,6 +13,7 @@ import dataclasses
 from typing import Literal, NamedTuple
 
 from mercury_jax.config import ObjectiveConfig
+from mercury_jax.limits import MAX_SEED
 
 SAMPLERS = ("ancestral", "confidence", "threshold", "ode")
 SOLVERS = ("euler", "heun")
@@ -193,6 +194,12 @@ class SettingError(ValueError):
 
   def named(self, name: str) -> str:
     return f"{name}={self.value!r} {self.requirement}"
+
+
+def check_seed(seed: int) -> None:
+  """Raises :class:`SettingError` for a seed out of ``[0, limits.MAX_SEED]`` (two such seeds could share a key)."""
+  if not 0 <= seed <= MAX_SEED:
+    raise SettingError("seed", seed, f"must lie in [0, {MAX_SEED}]")
 
 
 def check_knobs_for_model(knobs: dict, autoregressive: bool) -> None:

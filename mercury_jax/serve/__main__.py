@@ -36,11 +36,11 @@ import sys
 from pathlib import Path
 
 from mercury_jax import usage
+from mercury_jax.limits import MAX_TILE
 from mercury_jax.serve.pacing import DEFAULT_SHARE, MAX_SHARE, MIN_SHARE
 
 BUNDLED_NAME = "mercury_jax-{model}"  # The model name of a bundled checkpoint (--model).
 DEFAULT_PREFILL_CHUNK = 512  # Prompt tokens an engine iteration prefills at most (--prefill-chunk).
-MAX_TILE = 1024  # The largest --invariant-tile (SlotEngine's bound): a lone request pays a product this long.
 MAX_PREFILL_CHUNK = 1 << 20  # The largest --prefill-chunk accepted (a bound on the flag, far above any context).
 
 

@@ -49,10 +49,11 @@ from typing import Any, ClassVar, Literal
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from mercury_jax.limits import MAX_SEED
+
 MAX_CHOICES = 16  # The most choices ``n`` one request may ask for.
 MAX_STOPS = 4  # The most stop strings one request may give, as OpenAI allows.
 MAX_STOP_LENGTH = 256  # The most characters of one stop string (a stream holds back up to this many).
-MAX_SEED = 2**31 - 1  # Seeds are non-negative 32-bit ints (larger ones would collide in the PRNG key).
 MAX_TEMPERATURE = 100.0  # Beyond a few the distribution is flat already.
 SHOWN_CHARS = 120  # A value quoted back in an error message is cut to this many characters.
 # reasoning_effort -> (refinement steps per block as a fraction of the block, rounded, at least 1; the threshold

@@ -35,6 +35,7 @@ from collections.abc import AsyncIterator
 import jax
 import numpy as np
 
+from mercury_jax.limits import MAX_SEED
 from mercury_jax.sampling import automata as constrained
 from mercury_jax.sampling.proposal import Knobs
 from mercury_jax.sampling.sampler import Sampler
@@ -56,7 +57,6 @@ __all__ = [
   "lowerings",
 ]
 logger = logging.getLogger("mercury_jax.serve")
-MAX_SEED = 2**32 - 1  # jax.random.key takes a 32-bit seed here (x64 off).
 MAX_STREAM = 2**31 - 1  # fold_in's data.
 MAX_HEALED = 256  # Characters token healing may re-generate: one token's text.
 IDLE_TICK = 1.0  # Seconds between the no-op commands an idle multi-host leader sends, so followers never time out.

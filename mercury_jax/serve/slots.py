@@ -56,6 +56,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from mercury_jax import kinds as K, sharding as sh
 from mercury_jax.constrain.automaton import Automaton, Compiler
 from mercury_jax.kvcache import SINK, PagedKVCache
+from mercury_jax.limits import MAX_TILE
 from mercury_jax.sampling import automata as constrained, healing
 from mercury_jax.sampling.canvas import Canvas
 from mercury_jax.sampling.engine import Start, width
@@ -158,9 +159,6 @@ class View(NamedTuple):
       unfinished=scalars[:, 2].astype(bool),
       nfe=scalars[:, 3],
     )
-
-
-MAX_TILE = 1024  # The largest invariant_tile: a lone request pays a product over this many positions.
 
 
 def invariant_tile_of(plan: BlockPlan) -> int:
