@@ -331,10 +331,12 @@ class Dual(Strategy):
     )
     return rows(logits, needs.starts - self.network.shift, self.plan.block), kv
 
-  def _later(self, params, st: State, needs: Needs):
-    block, shift = self.plan.block, self.network.shift
-    tokens, positions, segments = chunk(st, needs.starts - shift, block + shift)
-    logits = self.network.chunk(
+  def _block(self, params, st: State, needs: Needs, size: int, pad: int = 0) -> jax.Array:
+    """The block's logits from a chunk of ``size`` slots from its start (and the slot before it, for a shifted model)
+    over the cache; ``pad`` padding slots are appended first (a chunk may run past the last slot)."""
+    shift = self.network.shift
+    tokens, positions, segments = chunk(st, needs.starts - shift, size + shift, pad=pad)
+    return self.network.chunk(
       params,
       tokens,
       needs.t,
@@ -343,10 +345,12 @@ class Dual(Strategy):
       mask="bidirectional",
       cache=st.cache,
       starts=needs.starts - shift,
-      logits_length=block,
+      logits_length=self.plan.block,
       return_kv=False,
     )
-    return logits, st.cache
+
+  def _later(self, params, st: State, needs: Needs):
+    return self._block(params, st, needs, self.plan.block), st.cache
 
   def forward(self, params, st: State, needs: Needs) -> Forward:
     run = jnp.any(needs.logits)
@@ -365,26 +369,10 @@ class Dual(Strategy):
 
 class Prefix(Dual):
   def _later(self, params, st: State, needs: Needs):
-    plan, shift = self.plan, self.network.shift
+    plan = self.plan
 
     def suffix(size: int):
-      def run():
-        tokens, positions, segments = chunk(st, needs.starts - shift, size + shift, pad=plan.tail + shift)
-        logits = self.network.chunk(
-          params,
-          tokens,
-          needs.t,
-          segments=segments,
-          positions=positions,
-          mask="bidirectional",
-          cache=st.cache,
-          starts=needs.starts - shift,
-          logits_length=plan.block,
-          return_kv=False,
-        )
-        return logits
-
-      return run
+      return lambda: self._block(params, st, needs, size, plan.tail + self.network.shift)
 
     sizes = plan.suffix_sizes
     need = jnp.max(plan.slots - needs.starts)

@@ -80,16 +80,17 @@ class Network:
     latent: LatentInputs | None = None,
   ):
     """``[b, l or logits_length, vocab]`` logits of a whole context (no cache), each position's own distribution."""
-    logits = self.model.apply(
-      {"params": params},
+    logits = self.chunk(
+      params,
       tokens,
-      self._t(t, tokens.shape[0]),
-      segment_ids=segments,
+      t,
+      segments=segments,
       positions=positions,
       mask=mask,
       diffusion_block=diffusion_block,
       logits_length=logits_length,
-      **_latent_kwargs(latent),
+      return_kv=False,
+      latent=latent,
     )
     return unshift(logits) if self.shift else logits
 
@@ -101,7 +102,7 @@ class Network:
     *,
     segments,
     positions,
-    mask: str,
+    mask: str | None,
     diffusion_block: int | None = None,
     cache: KVCache | None = None,
     starts: jax.Array | None = None,
@@ -186,20 +187,9 @@ class FunctionNetwork:
   def __init__(self, denoise_fn: DenoiseFn, vocab_size: int):
     self.denoise_fn, self.vocab_size = denoise_fn, vocab_size
 
-  def logits(
-    self,
-    params,
-    tokens,
-    t=None,
-    *,
-    segments,
-    positions,
-    mask=None,
-    diffusion_block=None,
-    logits_length=None,
-    latent: LatentInputs | None = None,
-  ):
-    del params, segments, positions, diffusion_block
+  def logits(self, params, tokens, t=None, *, mask=None, logits_length=None, latent=None, **positions):
+    """``denoise_fn(tokens, t)`` (``positions``: the segments, rotary positions and block a network would read)."""
+    del params, positions
     if latent is not None:
       raise ValueError("a FunctionNetwork denoises tokens, not latents")
     if mask not in (None, "bidirectional"):
