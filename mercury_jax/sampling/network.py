@@ -66,32 +66,10 @@ class Network:
       return None
     return jnp.zeros((batch,), jnp.float32) if t is None else t
 
-  def logits(
-    self,
-    params,
-    tokens,
-    t=None,
-    *,
-    segments,
-    positions,
-    mask=None,
-    diffusion_block=None,
-    logits_length=None,
-    latent: LatentInputs | None = None,
-  ):
-    """``[b, l or logits_length, vocab]`` logits of a whole context (no cache), each position's own distribution."""
-    logits = self.chunk(
-      params,
-      tokens,
-      t,
-      segments=segments,
-      positions=positions,
-      mask=mask,
-      diffusion_block=diffusion_block,
-      logits_length=logits_length,
-      return_kv=False,
-      latent=latent,
-    )
+  def logits(self, params, tokens, t=None, **kwargs):
+    """``[b, l or logits_length, vocab]`` logits of a whole context (no cache; :meth:`chunk`'s other keywords), each
+    position's own distribution."""
+    logits = self.chunk(params, tokens, t, return_kv=False, **kwargs)
     return unshift(logits) if self.shift else logits
 
   def chunk(
@@ -102,7 +80,7 @@ class Network:
     *,
     segments,
     positions,
-    mask: str | None,
+    mask: str | None = None,
     diffusion_block: int | None = None,
     cache: KVCache | None = None,
     starts: jax.Array | None = None,
