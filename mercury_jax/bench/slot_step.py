@@ -1,24 +1,24 @@
 """The serving engine's step per batch bucket: batched against batch-invariant, interleaved in one run.
 
-    python launch/bench_slot_step.py --model mercury_jax/assets/default_bd [--tiles 0,8,32] [--rounds 3]
+    python -m mercury_jax.bench slot-step --model mercury_jax/assets/default_bd [--tiles 0,8,32] [--rounds 3]
 
 Every row of ``--slots`` holds a request (a 40-token prompt, 200 tokens to generate); each timed call is one
-``SlotEngine`` step over the first ``n`` rows for every batch bucket ``n``, so nothing but the network and the
-engine's step is timed (no HTTP, no client on the same cores: ``launch/bench_serve.py`` measures those). The
-engines run in turn within each round (a CPU host's speed drifts for minutes at a time), and a cell is the fastest
-of ``--repeats`` steps, then the median over rounds. ``--tiles``: the batch-invariant engines' ``invariant_tile``
-(0: the plan's default). Prints a markdown table of ms per step.
+``SlotEngine`` step over the first ``n`` rows for every batch bucket ``n`` (the engine's ``step`` program, as the
+server runs it), so nothing but the network and the engine's step is timed (no HTTP, no client on the same cores:
+``python -m mercury_jax.bench serve`` measures those). The engines run in turn within each round (a CPU host's speed
+drifts for minutes at a time), and a cell is the fastest of ``--repeats`` steps, then the median over rounds.
+``--tiles``: the batch-invariant engines' ``invariant_tile`` (0: the plan's default). Prints a markdown table of ms
+per step.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
-import jax
 import numpy as np
 
+from mercury_jax.bench.throughput import timed
 from mercury_jax.sampling.sampler import Sampler
 from mercury_jax.serve.slots import Request, SlotEngine
 
@@ -39,17 +39,16 @@ def _engine(sampler: Sampler, slots: int, tile: int | None, structured: bool = T
 
 
 def _step_ms(engine: SlotEngine, rows: int, repeats: int) -> float:
+  """The fastest of ``repeats`` steps of the engine's ``step`` program over its first ``rows`` rows, in ms."""
   live, params, best = np.arange(rows, dtype=np.int32), engine.sampler.params, float("inf")
+  step = engine.sampler.programs.step(engine.engine)  # the program the engine's ``run`` calls (compiled and cached)
   for _ in range(repeats):
-    began = time.perf_counter()
-    engine.state, packed = engine._step(params, engine.state, live)
-    jax.block_until_ready(packed)
-    best = min(best, time.perf_counter() - began)
+    (engine.state, _), seconds = timed(step, params, engine.state, live)
+    best = min(best, seconds)
   return 1e3 * best
 
 
-def main() -> None:
-  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_arguments(p: argparse.ArgumentParser) -> None:
   p.add_argument("--model", required=True, help="a checkpoint directory (the bundled ones: mercury_jax/assets/...)")
   p.add_argument("--slots", type=int, default=16)
   p.add_argument("--tiles", default="0", help="comma-separated invariant_tile values (0: the plan's default)")
@@ -58,7 +57,14 @@ def main() -> None:
   p.add_argument(
     "--no-structured", action="store_true", help="engines without structured output's tables (the server has them)"
   )
-  args = p.parse_args()
+
+
+def run_slot_step(args: argparse.Namespace) -> None:
+  """The serving engine's step per batch bucket, batched and batch-invariant.
+
+  One ``SlotEngine`` step over the first n rows of --slots busy rows, for every batch bucket n and every engine
+  (batched, and batch-invariant at each of --tiles), interleaved; prints a markdown table.
+  """
   sampler = Sampler.from_checkpoint(args.model)
   names = {"batched": None, **{f"invariant, tile {int(t) or 'auto'}": int(t) for t in args.tiles.split(",")}}
   engines = {name: _engine(sampler, args.slots, tile, not args.no_structured) for name, tile in names.items()}
@@ -77,5 +83,4 @@ def main() -> None:
     print(f"| {name} | {tiles[name]} | {cells} |")
 
 
-if __name__ == "__main__":
-  main()
+COMMANDS = {"slot-step": (add_arguments, run_slot_step)}
