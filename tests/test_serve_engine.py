@@ -168,13 +168,19 @@ def test_bad_requests_and_a_full_queue(scheduler, monkeypatch):
     with pytest.raises(SettingError) as error:
       scheduler.check(request)
     assert error.value.field == field
-  monkeypatch.setattr(scheduler, "max_queue", 0)
+  monkeypatch.setattr(scheduler, "max_queue", 1)
 
-  async def submit():
-    scheduler.submit(Request((5,), 4), asyncio.get_running_loop())
+  async def fill():
+    """With the engine thread held off (the lock is re-entrant for this thread), an idle scheduler takes a request
+    per free slot plus max_queue, and refuses the next; then the ones it took run to their end."""
+    loop, small = asyncio.get_running_loop(), Request((5,), 4)
+    with scheduler._lock:
+      handles = [scheduler.submit(small, loop) for _ in range(scheduler.slots + 1)]
+      with pytest.raises(QueueFull, match="at capacity"):
+        scheduler.submit(small, loop)
+    return [[u async for u in handle.updates()][-1].finish_reason for handle in handles]
 
-  with pytest.raises(QueueFull, match="at capacity"):
-    asyncio.run(submit())
+  assert set(asyncio.run(fill())) <= {"stop", "length"}
 
 
 # ------------------------------------------------------------------------------------------- failures over HTTP

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -162,14 +163,38 @@ class TimedOut(Exception):
   """The request ran past its deadline (the routes answer it; the choices are cancelled)."""
 
 
-async def run(choices: list[Choice], deadline: float | None = None) -> AsyncIterator[tuple[Choice, str, str | None]]:
+class ShutDown(Exception):
+  """The server's grace period ended before the request did (the routes answer it; the choices are cancelled)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Ends:
+  """How a stream ends early, and what it says then.
+
+  Attributes:
+    deadline: The request's deadline on the loop's clock (None: none).
+    timeout: The :class:`~mercury_jax.serve.protocol.APIError` sent when ``deadline`` passes.
+    closing: Set when the server's grace period ends (None: never).
+    shutdown: The :class:`~mercury_jax.serve.protocol.APIError` sent when ``closing`` is set.
+  """
+
+  deadline: float | None = None
+  timeout: api.APIError | None = None
+  closing: asyncio.Event | None = None
+  shutdown: api.APIError | None = None
+
+
+async def run(
+  choices: list[Choice], deadline: float | None = None, closing: asyncio.Event | None = None
+) -> AsyncIterator[tuple[Choice, str, str | None]]:
   """``(choice, released text, draft)`` as the choices' updates arrive, until every choice has finished.
 
-  However it ends (finished, failed, timed out at ``deadline`` on the loop's clock, or closed because the client
-  left), the choices still running are cancelled, which frees their slots.
+  However it ends (finished, failed, timed out at ``deadline`` on the loop's clock, stopped by ``closing``, or closed
+  because the client left), the choices still running are cancelled, which frees their slots.
 
   Raises:
     TimedOut: ``deadline`` passed first.
+    ShutDown: ``closing`` was set first.
   """
   queue: asyncio.Queue = asyncio.Queue()
   loop = asyncio.get_running_loop()
@@ -181,12 +206,18 @@ async def run(choices: list[Choice], deadline: float | None = None) -> AsyncIter
     except Exception as error:  # noqa: BLE001  Handed to the consumer, which answers 500.
       queue.put_nowait((choice, error))
 
+  async def close():
+    await closing.wait()
+    queue.put_nowait((None, ShutDown()))
+
   tasks = [asyncio.create_task(pump(choice)) for choice in choices]
+  if closing is not None:
+    tasks.append(asyncio.create_task(close()))
   timer = loop.call_at(deadline, queue.put_nowait, (None, TimedOut())) if deadline is not None else None
   try:
     while any(choice.finish_reason is None for choice in choices):
       choice, update = await queue.get()
-      if isinstance(update, TimedOut):
+      if isinstance(update, TimedOut | ShutDown):
         raise update
       if isinstance(update, Exception):
         request_id = choice.request_id
@@ -233,23 +264,22 @@ class Shape:
     return api.Completion(id=self.id, model=self.model, choices=items, usage=usage)
 
 
-async def collect(choices: list[Choice], deadline: float | None = None) -> None:
+async def collect(choices: list[Choice], deadline: float | None = None, closing: asyncio.Event | None = None) -> None:
   """Runs the choices to their end (:func:`run`), for a whole answer."""
-  async with contextlib.aclosing(run(choices, deadline)) as updates:
+  async with contextlib.aclosing(run(choices, deadline, closing)) as updates:
     async for _ in updates:
       pass
 
 
 async def events(
-  choices: list[Choice], shape: Shape, usage, metrics: Metrics, path: str, deadline: float | None, timeout_error
+  choices: list[Choice], shape: Shape, usage, metrics: Metrics, path: str, ends: Ends = Ends()
 ) -> AsyncIterator[dict]:
   """The SSE events of a streamed answer (:mod:`~mercury_jax.serve.routes`' docstring).
 
   Args:
     usage: A callable for the usage event, or None.
-    deadline: The request's deadline on the loop's clock (None: none); past it the stream ends with
-      ``timeout_error``'s body, then ``[DONE]``.
-    timeout_error: The :class:`~mercury_jax.serve.protocol.APIError` of a timed-out request.
+    ends: The request's deadline and the server's grace limit: past either the stream ends with the error's body as
+      an event, then ``[DONE]``.
   """
   status = DISCONNECTED
   try:
@@ -257,7 +287,7 @@ async def events(
       for choice in choices:
         yield {"data": shape.chunk([shape.delta(choice.index, None, role="assistant")])}
     try:
-      async with contextlib.aclosing(run(choices, deadline)) as updates:
+      async with contextlib.aclosing(run(choices, ends.deadline, ends.closing)) as updates:
         async for choice, released, draft in updates:
           if choice.tool_call is not None:
             yield {"data": shape.chunk([shape.delta(choice.index, None, call=choice.tool_call)])}
@@ -269,9 +299,10 @@ async def events(
       if usage is not None:
         yield {"data": shape.chunk([], usage())}
       status = 200
-    except TimedOut:
-      status = timeout_error.status
-      yield {"data": json.dumps(timeout_error.body())}
+    except (TimedOut, ShutDown) as stopped:
+      error = ends.timeout if isinstance(stopped, TimedOut) else ends.shutdown
+      status = error.status
+      yield {"data": json.dumps(error.body())}
     except api.APIError as error:
       status = error.status
       yield {"data": json.dumps(error.body())}

@@ -120,7 +120,8 @@ class EngineDown(RuntimeError):
 
 
 class QueueFull(Exception):
-  """Every slot is busy and ``max_queue`` requests wait; try again after ``retry_after`` seconds."""
+  """Every slot is busy and ``max_queue`` requests wait (beyond those the free slots are about to take); try again
+  after ``retry_after`` seconds."""
 
   def __init__(self, waiting: int, retry_after: float):
     super().__init__(f"the server is at capacity ({waiting} requests are waiting); retry after {retry_after:.0f} s")
@@ -203,7 +204,8 @@ class Scheduler:
   Args:
     sampler: The model, tokenizer and mesh (:meth:`Sampler.from_checkpoint`).
     slots: Requests refined at once (the batch of every step).
-    max_queue: Requests that may wait for a slot; beyond it :meth:`submit` raises :class:`QueueFull`.
+    max_queue: Requests that may wait while every slot is busy; beyond it :meth:`submit` raises :class:`QueueFull`.
+      Requests that free slots are about to take do not count: an idle server takes ``slots + max_queue`` at once.
     block_length: The block of a whole-sequence checkpoint (decoded without a cache, through the same engine);
       block-diffusion checkpoints use their trained block and the twin blocks of one token.
     decode: How every request decodes (``auto``: the model's best; see ``sampling.decoders.choose``).
@@ -286,6 +288,7 @@ class Scheduler:
     self._waiting: collections.deque[Handle] = collections.deque()
     self._active: dict[int, _Active] = {}
     self._released: set[int] = set()  # rows of requests that ended, given up at the next iteration
+    self._admitting = 0  # requests taken from the queue by the running iteration, not yet in ``_active``
     self._ids = itertools.count()
     self._stopping = False
     self._failure: str | None = None  # why the engine cannot go on
@@ -303,7 +306,8 @@ class Scheduler:
 
   @property
   def busy_slots(self) -> int:
-    return len(self._active)
+    """Slots holding a request, those being admitted by the running iteration included."""
+    return len(self._active) + self._admitting
 
   @property
   def kv_pages(self) -> int:
@@ -384,7 +388,7 @@ class Scheduler:
 
     Raises:
       SettingError, ValueError: See :meth:`check`.
-      QueueFull: ``max_queue`` requests are already waiting.
+      QueueFull: Every slot is busy (or about to be, with the requests ahead of it) and ``max_queue`` requests wait.
       ShuttingDown: The scheduler is draining.
       EngineDown: The engine failed and could not start afresh.
     """
@@ -394,8 +398,9 @@ class Scheduler:
         raise EngineDown("the engine failed and cannot serve; the server needs a restart")
       if self._stopping:
         raise ShuttingDown("the server is shutting down and takes no new request")
-      if len(self._waiting) >= self.max_queue:
-        raise QueueFull(len(self._waiting), retry_after=1.0)
+      free = self.slots - len(self._active) - self._admitting  # rows the next admissions can fill
+      if len(self._waiting) - free >= self.max_queue:
+        raise QueueFull(len(self._waiting) - max(free, 0), retry_after=1.0)
       handle = Handle(next(self._ids), request, loop, self)
       self._waiting.append(handle)
       self._lock.notify()
@@ -520,6 +525,7 @@ class Scheduler:
           handle._deliver(Update((), None, True, "error", 0, error=f"{type(error).__name__}: {error}", time=now))
           continue
         admitted[free.pop(0)] = handle
+      self._admitting = len(admitted)
     return admitted
 
   def _iterate(self) -> None:
@@ -539,6 +545,8 @@ class Scheduler:
       now = time.perf_counter()
       for handle in admitted.values():
         handle._deliver(Update((), None, True, "error", 0, error=message, time=now))
+      with self._lock:
+        self._admitting = 0
       self._fail_active(message)
       if engine.multiprocess:  # The other processes cannot be restarted from here: stop serving.
         raise
@@ -554,6 +562,7 @@ class Scheduler:
       self.stats.chunks += timing.chunks
       self.stats.chunk_seconds += timing.chunk_seconds
     with self._lock:
+      self._admitting = 0
       for slot, handle in admitted.items():
         if slot in failures:
           logger.error("request %d: prefill failed: %s", handle.id, failures[slot])
