@@ -175,7 +175,8 @@ def build_parser() -> argparse.ArgumentParser:
     "--compile-workers",
     type=int,
     default=2,
-    help="processes that compile structured-output constraints, each job under a time and memory limit (default 2)",
+    help="structured-output constraints that may compile at once past their first second (each job under a time "
+    "and memory limit; newer ones get their first second at once beside them, see serve/compiling.py; default 2)",
   )
   p.add_argument(
     "--compile-timeout",
