@@ -3,7 +3,7 @@
     python launch/bench_serve.py --model diffusion=runs/bd --model twin=runs/ar \\
       [--concurrency 1,4,16,64] [--requests-per-level 64] [--max-tokens 64] [--slots 64] \\
       [--extra '{"steps_per_block": 2, "threshold": 0.9}'] [--temperature 1.0] [--seed 0] [--prompts FILE] \\
-      [--out bench_serve]
+      [--price] [--fairness 8] [--out bench_serve]
 
 Needs ``httpx`` and ``matplotlib`` besides the server's own packages. For each ``--model NAME=CHECKPOINT`` the script
 starts a server (``sys.executable -m mercury_jax.serve --port 0``; its log goes to ``OUT/server-NAME.log``), waits for
@@ -38,6 +38,24 @@ Definitions (times from the client's clock; a request's latency runs from just b
   engine thread's mean time per iteration that ran a step, and the share of it spent on the host around the engine
   (building the command, admissions, reading the step's view, handing out updates). "-" for a server without them.
 * p99 of a level with fewer than 100 requests lies between its two largest values (linear interpolation).
+
+The engine breakdown (a second table, from the server's ``mercury_engine_phase_seconds_total``): the engine thread's
+time per step by phase (``admit``, ``dispatch``, ``wait``, ``report``, ``post``; they add up to engine ms/step), the
+event loop's per-token work per step (``mercury_answer_seconds_total``: detokenising, stop strings, encoding the
+events) and its mean lag (``mercury_event_loop_lag_seconds``). With ``--price``, once a model's levels are done the
+script times every batch bucket's step and every prefill bucket's prefill bare in its own process while the server
+idles (:func:`bench_slot_step.bare_costs`: the server's default engine, no HTTP), prices each level's steps and
+prefills (``mercury_engine_steps_total{rows}``, ``mercury_prefills_total{slots}``) at those times, and gives the
+engine's time per step over that bare work. It assumes the server's default engine flags (``--server-args`` that
+change its programs, such as ``--no-batch-invariance``, are not priced right). Without ``--price`` the same ratio is
+given *in place*: the server times one iteration in 32 with its prefills and step alone on the device
+(``mercury_engine_timed_*``), under the level's own load, which on a CPU host includes the event loop, the client
+and any other process on the cores; engine / in place is then the engine thread's overhead over the device's work.
+
+``--fairness N``: before the levels, N requests whose JSON Schemas run past the compile timeout (integer bounds
+near 2**70, a different one each) and, 0.1 s later, one whose schema is ``{"type": "boolean"}``: the seconds to
+the boolean's whole answer (its compile, prefill and tokens), how many of the N were still compiling then, and
+the N refusals' times (again, two of them: from the cache of refusals).
 
 Sampling: ``--temperature`` defaults to 1.0, the model's own distribution, as a sampling client would use it (greedy
 decoding makes small models loop on one phrase, text unlike what they serve); each request has seed ``--seed`` plus
@@ -157,6 +175,20 @@ def build_parser() -> argparse.ArgumentParser:
     default="open",
     help="open: Poisson arrivals at level / solo latency (default); closed: LEVEL clients, each sending its next "
     "request when its last one ended (never more than LEVEL in flight)",
+  )
+  p.add_argument(
+    "--price",
+    action="store_true",
+    help="after each model's levels, time every batch bucket's step and every prefill bucket's prefill bare (in this "
+    "process, the server idle) and price each level's engine work with them (needs jax; see bench_slot_step.py)",
+  )
+  p.add_argument(
+    "--fairness",
+    type=int,
+    default=0,
+    metavar="N",
+    help="before the levels, send N structured requests whose schemas run past the compile timeout (integer bounds "
+    "near 2**70), then a {'type': 'boolean'} one, and time the boolean's answer (0: skip)",
   )
   p.add_argument("--out", default="bench_serve", help="folder for results.json, results.md and the plot")
   return p
@@ -359,31 +391,90 @@ COUNTERS = (
   "mercury_engine_seconds_total",
   "mercury_engine_host_seconds_total",
 )
+PHASES = ("admit", "dispatch", "wait", "report", "post")  # mercury_engine_phase_seconds_total{phase}
+SAMPLE = re.compile(r'^(mercury_\w+)(?:\{(\w+)="([^"]*)"\})? (\S+)$')
 
 
-async def _counters(client, url: str) -> dict[str, float]:
-  """The :data:`COUNTERS` the server's ``/metrics`` has (an older server lacks some)."""
+async def _counters(client, url: str) -> dict:
+  """The server's ``/metrics`` samples of ``mercury_*`` families: ``name -> value``, and ``name -> {label value:
+  value}`` for the one-label families (phases, steps by rows, prefills by slots); an older server lacks some."""
   try:
     text = (await client.get(f"{url}/metrics")).text
   except Exception:
     return {}
-  found = {}
+  found: dict = {}
   for line in text.splitlines():
-    name, _, value = line.partition(" ")
-    if name in COUNTERS:
-      found[name] = float(value)
+    match = SAMPLE.match(line)
+    if match is None:
+      continue
+    name, label, value = match.group(1), match.group(3), float(match.group(4))
+    if match.group(2) is None:
+      found[name] = value
+    elif match.group(2) in ("phase", "rows", "slots", "le"):
+      found.setdefault(name, {})[label] = value
   return found
 
 
+def _delta(before: dict, after: dict, name: str):
+  """``after - before`` of a sample (a dict of them for a labelled family); None when either lacks it."""
+  if name not in before and name not in after:
+    return None
+  a, b = after.get(name, {}), before.get(name, {})
+  if isinstance(a, dict):
+    return {key: a[key] - b.get(key, 0.0) for key in a}
+  return a - b
+
+
 def _engine_split(before: dict, after: dict) -> dict:
-  """Engine ms per step and the host's share of it over a level (None without the counters)."""
+  """Engine ms per step, the host's share of it, and its phases in ms per step over a level (None without the
+  counters); the step and prefill counts, for :func:`price`."""
   names = COUNTERS[1:]
   if not all(n in before and n in after for n in names):
     return {"engine_steps": None, "step_ms": None, "host_share": None}
   steps, engine, host = (after[n] - before[n] for n in names)
   if steps < 1:
     return {"engine_steps": 0, "step_ms": None, "host_share": None}
-  return {"engine_steps": steps, "step_ms": 1000 * (engine + host) / steps, "host_share": host / (engine + host)}
+  out = {"engine_steps": steps, "step_ms": 1000 * (engine + host) / steps, "host_share": host / (engine + host)}
+  phases = _delta(before, after, "mercury_engine_phase_seconds_total")
+  if phases:
+    out["phases_ms"] = {phase: 1000 * phases.get(phase, 0.0) / steps for phase in PHASES}
+    out["step_ms"] = sum(out["phases_ms"].values())  # every second of the engine thread, by phase
+  answer = _delta(before, after, "mercury_answer_seconds_total")
+  if answer is not None:
+    out["answer_ms"] = 1000 * answer / steps
+  out["steps_by_rows"] = _delta(before, after, "mercury_engine_steps_total")
+  out["prefills_by_slots"] = _delta(before, after, "mercury_prefills_total")
+  timed = _delta(before, after, "mercury_engine_timed_steps_total")
+  timed_s = _delta(before, after, "mercury_engine_timed_step_seconds_total")
+  if timed and out["steps_by_rows"]:  # the device work priced at the timed iterations' times, in place
+    mean = {rows: timed_s[rows] / n for rows, n in timed.items() if n}
+    if all(rows in mean for rows, n in out["steps_by_rows"].items() if n):
+      out["timed_step_ms"] = 1000 * sum(n * mean[r] for r, n in out["steps_by_rows"].items() if n) / steps
+      prefills = _delta(before, after, "mercury_engine_timed_prefills_total") or 0
+      seconds = _delta(before, after, "mercury_engine_timed_prefill_seconds_total") or 0.0
+      count = sum((out["prefills_by_slots"] or {}).values())
+      out["timed_prefill_ms"] = 1000 * count * seconds / prefills / steps if prefills else 0.0
+      out["over_timed"] = out["step_ms"] / (out["timed_step_ms"] + out["timed_prefill_ms"])
+  lag_sum = _delta(before, after, "mercury_event_loop_lag_seconds_sum")
+  lag_count = _delta(before, after, "mercury_event_loop_lag_seconds_count")
+  if lag_sum is not None and lag_count:
+    out["loop_lag_ms"] = 1000 * lag_sum / lag_count
+  return out
+
+
+def price(row: dict, bare_steps: dict[int, float], bare_prefills: dict[int, float]) -> None:
+  """Adds to a level's ``row`` the device work its engine did, priced at each program's bare time (ms per step: its
+  steps by batch bucket and prefills by prefill bucket, over its steps), and the engine's time over it."""
+  steps, prefills = row.get("steps_by_rows"), row.get("prefills_by_slots")
+  if not steps or not row.get("engine_steps"):
+    return
+  unpriced = [int(float(k)) for k, n in prefills.items() if n and int(float(k)) not in bare_prefills]
+  step_ms = sum(n * bare_steps[int(float(k))] for k, n in steps.items()) / row["engine_steps"]
+  prefill_ms = sum(n * bare_prefills.get(int(float(k)), 0.0) for k, n in prefills.items()) / row["engine_steps"]
+  row["bare_step_ms"], row["bare_prefill_ms"] = step_ms, prefill_ms
+  row["over_bare"] = row["step_ms"] / (step_ms + prefill_ms)
+  if unpriced:
+    row["unpriced_prefills"] = unpriced  # chunked prefills (0): their chunks are in dispatch, not priced here
 
 
 # ------------------------------------------------------------------------------------------------ statistics
@@ -430,6 +521,51 @@ def _ms(seconds: float) -> str:
 
 def _num(value: float, digits: int = 1) -> str:
   return "-" if value is None or math.isnan(value) else f"{value:.{digits}f}"
+
+
+def price_levels(checkpoint: str, slots: int, levels: list[dict]) -> dict:
+  """Times the server's programs bare (:func:`bench_slot_step.bare_costs`, in this process while the server idles)
+  and prices every level's engine work with them (:func:`price`)."""
+  from bench_slot_step import bare_costs
+
+  from mercury_jax.sampling.sampler import Sampler
+
+  print("  timing the steps and prefills bare (the server idles)", flush=True)
+  steps, prefills = bare_costs(Sampler.from_checkpoint(checkpoint), slots)
+  for row in levels:
+    price(row, steps, prefills)
+    if "over_bare" in row:
+      print(
+        f"  concurrency {row['concurrency']}: engine {row['step_ms']:.1f} ms/step against "
+        f"{row['bare_step_ms']:.1f} ms of bare steps and {row['bare_prefill_ms']:.1f} ms of bare prefills: "
+        f"{row['over_bare']:.3f}x",
+        flush=True,
+      )
+  return {"step_ms": steps, "prefill_ms": prefills}
+
+
+def breakdown_table(models: dict) -> str:
+  """The engine thread's time per step by phase, the event loop's, and the engine's time over its bare work."""
+  head = (
+    "| model | conc. | engine ms/step | admit | dispatch | wait | report | post | answers (loop) | loop lag ms "
+    "| in place: step + prefill ms | engine / in place | bare: step + prefill ms | engine / bare |"
+  )
+  lines = [head, "|" + "---|" * 14]
+  for name, model in models.items():
+    for row in model.get("levels", []):
+      phases = row.get("phases_ms")
+      if not phases:
+        continue
+      bare, timed = row.get("bare_step_ms"), row.get("timed_step_ms")
+      priced = "-" if bare is None else f"{bare:.1f} + {row['bare_prefill_ms']:.1f}"
+      in_place = "-" if timed is None else f"{timed:.1f} + {row['timed_prefill_ms']:.1f}"
+      lines.append(
+        f"| {name} | {row['concurrency']} | {row['step_ms']:.1f} | "
+        + " | ".join(f"{phases[p]:.2f}" for p in PHASES)
+        + f" | {_num(row.get('answer_ms'), 2)} | {_num(row.get('loop_lag_ms'), 2)} | {in_place} "
+        f"| {_num(row.get('over_timed'), 3)} | {priced} | {_num(row.get('over_bare'), 3)} |"
+      )
+  return "\n".join(lines) if len(lines) > 2 else ""
 
 
 def markdown_table(models: dict) -> str:
@@ -534,6 +670,52 @@ def machine() -> dict:
 # ------------------------------------------------------------------------------------------------ the run
 
 
+def hostile_schema(i: int) -> dict:
+  """A schema whose compile runs past any short timeout: an integer bound near 2**70 (a different one each)."""
+  return {"type": "integer", "minimum": 2**70 - 7 - i}
+
+
+async def fairness(client, url: str, count: int) -> dict:
+  """``count`` structured requests with :func:`hostile_schema`, then (0.1 s later) one with ``{"type": "boolean"}``:
+  seconds to the boolean's whole answer, and each hostile request's status and seconds."""
+
+  async def ask(schema: dict) -> tuple[int, float, str]:
+    body = {
+      "prompt": "answer = ",
+      "max_tokens": 4,
+      "temperature": 0,
+      "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}},
+    }
+    began = time.perf_counter()
+    response = await client.post(f"{url}/v1/completions", json=body)
+    text = response.json()["choices"][0]["text"] if response.status_code == 200 else response.text[:200]
+    return response.status_code, time.perf_counter() - began, text
+
+  slow = [asyncio.create_task(ask(hostile_schema(i))) for i in range(count)]
+  await asyncio.sleep(0.1)
+  status, seconds, text = await ask({"type": "boolean"})
+  pending = sum(not task.done() for task in slow)
+  outcomes = await asyncio.gather(*slow)
+  again = [await ask(hostile_schema(i)) for i in range(min(count, 2))]  # known to time out: from the cache
+  out = {
+    "hostile_count": count,
+    "boolean_status": status,
+    "boolean_s": seconds,
+    "boolean_text": text,
+    "hostile_pending_when_answered": pending,
+    "hostile": [{"status": c, "seconds": t} for c, t, _ in outcomes],
+    "hostile_again_s": [t for _, t, _ in again],
+  }
+  print(
+    f"  fairness: the boolean schema answered {status} in {seconds:.3f} s ({text!r}) with {pending} of {count} hostile "
+    f"schemas still compiling; those answered {sorted({c for c, _, _ in outcomes})} in "
+    f"{min(t for _, t, _ in outcomes):.1f}-{max(t for _, t, _ in outcomes):.1f} s, again in "
+    f"{', '.join(f'{t:.3f}' for _, t, _ in again)} s",
+    flush=True,
+  )
+  return out
+
+
 async def bench_model(
   url: str, args, prompts: list[str], rng: np.random.Generator, baseline: str | None = None
 ) -> dict:
@@ -556,6 +738,7 @@ async def bench_model(
       raise RuntimeError(f"a solo request failed: {failed[0]}")
     solo_latency = float(np.mean([r.latency for r in solo]))
     print(f"  {card['id']}: objective {card.get('objective')}, solo latency {1000 * solo_latency:.0f} ms", flush=True)
+    fair = await fairness(client, url, args.fairness) if args.fairness else None
     levels, baseline_row = [], None
     for level in args.concurrency:
       count = max(args.requests_per_level, level)
@@ -588,6 +771,8 @@ async def bench_model(
         flush=True,
       )
   out = {"card": card, "extra": extra, "solo_latency_s": solo_latency, "levels": levels}
+  if fair is not None:
+    out["fairness"] = fair
   if baseline_row is not None:
     out["baseline_level"] = baseline_row
     ours = next(row for row in levels if row["concurrency"] == 1)
@@ -635,6 +820,8 @@ def main(argv: list[str] | None = None) -> int:
         model["baseline_kv_cache"] = base.kv_cache
       rng = np.random.default_rng(args.seed)
       model.update(asyncio.run(bench_model(url, args, prompts, rng, base_url)))
+      if args.price:
+        model["bare"] = price_levels(checkpoint, args.slots, model["levels"])
     except Exception as e:  # The model's failure is reported; the other models still run.
       model["error"] = f"{type(e).__name__}: {e}"
       print(f"  failed: {model['error']}", flush=True)
@@ -651,6 +838,7 @@ def main(argv: list[str] | None = None) -> int:
     models[name] = model
 
   table = markdown_table(models)
+  breakdown = breakdown_table(models)
   comparison = compare_to_twin(models)
   info = machine()
   notes = [
@@ -687,6 +875,9 @@ def main(argv: list[str] | None = None) -> int:
   print()
   print(table)
   print()
+  if breakdown:
+    print(breakdown)
+    print()
   for line in comparison + notes:
     print(line if line.startswith("- ") else f"- {line}")
 
@@ -704,6 +895,7 @@ def main(argv: list[str] | None = None) -> int:
     "",
     table,
     "",
+    *([breakdown, ""] if breakdown else []),
     *comparison,
     *(f"- {note}" for note in notes),
     "",

@@ -312,7 +312,8 @@ def test_at_the_grace_limit_requests_in_flight_end_with_503_or_an_error_event_th
   finally:
     srv.kill()
   assert held == len(bodies), f"{held:.0f} of {len(bodies)} requests held: 429 while slots were free?"
-  assert full.status_code == 429 and full.headers["retry-after"], full.text
+  assert full.status_code == 429 and float(full.headers["retry-after"]) > 0, full.text
+  assert full.json()["error"]["type"] == "rate_limit_error" and full.json()["error"]["code"] == "queue_full"
   assert health.status_code == 503 and health.json() == {"status": "draining"}
   assert late.status_code == 503 and late.json()["error"]["code"] == "draining" and late.headers["retry-after"]
   assert code == 0, log

@@ -122,7 +122,11 @@ class FakeScheduler:
     self.reply, self.block, self.autoregressive, self.max_length = reply, block, autoregressive, context
     self.block_length_fixed, self.slots, self.mask_id, self.default_steps = True, 4, MASK, block
     self.vocab_size, self.default_knobs = self.tokenizer.vocab_size, Knobs(1.0, 0, 1.0, 0.9)
-    self.queue_depth, self.busy_slots, self.compilations, self.stats = 1, 2, 7, StepStats(5, 2.0, 0.25, 3, 0.5)
+    self.queue_depth, self.busy_slots, self.compilations = 1, 2, 7
+    phases = {"admit": 0.125, "dispatch": 0.5, "wait": 1.5, "report": 0.0625, "post": 0.0625}
+    self.stats = StepStats(5, **phases, chunks=3, chunk_seconds=0.5)
+    self.stats.steps.update({4: 3, 2: 2})
+    self.stats.prefills.update({32: 4, 0: 1})
     self.kv_pages, self.free_pages = 40, 31
     self.error, self.queue_full_after, self.wait, self.per_stream = None, None, False, False
     self.refuse, self.down, self.healthy = None, False, True
@@ -755,6 +759,11 @@ def test_metrics_read_the_scheduler_and_count_requests_tokens_and_forward_passes
     "mercury_engine_iterations_total 5.0",
     "mercury_engine_seconds_total 2.0",
     "mercury_engine_host_seconds_total 0.25",
+    'mercury_engine_phase_seconds_total{phase="admit"} 0.125',
+    'mercury_engine_phase_seconds_total{phase="wait"} 1.5',
+    'mercury_engine_phase_seconds_total{phase="post"} 0.0625',
+    'mercury_engine_steps_total{rows="4"} 3.0',
+    'mercury_prefills_total{slots="0"} 1.0',
     "mercury_prefill_chunks_total 3.0",
     "mercury_prefill_chunk_seconds_total 0.5",
     "mercury_generated_tokens_total 11.0",
@@ -766,6 +775,8 @@ def test_metrics_read_the_scheduler_and_count_requests_tokens_and_forward_passes
     "mercury_tokens_per_forward_count 1.0",
   ):
     assert line in text, line
+  answering = float(text.split("\nmercury_answer_seconds_total ")[1].split()[0])
+  assert 0 < answering < 1  # the reply's detokenising and encoding, timed
   scheduler.compilations = 9
   assert "mercury_compilations_total 9.0" in client.get("/metrics").text
 

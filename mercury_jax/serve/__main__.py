@@ -104,6 +104,13 @@ def build_parser() -> argparse.ArgumentParser:
     "request's tokens are the same whatever runs beside it)",
   )
   p.add_argument(
+    "--no-overlap",
+    dest="overlap",
+    action="store_false",
+    help="run the engine one step at a time: the host reads each step's view before it dispatches the next (default: "
+    "it reads a step's view while the next step runs; the same tokens, see serve/scheduler.py)",
+  )
+  p.add_argument(
     "--invariant-tile",
     type=int,
     default=0,
@@ -308,6 +315,7 @@ def _load(args: argparse.Namespace):
       prefill_share=args.prefill_share,
       solver=args.solver,
       guidance=args.guidance,
+      overlap=args.overlap,
     )
   except (SettingError, ValueError) as e:
     if pool is not None:  # Its processes are not left to find the server gone.
@@ -342,6 +350,7 @@ async def _serve(server, name: str, host: str, pool) -> None:
   if pool is not None:
     await pool.ready()
   server.loop = asyncio.get_running_loop()
+  watch = asyncio.create_task(server.config.app.state.metrics.watch_loop())  # mercury_event_loop_lag_seconds
 
   async def announce():
     while not server.started:
@@ -354,6 +363,7 @@ async def _serve(server, name: str, host: str, pool) -> None:
     await server.serve()
   finally:
     announcer.cancel()
+    watch.cancel()
 
 
 def main(argv: list[str] | None = None, *, compile_cache: bool = False) -> int:

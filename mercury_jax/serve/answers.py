@@ -20,6 +20,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import time
 from collections.abc import AsyncIterator
 
 from mercury_jax.sampling.sampler import MASK_TEXT
@@ -101,11 +102,19 @@ class Choice:
     return self._parts[0] if self._parts else ""
 
   def advance(self, update) -> tuple[str, str | None]:
-    """Takes an update; returns the text released by it and the choice's new draft (None without one).
+    """Takes an update; returns the text released by it and the choice's new draft (None without one). Its time
+    counts in ``mercury_answer_seconds_total``.
 
     Raises:
       APIError: 500 when the engine failed on the request (the details go to the log), 503 when it was cancelled.
     """
+    began = time.perf_counter()
+    try:
+      return self._advance(update)
+    finally:
+      self.metrics.answer_seconds.inc(time.perf_counter() - began)
+
+  def _advance(self, update) -> tuple[str, str | None]:
     if update.finish_reason == "error":
       logger.error("request %s: the engine failed on choice %d: %s", self.request_id, self.index, update.error)
       raise api.APIError.internal(self.request_id)
@@ -282,22 +291,29 @@ async def events(
       an event, then ``[DONE]``.
   """
   status = DISCONNECTED
+
+  def chunk(choices: list, usage_: api.Usage | None = None) -> dict:
+    began = time.perf_counter()
+    data = shape.chunk(choices, usage_)
+    metrics.answer_seconds.inc(time.perf_counter() - began)
+    return {"data": data}
+
   try:
     if shape.chat:
       for choice in choices:
-        yield {"data": shape.chunk([shape.delta(choice.index, None, role="assistant")])}
+        yield chunk([shape.delta(choice.index, None, role="assistant")])
     try:
       async with contextlib.aclosing(run(choices, ends.deadline, ends.closing)) as updates:
         async for choice, released, draft in updates:
           if choice.tool_call is not None:
-            yield {"data": shape.chunk([shape.delta(choice.index, None, call=choice.tool_call)])}
-            yield {"data": shape.chunk([shape.delta(choice.index, None, choice.finish_reason)])}
+            yield chunk([shape.delta(choice.index, None, call=choice.tool_call)])
+            yield chunk([shape.delta(choice.index, None, choice.finish_reason)])
           elif released or choice.finish_reason is not None:
-            yield {"data": shape.chunk([shape.delta(choice.index, released or None, choice.finish_reason)])}
+            yield chunk([shape.delta(choice.index, released or None, choice.finish_reason)])
           if draft is not None:
-            yield {"data": shape.chunk([shape.delta(choice.index, None, draft=draft)])}
+            yield chunk([shape.delta(choice.index, None, draft=draft)])
       if usage is not None:
-        yield {"data": shape.chunk([], usage())}
+        yield chunk([], usage())
       status = 200
     except (TimedOut, ShutDown) as stopped:
       error = ends.timeout if isinstance(stopped, TimedOut) else ends.shutdown

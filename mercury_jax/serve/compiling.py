@@ -27,6 +27,9 @@ expensive ones:
   its child when a general place is free (its memory limit is raised in place); otherwise the child is killed and the
   job waits for a general place, where it starts again with the rest of its time.
 * A job past its ``timeout`` (express and general time together) is killed and refused; so is one past ``memory``.
+* A job that has run :data:`QUICK_SECONDS` (longer than nearly every real schema takes) goes on at a lower priority
+  (nice :data:`LONG_NICE`), as does every general job: the kernel gives the cores to new jobs, and to the server's
+  own threads (the engine, the event loop), first. Old jobs still get every core nobody else wants.
 
 Answers and refusals are cached in the server process by a hash of the constraint (least recently used first out;
 refusals apart from compiled constraints, in a larger cache): a constraint known to fail, time out or be too large
@@ -65,6 +68,8 @@ MEMORY = 1 << 30  # Bytes of address space a general job may add beyond the zygo
 EXPRESS_MEMORY = 192 << 20  # The same for an express job (a four-field object with an e-mail format takes 58 MiB).
 EXPRESS_JOBS = 16  # Express jobs at a time: a burst of this many new constraints all start at once.
 EXPRESS_SECONDS = 1.0  # Seconds an express job runs before it needs a general place.
+QUICK_SECONDS = 0.1  # Seconds a job runs at the server's priority; then at nice LONG_NICE.
+LONG_NICE = 10  # The niceness of a job past QUICK_SECONDS (CFS gives nice 0 about nine times its share).
 FAILURES = 4096  # Refusals kept (each a hash and a message).
 STARTUP_TIMEOUT = 120.0  # Seconds a new zygote may take to import and build its compiler.
 INLINE_SOURCE = 1 << 15  # Characters of a constraint sent to its child from the event loop; longer: from a thread.
@@ -123,11 +128,13 @@ def _die_with_parent() -> None:
     pass
 
 
-def _run_job(fd: int, compile_, soft: int, hard: int) -> None:
+def _run_job(fd: int, compile_, soft: int, hard: int, nice: int) -> None:
   """A forked job: one constraint from the socket ``fd``, its answer back, then ``os._exit`` (never returns). Its
   stderr goes nowhere: a job past its address space may abort in Rust with a line there, and the server logs what
   matters (a death in the general lane)."""
   _die_with_parent()
+  if nice:
+    os.nice(nice)
   null = os.open(os.devnull, os.O_WRONLY)
   os.dup2(null, 2)
   os.close(null)
@@ -192,9 +199,12 @@ def _zygote(spec_fd: int, control_fd: int) -> None:
         pid = os.fork()
         if pid == 0:
           control.close()
-          _run_job(fds[0], compile_, message["soft"], memory)
+          _run_job(fds[0], compile_, message["soft"], memory, message["nice"])
         os.close(fds[0])
         children[job] = pid
+      elif message["op"] == "nice" and job in children:  # It ran QUICK_SECONDS.
+        with contextlib.suppress(OSError):
+          os.setpriority(os.PRIO_PROCESS, children[job], LONG_NICE)
       elif message["op"] == "grow" and job in children:  # An express job continues as a general one.
         _, hard = resource.prlimit(children[job], resource.RLIMIT_AS)
         resource.prlimit(children[job], resource.RLIMIT_AS, (hard, hard))
@@ -267,8 +277,9 @@ class _Zygote:
       raise RuntimeError(f"the compiling process did not start (exit code {self.process.returncode})") from None
     self.ready = status == "ready"
 
-  def fork(self, soft: int) -> tuple[int, Connection]:
-    """Starts a job's child with ``soft`` bytes of address space to grow by; returns its id and its socket.
+  def fork(self, soft: int, nice: int) -> tuple[int, Connection]:
+    """Starts a job's child with ``soft`` bytes of address space to grow by, at niceness ``nice``; returns its id and
+    its socket.
 
     Raises:
       OSError: The zygote is gone.
@@ -276,14 +287,15 @@ class _Zygote:
     self._jobs += 1
     ours, theirs = socket.socketpair()
     try:
-      message = json.dumps({"op": "start", "job": self._jobs, "soft": soft}).encode()
+      message = json.dumps({"op": "start", "job": self._jobs, "soft": soft, "nice": nice}).encode()
       socket.send_fds(self.control, [message], [theirs.fileno()])
     finally:
       theirs.close()
     return self._jobs, Connection(ours.detach())
 
   def command(self, op: str, job: int) -> None:
-    """``grow`` (a job's memory limit to the general one) or ``end`` (kill and reap its child); nothing if gone."""
+    """``nice`` (a job's priority lowered), ``grow`` (its memory limit raised to the general one) or ``end`` (its child
+    killed and reaped); nothing if the zygote is gone."""
     with contextlib.suppress(OSError):
       self.control.send(json.dumps({"op": op, "job": job}).encode())
 
@@ -302,9 +314,10 @@ class _Zygote:
 class _Child:
   """The server's end of one job's child."""
 
-  def __init__(self, zygote: _Zygote, soft: int, kind: str, source: str):
+  def __init__(self, zygote: _Zygote, soft: int, nice: int, kind: str, source: str):
     self.zygote = zygote
-    self.job, self.conn = zygote.fork(soft)
+    self.job, self.conn = zygote.fork(soft, nice)
+    self.niced = bool(nice)
     self._sent = None
     if len(source) <= INLINE_SOURCE:  # It fits the socket's buffer: the send does not wait for the child.
       self.conn.send((kind, source))
@@ -312,12 +325,19 @@ class _Child:
       self._sent = asyncio.ensure_future(asyncio.to_thread(self.conn.send, (kind, source)))
 
   async def answer(self, timeout: float) -> tuple[str, Any]:
-    """The child's answer, waiting at most ``timeout`` seconds.
+    """The child's answer, waiting at most ``timeout`` seconds (past :data:`QUICK_SECONDS` its priority is lowered).
 
     Raises:
       TimeoutError: It did not answer in time.
       EOFError, OSError: It died.
     """
+    if not self.niced and timeout > QUICK_SECONDS:
+      try:
+        await _readable(self.conn, QUICK_SECONDS)
+      except TimeoutError:
+        self.zygote.command("nice", self.job)
+        self.niced = True
+        timeout -= QUICK_SECONDS
     await _readable(self.conn, timeout)
     return self.conn.recv()
 
@@ -463,7 +483,7 @@ class CompilePool:
     (self._failures if isinstance(found, ConstraintError) else self._cache).put(key, found)
     return found
 
-  async def _child(self, job: _Job, soft: int) -> _Child:
+  async def _child(self, job: _Job, soft: int, nice: int = 0) -> _Child:
     """A new child for ``job`` (the zygote started again first if it died)."""
     async with self._restart:
       if not self._zygote.alive:
@@ -472,7 +492,7 @@ class CompilePool:
         self._zygote = _Zygote(self.spec, self.memory)
         await self._zygote.start()
     self.counts["jobs"] += 1
-    return _Child(self._zygote, soft, job.kind, job.source)
+    return _Child(self._zygote, soft, nice, job.kind, job.source)
 
   async def _lanes(self, job: _Job) -> Automaton | ConstraintError:
     """Runs ``job`` in the express lane, then (if it needs more) the general one (module docstring)."""
@@ -504,7 +524,7 @@ class CompilePool:
       self.counts["requeued"] += 1
       await self._general.acquire()
     try:
-      child = went_on or await self._child(job, self.memory)
+      child = went_on or await self._child(job, self.memory, LONG_NICE)
       try:
         status, payload = await child.answer(self.timeout - spent)
       except TimeoutError:

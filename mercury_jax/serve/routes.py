@@ -6,11 +6,14 @@ Endpoints: ``POST /v1/completions`` (``prompt``, optionally ``suffix`` to fill i
 ``GET /v1/models``, ``GET /health`` (503 while draining or when the engine has failed for good) and ``GET /metrics``
 (Prometheus text).
 
-Every request passes :class:`~mercury_jax.serve.guard.Guard` first: with an API key (``--api-key``), ``/v1/...`` needs
-``Authorization: Bearer KEY`` (401 otherwise); a body above ``--max-body-bytes`` answers 413. Every field is bounded
-(:mod:`mercury_jax.serve.protocol`; 400 naming the field). A request that has not finished ``--request-timeout``
-seconds after it arrived ends with 504 (a stream: an error event, then ``[DONE]``), and its slots are freed. A
-failure inside the server answers 500 with a fixed message and a request id; the details go to the server's log only.
+Every request passes :class:`~mercury_jax.serve.guard.Guard` first: with an API key (``--api-key``), ``/v1/...`` and
+``/openapi.json`` need ``Authorization: Bearer KEY`` (401 otherwise); a body above ``--max-body-bytes`` answers 413,
+one slower than ``--body-timeout`` 408. Every field is bounded and strictly typed (:mod:`mercury_jax.serve.protocol`;
+400 naming the field). On SIGTERM the server drains (:mod:`mercury_jax.serve.draining`): new requests answer 503, and
+those still running at the ``--grace`` limit end with 503 (a stream: an error event, then ``[DONE]``). A request
+that has not finished ``--request-timeout`` seconds after it arrived ends with 504 (a stream: an error event, then
+``[DONE]``), and its slots are freed. A failure inside the server answers 500 with a fixed message and a request id;
+the details go to the server's log only.
 
 Prompts are tokenised here (long ones off the event loop), and every update's tokens are decoded here,
 incrementally (:mod:`mercury_jax.serve.answers`), never on the engine thread. A chat prompt starts with BOS, as SFT
@@ -79,6 +82,7 @@ import dataclasses
 import logging
 import math
 import secrets
+import time
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -448,7 +452,10 @@ def create_app(scheduler, compiler, options: Options) -> FastAPI:
     except answers.ShutDown:
       raise ended from None
     metrics.request(path, 200)
-    return JSONResponse(form.whole(choices, usage()).model_dump(mode="json"))
+    began = time.perf_counter()
+    response = JSONResponse(form.whole(choices, usage()).model_dump(mode="json"))
+    metrics.answer_seconds.inc(time.perf_counter() - began)
+    return response
 
   def tokenise_completion(body: api.CompletionRequest, shape: structured.Structure, default_max_tokens: int) -> _Text:
     """A completion's :class:`_Text` (token healing is decided here)."""
