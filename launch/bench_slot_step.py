@@ -76,19 +76,21 @@ def _prefill_ms(engine: SlotEngine, size: int, repeats: int) -> float:
 
 
 def bare_costs(
-  sampler: Sampler, slots: int, *, rounds: int = 3, repeats: int = 4, tile: int = 0
+  sampler: Sampler, slots: int, *, rounds: int = 4, repeats: int = 3, tile: int = 0
 ) -> tuple[dict[int, float], dict[int, float]]:
-  """``({rows: ms per step}, {slots: ms per prefill})``: the median over ``rounds`` of the fastest of ``repeats``,
-  for every batch bucket and prefill bucket of a server with ``slots`` slots (its default flags: batch-invariant,
-  structured output's tables, prefill chunks of :data:`SERVER_PREFILL_CHUNK`)."""
+  """``({rows: ms per step}, {slots: ms per prefill})`` for every batch bucket and prefill bucket of a server with
+  ``slots`` slots (its default flags: batch-invariant, structured output's tables, prefill chunks of
+  :data:`SERVER_PREFILL_CHUNK`): the median of ``rounds`` x ``repeats`` single timings (not the fastest: a price to
+  compare with a server's mean times on a host whose load comes and goes)."""
   engine = _engine(sampler, slots, tile)
   steps = {n: [] for n in engine.row_buckets}
   prefills = {size: [] for size in engine.buckets}
   for _ in range(rounds):
-    for n in steps:
-      steps[n].append(_step_ms(engine, n, repeats))
-    for size in prefills:
-      prefills[size].append(_prefill_ms(engine, size, repeats))
+    for _ in range(repeats):
+      for n in steps:
+        steps[n].append(_step_ms(engine, n, 1))
+      for size in prefills:
+        prefills[size].append(_prefill_ms(engine, size, 1))
   return {n: statistics.median(v) for n, v in steps.items()}, {s: statistics.median(v) for s, v in prefills.items()}
 
 

@@ -430,7 +430,8 @@ class CompilePool:
   def close(self) -> None:
     """Stops the zygote, and with it every child."""
     for job in list(self._jobs.values()):
-      job.task.cancel()
+      with contextlib.suppress(RuntimeError):  # its loop may be closed already (asyncio.run cancelled it then)
+        job.task.cancel()
     if self._zygote is not None:
       self._zygote.kill()
       self._zygote = None

@@ -270,6 +270,7 @@ class SlotEngine:
       )
     self._automata: dict[int, Automaton] = {}  # admitted requests' constraints, until their prefill
     self._heals: dict[int, str] = {}  # admitted requests' healed characters, until their prefill
+    self._plain = None  # (tables, healing) of a row without a constraint or healing, built at the first prefill
     decoder = sampler.decoder("auto", block_length, decode, draft_length)
     self.decoder = decoder
     self.autoregressive = decoder.autoregressive
@@ -554,8 +555,14 @@ class SlotEngine:
     canvas = Canvas(place(command.tokens[row]), place(command.kinds[row]), place(command.streams[row]))
     knobs = Knobs(*(place(k[row]) for k in command.knobs))
     bucket = int(command.bucket[slot])
-    tables = self._tables([self._automata.pop(slot, None)])
-    heal = self._healing([self._heals.pop(slot, "")], [int(np.argmax(command.kinds[slot] == K.TARGET))])
+    automaton, healed = self._automata.pop(slot, None), self._heals.pop(slot, "")
+    if automaton is None and not healed:  # The usual admission: the arrays of "no constraint", built once.
+      if self._plain is None:
+        self._plain = (self._tables([None]), self._healing([""], [0]))
+      tables, heal = self._plain
+    else:
+      tables = self._tables([automaton])
+      heal = self._healing([healed], [int(np.argmax(command.kinds[slot] == K.TARGET))])
     steps, extra, key = place(command.steps[row]), place(command.extra[row]), place(command.keys[slot])
     return self._prefill[bucket](self.sampler.params, canvas, key, steps, knobs, tables, heal, extra)
 
