@@ -7,6 +7,6 @@ layer is ``guard`` (the API key, the body limit and its read timeout, before any
 grace period, and how what still runs at its end is answered), ``protocol`` (pydantic request and response models,
 every field bounded and strictly typed), ``routes`` (the FastAPI app), ``answers`` (updates into text: incremental
 detokenisation, stop strings, the SSE events), ``structured`` (response formats and tool calls), ``compiling`` (their
-constraints, compiled fairly in killable forked processes with a time and a memory limit), ``chat`` (chat templates)
-and ``metrics`` (Prometheus, including where a step's time goes). The engine knows nothing of HTTP.
+constraints, compiled fairly in killable processes with a time and a memory limit, which ``zygote`` forks), ``chat``
+(chat templates) and ``metrics`` (Prometheus, including where a step's time goes). The engine knows nothing of HTTP.
 """
