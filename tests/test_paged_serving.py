@@ -308,21 +308,22 @@ def test_pages_come_back_after_200_requests_with_cancellations_and_failures(samp
 
 def test_a_small_pool_makes_long_prompts_wait_then_serves_them_and_refuses_what_never_fits(samplers):
   """Pages for one long request at a time: a queue of long prompts is served one after another, each with its solo
-  tokens; beyond the queue, 429; a request that needs more pages than the pool has is refused up front."""
+  tokens; beyond the queue (3 waiting besides the one the pages take), 429, though rows are free; a request that
+  needs more pages than the pool has is refused up front."""
   sampler = samplers["autoregressive"]
   scheduler = Scheduler(sampler, slots=4, max_queue=3, kv_pages=1 + 8, page_size=8)
   scheduler.start()
   try:
-    long = [Request(tuple(range(10 + i, 50 + i)), 16, knobs=Knobs(1.0, 0, 1.0, 1.0), seed=i) for i in range(4)]
+    long = [Request(tuple(range(10 + i, 50 + i)), 16, knobs=Knobs(1.0, 0, 1.0, 1.0), seed=i) for i in range(5)]
     assert scheduler.engine.pages_needed(long[0]) == 8  # a padding slot, 40 and 16 positions: 57 slots, 8 pages
-    solo = [_together(scheduler, [r])[0] for r in long[:3]]
+    solo = [_together(scheduler, [r])[0] for r in long[:4]]
 
     async def main():
       loop = asyncio.get_running_loop()
       with scheduler._lock:  # The engine thread admits nothing meanwhile: the queue fills, then refuses.
-        handles = [scheduler.submit(r, loop) for r in long[:3]]
+        handles = [scheduler.submit(r, loop) for r in long[:4]]
         with pytest.raises(QueueFull):
-          scheduler.submit(long[3], loop)
+          scheduler.submit(long[4], loop)
       seen = [scheduler.busy_slots]
       outs = []
       for handle in handles:

@@ -12,6 +12,7 @@ from pathlib import Path
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
@@ -23,6 +24,7 @@ from mercury_jax.sampling.sampler import Sampler
 from mercury_jax.sampling.settings import SettingError
 from mercury_jax.serve.routes import Options, create_app
 from mercury_jax.serve.scheduler import QueueFull, Request, Scheduler, Update
+from mercury_jax.serve.slots import key_data
 
 KINDS = {
   "block_diffusion": (ModelConfig(causal=False), ObjectiveConfig(block_size=4)),
@@ -103,6 +105,31 @@ def test_every_request_equals_its_solo_run_whatever_runs_beside_it(scheduler):
   assert scheduler.busy_slots == 0 and scheduler.queue_depth == 0
 
 
+def test_overlapping_the_host_with_the_step_changes_no_token(scheduler, monkeypatch):
+  """The engine thread dispatches a step before it reads the previous one's view (a finished row then takes one more
+  step before its release): every request gets the tokens, end and forward passes it gets one step at a time."""
+  requests = _requests(scheduler, 12)
+  original, overlapped = scheduler.engine.dispatch, []
+
+  def dispatch(command, **kwargs):
+    overlapped.append(scheduler._pending is not None)
+    return original(command, **kwargs)
+
+  monkeypatch.setattr(scheduler.engine, "dispatch", dispatch)
+
+  async def together():
+    return [_whole(u) for u in await asyncio.gather(*(_run(scheduler, r) for r in requests))]
+
+  with_overlap = asyncio.run(together())
+  assert scheduler.overlap and sum(overlapped) > len(overlapped) // 2  # most steps went out with one still running
+  monkeypatch.setattr(scheduler, "overlap", False)
+  overlapped.clear()
+  one_at_a_time = asyncio.run(together())
+  assert not any(overlapped)
+  same = lambda u: (u.tokens, u.finish_reason, u.nfe)  # noqa: E731
+  assert [same(u) for u in with_overlap] == [same(u) for u in one_at_a_time]
+
+
 def test_updates_hand_out_new_tokens_and_drafts_cover_the_hole(scheduler):
   """Each update carries the tokens that became final with it; a draft is the whole hole: the final tokens so far,
   then the open block's proposals, then masks. The tokens equal the canvas the engine would have read back whole."""
@@ -168,13 +195,26 @@ def test_bad_requests_and_a_full_queue(scheduler, monkeypatch):
     with pytest.raises(SettingError) as error:
       scheduler.check(request)
     assert error.value.field == field
-  monkeypatch.setattr(scheduler, "max_queue", 0)
+  monkeypatch.setattr(scheduler, "max_queue", 1)
 
-  async def submit():
-    scheduler.submit(Request((5,), 4), asyncio.get_running_loop())
+  async def fill():
+    """With the engine thread held off (the lock is re-entrant for this thread), an idle scheduler takes a request
+    per free slot plus max_queue, and refuses the next; then the ones it took run to their end."""
+    loop, small = asyncio.get_running_loop(), Request((5,), 4)
+    with scheduler._lock:
+      handles = [scheduler.submit(small, loop) for _ in range(scheduler.slots + 1)]
+      with pytest.raises(QueueFull, match="at capacity"):
+        scheduler.submit(small, loop)
+    return [[u async for u in handle.updates()][-1].finish_reason for handle in handles]
 
-  with pytest.raises(QueueFull, match="at capacity"):
-    asyncio.run(submit())
+  assert set(asyncio.run(fill())) <= {"stop", "length"}
+
+
+def test_an_admission_derives_the_seeds_key_on_the_host_as_jax_does():
+  """The engine thread admits while a step runs, so a request's key is not asked of the device (it would wait)."""
+  for seed in (0, 1, 12345, 2**31 - 1, 2**31, 2**32 - 1):
+    expected = np.asarray(jax.random.key_data(jax.random.key(seed)))
+    assert key_data(seed).dtype == np.uint32 and (key_data(seed) == expected).all(), seed
 
 
 # ------------------------------------------------------------------------------------------- failures over HTTP

@@ -3,7 +3,7 @@
     python -m mercury_jax.bench serve --model diffusion=runs/bd --model twin=runs/ar \\
       [--concurrency 1,4,16,64] [--requests-per-level 64] [--max-tokens 64] [--slots 64] \\
       [--extra '{"steps_per_block": 2, "threshold": 0.9}'] [--temperature 1.0] [--seed 0] [--prompts FILE] \\
-      [--out bench_serve]
+      [--price] [--fairness 8] [--out bench_serve]
 
 Needs ``httpx`` and ``matplotlib`` besides the server's own packages. For each ``--model NAME=CHECKPOINT`` the command
 starts a server (``sys.executable -m mercury_jax.serve --port 0``; its log goes to ``OUT/server-NAME.log``), waits for
@@ -38,6 +38,24 @@ Definitions (times from the client's clock; a request's latency runs from just b
   engine thread's mean time per iteration that ran a step, and the share of it spent on the host around the engine
   (building the command, admissions, reading the step's view, handing out updates). "-" for a server without them.
 * p99 of a level with fewer than 100 requests lies between its two largest values (linear interpolation).
+
+The engine breakdown (a second table, from the server's ``mercury_engine_phase_seconds_total``): the engine thread's
+time per step by phase (``admit``, ``dispatch``, ``wait``, ``report``, ``post``; they add up to engine ms/step), the
+event loop's per-token work per step (``mercury_answer_seconds_total``: detokenising, stop strings, encoding the
+events) and its mean lag (``mercury_event_loop_lag_seconds``). With ``--price``, once a model's levels are done the
+command times every batch bucket's step and every prefill bucket's prefill bare in its own process while the
+server idles (:func:`mercury_jax.bench.slot_step.bare_costs`: the server's default engine, no HTTP), prices each
+level's steps and prefills (``mercury_engine_steps_total{rows}``, ``mercury_prefills_total{slots}``) at those times,
+and gives the engine's time per step over that bare work. It assumes the server's default engine flags
+(``--server-args`` that change its programs, such as ``--no-batch-invariance``, are not priced right). Without ``--price`` the same ratio is
+given *in place*: the server times one iteration in 32 with its prefills and step alone on the device
+(``mercury_engine_timed_*``), under the level's own load, which on a CPU host includes the event loop, the client
+and any other process on the cores; engine / in place is then the engine thread's overhead over the device's work.
+
+``--fairness N``: before the levels, N requests whose JSON Schemas run past the compile timeout (integer bounds
+near 2**70, a different one each) and, 0.1 s later, one whose schema is ``{"type": "boolean"}``: the seconds to
+the boolean's whole answer (its compile, prefill and tokens), how many of the N were still compiling then, and
+the N refusals' times (again, two of them: from the cache of refusals).
 
 Sampling: ``--temperature`` defaults to 1.0, the model's own distribution, as a sampling client would use it (greedy
 decoding makes small models loop on one phrase, text unlike what they serve); each request has seed ``--seed`` plus
@@ -74,7 +92,7 @@ from pathlib import Path
 import numpy as np
 
 from mercury_jax import usage
-from mercury_jax.bench import serving
+from mercury_jax.bench import engine_split as split, serving
 from mercury_jax.bench.prompts import CODE_PROMPTS
 from mercury_jax.bench.report import finite
 from mercury_jax.bench.throughput import host_info
@@ -139,6 +157,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     help="open: Poisson arrivals at level / solo latency (default); closed: LEVEL clients, each sending its next "
     "request when its last one ended (never more than LEVEL in flight)",
   )
+  p.add_argument(
+    "--price",
+    action="store_true",
+    help="after each model's levels, time every batch bucket's step and every prefill bucket's prefill bare (in this "
+    "process, the server idle) and price each level's engine work with them (see the slot-step command)",
+  )
+  p.add_argument(
+    "--fairness",
+    type=int,
+    default=0,
+    metavar="N",
+    help="before the levels, send N structured requests whose schemas run past the compile timeout (integer bounds "
+    "near 2**70), then a {'type': 'boolean'} one, and time the boolean's answer (0: skip)",
+  )
   p.add_argument("--out", default="bench_serve", help="folder for results.json, results.md and the plot")
 
 
@@ -196,11 +228,12 @@ async def bench_model(
       raise RuntimeError(f"a solo request failed: {failed[0]}")
     solo_latency = float(np.mean([r.latency for r in solo]))
     print(f"  {card['id']}: objective {card.get('objective')}, solo latency {1000 * solo_latency:.0f} ms", flush=True)
+    fair = await split.fairness(client, url, args.fairness) if args.fairness else None
     levels, baseline_row = [], None
     for level in args.concurrency:
       count = max(args.requests_per_level, level)
       bodies = [serving.request_body(i, prompts, args, extra) for i in range(count)]
-      before = await serving.counters(client, url)
+      before = await split.counters(client, url)
       if level == 1 and baseline is not None:
         (records, base), rate, load = await serving.alternating(client, (url, baseline), bodies), None, "sequential"
         baseline_row = serving.summarize(base, level, load, rate)
@@ -211,23 +244,25 @@ async def bench_model(
       else:
         rate, load = level / solo_latency, "poisson"
         records = await serving.open_loop(client, url, bodies, rate, rng)
-      after = await serving.counters(client, url)
+      after = await split.counters(client, url)
       row = serving.summarize(records, level, load, rate)
       compiled = "mercury_compilations_total"
       row["compilations"] = after[compiled] - before[compiled] if compiled in before and compiled in after else None
-      row |= serving.engine_split(before, after)
+      row |= split.engine_split(before, after)
       row["records"] = [dataclasses.asdict(r) for r in records]
       levels.append(row)
-      split = ""
+      share = ""
       if row["host_share"] is not None:
-        split = f", engine {row['step_ms']:.1f} ms/step with {100 * row['host_share']:.1f} % on the host"
+        share = f", engine {row['step_ms']:.1f} ms/step with {100 * row['host_share']:.1f} % on the host"
       print(
         f"  concurrency {level}: {row['output_tokens_per_s']:.1f} out tok/s, "
         f"latency p50 {serving.ms(row['latency_p50_s'])} ms, achieved {row['achieved_concurrency']:.2f}, "
-        f"{row['errors']} errors{split}",
+        f"{row['errors']} errors{share}",
         flush=True,
       )
   out = {"card": card, "extra": extra, "solo_latency_s": solo_latency, "levels": levels}
+  if fair is not None:
+    out["fairness"] = fair
   if baseline_row is not None:
     out["baseline_level"] = baseline_row
     ours = next(row for row in levels if row["concurrency"] == 1)
@@ -280,6 +315,8 @@ def run_serve(args: argparse.Namespace) -> int:
         model["baseline_kv_cache"] = base.kv_cache
       rng = np.random.default_rng(args.seed)
       model.update(asyncio.run(bench_model(url, args, prompts, rng, base_url)))
+      if args.price:
+        model["bare"] = split.price_levels(checkpoint, args.slots, model["levels"])
     except Exception as e:  # The model's failure is reported; the other models still run.
       model["error"] = f"{type(e).__name__}: {e}"
       print(f"  failed: {model['error']}", flush=True)
@@ -296,6 +333,7 @@ def run_serve(args: argparse.Namespace) -> int:
     models[name] = model
 
   table = serving.markdown_table(models)
+  breakdown = split.breakdown_table(models)
   comparison = compare_to_twin(models)
   info = host_info()
   notes = [
@@ -332,6 +370,9 @@ def run_serve(args: argparse.Namespace) -> int:
   print()
   print(table)
   print()
+  if breakdown:
+    print(breakdown)
+    print()
   for line in comparison + notes:
     print(line if line.startswith("- ") else f"- {line}")
 
@@ -349,6 +390,7 @@ def run_serve(args: argparse.Namespace) -> int:
     "",
     table,
     "",
+    *([breakdown, ""] if breakdown else []),
     *comparison,
     *(f"- {note}" for note in notes),
     "",

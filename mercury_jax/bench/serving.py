@@ -225,31 +225,6 @@ COUNTERS = (
 )
 
 
-async def counters(client, url: str) -> dict[str, float]:
-  """The :data:`COUNTERS` the server's ``/metrics`` has (an older server lacks some)."""
-  try:
-    text = (await client.get(f"{url}/metrics")).text
-  except Exception:
-    return {}
-  found = {}
-  for line in text.splitlines():
-    name, _, value = line.partition(" ")
-    if name in COUNTERS:
-      found[name] = float(value)
-  return found
-
-
-def engine_split(before: dict, after: dict) -> dict:
-  """Engine ms per step and the host's share of it over a level (None without the counters)."""
-  names = COUNTERS[1:]
-  if not all(n in before and n in after for n in names):
-    return {"engine_steps": None, "step_ms": None, "host_share": None}
-  steps, engine, host = (after[n] - before[n] for n in names)
-  if steps < 1:
-    return {"engine_steps": 0, "step_ms": None, "host_share": None}
-  return {"engine_steps": steps, "step_ms": 1000 * (engine + host) / steps, "host_share": host / (engine + host)}
-
-
 # ------------------------------------------------------------------------------------------------ statistics
 
 

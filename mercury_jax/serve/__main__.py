@@ -8,15 +8,17 @@ Examples::
     -d '{"prompt": "def fibonacci(n):", "max_tokens": 64, "stream": true}'
 
 The endpoints and the streaming format are described in :mod:`mercury_jax.serve.routes`. The server prints
-``serving MODEL on http://HOST:PORT`` once it listens (``--port 0`` picks a free port). On SIGTERM or Ctrl-C it stops
-accepting connections, ``/health`` turns 503, running requests get ``--grace`` seconds to finish, then the engine
-stops and the process exits 0. Bad flags get one line on stderr and exit code 2. Compiled programs are kept in
-``~/.cache/mercury_jax/xla`` as for ``python -m mercury_jax.sample``.
+``serving MODEL on http://HOST:PORT`` once it listens (``--port 0`` picks a free port). On SIGTERM or Ctrl-C it keeps
+listening but ``/health`` answers 503 and new requests 503, running requests get ``--grace`` seconds to finish, those
+still running then end with a 503 (a stream: an error event, then ``[DONE]``), and the process exits 0
+(:mod:`mercury_jax.serve.draining`; a second signal ends the grace at once). Bad flags get one line on stderr and
+exit code 2. Compiled programs are kept in ``~/.cache/mercury_jax/xla`` as for ``python -m mercury_jax.sample``.
 
 Exposed servers: ``--host 0.0.0.0`` without ``--api-key`` (or ``MERCURY_API_KEY``) lets anyone on the network use
-the model. With a key, ``/v1/...`` needs ``Authorization: Bearer KEY``; ``/health`` and ``/metrics`` stay open.
-``--max-body-bytes``, ``--request-timeout``, ``--compile-workers`` and ``--compile-timeout`` bound what one request
-can cost (see :mod:`mercury_jax.serve.guard` and :mod:`mercury_jax.serve.compiling`). Errors and their details go
+the model. With a key, ``/v1/...`` and ``/openapi.json`` need ``Authorization: Bearer KEY``; ``/health`` and
+``/metrics`` stay open. ``--max-body-bytes``, ``--body-timeout``, ``--request-timeout``, ``--compile-workers`` and
+``--compile-timeout`` bound what one request can cost (see :mod:`mercury_jax.serve.guard` and
+:mod:`mercury_jax.serve.compiling`). Errors and their details go
 to stderr (logger ``mercury_jax.serve``); clients see a fixed message and a request id.
 
 Multi-host: start the same command on every host with ``--coordinator HOST:PORT --num-processes N --process-id I``
@@ -37,6 +39,7 @@ from pathlib import Path
 
 from mercury_jax import usage
 from mercury_jax.limits import MAX_TILE
+from mercury_jax.serve.guard import MAX_BODY_TIMEOUT
 from mercury_jax.serve.pacing import DEFAULT_SHARE, MAX_SHARE, MIN_SHARE
 
 BUNDLED_NAME = "mercury_jax-{model}"  # The model name of a bundled checkpoint (--model).
@@ -101,6 +104,13 @@ def build_parser() -> argparse.ArgumentParser:
     "request's tokens are the same whatever runs beside it)",
   )
   p.add_argument(
+    "--no-overlap",
+    dest="overlap",
+    action="store_false",
+    help="run the engine one step at a time: the host reads each step's view before it dispatches the next (default: "
+    "it reads a step's view while the next step runs; the same tokens, see serve/scheduler.py)",
+  )
+  p.add_argument(
     "--invariant-tile",
     type=int,
     default=0,
@@ -137,7 +147,10 @@ def build_parser() -> argparse.ArgumentParser:
   )
   p.add_argument("--model-name", help="the name clients see (default: the checkpoint folder's name)")
   p.add_argument(
-    "--grace", type=float, default=30.0, help="seconds running requests get to finish on shutdown (default 30)"
+    "--grace",
+    type=float,
+    default=30.0,
+    help="seconds running requests get to finish after SIGTERM; those still running then end with 503 (default 30)",
   )
   p.add_argument(
     "--constraint-capacity",
@@ -154,6 +167,12 @@ def build_parser() -> argparse.ArgumentParser:
     "--max-body-bytes", type=int, default=4 << 20, help="largest request body; larger ones get 413 (default 4 MiB)"
   )
   p.add_argument(
+    "--body-timeout",
+    type=float,
+    default=10.0,
+    help=f"seconds a request's body may take to arrive; slower ones get 408 (default 10, at most {MAX_BODY_TIMEOUT:g})",
+  )
+  p.add_argument(
     "--request-timeout",
     type=float,
     default=600.0,
@@ -163,7 +182,8 @@ def build_parser() -> argparse.ArgumentParser:
     "--compile-workers",
     type=int,
     default=2,
-    help="processes that compile structured-output constraints, each job under a time and memory limit (default 2)",
+    help="structured-output constraints that may compile at once past their first second (each job under a time "
+    "and memory limit; newer ones get their first second at once beside them, see serve/compiling.py; default 2)",
   )
   p.add_argument(
     "--compile-timeout",
@@ -215,6 +235,8 @@ def _check_args(args: argparse.Namespace) -> None:
     _fail("--api-key is empty; give the key clients must send, or leave the flag (and MERCURY_API_KEY) out")
   if args.max_body_bytes < 1024:
     _fail(f"--max-body-bytes={args.max_body_bytes} must be >= 1024")
+  if not 0 < args.body_timeout <= MAX_BODY_TIMEOUT:
+    _fail(f"--body-timeout={args.body_timeout} must lie in (0, {MAX_BODY_TIMEOUT:g}] seconds")
   if not args.request_timeout > 0:
     _fail(f"--request-timeout={args.request_timeout} must be > 0 seconds")
   if args.compile_workers < 1:
@@ -293,6 +315,7 @@ def _load(args: argparse.Namespace):
       prefill_share=args.prefill_share,
       solver=args.solver,
       guidance=args.guidance,
+      overlap=args.overlap,
     )
   except (SettingError, ValueError) as e:
     if pool is not None:  # Its processes are not left to find the server gone.
@@ -326,6 +349,8 @@ async def _serve(server, name: str, host: str, pool) -> None:
   """Runs ``server`` and prints the line that says it listens (tests wait for it), once the compile pool is ready."""
   if pool is not None:
     await pool.ready()
+  server.loop = asyncio.get_running_loop()
+  watch = asyncio.create_task(server.config.app.state.metrics.watch_loop())  # mercury_event_loop_lag_seconds
 
   async def announce():
     while not server.started:
@@ -338,6 +363,7 @@ async def _serve(server, name: str, host: str, pool) -> None:
     await server.serve()
   finally:
     announcer.cancel()
+    watch.cancel()
 
 
 def main(argv: list[str] | None = None, *, compile_cache: bool = False) -> int:
@@ -375,6 +401,7 @@ def main(argv: list[str] | None = None, *, compile_cache: bool = False) -> int:
     token_healing=args.token_healing,
     api_key=args.api_key,
     max_body_bytes=args.max_body_bytes,
+    body_timeout=args.body_timeout,
     request_timeout=args.request_timeout,
   )
   try:
@@ -382,12 +409,24 @@ def main(argv: list[str] | None = None, *, compile_cache: bool = False) -> int:
   except TemplateError as e:
     _fail(f"--checkpoint: {e}")
 
-  class Server(uvicorn.Server):
-    def handle_exit(self, sig, frame):
-      app.state.draining = True  # /health answers 503 while running requests finish.
-      super().handle_exit(sig, frame)
+  from sse_starlette.sse import AppStatus
 
-  config = uvicorn.Config(app, host=args.host, port=args.port, timeout_graceful_shutdown=args.grace, lifespan="off")
+  from mercury_jax.serve.draining import MARGIN
+
+  AppStatus.disable_automatic_graceful_drain()  # Streams end through the drain (an error event, [DONE]), not cut.
+  drain = app.state.drain
+
+  class Server(uvicorn.Server):
+    loop: asyncio.AbstractEventLoop | None = None  # set by _serve
+
+    def handle_exit(self, sig, frame):  # A signal handler: it only schedules the drain on the loop.
+      if self.loop is None:
+        self.should_exit = True
+      else:
+        self.loop.call_soon_threadsafe(drain.signal, lambda: setattr(self, "should_exit", True))
+
+  # Uvicorn's own graceful shutdown starts once the drain is over: every request has answered by then.
+  config = uvicorn.Config(app, host=args.host, port=args.port, timeout_graceful_shutdown=MARGIN, lifespan="off")
   server = Server(config)
   for sig in (signal.SIGINT, signal.SIGTERM):  # uvicorn raises the signal that stopped it again: drain instead.
     signal.signal(sig, lambda *_: None)
@@ -403,7 +442,7 @@ def main(argv: list[str] | None = None, *, compile_cache: bool = False) -> int:
   finally:
     if pool is not None:
       pool.close()
-  scheduler.shutdown(args.grace)
+  scheduler.shutdown(MARGIN)  # Every request has ended; their slots are freed at the engine's next iteration.
   return 0
 
 

@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
+import time
 from collections.abc import AsyncIterator
 
 from mercury_jax.sampling.sampler import MASK_TEXT
@@ -100,11 +102,19 @@ class Choice:
     return self._parts[0] if self._parts else ""
 
   def advance(self, update) -> tuple[str, str | None]:
-    """Takes an update; returns the text released by it and the choice's new draft (None without one).
+    """Takes an update; returns the text released by it and the choice's new draft (None without one). Its time
+    counts in ``mercury_answer_seconds_total``.
 
     Raises:
       APIError: 500 when the engine failed on the request (the details go to the log), 503 when it was cancelled.
     """
+    began = time.perf_counter()
+    try:
+      return self._advance(update)
+    finally:
+      self.metrics.answer_seconds.inc(time.perf_counter() - began)
+
+  def _advance(self, update) -> tuple[str, str | None]:
     if update.finish_reason == "error":
       logger.error("request %s: the engine failed on choice %d: %s", self.request_id, self.index, update.error)
       raise api.APIError.internal(self.request_id)
@@ -162,14 +172,38 @@ class TimedOut(Exception):
   """The request ran past its deadline (the routes answer it; the choices are cancelled)."""
 
 
-async def run(choices: list[Choice], deadline: float | None = None) -> AsyncIterator[tuple[Choice, str, str | None]]:
+class ShutDown(Exception):
+  """The server's grace period ended before the request did (the routes answer it; the choices are cancelled)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Ends:
+  """How a stream ends early, and what it says then.
+
+  Attributes:
+    deadline: The request's deadline on the loop's clock (None: none).
+    timeout: The :class:`~mercury_jax.serve.protocol.APIError` sent when ``deadline`` passes.
+    closing: Set when the server's grace period ends (None: never).
+    shutdown: The :class:`~mercury_jax.serve.protocol.APIError` sent when ``closing`` is set.
+  """
+
+  deadline: float | None = None
+  timeout: api.APIError | None = None
+  closing: asyncio.Event | None = None
+  shutdown: api.APIError | None = None
+
+
+async def run(
+  choices: list[Choice], deadline: float | None = None, closing: asyncio.Event | None = None
+) -> AsyncIterator[tuple[Choice, str, str | None]]:
   """``(choice, released text, draft)`` as the choices' updates arrive, until every choice has finished.
 
-  However it ends (finished, failed, timed out at ``deadline`` on the loop's clock, or closed because the client
-  left), the choices still running are cancelled, which frees their slots.
+  However it ends (finished, failed, timed out at ``deadline`` on the loop's clock, stopped by ``closing``, or closed
+  because the client left), the choices still running are cancelled, which frees their slots.
 
   Raises:
     TimedOut: ``deadline`` passed first.
+    ShutDown: ``closing`` was set first.
   """
   queue: asyncio.Queue = asyncio.Queue()
   loop = asyncio.get_running_loop()
@@ -181,12 +215,18 @@ async def run(choices: list[Choice], deadline: float | None = None) -> AsyncIter
     except Exception as error:  # noqa: BLE001  Handed to the consumer, which answers 500.
       queue.put_nowait((choice, error))
 
+  async def close():
+    await closing.wait()
+    queue.put_nowait((None, ShutDown()))
+
   tasks = [asyncio.create_task(pump(choice)) for choice in choices]
+  if closing is not None:
+    tasks.append(asyncio.create_task(close()))
   timer = loop.call_at(deadline, queue.put_nowait, (None, TimedOut())) if deadline is not None else None
   try:
     while any(choice.finish_reason is None for choice in choices):
       choice, update = await queue.get()
-      if isinstance(update, TimedOut):
+      if isinstance(update, TimedOut | ShutDown):
         raise update
       if isinstance(update, Exception):
         request_id = choice.request_id
@@ -233,45 +273,52 @@ class Shape:
     return api.Completion(id=self.id, model=self.model, choices=items, usage=usage)
 
 
-async def collect(choices: list[Choice], deadline: float | None = None) -> None:
+async def collect(choices: list[Choice], deadline: float | None = None, closing: asyncio.Event | None = None) -> None:
   """Runs the choices to their end (:func:`run`), for a whole answer."""
-  async with contextlib.aclosing(run(choices, deadline)) as updates:
+  async with contextlib.aclosing(run(choices, deadline, closing)) as updates:
     async for _ in updates:
       pass
 
 
 async def events(
-  choices: list[Choice], shape: Shape, usage, metrics: Metrics, path: str, deadline: float | None, timeout_error
+  choices: list[Choice], shape: Shape, usage, metrics: Metrics, path: str, ends: Ends = Ends()
 ) -> AsyncIterator[dict]:
   """The SSE events of a streamed answer (:mod:`~mercury_jax.serve.routes`' docstring).
 
   Args:
     usage: A callable for the usage event, or None.
-    deadline: The request's deadline on the loop's clock (None: none); past it the stream ends with
-      ``timeout_error``'s body, then ``[DONE]``.
-    timeout_error: The :class:`~mercury_jax.serve.protocol.APIError` of a timed-out request.
+    ends: The request's deadline and the server's grace limit: past either the stream ends with the error's body as
+      an event, then ``[DONE]``.
   """
   status = DISCONNECTED
+
+  def chunk(choices: list, usage_: api.Usage | None = None) -> dict:
+    began = time.perf_counter()
+    data = shape.chunk(choices, usage_)
+    metrics.answer_seconds.inc(time.perf_counter() - began)
+    return {"data": data}
+
   try:
     if shape.chat:
       for choice in choices:
-        yield {"data": shape.chunk([shape.delta(choice.index, None, role="assistant")])}
+        yield chunk([shape.delta(choice.index, None, role="assistant")])
     try:
-      async with contextlib.aclosing(run(choices, deadline)) as updates:
+      async with contextlib.aclosing(run(choices, ends.deadline, ends.closing)) as updates:
         async for choice, released, draft in updates:
           if choice.tool_call is not None:
-            yield {"data": shape.chunk([shape.delta(choice.index, None, call=choice.tool_call)])}
-            yield {"data": shape.chunk([shape.delta(choice.index, None, choice.finish_reason)])}
+            yield chunk([shape.delta(choice.index, None, call=choice.tool_call)])
+            yield chunk([shape.delta(choice.index, None, choice.finish_reason)])
           elif released or choice.finish_reason is not None:
-            yield {"data": shape.chunk([shape.delta(choice.index, released or None, choice.finish_reason)])}
+            yield chunk([shape.delta(choice.index, released or None, choice.finish_reason)])
           if draft is not None:
-            yield {"data": shape.chunk([shape.delta(choice.index, None, draft=draft)])}
+            yield chunk([shape.delta(choice.index, None, draft=draft)])
       if usage is not None:
-        yield {"data": shape.chunk([], usage())}
+        yield chunk([], usage())
       status = 200
-    except TimedOut:
-      status = timeout_error.status
-      yield {"data": json.dumps(timeout_error.body())}
+    except (TimedOut, ShutDown) as stopped:
+      error = ends.timeout if isinstance(stopped, TimedOut) else ends.shutdown
+      status = error.status
+      yield {"data": json.dumps(error.body())}
     except api.APIError as error:
       status = error.status
       yield {"data": json.dumps(error.body())}

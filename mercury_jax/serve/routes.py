@@ -6,11 +6,14 @@ Endpoints: ``POST /v1/completions`` (``prompt``, optionally ``suffix`` to fill i
 ``GET /v1/models``, ``GET /health`` (503 while draining or when the engine has failed for good) and ``GET /metrics``
 (Prometheus text).
 
-Every request passes :class:`~mercury_jax.serve.guard.Guard` first: with an API key (``--api-key``), ``/v1/...`` needs
-``Authorization: Bearer KEY`` (401 otherwise); a body above ``--max-body-bytes`` answers 413. Every field is bounded
-(:mod:`mercury_jax.serve.protocol`; 400 naming the field). A request that has not finished ``--request-timeout``
-seconds after it arrived ends with 504 (a stream: an error event, then ``[DONE]``), and its slots are freed. A
-failure inside the server answers 500 with a fixed message and a request id; the details go to the server's log only.
+Every request passes :class:`~mercury_jax.serve.guard.Guard` first: with an API key (``--api-key``), ``/v1/...`` and
+``/openapi.json`` need ``Authorization: Bearer KEY`` (401 otherwise); a body above ``--max-body-bytes`` answers 413,
+one slower than ``--body-timeout`` 408. Every field is bounded and strictly typed (:mod:`mercury_jax.serve.protocol`;
+400 naming the field). On SIGTERM the server drains (:mod:`mercury_jax.serve.draining`): new requests answer 503, and
+those still running at the ``--grace`` limit end with 503 (a stream: an error event, then ``[DONE]``). A request
+that has not finished ``--request-timeout`` seconds after it arrived ends with 504 (a stream: an error event, then
+``[DONE]``), and its slots are freed. A failure inside the server answers 500 with a fixed message and a request id;
+the details go to the server's log only.
 
 Prompts are tokenised here (long ones off the event loop), and every update's tokens are decoded here,
 incrementally (:mod:`mercury_jax.serve.answers`), never on the engine thread. A chat prompt starts with BOS, as SFT
@@ -79,6 +82,7 @@ import dataclasses
 import logging
 import math
 import secrets
+import time
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -90,6 +94,7 @@ from mercury_jax.sampling import healing
 from mercury_jax.sampling.settings import Budget, SettingError, hole_loads, steps_per_block
 from mercury_jax.serve import answers, protocol as api, structured
 from mercury_jax.serve.chat import TemplateError, chat_template_of, prompt_ids
+from mercury_jax.serve.draining import Drain, InFlight
 from mercury_jax.serve.guard import Guard
 from mercury_jax.serve.metrics import Metrics
 from mercury_jax.serve.scheduler import EngineDown, Knobs, QueueFull, Request as EngineRequest, ShuttingDown
@@ -99,9 +104,6 @@ COMPLETIONS_MAX_TOKENS = 16  # /v1/completions without max_tokens (OpenAI's defa
 CHAT_MAX_TOKENS = 256  # Chat and FIM without max_tokens: at most this, and no more than the context leaves.
 PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/fim/completions")  # Counted in mercury_requests_total.
 DISCONNECTED = answers.DISCONNECTED
-# A stream still running at shutdown is ended this many seconds before the server's graceful-shutdown deadline, so it
-# closes cleanly instead of being killed with the server's tasks.
-STREAM_SHUTDOWN_MARGIN = 1.0
 INLINE_CHARS = 4096  # Texts up to this long are tokenised on the event loop; longer ones on a thread.
 
 
@@ -111,12 +113,14 @@ class Options:
 
   Attributes:
     model_name: The name ``/v1/models`` lists and every response carries.
-    grace: The server's graceful-shutdown timeout: a stream may go on for about this long after shutdown begins.
+    grace: Seconds the requests in flight get to finish after SIGTERM; then they end with 503
+      (:mod:`~mercury_jax.serve.draining`).
     token_healing: Re-generate the last token of a plain-text completion's prompt, restricted to the tokens whose
       text starts with its characters (:mod:`~mercury_jax.sampling.healing`): not for FIM, structured output, or a
       model with a chat template (SFT: its prompts end at a boundary it learned).
     api_key: The key ``/v1/...`` requests must send (``Authorization: Bearer KEY``); None: none.
     max_body_bytes: The largest request body (larger: 413).
+    body_timeout: Seconds a request's body may take to arrive (slower: 408).
     request_timeout: Seconds a request may take from arrival to its last token (then 504; its slots are freed).
   """
 
@@ -125,6 +129,7 @@ class Options:
   token_healing: bool = True
   api_key: str | None = None
   max_body_bytes: int = 4 << 20
+  body_timeout: float = 10.0
   request_timeout: float = 600.0
 
 
@@ -166,22 +171,26 @@ async def _disconnected(request: Request) -> None:
     pass
 
 
-async def _unless_gone(request: Request, awaitable, deadline: float, timeout: api.APIError):
-  """``await awaitable``, cancelled when the client goes away (:class:`ClientGone`) or ``deadline`` passes (the
-  ``timeout`` error)."""
+async def _unless_gone(request: Request, awaitable, deadline: float, timeout: api.APIError, drain: Drain):
+  """``await awaitable``, cancelled when the client goes away (:class:`ClientGone`), ``deadline`` passes (the
+  ``timeout`` error) or the server's grace period ends (its 503)."""
   work, gone = asyncio.ensure_future(awaitable), asyncio.ensure_future(_disconnected(request))
+  closing = asyncio.ensure_future(drain.closing.wait())
   try:
     remaining = deadline - asyncio.get_running_loop().time()
-    await asyncio.wait((work, gone), timeout=max(remaining, 0.0), return_when=asyncio.FIRST_COMPLETED)
+    await asyncio.wait((work, gone, closing), timeout=max(remaining, 0.0), return_when=asyncio.FIRST_COMPLETED)
   except BaseException:
     work.cancel()
     raise
   finally:
-    left = gone.done()
+    left, closed = gone.done(), closing.done()
     gone.cancel()
+    closing.cancel()
   if not work.done():
     work.cancel()
-    raise ClientGone() if left else timeout
+    if left:
+      raise ClientGone()
+    raise drain.ended(api.new_id("req")) if closed else timeout
   return work.result()
 
 
@@ -224,15 +233,17 @@ def _knobs(body: api.GenerationRequest, scheduler, first: int, generated: int) -
   ``first``: reasoning_effort first, explicit steps (or steps_per_block) and threshold over it; the engine's defaults
   for what is not given (steps per block None)."""
   if scheduler.autoregressive:
+    if scheduler.draft:
+      how = (
+        f"this server decodes by verified decoding (each forward pass drafts up to {scheduler.draft} tokens by "
+        "diffusion and keeps those its next-token head accepts; no diffusion step knobs apply)"
+      )
+    else:
+      how = "this model is autoregressive (it decodes one token per forward pass)"
     for field in api.DIFFUSION_FIELDS:
       value = getattr(body, field)
       if value is not None and value is not False:
-        raise api.APIError(
-          400,
-          f"{field}={api.shown(value)} applies to diffusion models only; this model is autoregressive (it decodes "
-          "one token per forward pass)",
-          param=field,
-        )
+        raise api.APIError(400, f"{field}={api.shown(value)} applies to diffusion decoding only; {how}", param=field)
   if body.decode not in (None, "auto", scheduler.decode):
     raise api.APIError(
       400,
@@ -311,10 +322,11 @@ def create_app(scheduler, compiler, options: Options) -> FastAPI:
   Raises:
     TemplateError: The checkpoint's ``data.chat_template`` does not compile.
 
-  ``app.state.draining = True`` (set by the command line on SIGTERM) turns ``/health`` to 503 and refuses new work.
+  ``app.state.drain`` (:class:`~mercury_jax.serve.draining.Drain`) is the server's shutdown: the command line calls
+  its ``signal`` on SIGTERM, which turns ``/health`` to 503, refuses new work and ends what runs at the grace limit.
   """
   app = FastAPI(title="mercury_jax", docs_url=None, redoc_url=None)
-  app.state.draining = False
+  drain = app.state.drain = Drain(options.grace)
   tokenizer, context = scheduler.tokenizer, scheduler.max_length
   limits = api.Limits(context=context, vocab=scheduler.vocab_size, block=scheduler.block)
   template = chat_template_of(scheduler.cfg.data.chat_template, tokenizer)
@@ -334,7 +346,9 @@ def create_app(scheduler, compiler, options: Options) -> FastAPI:
     count(path, error.status)
     return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
 
-  app.add_middleware(Guard, api_key=options.api_key, max_body_bytes=options.max_body_bytes, refused=count)
+  guard = {"api_key": options.api_key, "max_body_bytes": options.max_body_bytes, "body_timeout": options.body_timeout}
+  app.add_middleware(Guard, **guard, refused=count)
+  app.add_middleware(InFlight, drain=drain, refused=count)  # outermost: a draining server refuses before the guard
   app.openapi = _document(app, limits)
 
   @app.exception_handler(api.APIError)
@@ -360,14 +374,12 @@ def create_app(scheduler, compiler, options: Options) -> FastAPI:
     request: Request, body, text: _Text, *, chat: bool, shape: structured.Structure, tools: list[dict], deadline: float
   ):
     """Submits the request's choices and answers: one JSON body, or the event stream."""
-    if app.state.draining:
-      raise api.APIError(503, "the server is shutting down; send the request elsewhere", code="draining")
     prompt, suffix, max_tokens, healed = text.prompt, text.suffix, text.max_tokens, text.healed
     knobs, per_block = _knobs(body, scheduler, len(prompt), max_tokens)
     constraint = None
     if shape.field is not None:
-      constraint = await _unless_gone(request, structured.constraint(shape, tools, compiler), deadline, timeout)
-    if healed and not await _unless_gone(request, healable(tokenizer, healed), deadline, timeout):
+      constraint = await _unless_gone(request, structured.constraint(shape, tools, compiler), deadline, timeout, drain)
+    if healed and not await _unless_gone(request, healable(tokenizer, healed), deadline, timeout, drain):
       prompt, max_tokens, healed = text.tokenised, max_tokens - 1, ""  # Not healable: the prompt as tokenised.
       knobs, per_block = _knobs(body, scheduler, len(prompt), max_tokens)
     seed = body.seed if body.seed is not None else secrets.randbelow(api.MAX_SEED + 1)
@@ -409,8 +421,9 @@ def create_app(scheduler, compiler, options: Options) -> FastAPI:
       if isinstance(e, QueueFull):
         retry = str(max(1, math.ceil(e.retry_after)))
         raise api.APIError(429, str(e), code="queue_full", headers={"Retry-After": retry}) from None
-      code = "draining" if isinstance(e, ShuttingDown) else "engine_failed"
-      raise api.APIError(503, str(e), code=code) from None
+      if isinstance(e, ShuttingDown):
+        raise drain.refused() from None
+      raise api.APIError(503, str(e), code="engine_failed") from None
     form = answers.Shape(answer_id, options.model_name, chat)
     backed = 1 if healed else 0  # token healing's backed-off token: the client sent it, as part of the prompt
 
@@ -419,11 +432,12 @@ def create_app(scheduler, compiler, options: Options) -> FastAPI:
       return api.Usage.of(len(prompt) + backed + len(suffix), completion, sum(c.nfe for c in choices))
 
     path = request.url.path
+    ended = drain.ended(answer_id)
     if body.stream:
-      stream = answers.events(choices, form, usage if body.include_usage else None, metrics, path, deadline, timeout)
-      margin = max(options.grace - STREAM_SHUTDOWN_MARGIN, 0.0)
-      return EventSourceResponse(stream, sep="\n", shutdown_grace_period=margin)
-    collect = asyncio.ensure_future(answers.collect(choices, deadline))
+      ends = answers.Ends(deadline, timeout, drain.closing, ended)
+      stream = answers.events(choices, form, usage if body.include_usage else None, metrics, path, ends)
+      return EventSourceResponse(stream, sep="\n")
+    collect = asyncio.ensure_future(answers.collect(choices, deadline, drain.closing))
     gone = asyncio.ensure_future(_disconnected(request))
     await asyncio.wait((collect, gone), return_when=asyncio.FIRST_COMPLETED)
     gone.cancel()
@@ -435,8 +449,13 @@ def create_app(scheduler, compiler, options: Options) -> FastAPI:
       collect.result()
     except answers.TimedOut:
       raise timeout from None
+    except answers.ShutDown:
+      raise ended from None
     metrics.request(path, 200)
-    return JSONResponse(form.whole(choices, usage()).model_dump(mode="json"))
+    began = time.perf_counter()
+    response = JSONResponse(form.whole(choices, usage()).model_dump(mode="json"))
+    metrics.answer_seconds.inc(time.perf_counter() - began)
+    return response
 
   def tokenise_completion(body: api.CompletionRequest, shape: structured.Structure, default_max_tokens: int) -> _Text:
     """A completion's :class:`_Text` (token healing is decided here)."""
@@ -458,7 +477,7 @@ def create_app(scheduler, compiler, options: Options) -> FastAPI:
     size = len(body.text) + len(body.suffix or "")
     try:
       work = _off_loop(tokenise_completion, body, shape, default_max_tokens, size=size)
-      text = await _unless_gone(request, work, deadline, timeout)
+      text = await _unless_gone(request, work, deadline, timeout, drain)
       return await generate(request, body, text, chat=False, shape=shape, tools=[], deadline=deadline)
     except ClientGone:
       count(request.url.path, DISCONNECTED)
@@ -502,7 +521,8 @@ def create_app(scheduler, compiler, options: Options) -> FastAPI:
     tools = body.tool_dicts()
     size = sum(len(m.as_dict()["content"]) for m in body.messages)
     try:
-      text = await _unless_gone(request, _off_loop(tokenise_chat, body, tools, size=size), deadline, timeout)
+      work = _off_loop(tokenise_chat, body, tools, size=size)
+      text = await _unless_gone(request, work, deadline, timeout, drain)
       return await generate(request, body, text, chat=True, shape=shape, tools=tools, deadline=deadline)
     except ClientGone:
       count(request.url.path, DISCONNECTED)
@@ -525,7 +545,7 @@ def create_app(scheduler, compiler, options: Options) -> FastAPI:
 
   @app.get("/health")
   async def health():
-    if app.state.draining:
+    if drain.draining:
       return JSONResponse({"status": "draining"}, status_code=503)
     if not scheduler.healthy:
       return JSONResponse({"status": "engine_failed"}, status_code=503)

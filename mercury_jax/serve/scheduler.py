@@ -7,6 +7,15 @@ and go between steps), runs one step, reads back what the step changed (each row
 every request its newly final tokens. On a multi-host mesh this thread runs on process 0 only, and every other
 process runs the same commands (:meth:`Scheduler.follow`).
 
+The host's work overlaps the device's (as JetStream's and vLLM's asynchronous output processing do): an iteration
+dispatches its step, then reads the *previous* step's view while the device computes this one (JAX dispatches
+asynchronously; programs run in the order they were dispatched, each on the batch state the one before it gave), and
+builds the next command before it waits. So a request that finishes at one step takes one more step before its row
+is released (its result is thrown away), and a waiting request is admitted one step later than it could be; no
+request's tokens change (a row's steps depend on its own state only). Iterations with chunked prefills, and a
+multi-host mesh, run one step at a time (the pacer times each chunk against the step beside it).
+:class:`StepStats` says where the engine thread's time goes.
+
 Requests are checked, tokenised and detokenised by the caller (the HTTP layer); the engine thread never waits on a
 client: :class:`Handle` delivers :class:`Update` objects to the submitting asyncio loop.
 
@@ -31,6 +40,7 @@ import math
 import threading
 import time
 from collections.abc import AsyncIterator
+from typing import ClassVar
 
 import jax
 import numpy as np
@@ -42,7 +52,7 @@ from mercury_jax.sampling.sampler import Sampler
 from mercury_jax.sampling.settings import SettingError
 from mercury_jax.serve.pacing import DEFAULT_SHARE, PrefillPacer
 from mercury_jax.serve.pages import NoPages
-from mercury_jax.serve.slots import DEFAULT_CAPACITY, DEFAULT_PAGE_SIZE, Request, SlotEngine, View
+from mercury_jax.serve.slots import DEFAULT_CAPACITY, DEFAULT_PAGE_SIZE, Dispatched, Request, SlotEngine, View
 
 __all__ = [
   "EngineDown",
@@ -60,6 +70,9 @@ logger = logging.getLogger("mercury_jax.serve")
 MAX_STREAM = 2**31 - 1  # fold_in's data.
 MAX_HEALED = 256  # Characters token healing may re-generate: one token's text.
 IDLE_TICK = 1.0  # Seconds between the no-op commands an idle multi-host leader sends, so followers never time out.
+# One iteration in this many steps runs timed (``SlotEngine.dispatch(timed=True)``, not overlapped): its prefills and
+# its step alone on the device, as loaded right now, which prices the device's share of the engine's time in place.
+TIMED_EVERY = 32
 
 _LOWERING_EVENT = "/jax/core/compile/jaxpr_to_mlir_module_duration"
 
@@ -120,7 +133,8 @@ class EngineDown(RuntimeError):
 
 
 class QueueFull(Exception):
-  """Every slot is busy and ``max_queue`` requests wait; try again after ``retry_after`` seconds."""
+  """Every slot is busy (or the key-value cache's free pages are spoken for) and ``max_queue`` requests wait beyond
+  those the free rows and pages are about to take; try again after ``retry_after`` seconds."""
 
   def __init__(self, waiting: int, retry_after: float):
     super().__init__(f"the server is at capacity ({waiting} requests are waiting); retry after {retry_after:.0f} s")
@@ -181,20 +195,61 @@ class _Active:
 class StepStats:
   """Where the engine thread's time goes, summed over its iterations (read by ``/metrics``).
 
+  Every second of an iteration that runs a step falls in exactly one phase, so the phases add up to the engine's
+  time per step. With the step overlapped (``Scheduler(overlap=True)``), ``wait`` is the part of the device's work
+  that the host's phases did not cover.
+
   Attributes:
     iterations: Engine iterations that ran a step.
-    engine_seconds: Seconds in :meth:`SlotEngine.run`: releases, prefills, the step and the copy of its view (the
-      dispatches and the device work).
-    host_seconds: The rest of those iterations: commands, admissions, reading the view, handing out updates.
+    admit: Seconds building commands: releases, admissions and their pages (host).
+    dispatch: Seconds dispatching releases, prefills and the step (host: JAX's dispatch, the admissions' arrays),
+      and running chunks of chunked prefills (waited for: ``chunk_seconds``).
+    wait: Seconds waiting for a step's view (the device's work the host did not overlap, and the copy).
+    report: Seconds reading views: each request's new tokens, drafts and end (host).
+    post: Seconds handing the updates to the event loops (host).
     chunks: Chunks of chunked prefills run.
-    chunk_seconds: Their seconds (a part of ``engine_seconds`` where a step ran beside them).
+    chunk_seconds: Their seconds (a part of ``dispatch``).
+    steps: Steps run, by batch bucket (rows).
+    prefills: Prefills run, by prefill bucket (slots; 0: a chunked prefill's row).
+    timed_steps, timed_step_seconds: Steps of the timed iterations (one in :data:`TIMED_EVERY`) by batch bucket, and
+      their seconds alone on the device (the copy of their view included).
+    timed_prefills, timed_prefill_seconds: The timed iterations' prefills and their seconds alone on the device.
   """
 
   iterations: int = 0
-  engine_seconds: float = 0.0
-  host_seconds: float = 0.0
+  admit: float = 0.0
+  dispatch: float = 0.0
+  wait: float = 0.0
+  report: float = 0.0
+  post: float = 0.0
   chunks: int = 0
   chunk_seconds: float = 0.0
+  steps: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+  prefills: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+  timed_steps: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+  timed_step_seconds: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+  timed_prefills: int = 0
+  timed_prefill_seconds: float = 0.0
+
+  PHASES: ClassVar[tuple[str, ...]] = ("admit", "dispatch", "wait", "report", "post")
+
+  @property
+  def engine_seconds(self) -> float:
+    """Seconds in the engine: dispatches and waiting for the device."""
+    return self.dispatch + self.wait
+
+  @property
+  def host_seconds(self) -> float:
+    """Seconds of host work around the engine: commands, admissions, reading views, handing out updates."""
+    return self.admit + self.report + self.post
+
+
+@dataclasses.dataclass
+class _Step:
+  """A dispatched step and the requests it carried (slot -> their :class:`_Active`), read when it is collected."""
+
+  dispatched: Dispatched
+  rows: dict[int, _Active]
 
 
 class Scheduler:
@@ -203,7 +258,9 @@ class Scheduler:
   Args:
     sampler: The model, tokenizer and mesh (:meth:`Sampler.from_checkpoint`).
     slots: Requests refined at once (the batch of every step).
-    max_queue: Requests that may wait for a slot; beyond it :meth:`submit` raises :class:`QueueFull`.
+    max_queue: Requests that may wait while every slot is busy (or the free pages are spoken for); beyond it
+      :meth:`submit` raises :class:`QueueFull`. Requests that free rows and pages are about to take do not count: an
+      idle server takes ``slots + max_queue`` short requests at once.
     block_length: The block of a whole-sequence checkpoint (decoded without a cache, through the same engine);
       block-diffusion checkpoints use their trained block and the twin blocks of one token.
     decode: How every request decodes (``auto``: the model's best; see ``sampling.plan.plan_for``).
@@ -225,6 +282,7 @@ class Scheduler:
       decoding streams keep the rest.
     solver: A continuous checkpoint's ODE solver (``SamplerSettings.solver``); None: the default (Euler).
     guidance: Its classifier-free guidance scale (``SamplerSettings.guidance``); None: the default (1, off).
+    overlap: Read a step's view while the next step runs (module docstring); False: one step at a time.
   """
 
   def __init__(
@@ -247,6 +305,7 @@ class Scheduler:
     prefill_share: float = DEFAULT_SHARE,
     solver: str | None = None,
     guidance: float | None = None,
+    overlap: bool = True,
   ):
     if max_queue < 0:
       raise ValueError(f"max_queue={max_queue} must be >= 0")
@@ -286,10 +345,14 @@ class Scheduler:
     self._waiting: collections.deque[Handle] = collections.deque()
     self._active: dict[int, _Active] = {}
     self._released: set[int] = set()  # rows of requests that ended, given up at the next iteration
+    self._admitting = 0  # requests taken from the queue by the running iteration, not yet in ``_active``
     self._ids = itertools.count()
     self._stopping = False
     self._failure: str | None = None  # why the engine cannot go on
     self._thread: threading.Thread | None = None
+    self._pending: _Step | None = None  # the step dispatched last, collected by the next iteration (overlap)
+    self._untimed = 0  # steps since the last timed iteration
+    self.overlap = overlap and not self.engine.multiprocess
     self.engine.warm_up()
 
   @property
@@ -303,7 +366,8 @@ class Scheduler:
 
   @property
   def busy_slots(self) -> int:
-    return len(self._active)
+    """Slots holding a request, those being admitted by the running iteration included."""
+    return len(self._active) + self._admitting
 
   @property
   def kv_pages(self) -> int:
@@ -384,7 +448,7 @@ class Scheduler:
 
     Raises:
       SettingError, ValueError: See :meth:`check`.
-      QueueFull: ``max_queue`` requests are already waiting.
+      QueueFull: ``max_queue`` requests would wait beyond those the free rows and pages can take now.
       ShuttingDown: The scheduler is draining.
       EngineDown: The engine failed and could not start afresh.
     """
@@ -394,12 +458,30 @@ class Scheduler:
         raise EngineDown("the engine failed and cannot serve; the server needs a restart")
       if self._stopping:
         raise ShuttingDown("the server is shutting down and takes no new request")
-      if len(self._waiting) >= self.max_queue:
-        raise QueueFull(len(self._waiting), retry_after=1.0)
       handle = Handle(next(self._ids), request, loop, self)
+      waiting = len(self._waiting) + 1 - self._room(handle)  # with this one: those no free row and pages take now
+      if waiting > self.max_queue:
+        raise QueueFull(waiting - 1, retry_after=1.0)
       self._waiting.append(handle)
       self._lock.notify()
     return handle
+
+  def _room(self, new: Handle) -> int:
+    """How many of the waiting requests, then ``new``, the free rows and the free pages of the key-value cache can
+    take now, from the head of the queue (the lock held; the rows and pages of requests that ended count as free:
+    the next iteration gives them back before it admits)."""
+    free, pool = self.slots - len(self._active) - self._admitting, self.engine.pool
+    pages = (
+      len(pool.free) + sum(len(pool.held.get(slot, ())) for slot in self._released) if self.engine.paged else math.inf
+    )
+    room = 0
+    for handle in itertools.chain(self._waiting, (new,)):
+      needed = self.engine.pages_needed(handle.request)
+      if room == free or needed > pages:
+        break
+      pages -= needed
+      room += 1
+    return room
 
   def start(self) -> None:
     """Starts the engine thread (process 0 of a multi-host mesh; the others call :meth:`follow`)."""
@@ -442,10 +524,10 @@ class Scheduler:
     try:
       while True:
         with self._lock:
-          while not (self._active or self._waiting or self._released or self._stopping):
+          while not (self._active or self._waiting or self._released or self._stopping or self._pending):
             if not self._lock.wait(timeout=IDLE_TICK) and self.engine.multiprocess:
               self.engine.run(self.engine.command())  # Keeps the followers' collectives alive.
-          if self._stopping and not (self._active or self._waiting or self._released):
+          if self._stopping and not (self._active or self._waiting or self._released or self._pending):
             return
         try:
           self._iterate()
@@ -476,6 +558,8 @@ class Scheduler:
       active = list(self._active.values())
       self._active.clear()
       self._released.clear()
+      self._pending = None
+      self._admitting = 0
     now = time.perf_counter()
     for a in active:
       a.handle._deliver(Update((), None, True, "error", 0, error=message, time=now))
@@ -520,67 +604,118 @@ class Scheduler:
           handle._deliver(Update((), None, True, "error", 0, error=f"{type(error).__name__}: {error}", time=now))
           continue
         admitted[free.pop(0)] = handle
+      self._admitting = len(admitted)
     return admitted
 
   def _iterate(self) -> None:
-    """One engine iteration: releases, admissions, a step, and the news it brings."""
-    began = time.perf_counter()
+    """One engine iteration: releases and admissions, the step dispatched, and the news of the step before it (or,
+    one step at a time, of this one)."""
+    stats, began = self.stats, time.perf_counter()
     engine, command = self.engine, self.engine.command()
     admitted = self._admit(command)
-    one_pass = any(engine.bucket(handle.request) < len(engine.buckets) for handle in admitted.values())
+    chunked = any(engine.bucket(handle.request) == len(engine.buckets) for handle in admitted.values())
+    one_pass = len(admitted) > sum(engine.bucket(h.request) == len(engine.buckets) for h in admitted.values())
     chunks = self.pacer.chunks(decoding=bool(engine.busy) or one_pass)
     command = command._replace(step=np.asarray(bool(self._active or admitted)), chunks=np.asarray(chunks, np.int32))
-    ran = time.perf_counter()
+    timed = self._untimed >= TIMED_EVERY
+    overlap = self.overlap and not (engine.filling or chunked or timed)
+    admitted_at = time.perf_counter()
+    stats.admit += admitted_at - began
+    if not overlap and self._pending is not None and not self._collect(self._pending):
+      return  # One step at a time from here: the last one's news first (it failed: the engine started afresh).
     try:
-      view, failures = engine.run(command)
+      dispatched = engine.dispatch(command, timed=timed)
     except Exception as error:  # noqa: BLE001  A failed step fails the requests it carried, then starts afresh.
-      logger.exception("the engine step failed; the requests in its slots end with an error")
-      message = f"{type(error).__name__}: {error}"
-      now = time.perf_counter()
-      for handle in admitted.values():
-        handle._deliver(Update((), None, True, "error", 0, error=message, time=now))
-      self._fail_active(message)
-      if engine.multiprocess:  # The other processes cannot be restarted from here: stop serving.
-        raise
-      engine.reset()
+      self._failed(error, admitted)
       return
-    stepped = time.perf_counter()
+    dispatched_at = time.perf_counter()
+    stats.dispatch += dispatched_at - admitted_at
+    stats.prefills.update(dispatched.prefills)
     timing = engine.timing
-    if timing.chunks or engine.filling:
-      self.pacer.record(timing.chunks, timing.chunk_seconds, timing.step_seconds)
-    else:
-      self.pacer.idle()
     if timing.chunks:
-      self.stats.chunks += timing.chunks
-      self.stats.chunk_seconds += timing.chunk_seconds
+      stats.chunks += timing.chunks
+      stats.chunk_seconds += timing.chunk_seconds
     with self._lock:
+      self._admitting = 0
       for slot, handle in admitted.items():
-        if slot in failures:
-          logger.error("request %d: prefill failed: %s", handle.id, failures[slot])
-          handle._deliver(Update((), None, True, "error", 0, error=failures[slot], time=stepped))
+        if slot in dispatched.failures:
+          logger.error("request %d: prefill failed: %s", handle.id, dispatched.failures[slot])
+          handle._deliver(Update((), None, True, "error", 0, error=dispatched.failures[slot], time=dispatched_at))
           continue
         start = self.block + len(handle.request.prompt)
         self._active[slot] = _Active(handle, start, start + handle.request.max_tokens, upto=start)
-      news: list[tuple[Handle, Update]] = []  # handed out together: one wake-up of each loop per step
-      if view is not None:
-        for slot, active in list(self._active.items()):
-          if slot in engine.filling:  # Its prompt is still being prefilled: it has not stepped yet.
-            continue
-          try:
-            news += self._report(slot, active, view, stepped)
-          except Exception as error:  # noqa: BLE001  Reading one request's news failed: that request ends alone.
-            logger.exception("request %d: reading its step failed", active.handle.id)
-            news += self._finish(slot, Update((), None, True, "error", 0, error=f"{type(error).__name__}: {error}"))
+      step = None
+      if dispatched.packed is not None:
+        rows = {slot: self._active[slot] for slot in engine.busy if slot in self._active}
+        step = _Step(dispatched, rows)
+        stats.iterations += 1
+        stats.steps[len(dispatched.live)] += 1
+        self._untimed += 1
+      previous, self._pending = (self._pending, step) if overlap else (None, None)
+    if previous is not None and not self._collect(previous):  # Read while the device runs this iteration's step.
+      return
+    if not overlap:
+      if step is not None and not self._collect(step):
+        return
+      if timed and step is not None:
+        self._untimed = 0
+        stats.timed_steps[len(dispatched.live)] += 1
+        stats.timed_step_seconds[len(dispatched.live)] += engine.timing.step_seconds
+        if dispatched.prefills and not dispatched.failures:
+          stats.timed_prefills += len(dispatched.prefills)
+          stats.timed_prefill_seconds += timing.prefill_seconds
+      if timing.chunks or engine.filling:
+        self.pacer.record(timing.chunks, timing.chunk_seconds, engine.timing.step_seconds if step else None)
+      else:
+        self.pacer.idle()
+    else:
+      self.pacer.idle()
+
+  def _failed(self, error: Exception, admitted: dict[int, Handle]) -> None:
+    """A failed dispatch or step: the requests it carried (and the admissions of its iteration) end with an error,
+    and the engine starts afresh (not on a multi-host mesh: that thread stops)."""
+    logger.exception("the engine step failed; the requests in its slots end with an error")
+    message = f"{type(error).__name__}: {error}"
+    now = time.perf_counter()
+    for handle in admitted.values():
+      handle._deliver(Update((), None, True, "error", 0, error=message, time=now))
+    self._fail_active(message)
+    if self.engine.multiprocess:  # The other processes cannot be restarted from here: stop serving.
+      raise error
+    self.engine.reset()
+
+  def _collect(self, step: _Step) -> bool:
+    """Waits for a dispatched step's view and hands its requests their news (those still in their rows); False when
+    the step failed (its requests ended with an error and the engine started afresh)."""
+    if self._pending is step:
+      self._pending = None
+    stats, began = self.stats, time.perf_counter()
+    try:
+      view = self.engine.collect(step.dispatched)
+    except Exception as error:  # noqa: BLE001  The device failed on the step.
+      self._failed(error, {})
+      return False
+    stepped = time.perf_counter()
+    stats.wait += stepped - began
+    news: list[tuple[Handle, Update]] = []  # handed out together: one wake-up of each loop per step
+    with self._lock:
+      for slot, active in step.rows.items():
+        if self._active.get(slot) is not active:  # It ended (or was cancelled) since: its row's news is stale.
+          continue
+        try:
+          news += self._report(slot, active, view, stepped)
+        except Exception as error:  # noqa: BLE001  Reading one request's news failed: that request ends alone.
+          logger.exception("request %d: reading its step failed", active.handle.id)
+          news += self._finish(slot, Update((), None, True, "error", 0, error=f"{type(error).__name__}: {error}"))
+    reported = time.perf_counter()
+    stats.report += reported - stepped
     by_loop = collections.defaultdict(list)
     for handle, update in news:
       by_loop[handle.loop].append((handle, update))
     for loop, items in by_loop.items():
       _post(loop, items)
-    if view is not None:
-      stats = self.stats
-      stats.iterations += 1
-      stats.engine_seconds += stepped - ran
-      stats.host_seconds += (ran - began) + (time.perf_counter() - stepped)
+    stats.post += time.perf_counter() - reported
+    return True
 
   def _finish(self, slot: int, update: Update) -> list[tuple[Handle, Update]]:
     """Ends a request (the lock held): its last update, to hand out; its row is released at the next iteration."""

@@ -125,6 +125,18 @@ class Timing(NamedTuple):
   chunks: int  # chunks of chunked prefills it ran
   chunk_seconds: float  # their seconds, together
   step_seconds: float | None  # its step's, to the copy of the view; None: it ran no step
+  prefill_seconds: float | None = None  # a timed dispatch's prefills (and inserts), alone on the device; else None
+
+
+class Dispatched(NamedTuple):
+  """A command carried out up to its step, which may still be running (:meth:`SlotEngine.dispatch`): JAX dispatches
+  programs asynchronously, so the host can do other work until :meth:`SlotEngine.collect` waits for the step."""
+
+  failures: dict[int, str]  # slot -> error message of each admission that failed (its row is free)
+  prefills: tuple[int, ...]  # the prefill bucket (slots; 0: chunked) of each admission it ran
+  live: np.ndarray | None  # [n] the rows its step ran (the batch bucket); None: no step
+  packed: jax.Array | None  # the step's packed view (:func:`news`), still on the device
+  began: float  # time.perf_counter() when the step was dispatched
 
 
 class View(NamedTuple):
@@ -237,6 +249,7 @@ class SlotEngine:
       )
     self._automata: dict[int, Automaton] = {}  # admitted requests' constraints, until their prefill
     self._heals: dict[int, str] = {}  # admitted requests' healed characters, until their prefill
+    self._plain = None  # (tables, healing) of a row without a constraint or healing, built at the first prefill
     context = sampler.max_length if max_model_len is None else max_model_len
     if not 1 <= context <= sampler.max_length:
       raise ValueError(
@@ -407,7 +420,7 @@ class SlotEngine:
     command.kinds[slot, p + m : p + m + s] = K.FIXED
     command.bucket[slot] = self.bucket(request)
     command.streams[slot] = request.stream
-    command.keys[slot] = np.asarray(jax.random.key_data(jax.random.key(request.seed)))
+    command.keys[slot] = key_data(request.seed)
     command.steps[slot] = 1 if self.autoregressive else (request.steps_per_block or self.default_steps)
     command.extra[slot] = 0 if self.autoregressive or request.steps_per_block is None else request.extra_steps
     for column, value in zip(command.knobs, request.knobs or self.default_knobs, strict=True):
@@ -473,8 +486,14 @@ class SlotEngine:
     canvas = Canvas(place(command.tokens[row]), place(command.kinds[row]), place(command.streams[row]))
     knobs = Knobs(*(place(k[row]) for k in command.knobs))
     bucket = int(command.bucket[slot])
-    tables = self._tables([self._automata.pop(slot, None)])
-    heal = self._healing([self._heals.pop(slot, "")], [int(np.argmax(command.kinds[slot] == K.TARGET))])
+    automaton, healed = self._automata.pop(slot, None), self._heals.pop(slot, "")
+    if automaton is None and not healed:  # The usual admission: the arrays of "no constraint", built once.
+      if self._plain is None:
+        self._plain = (self._tables([None]), self._healing([""], [0]))
+      tables, heal = self._plain
+    else:
+      tables = self._tables([automaton])
+      heal = self._healing([healed], [int(np.argmax(command.kinds[slot] == K.TARGET))])
     steps, extra, key = place(command.steps[row]), place(command.extra[row]), place(command.keys[slot])
     return self._prefill[bucket](self.sampler.params, Start(canvas, key, steps, knobs, tables, heal, extra))
 
@@ -498,23 +517,48 @@ class SlotEngine:
 
   def run(self, command: Command, *, received: bool = False) -> tuple[View | None, dict[int, str]]:
     """Carries ``command`` out on this process: process 0's command, on every process of a multi-host mesh (it is
-    broadcast here unless ``received`` says it already was).
+    broadcast here unless ``received`` says it already was). :meth:`dispatch`, then :meth:`collect`.
 
     Returns:
       ``(view after the step or None, {slot: error message} of admissions that failed)``. A failed admission leaves
       its row free; the others go on.
     """
+    dispatched = self.dispatch(command, received=received)
+    return self.collect(dispatched), dispatched.failures
+
+  def collect(self, dispatched: Dispatched) -> View | None:
+    """The view of a dispatched command's step (None without one): waits for the step and copies its view."""
+    if dispatched.packed is None:
+      return None
+    view = self._view(dispatched.live, self.sampler.placement.gather(dispatched.packed))
+    self.timing = self.timing._replace(step_seconds=time.perf_counter() - dispatched.began)
+    return view
+
+  def dispatch(self, command: Command, *, received: bool = False, timed: bool = False) -> Dispatched:
+    """Carries ``command`` out up to its step: releases, admissions and their prefills, the chunks of chunked
+    prefills (waited for, to be timed), then the step, dispatched but not waited for; its view's copy to the host
+    starts as soon as it is computed. Programs run in the order they are dispatched (each takes the batch state the
+    one before it gives), so the next command may be dispatched before this step is collected.
+
+    ``timed``: the device's work is waited for before the prefills, after them and before the step, so
+    :attr:`timing` has the prefills' seconds alone and :meth:`collect` the step's alone, each on the device as it is
+    loaded right now (the server samples an iteration in many so: the bare work of its load, in place)."""
     if self.multiprocess and not received:
       command = multihost_utils.broadcast_one_to_all(command)
     if bool(command.stop):
-      return None, {}
+      return Dispatched({}, (), None, None, time.perf_counter())
     self._specs(command)
     for slot in np.flatnonzero(command.release):
       self.state = self._sync(self._release(self.state, self._place(np.int32(slot))))
       self.busy.discard(int(slot))
       self.filling.pop(int(slot), None)
-    failures = {}
+    failures, prefills = {}, []
+    if timed:
+      jax.block_until_ready(self.state)
+      began = time.perf_counter()
     for slot in np.flatnonzero(command.bucket >= 0):
+      bucket = int(command.bucket[slot])
+      prefills.append(self.buckets[bucket] if bucket < len(self.buckets) else 0)
       try:
         row = self._sync(self.prefill(command, int(slot)))
         table = self._place(command.tables[slot])
@@ -526,15 +570,19 @@ class SlotEngine:
       except Exception as error:  # noqa: BLE001  The request fails alone; the engine keeps serving.
         failures[int(slot)] = f"{type(error).__name__}: {error}"
         self.pool.give_back(int(slot))
-    self.timing = Timing(*self._fill_chunks(int(command.chunks)), None)
+    prefill_seconds = None
+    if timed:
+      jax.block_until_ready(self.state)
+      prefill_seconds = time.perf_counter() - began
+    self.timing = Timing(*self._fill_chunks(int(command.chunks)), None, prefill_seconds)
     if not bool(command.step) or not self.busy:
-      return None, failures
+      return Dispatched(failures, tuple(prefills), None, None, time.perf_counter())
     live = self.live_rows()
     began = time.perf_counter()
     self.state, packed = self._sync(self._step(self.sampler.params, self.state, self._place(live)))
-    view = self._view(live, self.sampler.placement.gather(packed))  # the copy waits for the step
-    self.timing = self.timing._replace(step_seconds=time.perf_counter() - began)
-    return view, failures
+    if not self.multiprocess:
+      packed.copy_to_host_async()  # a device's copy starts once the step is done, not when the host asks
+    return Dispatched(failures, tuple(prefills), live, packed, began)
 
   def _fill_chunks(self, count: int) -> tuple[int, float]:
     """Runs up to ``count`` chunks of chunked prefills (the command's ``chunks``, which process 0's pacer chose);
@@ -646,6 +694,18 @@ class SlotEngine:
     for slot in range(self.slots):
       self.state = self._sync(self._release(self.state, self._place(np.int32(slot))))
     self.busy.clear()
+
+
+def key_data(seed: int) -> np.ndarray:
+  """uint32 [2]: ``jax.random.key_data(jax.random.key(seed))`` for a seed in [0, 2**32), computed on the host.
+
+  The engine thread admits requests while a step runs: asking the device for a key would wait behind that step (on
+  a CPU, for its threads), which is the very wait the overlap hides. Threefry's seed is the seed's high and low 32
+  bits; another PRNG implementation asks JAX.
+  """
+  if jax.config.jax_default_prng_impl == "threefry2x32" and 0 <= seed < 2**32:
+    return np.asarray([seed >> 32, seed & 0xFFFFFFFF], np.uint32)
+  return np.asarray(jax.random.key_data(jax.random.key(seed)))
 
 
 def _spec(automaton: Automaton) -> bytes:
