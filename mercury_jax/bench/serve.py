@@ -47,8 +47,8 @@ command times every batch bucket's step and every prefill bucket's prefill bare 
 server idles (:func:`mercury_jax.bench.slot_step.bare_costs`: the server's default engine, no HTTP), prices each
 level's steps and prefills (``mercury_engine_steps_total{rows}``, ``mercury_prefills_total{slots}``) at those times,
 and gives the engine's time per step over that bare work. It assumes the server's default engine flags
-(``--server-args`` that change its programs, such as ``--no-batch-invariance``, are not priced right). Without ``--price`` the same ratio is
-given *in place*: the server times one iteration in 32 with its prefills and step alone on the device
+(``--server-args`` that change its programs, such as ``--no-batch-invariance``, are not priced right). Without
+``--price`` the same ratio is given *in place*: the server times one iteration in 32 with its prefills and step alone on the device
 (``mercury_engine_timed_*``), under the level's own load, which on a CPU host includes the event loop, the client
 and any other process on the cores; engine / in place is then the engine thread's overhead over the device's work.
 
