@@ -43,14 +43,14 @@ The engine breakdown (a second table, from the server's ``mercury_engine_phase_s
 time per step by phase (``admit``, ``dispatch``, ``wait``, ``report``, ``post``; they add up to engine ms/step), the
 event loop's per-token work per step (``mercury_answer_seconds_total``: detokenising, stop strings, encoding the
 events) and its mean lag (``mercury_event_loop_lag_seconds``). With ``--price``, once a model's levels are done the
-command times every batch bucket's step and every prefill bucket's prefill bare in its own process while the
-server idles (:func:`mercury_jax.bench.slot_step.bare_costs`: the server's default engine, no HTTP), prices each
-level's steps and prefills (``mercury_engine_steps_total{rows}``, ``mercury_prefills_total{slots}``) at those times,
-and gives the engine's time per step over that bare work. It assumes the server's default engine flags
-(``--server-args`` that change its programs, such as ``--no-batch-invariance``, are not priced right). Without
-``--price`` the same ratio is given *in place*: the server times one iteration in 32 with its prefills and step alone on the device
-(``mercury_engine_timed_*``), under the level's own load, which on a CPU host includes the event loop, the client
-and any other process on the cores; engine / in place is then the engine thread's overhead over the device's work.
+command times every batch bucket's step and every prefill bucket's prefill bare in its own process while the server
+idles (:func:`mercury_jax.bench.slot_step.bare_costs`: the server's default engine, no HTTP), prices each level's
+steps and prefills (``mercury_engine_steps_total{rows}``, ``mercury_prefills_total{slots}``) at those times, and gives
+the engine's time per step over that bare work. It assumes the server's default engine flags (``--server-args`` that
+change its programs, such as ``--no-batch-invariance``, are not priced right). Without ``--price`` the same ratio is
+given *in place*: the server times one iteration in 32 with its prefills and step alone on the device
+(``mercury_engine_timed_*``), under the level's own load, which on a CPU host includes the event loop, the client and
+any other process on the cores; engine / in place is then the engine thread's overhead over the device's work.
 
 ``--fairness N``: before the levels, N requests whose JSON Schemas run past the compile timeout (integer bounds
 near 2**70, a different one each) and, 0.1 s later, one whose schema is ``{"type": "boolean"}``: the seconds to
