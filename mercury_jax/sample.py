@@ -54,7 +54,7 @@ from jax.experimental import multihost_utils
 from mercury_jax import distributed, usage
 from mercury_jax.config import ObjectiveConfig
 from mercury_jax.sampling import canvas as cv
-from mercury_jax.sampling.settings import CONFIDENCES, SAMPLERS, SOLVERS, SamplerSettings, SettingError
+from mercury_jax.sampling.settings import CONFIDENCES, SAMPLERS, SamplerSettings, SettingError
 
 FRAME_SECONDS = 0.08  # Pause between frames of --show-steps on a terminal.
 PROCESS_PLACEHOLDER = "{process}"  # In a --prompts-file path: each process reads its own file.
@@ -197,17 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
     metavar="SAMPLER",
     help=f"step rule: {', '.join(SAMPLERS)} (default threshold; ode, the only one, for a continuous checkpoint)",
   )
-  p.add_argument(
-    "--solver",
-    metavar="SOLVER",
-    help=f"a continuous checkpoint's ODE solver: {', '.join(SOLVERS)} (default euler; heun: two passes a step)",
-  )
-  p.add_argument(
-    "--guidance",
-    type=float,
-    metavar="W",
-    help="a continuous checkpoint's classifier-free guidance scale (default 1: off; two passes a step otherwise)",
-  )
+  usage.add_latent_flags(p)
   p.add_argument(
     "--no-self-conditioning",
     dest="self_conditioning",

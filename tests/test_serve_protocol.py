@@ -15,8 +15,9 @@ from mercury_jax.constrain.schema import tool_call_schema
 from mercury_jax.sampling.proposal import Knobs
 from mercury_jax.sampling.sampler import MASK_TEXT
 from mercury_jax.sampling.settings import SettingError
+from mercury_jax.sampling.text import Detokenizer
 from mercury_jax.serve import protocol as api, structured
-from mercury_jax.serve.answers import Choice, Detokenizer, Shape, events
+from mercury_jax.serve.answers import Choice, Shape, events
 from mercury_jax.serve.chat import ChatTemplate, TemplateError
 from mercury_jax.serve.routes import Options, create_app
 from mercury_jax.serve.scheduler import EngineDown, QueueFull, StepStats, Update
@@ -133,13 +134,13 @@ class FakeScheduler:
     self.decode, self.draft = ("ar" if autoregressive else "diffusion"), 0  # the served mode (verified: draft > 0)
     self.compiler = FakeCompiler()
     self.__dict__.update(options)
-    self.requests, self.handles = [], []
+    self.requests, self.handles, self.diffusing = [], [], []
 
   def check(self, request) -> None:
     if self.refuse is not None:
       raise self.refuse
 
-  def script(self, request) -> list[Update]:
+  def script(self, request, diffusing: bool) -> list[Update]:
     """One update per block: the block's tokens (the engine hands out what is new), the whole draft."""
     if self.error:
       return [Update((), None, True, "error", 0, error=self.error)]
@@ -151,18 +152,19 @@ class FakeScheduler:
     updates = []
     for end in range(self.block, len(ids) + self.block, self.block):
       done = end >= len(ids)
-      draft = None if done or not request.diffusing else (*ids[:end], *[MASK] * (request.max_tokens - end))
+      draft = None if done or not diffusing else (*ids[:end], *[MASK] * (request.max_tokens - end))
       new = tuple(ids[end - self.block : end])
       updates.append(Update(new, draft, done, reason if done else None, end // self.block, time=0.5))
     return updates
 
-  def submit(self, request, loop):
+  def submit(self, request, loop, *, diffusing=False):
     if self.down:
       raise EngineDown("the engine failed and cannot serve; the server needs a restart")
     if self.queue_full_after is not None and len(self.handles) >= self.queue_full_after:
       raise QueueFull(3, retry_after=2.5)
     self.requests.append(request)
-    self.handles.append(FakeHandle(len(self.handles), [] if self.wait else self.script(request), self.wait))
+    self.diffusing.append(diffusing)
+    self.handles.append(FakeHandle(len(self.handles), [] if self.wait else self.script(request, diffusing), self.wait))
     return self.handles[-1]
 
 
@@ -508,7 +510,7 @@ def test_diffusing_asks_the_engine_for_drafts_only_when_streaming():
   client = client_for(scheduler)
   assert "diffusing" not in client.post("/v1/completions", json={"prompt": "x", "diffusing": True}).text
   sse(client.post("/v1/completions", json={"prompt": "x", "diffusing": True, "stream": True}))
-  assert [r.diffusing for r in scheduler.requests] == [False, True]
+  assert scheduler.diffusing == [False, True]
 
 
 def test_n_choices_use_streams_of_one_seed_and_interleave_by_index():

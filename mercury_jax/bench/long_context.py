@@ -136,39 +136,45 @@ def gaps(args) -> None:
   from mercury_jax import attention
   from mercury_jax.sampling.proposal import Knobs
   from mercury_jax.sampling.sampler import Sampler
-  from mercury_jax.serve.scheduler import Request, Scheduler
+  from mercury_jax.sampling.text import Row
+  from mercury_jax.serve.config import ServeConfig
+  from mercury_jax.serve.scheduler import Scheduler
 
   if args.one_softmax:  # The cache read in one softmax over every slot, as before the tiles.
     attention.CACHED_BLOCKWISE_MIN_SLOTS = sys.maxsize
   with tempfile.TemporaryDirectory() as tmp:  # the weights and tokenizer are in memory once loaded
     path = extended(args.model, args.long + 256, Path(tmp) / "long")
     sampler = Sampler.from_checkpoint(path)
-  scheduler = Scheduler(sampler, slots=args.streams + 1, prefill_chunk=args.chunk, prefill_share=args.share)
+  config = ServeConfig(slots=args.streams + 1, prefill_chunk=args.chunk, prefill_share=args.share)
+  scheduler = Scheduler(sampler, config)
   programs = {"step": [], "chunk": []}  # the engine's step and prefill-chunk programs, each call's seconds
-  engine, engine_run = scheduler.engine, scheduler.engine.run
+  engine, dispatch, collect = scheduler.engine, scheduler.engine.dispatch, scheduler.engine.collect
 
-  def timed_run(command, **kwargs):  # the engine thread's iteration, and what ``SlotEngine.timing`` says it ran
-    out = engine_run(command, **kwargs)
-    timing = engine.timing
-    if timing.step_seconds is not None:
-      programs["step"].append(timing.step_seconds)
-    if timing.chunks:
-      programs["chunk"] += [timing.chunk_seconds / timing.chunks] * timing.chunks
+  def timed_dispatch(command, **kwargs):  # an iteration's admissions and chunks, as ``SlotEngine.timing`` says
+    out = dispatch(command, **kwargs)
+    if engine.timing.chunks:
+      programs["chunk"] += [engine.timing.chunk_seconds / engine.timing.chunks] * engine.timing.chunks
     return out
 
-  engine.run = timed_run
+  def timed_collect(dispatched):  # its step, to the copy of its view
+    out = collect(dispatched)
+    if engine.timing.step_seconds is not None and dispatched.packed is not None:
+      programs["step"].append(engine.timing.step_seconds)
+    return out
+
+  engine.dispatch, engine.collect = timed_dispatch, timed_collect
   greedy = Knobs(0.0, 0, 1.0, 0.9)
   vocab = scheduler.vocab_size
   rng = np.random.default_rng(0)
   prompts = [tuple(rng.integers(5, vocab, 16).tolist()) for _ in range(args.streams)]
-  long = Request(tuple(rng.integers(5, vocab, args.long).tolist()), 8, knobs=greedy)
+  long = Row.completion(tuple(rng.integers(5, vocab, args.long).tolist()), 8, knobs=greedy)
   scheduler.start()
 
   async def run(with_long: bool):
     """The streams' update times, and (with the long prompt) when it arrived and when its first token came."""
     loop = asyncio.get_running_loop()
     shorts = [
-      scheduler.submit(Request(prompt, args.stream_tokens, knobs=greedy, seed=i), loop)
+      scheduler.submit(Row.completion(prompt, args.stream_tokens, knobs=greedy, seed=i), loop)
       for i, prompt in enumerate(prompts)
     ]
     times = [[] for _ in shorts]

@@ -28,7 +28,9 @@ import numpy as np
 
 from mercury_jax.bench.throughput import timed
 from mercury_jax.sampling.sampler import Sampler
-from mercury_jax.serve.slots import Request, SlotEngine
+from mercury_jax.sampling.text import Row
+from mercury_jax.serve.config import ServeConfig
+from mercury_jax.serve.slots import SlotEngine
 
 SERVER_PREFILL_CHUNK = 512  # python -m mercury_jax.serve's default --prefill-chunk: its prefill buckets.
 
@@ -39,11 +41,11 @@ def _engine(sampler: Sampler, slots: int, tile: int | None, structured: bool = T
   kwargs = {"batch_invariant": False} if tile is None else {"invariant_tile": tile}
   if not structured:
     kwargs["capacity"] = None
-  engine = SlotEngine(sampler, slots=slots, prefill_chunk=SERVER_PREFILL_CHUNK, **kwargs)
+  engine = SlotEngine(sampler, ServeConfig(slots=slots, prefill_chunk=SERVER_PREFILL_CHUNK, **kwargs))
   engine.warm_up()
-  command, rng = engine.command(), np.random.default_rng(0)
+  command, rng = engine.admission.command(), np.random.default_rng(0)
   for slot in range(slots):
-    engine.admit(command, slot, Request(tuple(int(x) for x in rng.integers(5, 400, 40)), 200))
+    engine.admission.admit(command, slot, Row.completion(tuple(int(x) for x in rng.integers(5, 400, 40)), 200))
   engine.run(command)
   return engine
 
@@ -61,15 +63,15 @@ def _step_ms(engine: SlotEngine, rows: int, repeats: int) -> float:
 def _prefill_ms(engine: SlotEngine, size: int, repeats: int) -> float:
   """The fastest of ``repeats`` admissions into row 0 of a prompt that fills the prefill bucket of ``size`` slots
   (row 0 released before each)."""
-  request, best = Request(tuple(range(5, 5 + max(1, size - 2 * engine.block))), 1), float("inf")
-  assert engine.buckets[engine.bucket(request)] == size, (size, engine.buckets)
+  request, best = Row.completion(tuple(range(5, 5 + max(1, size - 2 * engine.block))), 1), float("inf")
+  assert engine.admission.buckets[engine.admission.bucket(request)] == size, (size, engine.admission.buckets)
   for _ in range(repeats):
-    release = engine.command()
-    engine.give_back(release, 0)
+    release = engine.admission.command()
+    engine.admission.give_back(release, 0)
     engine.run(release)
     jax.block_until_ready(engine.state)
-    command = engine.command()
-    engine.admit(command, 0, request)
+    command = engine.admission.command()
+    engine.admission.admit(command, 0, request)
     began = time.perf_counter()
     engine.run(command)
     jax.block_until_ready(engine.state)
@@ -86,7 +88,7 @@ def bare_costs(
   compare with a server's mean times on a host whose load comes and goes)."""
   engine = _engine(sampler, slots, tile)
   steps = {n: [] for n in engine.row_buckets}
-  prefills = {size: [] for size in engine.buckets}
+  prefills = {size: [] for size in engine.admission.buckets}
   for _ in range(rounds):
     for _ in range(repeats):
       for n in steps:
@@ -132,7 +134,7 @@ def run_slot_step(args: argparse.Namespace) -> None:
     print(f"| {name} | {tiles[name]} | {cells} |")
   if args.prefills:
     engine = engines[next(name for name in engines if name != "batched")]
-    sizes = {size: [] for size in engine.buckets}
+    sizes = {size: [] for size in engine.admission.buckets}
     for _ in range(args.rounds):
       for size in sizes:
         sizes[size].append(_prefill_ms(engine, size, args.repeats))

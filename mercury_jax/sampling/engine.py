@@ -417,7 +417,7 @@ def news(engine: BlockEngine, st: State, worked: jax.Array) -> jax.Array:
   """int32 [b, 3 W + 4]: what the host reads back after a step that worked from slots ``worked`` [b] (``W``:
   :func:`width`): the tokens of the worked window and of the next one, the step's proposals, then ``worked``, the
   next window's first slot, whether the row still has a masked position, and its forward passes
-  (:class:`~mercury_jax.serve.slots.View` unpacks it)."""
+  (:class:`~mercury_jax.serve.commands.View` unpacks it)."""
   size, starts = width(engine.plan), engine.starts(st)
   at = lambda first: jnp.take_along_axis(st.z, first[:, None] + jnp.arange(size)[None, :], axis=1)  # noqa: E731
   proposal = jnp.pad(st.proposal, ((0, 0), (0, size - st.proposal.shape[1])))  # verified: k - 1 drafts at starts

@@ -4,10 +4,8 @@ event stream (:class:`Shape`, :func:`collect`, :func:`events`). The formats are 
 
 The text is built incrementally, so the work per update is proportional to the update, never to the text so far:
 
-* :class:`Detokenizer` decodes only a small window of token ids per update, the way vLLM's incremental detokenizer
-  keeps a prefix and a read offset: the text of ``ids[prefix:]`` minus the text of ``ids[prefix:read]`` is what the
-  new ids add, in context (a piece's leading space, a character split over byte pieces); text that ends in the
-  replacement character ``\\ufffd`` waits for the bytes that complete it.
+* :class:`~mercury_jax.sampling.text.Detokenizer` (the library's streams use it too) decodes only a small window of
+  token ids per update, the way vLLM's incremental detokenizer keeps a prefix and a read offset.
 * :class:`Choice` keeps the decoded text that could still begin a stop string (at most the longest stop's length,
   :func:`~mercury_jax.serve.protocol.held_back`) and releases the rest; stop strings are searched in that held-back
   tail plus the new text only.
@@ -23,35 +21,12 @@ import logging
 import time
 from collections.abc import AsyncIterator
 
-from mercury_jax.sampling.sampler import MASK_TEXT
+from mercury_jax.sampling.text import MASK_TEXT, Detokenizer
 from mercury_jax.serve import protocol as api, structured
 from mercury_jax.serve.metrics import Metrics
 
 logger = logging.getLogger("mercury_jax.serve")
 DISCONNECTED = 499  # The status counted for a request whose client went away (nginx's convention).
-
-
-class Detokenizer:
-  """The text of a growing list of token ids, one delta per :meth:`add` (module docstring)."""
-
-  def __init__(self, tokenizer):
-    self.tokenizer = tokenizer
-    self._ids: list[int] = []  # the ids from the prefix offset on
-    self._read = 0  # ids before this one (in ``_ids``) are decoded
-
-  def add(self, ids, final: bool = False) -> str:
-    """The text ``ids`` add (empty while it ends inside a character); ``final`` flushes whatever is left."""
-    self._ids.extend(ids)
-    if self._read == len(self._ids):
-      return ""
-    decode = self.tokenizer.decode
-    before = decode(self._ids[: self._read]) if self._read else ""
-    after = decode(self._ids)
-    if not final and (len(after) <= len(before) or after.endswith("\ufffd")):
-      return ""
-    prefix = self._read  # The next window starts at the ids decoded now, for their context.
-    self._ids, self._read = self._ids[prefix:], len(self._ids) - prefix
-    return after[len(before) :]
 
 
 class Choice:

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import time
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -130,20 +131,15 @@ class Metrics:
     ).set_function(self.tokens_per_second)
     registry.register(_Engine(scheduler))
     self.tokens = Counter("mercury_generated_tokens", "Generated (committed) tokens", registry=registry)
-    self.ttft = Histogram(
+    histogram = functools.partial(Histogram, registry=registry)
+    self.ttft = histogram(
       "mercury_time_to_first_token_seconds",
       "Seconds from submit to the first committed token of a choice",
       buckets=TTFT_BUCKETS,
-      registry=registry,
     )
-    self.nfe = Histogram(
-      "mercury_request_nfe", "Forward passes a choice needed", buckets=NFE_BUCKETS, registry=registry
-    )
-    self.tpf = Histogram(
-      "mercury_tokens_per_forward",
-      "Generated tokens per forward pass of a choice",
-      buckets=TPF_BUCKETS,
-      registry=registry,
+    self.nfe = histogram("mercury_request_nfe", "Forward passes a choice needed", buckets=NFE_BUCKETS)
+    self.tpf = histogram(
+      "mercury_tokens_per_forward", "Generated tokens per forward pass of a choice", buckets=TPF_BUCKETS
     )
     self.requests = Counter(
       "mercury_requests", "API requests by endpoint and HTTP status", ("endpoint", "status"), registry=registry
@@ -153,11 +149,10 @@ class Metrics:
       "Seconds the event loop spent detokenising updates and encoding answers and stream events",
       registry=registry,
     )
-    self.loop_lag = Histogram(
+    self.loop_lag = histogram(
       "mercury_event_loop_lag_seconds",
       f"How late a timer the event loop sets every {LAG_PERIOD:g} s fires",
       buckets=LAG_BUCKETS,
-      registry=registry,
     )
 
   def add_tokens(self, count: int, when: float) -> None:

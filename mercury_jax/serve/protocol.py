@@ -520,11 +520,14 @@ class ChatMessageOut(BaseModel):
   tool_calls: list[ToolCall] | None = Field(None, exclude_if=_absent_if_none)
 
 
-class ChatChoice(BaseModel):
+class _Choice(BaseModel):
   index: int
-  message: ChatMessageOut
   logprobs: None = None
   finish_reason: str | None = None
+
+
+class ChatChoice(_Choice):
+  message: ChatMessageOut
 
 
 class ToolCallDelta(BaseModel):
@@ -543,11 +546,8 @@ class ChatDelta(BaseModel):
   diffusing: Diffusing | None = Field(None, exclude_if=_absent_if_none)
 
 
-class ChatChunkChoice(BaseModel):
-  index: int
+class ChatChunkChoice(_Choice):
   delta: ChatDelta
-  logprobs: None = None
-  finish_reason: str | None = None
 
 
 class _Response(BaseModel):
