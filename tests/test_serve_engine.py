@@ -256,7 +256,7 @@ def test_a_failing_admission_fails_that_request_alone(scheduler, monkeypatch):
       raise OverflowError("Python int too large to convert to C int")
     return original(command, slot, request)
 
-  monkeypatch.setattr(scheduler.engine, "admit", admit)
+  monkeypatch.setattr(scheduler.engine.admission, "admit", admit)
   client = _client(scheduler)
   assert client.post("/v1/completions", json={"prompt": "x = 1", "max_tokens": 4, "seed": 13}).status_code == 500
   assert client.post("/v1/completions", json={"prompt": "x = 1", "max_tokens": 4, "seed": 14}).status_code == 200
