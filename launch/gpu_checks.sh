@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Everything GPU-specific, checked and timed in one go on one GPU host (BUILD_NOTES.md, "GPU", has the last run):
+# Everything GPU-specific, checked and timed in one go on one GPU host (docs/results/gpu.md has the last run):
 #   correctness  the `gpu` tests: the flash-attention, cached-attention (dense and paged) and verified-mask kernels
 #                compiled for the device against their references, and attend()'s pallas / cudnn paths
 #   train        bf16 training steps/s and MFU of the default shape and of gpu8_125m's per-GPU shard

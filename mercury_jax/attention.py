@@ -37,14 +37,14 @@ from mercury_jax.kernels.common import CachedInputs
 from mercury_jax.kvcache import read_pages
 
 # From this length on, ``xla`` runs blockwise. Measured on this CPU (2 cores, AMD EPYC; batch 1, 4 heads, head_dim 64,
-# float32, 512 x 512 chunks; `bench long-attention`, BUILD_NOTES "Issue 26"): at 1024 tokens blockwise took
+# float32, 512 x 512 chunks; `bench long-attention`, docs/results/long-context.md): at 1024 tokens blockwise took
 # half the dense path's compiled temp memory (forward 12.8 vs 32 MiB, forward + backward 25 vs 50 MiB) at 1.0-3.6x its
 # speed over the bidirectional, causal and block_diffusion masks; at 256-512 tokens both need 2-22 MiB and blockwise
 # forward + backward ran at 0.88-2.3x the dense speed, so short sequences keep the dense path's numerics.
 BLOCKWISE_MIN_LENGTH = 1024
 # From this many cache slots on, the XLA path of attention over a cache reads it in tiles up to each row's last
-# visible slot (kernels/blockwise_cached_attention.py) instead of scoring every slot; measured in BUILD_NOTES
-# ("Issue 26: the cache read up to what a chunk sees").
+# visible slot (kernels/blockwise_cached_attention.py) instead of scoring every slot; measured in
+# docs/results/long-context.md ("The cache read up to what a chunk sees").
 CACHED_BLOCKWISE_MIN_SLOTS = 2048
 
 
@@ -241,12 +241,12 @@ def _cached_xla(inputs: CachedInputs, mask: str, diffusion_block: int | None, *,
   The products are plain matmuls batched over ``[batch, kv_heads]``, the query rows of a key/value head's group laid
   out as one ``[groups * chunk, head_dim]`` matrix (on XLA:CPU the einsum that kept the head axes between the query
   and slot axes made this attention 1.8-3.4x slower for a prefill chunk of 512 tokens over 4 K and 16 K slots:
-  ``bench long-context cached``, ``BUILD_NOTES.md``). The scores are laid out slots-major, ``keys @
+  ``bench long-context cached``, ``docs/results/long-context.md``). The scores are laid out slots-major, ``keys @
   queries^T`` ``[batch, kv_heads, keys, rows]``: the keys, the large operand, are read as they lie, ``[slots,
   head_dim]`` row-major, and only the queries are transposed; the softmax reduces over the keys' axis and the
   weighted values' product contracts it (``scores^T`` against ``[slots, head_dim]``). The usual ``queries @ keys^T``
   either copies every key into ``[head_dim, slots]`` or runs a product that packs them: 1.8x the time of the
-  attention of a serving step in ``BUILD_NOTES.md`` (issue 28).
+  attention of a serving step in ``docs/results/serving.md`` ("Batch buckets over a paged KV cache").
 
   It is batch-invariant (:mod:`mercury_jax.batch_invariance`): a row's output does not depend on the rows beside it.
   Each product is a matmul batched over ``[batch, kv_heads]``, which XLA runs as one product per batch element

@@ -3,7 +3,8 @@
 A batched pass is row-independent only up to rounding. XLA:CPU picks other matmul kernels (another order of the
 contraction) as a product's rows grow, and reduces a ``[1, ...]`` array in another order than a ``[4, ...]`` one; one
 ulp then flips a sampled token a few steps later. The serving engine runs a step over a batch bucket that changes
-with the load, so it cannot let a request's tokens depend on the bucket (``BUILD_NOTES.md``, issue 28).
+with the load, so it cannot let a request's tokens depend on the bucket (``docs/results/serving.md``, "Batch buckets
+over a paged KV cache").
 
 Under a :class:`Tiling` every operation that reduces runs over operands of one fixed shape, as the same program in
 every batch:

@@ -546,8 +546,8 @@ CPU_COMPILE_FLAG = "--xla_backend_optimization_level=1"
 def quick_cpu_compile() -> bool:
   """On a host without an accelerator (no JAX plugin, no libtpu, or ``JAX_PLATFORMS=cpu``), compiles with LLVM's
   ``-O1`` instead of ``-O2``: a command's cold start is mostly compilation, the matmuls run in precompiled library
-  kernels either way, and the bundled model samples as fast (BUILD_NOTES.md). Returns whether the flag was added;
-  an ``XLA_FLAGS`` that already sets the level is left alone. Call it before JAX creates its backend."""
+  kernels either way, and the bundled model samples as fast (docs/results/engine.md). Returns whether the flag was
+  added; an ``XLA_FLAGS`` that already sets the level is left alone. Call it before JAX creates its backend."""
   flags = os.environ.get("XLA_FLAGS", "")
   if "xla_backend_optimization_level" in flags:
     return False

@@ -19,7 +19,7 @@ _QUICK += " --xla_cpu_parallel_codegen_split_count=1"
 # XLA:CPU's MLIR fusion emitters take several times longer to compile a fusion than its older loop emitters, and the
 # tests compile far more than they run: with the older ones a serving engine's warm-up (every prefill and step
 # bucket) compiled in 13-24 s instead of 47-50 s, test_engine.py ran in 246 s instead of 392 s, and 300 training
-# steps ran as fast (interleaved runs; BUILD_NOTES, the suite's time).
+# steps ran as fast (interleaved runs; docs/results/tests.md).
 _QUICK += " --xla_cpu_use_fusion_emitters=false"
 _FLAGS = os.environ.get("XLA_FLAGS", "")
 _FLAGS += "" if "xla_backend_optimization_level" in _FLAGS else f" {_QUICK}"

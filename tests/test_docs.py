@@ -66,3 +66,119 @@ def test_refused_keywords_are_refused_by_name():
       with pytest.raises(schema.ConstraintError) as caught:
         schema.schema_regex({"type": "object", "properties": {"a": {"type": "string", word: {}}}})
       assert caught.value.param is not None and caught.value.param.endswith(word), (word, caught.value.param)
+
+
+# Pages whose commands are checked: the README and the docs' task pages (the results pages quote past runs).
+COMMAND_PAGES = [ROOT / "README.md"] + [
+  ROOT / "docs" / name
+  for name in (
+    "index.md",
+    "install.md",
+    "training.md",
+    "sampling.md",
+    "structured-output.md",
+    "server.md",
+    "checkpoints.md",
+    "long-context.md",
+    "multihost.md",
+    "benchmarks.md",
+  )
+]
+# README commands that run as written here: quick, on the bundled models, no data or checkpoint of their own.
+RUN_AS_WRITTEN = [
+  "python -m mercury_jax.sample --prompt 'def fibonacci(n):'",
+  "python -m mercury_jax.sample --prompt 'date: ' --length 12 --regex '[0-9]{4}-[0-9]{2}-[0-9]{2}'",
+  "python -m mercury_jax.bench --help",
+]
+
+
+def shell_commands(text: str) -> list[str]:
+  """The commands of a page: lines of its ``bash`` code blocks and of its indented blocks, continuations joined."""
+  lines, fence = [], None
+  for line in text.splitlines():
+    if line.startswith("```"):
+      fence = line[3:].strip() if fence is None else None
+      continue
+    if fence == "bash" or (fence is None and line.startswith("    ") and not line.lstrip().startswith(("-", "|"))):
+      lines.append(line.strip())
+  commands, current = [], ""
+  for line in lines:
+    current += line
+    if current.endswith("\\"):
+      current = current[:-1] + " "
+      continue
+    current = re.sub(r"\s+# .*$", "", current)  # a trailing comment
+    if current:
+      commands.append(current)
+    current = ""
+  return commands
+
+
+def _module_command(command: str) -> tuple[list[str], list[str]] | None:
+  """(the ``python -m mercury_jax...`` prefix with its subcommand, the flags) of a command, or None."""
+  import shlex
+
+  words = shlex.split(command, comments=True)
+  if "--" in words:  # a launcher's own arguments, then the command it runs
+    words = words[words.index("--") + 1 :]
+  if words[:1] == ["srun"]:
+    words = words[1:]
+  if words[:2] != ["python", "-m"] or not words[2].startswith("mercury_jax"):
+    return None
+  prefix = words[:3]
+  if words[2] == "mercury_jax.bench" and len(words) > 3 and not words[3].startswith("-"):
+    prefix.append(words[3])
+  flags = [w.split("=", 1)[0] for w in words[len(prefix) :] if w.startswith("--")]
+  return prefix, flags
+
+
+def test_pages_show_commands():
+  commands = shell_commands((ROOT / "README.md").read_text())
+  for command in RUN_AS_WRITTEN:
+    assert command in commands, command
+  modules = {tuple(c[0]) for c in filter(None, map(_module_command, commands))}
+  for module in ("sample", "train", "prepare", "evaluate", "bench", "serve", "convert"):
+    assert ("python", "-m", f"mercury_jax.{module}") in modules, module
+
+
+def test_page_commands_name_real_flags_and_scripts():
+  """Every ``python -m mercury_jax...`` command on the pages uses flags its ``--help`` lists, and every launch
+  script it names exists."""
+  wanted: dict[tuple[str, ...], set[str]] = {}
+  for page in COMMAND_PAGES:
+    for command in shell_commands(page.read_text()):
+      for word in command.split():
+        if word.startswith("launch/"):
+          assert (ROOT / word).is_file(), f"{page.name}: {word}"
+      parsed = _module_command(command)
+      if parsed:
+        wanted.setdefault(tuple(parsed[0]), set()).update((page.name, flag) for flag in parsed[1])
+  env = {**os.environ, "PYTHONPATH": str(ROOT)}
+  runs = {
+    prefix: subprocess.Popen(
+      [sys.executable, *prefix[1:], "--help"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
+    for prefix in wanted
+  }
+  missing = []
+  for prefix, proc in runs.items():
+    out = proc.communicate(timeout=240)[0].decode()
+    assert proc.returncode == 0, f"{' '.join(prefix)} --help: {out}"
+    known = set(re.findall(r"--[a-z0-9][a-z0-9-]*", out))
+    missing += [f"{page}: {' '.join(prefix)} {flag}" for page, flag in sorted(wanted[prefix]) if flag not in known]
+  assert not missing, "flags the commands' --help does not list:\n" + "\n".join(missing)
+
+
+@pytest.mark.parametrize("command", RUN_AS_WRITTEN)
+def test_readme_command_runs(command):
+  run = subprocess.run(command, shell=True, cwd=ROOT, capture_output=True, text=True, timeout=240)
+  assert run.returncode == 0, run.stdout + run.stderr
+  assert run.stdout.strip()
+
+
+def test_readme_python_example_runs():
+  text = (ROOT / "README.md").read_text()
+  example = text.split("```python\n", 1)[1].split("```", 1)[0]
+  run = subprocess.run([sys.executable, "-c", example], cwd=ROOT, capture_output=True, text=True, timeout=240)
+  assert run.returncode == 0, run.stdout + run.stderr
+  assert run.stdout.startswith("def fibonacci(n):") or run.stdout.strip()

@@ -1,4 +1,4 @@
-"""Needle in a haystack at 8 K tokens (issue 26): the shipped retrieval model (``python -m mercury_jax.bench
+"""Needle in a haystack at 8 K tokens (docs/long-context.md): the shipped retrieval model (``python -m mercury_jax.bench
 needle-recipe``: trained at 2 K on the ``kv-retrieval`` corpus, extended to 8 K with YaRN and a short run at 8 K,
 exported in bfloat16) answers queries whose needle lies at a random depth of an 8 K-token prompt, through the engine
 with the prefill in chunks of 512 tokens; and without its RoPE scaling it loses the needles that lie beyond the 2 K it

@@ -8,8 +8,8 @@
 - ``long_context``, ``long_attention`` (and context parallelism), ``needle``: long prompts and long sequences.
 - ``families`` (with ``families_torch``), ``convert``: converted public checkpoints and the converter.
 - ``gpu_attention``, ``gpu_sampling``: the accelerator benchmarks ``launch/gpu_checks.sh`` runs.
-- ``recipes``, ``objectives``: the experiments whose numbers BUILD_NOTES quotes (targets, first text, the block-size
-  sweep; the noise schedules, the noise profile, draft masking, the diffusion heads).
+- ``recipes``, ``objectives``: the experiments whose numbers the results pages (``docs/results/``) quote (targets,
+  first text, the block-size sweep; the noise schedules, the noise profile, draft masking, the diffusion heads).
 - ``throughput``: the one wall-clock timer every command uses, the FLOP/s peak MFU is quoted against (datasheet on
   accelerators, measured on CPU), and the machine a result was measured on.
 """

@@ -4,8 +4,9 @@
 
     python -m mercury_jax.bench exact-cache [--rounds 3] [--batch 1] [--json OUT.json]
 
-Random weights at d_model 256, 8 layers, vocabulary 4096 (the shape of issue 23's measurement): a prompt of 32
-tokens, 256 new tokens, blocks of 32, one token per step, so every decoder runs 256 steps. Three engines:
+Random weights at d_model 256, 8 layers, vocabulary 4096 (the shape of the one-engine measurement,
+docs/results/engine.md): a prompt of 32 tokens, 256 new tokens, blocks of 32, one token per step, so every decoder runs
+256 steps. Three engines:
 
 * ``exact``: a block-diffusion model (blocks of 32) with the exact cache: a commit pass of the finished block and a
   block pass per step, ``B`` tokens each;

@@ -44,7 +44,7 @@ GROUPS = (  # what --help lists, in this order
   ("public checkpoints", ("families", "convert")),
   ("on a GPU (launch/gpu_checks.sh runs them)", ("gpu-attention", "gpu-sampling")),
   (
-    "experiments whose numbers BUILD_NOTES quotes",
+    "experiments whose numbers docs/results quotes",
     (
       "targets",
       "first-text",

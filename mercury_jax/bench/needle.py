@@ -14,8 +14,9 @@ engine compiles once for all of them. A trial retrieves when the first generated
 It prints the rate and the rate by depth; ``--json FILE`` writes every trial (depth, distance, answer, generated
 text, compile seconds). Bad input gets one line on stderr and exit code 2.
 
-``needle-recipe`` is issue 26's recipe, end to end: train a tiny model to retrieve at 2 K, extend it to 8 K with
-RoPE scaling (with and without a short continued run at 8 K), and print the retrieval rate by depth::
+``needle-recipe`` is the long-context recipe (docs/long-context.md), end to end: train a tiny model to retrieve at 2 K,
+extend it to 8 K with RoPE scaling (with and without a short continued run at 8 K), and print the retrieval rate by
+depth::
 
     python -m mercury_jax.bench needle-recipe --workdir runs/needle        # the whole recipe (~40 min on 2 CPU cores)
     python -m mercury_jax.bench needle-recipe --workdir runs/needle --export tests/fixtures/needle   # and ship it
@@ -28,9 +29,9 @@ or skips the runs):
 2. ``train --config tiny_retrieval`` at 64 tokens (the warm-up that learns the lookup), then at 2,048 from it
    (``--init-from``).
 3. The 2 K model asked ``--trials`` needles at 2 K, and at 8 K with each RoPE scaling of ``--scalings`` (default
-   :data:`RECIPE_SCALINGS`: ``none``, ``linear``, ``ntk``, ``yarn``, the table BUILD_NOTES reports; ``needle``'s
-   ``--rope`` offers every scaling of :mod:`mercury_jax.rope`): the weights unchanged, the positions stretched 4x
-   (:func:`with_context`).
+   :data:`RECIPE_SCALINGS`: ``none``, ``linear``, ``ntk``, ``yarn``, the table of docs/results/long-context.md;
+   ``needle``'s ``--rope`` offers every scaling of :mod:`mercury_jax.rope`): the weights unchanged, the positions
+   stretched 4x (:func:`with_context`).
 4. ``train --config tiny_retrieval_8k`` (YaRN, a short run at 8 K from the 2 K model), asked the same 8 K needles.
 5. With ``--export``: the 8 K model written as a params-only bfloat16 checkpoint (``export.export``).
 
@@ -58,7 +59,8 @@ from mercury_jax.data import retrieval
 
 DEPTH_BINS = 8
 SCALINGS = ("as-trained", "none", "linear", "ntk", "yarn", "llama3")  # ``needle --rope``
-RECIPE_SCALINGS = ("none", "linear", "ntk", "yarn")  # the recipe's 2 K model at 8 K (BUILD_NOTES' table)
+# The recipe's 2 K model at 8 K (the table of docs/results/long-context.md).
+RECIPE_SCALINGS = ("none", "linear", "ntk", "yarn")
 CONTEXT, TRAINED = 8192, 2048  # the recipe's contexts
 DATA = {  # the recipe's data folders, name: (seq_len, spec)
   "kv64": (64, "kv-retrieval:records=32000"),
@@ -329,7 +331,7 @@ def add_recipe_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_recipe(args: argparse.Namespace) -> None:
-  """Issue 26's recipe: train the needle model at 2 K, extend it to 8 K, measure.
+  """The long-context recipe: train the needle model at 2 K, extend it to 8 K, measure.
 
   Prepares the kv-retrieval data, trains at 64 then 2,048 tokens and a short 8 K run (each step a package command,
   resumable), then asks the 2 K model at 2 K and at 8 K with each of --scalings, and the 8 K model.

@@ -1,8 +1,8 @@
-"""Experiments on the training objectives and the networks they train, each whose numbers BUILD_NOTES quotes.
+"""Experiments on the training objectives and the networks they train, each whose numbers docs/results quotes.
 
-``continuous``: issue 27's schedule comparison, the continuous objective under each noise schedule against block
-diffusion. Every model is trained from the same seed on the same prepared data for the same steps (so the same
-tokens), then scored on the held-out split by ``mercury_jax.evaluate`` (the continuous bound, and the
+``continuous``: the schedule comparison (docs/results/continuous.md), the continuous objective under each noise schedule
+against block diffusion. Every model is trained from the same seed on the same prepared data for the same steps (so the
+same tokens), then scored on the held-out split by ``mercury_jax.evaluate`` (the continuous bound, and the
 block-diffusion ELBO): one table in bits per character, one JSON file per run::
 
     python -m mercury_jax.prepare --corpus python-stdlib --out RUNS/data
@@ -106,7 +106,7 @@ def add_continuous_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_continuous(args: argparse.Namespace) -> None:
-  """Issue 27: the continuous objective's noise schedules against block diffusion.
+  """The continuous objective's noise schedules against block diffusion.
 
   Each variant trained from the same seed on the same data for --steps steps, then scored on the held-out split;
   prints bits per character and writes OUT/results.json.

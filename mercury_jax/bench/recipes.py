@@ -1,7 +1,7 @@
-"""Recipes: measurements made of package commands run one after another, each whose numbers BUILD_NOTES quotes.
+"""Recipes: measurements made of package commands run one after another, each whose numbers docs/results quotes.
 
-``targets``: the default model's targets (issue 15), in one run: the bundled block-diffusion model against its
-bundled autoregressive twin::
+``targets``: the default model's targets (docs/results/models.md), in one run: the bundled block-diffusion model against
+its bundled autoregressive twin::
 
     python -m mercury_jax.bench targets --data DATA_DIR --out docs/bench/default_v2 [--eval-batches 64]
 
@@ -39,7 +39,7 @@ batches: the same characters for every model) and ``python -m mercury_jax.bench 
 twin, generating ``--length`` tokens with the confidence rule at ``--bench-steps`` step budgets (16 steps for 64
 tokens is 4 tokens per forward pass whatever the block: blocks of 4 get 1 step each, blocks of 32 get 8), batch 1,
 T = 1. Each bench times the twin in the same run, so the x AR column is a ratio measured interleaved. Writes
-``DIR/results.json`` and ``DIR/results.md`` (the table BUILD_NOTES quotes) and prints the table.
+``DIR/results.json`` and ``DIR/results.md`` (the table docs/results/models.md quotes) and prints the table.
 """
 
 from __future__ import annotations
@@ -147,7 +147,7 @@ def add_targets_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_targets(args: argparse.Namespace) -> None:
-  """The default model's targets (issue 15), measured in one run.
+  """The default model's targets, measured in one run.
 
   evaluate both bundled models, compare them at batch 1, time the sample command to its first text (cold and warm
   compilation cache); writes OUT/targets.json and targets.md.

@@ -4,7 +4,7 @@
   python -m mercury_jax.bench sampler --random [PRESET]              # random params of a preset's shape
 
 Loop overhead = sampler wall time / (NFE x one jitted forward pass of the same shape): 1.0 means the loop costs
-nothing beyond the denoiser. Following BUILD_NOTES' advice for these hosts (their CPU capacity changes by 2x for
+nothing beyond the denoiser. On these hosts (their CPU capacity changes by 2x for
 minutes at a time), each sampler run is followed by forward passes timed right after it, and the table reports
 medians over runs of the per-run ratio. The canvas is unconditional: ``length`` positions, all generated. The
 sampler runs through ``Sampler.run``, the engine the command line uses (compiled once per settings and shape; a

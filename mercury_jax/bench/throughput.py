@@ -3,7 +3,7 @@ the machine a measurement was taken on.
 
 On an accelerator, model FLOPs utilisation divides by the chip's datasheet peak for the compute dtype (dense, no
 sparsity), as MaxText and the PaLM paper quote it; a measured matmul would flatter the model by the matmul's own
-inefficiency. On a CPU no datasheet applies and the host's capacity varies (BUILD_NOTES.md), so the peak is a
+inefficiency. On a CPU no datasheet applies and the host's capacity varies (docs/results/training.md), so the peak is a
 measured f32 matmul.
 
 The timer: :func:`timed` (a call's result and its seconds, waiting for the result), :func:`time_call` (its seconds),

@@ -72,7 +72,7 @@ def dot(a, b, contract: tuple[int, int]):
 
   float32 inputs ask for ``HIGHEST`` precision, which the Triton lowering turns into IEEE float32. Its default
   precision is TF32 (10 mantissa bits): on an H200 that put the float32 flash kernel 1e-3 off its reference, where
-  the kernels' float32 tiles (``BlockSizes.get_default``) assume IEEE dots (BUILD_NOTES, "GPU").
+  the kernels' float32 tiles (``BlockSizes.get_default``) assume IEEE dots (docs/results/gpu.md).
   """
   exact = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
   return lax.dot_general(

@@ -122,7 +122,8 @@ class InvariantNetwork(Network):
   sampled token. The serving engine's batch buckets run this network, so a request's tokens do not depend on its
   bucket. Every matmul and normalisation runs over fixed tiles of positions, attention over a cache takes its
   normaliser by a batched product (or runs row by row where it cannot), and proposals run row by row
-  (:mod:`mercury_jax.batch_invariance`); ``BUILD_NOTES.md`` (issue 28) has the cost.
+  (:mod:`mercury_jax.batch_invariance`); ``docs/results/serving.md`` ("Batch buckets over a paged KV cache") has the
+  cost.
 
   Args:
     cfg: The model.

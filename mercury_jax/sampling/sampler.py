@@ -107,7 +107,8 @@ class Sampler:
   def __init__(self, params: Any, cfg: Config, tokenizer: Tokenizer, *, mesh: Mesh | None = None):
     check_compatible(cfg, tokenizer)
     # Sampling runs the layer stack as a loop whatever the training chose: an unrolled stack speeds up the backward
-    # pass on XLA:CPU, but here it mostly adds compile time (BUILD_NOTES.md). The parameters are the same arrays.
+    # pass on XLA:CPU, but here it mostly adds compile time (docs/results/engine.md). The parameters are the same
+    # arrays.
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, unroll_layers=False))
     self.cfg, self.tokenizer = cfg, tokenizer
     self.autoregressive = is_autoregressive(cfg)

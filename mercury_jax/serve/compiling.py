@@ -20,7 +20,7 @@ expensive ones:
 
 * *Express*: every new job starts at once in its own child (up to ``express`` children at a time; more wait their
   turn, first come first served), with ``express_seconds`` of time and ``express_memory`` of address space. Nearly
-  every real schema compiles there (BUILD_NOTES: a boolean in 18 ms, a tool call in 64 ms, a four-field object with
+  every real schema compiles there (on a 2-core CPU: a boolean in 18 ms, a tool call in 64 ms, a four-field object with
   an e-mail format in 0.26 s), so a cheap one answers within its own compile time whatever else is compiling.
 * *General*: a job that needs more time or memory than the express lane gives runs with the full ``timeout`` and
   ``memory``, at most ``workers`` at a time, first come first served. A job past its express time keeps running in

@@ -10,11 +10,11 @@ fixed number of chunks per iteration cannot bound that gap: a chunk's time grows
 the chunk and step times it measured: the decoding streams keep ``1 - s`` of the engine, so their mean gap during a long
 prefill is at most ``1 / (1 - s)`` of the steps they take beside it (2x at the default ``s = 0.5``), whatever the
 prompt's length, the chunk size or the machine. (Their steps may themselves run slower beside a long prefill than alone:
-BUILD_NOTES measured 2.6x the gap alone at 0.5, beside a 16 K prompt on a CPU.) It runs as many chunks as fit in the
-iteration's share when a chunk is cheaper than that (more than one per iteration), and a chunk every few iterations when
-one costs more (the share is spent ahead and paid back by the steps that follow; each gap is then a step, or a step and
-one chunk). With nothing decoding, the chunks run back to back, in iterations of about :data:`IDLE_SECONDS`, so a newly
-arrived request still waits at most about that long for its admission.
+docs/results/long-context.md measured 2.6x the gap alone at 0.5, beside a 16 K prompt on a CPU.) It runs as many chunks
+as fit in the iteration's share when a chunk is cheaper than that (more than one per iteration), and a chunk every few
+iterations when one costs more (the share is spent ahead and paid back by the steps that follow; each gap is then a
+step, or a step and one chunk). With nothing decoding, the chunks run back to back, in iterations of about
+:data:`IDLE_SECONDS`, so a newly arrived request still waits at most about that long for its admission.
 
 Only process 0 measures and decides; the count travels in the iteration's command, so every process of a multi-host mesh
 runs the same chunks. Where the chunks run changes no token: a row still being prefilled is inert until its last chunk.

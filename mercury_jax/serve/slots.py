@@ -62,7 +62,7 @@ from mercury_jax.serve.multihost import Processes
 def invariant_tile_of(plan: BlockPlan) -> int:
   """Positions per matmul tile of a batch-invariant step: four rows' positions (a step's block, a verified step's
   ``k + k * k`` chunk, a whole-sequence canvas), a multiple of 8 in [8, 64]. A full bucket's products then run four
-  rows at a time, and a lone row pays a four-row product, whose weights it reads once (BUILD_NOTES.md, issue 28)."""
+  rows at a time, and a lone row pays a four-row product, whose weights it reads once (docs/results/serving.md)."""
   positions = plan.length if plan.whole_sequence else plan.draft + plan.draft**2 if plan.draft else plan.block
   return min(64, max(8, -(-4 * positions // 8) * 8))
 
