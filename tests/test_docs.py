@@ -153,20 +153,46 @@ def test_page_commands_name_real_flags_and_scripts():
       parsed = _module_command(command)
       if parsed:
         wanted.setdefault(tuple(parsed[0]), set()).update((page.name, flag) for flag in parsed[1])
-  env = {**os.environ, "PYTHONPATH": str(ROOT)}
-  runs = {
-    prefix: subprocess.Popen(
-      [sys.executable, *prefix[1:], "--help"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
-    )
-    for prefix in wanted
-  }
+  helps = _helps(sorted(wanted))
   missing = []
-  for prefix, proc in runs.items():
-    out = proc.communicate(timeout=240)[0].decode()
-    assert proc.returncode == 0, f"{' '.join(prefix)} --help: {out}"
+  for prefix, out in helps.items():
     known = set(re.findall(r"--[a-z0-9][a-z0-9-]*", out))
     missing += [f"{page}: {' '.join(prefix)} {flag}" for page, flag in sorted(wanted[prefix]) if flag not in known]
   assert not missing, "flags the commands' --help does not list:\n" + "\n".join(missing)
+
+
+_HELP_SCRIPT = """
+import contextlib, io, json, runpy, sys
+out = {}
+for words in json.loads(sys.argv[1]):
+  sys.argv = [words[0], *words[1:], "--help"]
+  text = io.StringIO()
+  with contextlib.redirect_stdout(text), contextlib.redirect_stderr(text):
+    try:
+      runpy.run_module(words[0], run_name="__main__", alter_sys=True)
+    except SystemExit as e:
+      code = e.code
+  out[" ".join(words)] = (code, text.getvalue())
+print(json.dumps(out))
+"""
+
+
+def _helps(prefixes: list[tuple[str, ...]]) -> dict[tuple[str, ...], str]:
+  """Each command's ``--help`` text, all printed by one Python process (JAX is imported once)."""
+  import json
+
+  modules = [list(prefix[2:]) for prefix in prefixes]
+  run = subprocess.run(
+    [sys.executable, "-c", _HELP_SCRIPT, json.dumps(modules)], cwd=ROOT, capture_output=True, text=True, timeout=240
+  )
+  assert run.returncode == 0, run.stderr
+  helps = json.loads(run.stdout.strip().splitlines()[-1])
+  result = {}
+  for prefix in prefixes:
+    code, text = helps[" ".join(prefix[2:])]
+    assert code == 0, f"{' '.join(prefix)} --help exited {code}: {text}"
+    result[prefix] = text
+  return result
 
 
 @pytest.mark.parametrize("command", RUN_AS_WRITTEN)
