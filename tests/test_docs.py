@@ -208,3 +208,19 @@ def test_readme_python_example_runs():
   run = subprocess.run([sys.executable, "-c", example], cwd=ROOT, capture_output=True, text=True, timeout=240)
   assert run.returncode == 0, run.stdout + run.stderr
   assert run.stdout.startswith("def fibonacci(n):") or run.stdout.strip()
+
+
+def test_server_page_lists_every_request_field_and_flag():
+  """The server page's tables name every field the request models accept and every flag of the command."""
+  from mercury_jax.serve import protocol
+
+  text = (ROOT / "docs" / "server.md").read_text()
+  fields_table = text.split("## Request fields", 1)[1].split("\n## ", 1)[0]
+  named = set(re.findall(r"`([a-z_.]+)`", fields_table))
+  models = (protocol.CompletionRequest, protocol.ChatRequest)
+  fields = {f.alias or name for model in models for name, f in model.model_fields.items()}
+  assert fields - named == set(), "request fields missing from docs/server.md's table"
+  flags_table = text.split("## Flags", 1)[1].split("\n## ", 1)[0]
+  (help_text,) = _helps([("python", "-m", "mercury_jax.serve")]).values()
+  flags = set(re.findall(r"--[a-z0-9][a-z0-9-]*", help_text)) - {"--help"}
+  assert flags - set(re.findall(r"`(--[a-z0-9-]+)`", flags_table)) == set(), "flags missing from the flags table"
