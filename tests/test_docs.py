@@ -224,3 +224,10 @@ def test_server_page_lists_every_request_field_and_flag():
   (help_text,) = _helps([("python", "-m", "mercury_jax.serve")]).values()
   flags = set(re.findall(r"--[a-z0-9][a-z0-9-]*", help_text)) - {"--help"}
   assert flags - set(re.findall(r"`(--[a-z0-9-]+)`", flags_table)) == set(), "flags missing from the flags table"
+
+
+def test_benchmarks_page_lists_every_command():
+  (help_text,) = _helps([("python", "-m", "mercury_jax.bench")]).values()
+  commands = set(re.findall(r"^  ([a-z][a-z0-9-]+)  ", help_text, flags=re.M))
+  table = (ROOT / "docs" / "benchmarks.md").read_text().split("| command |", 1)[1].split("\n\n", 1)[0]
+  assert len(commands) > 10 and commands - set(re.findall(r"`([a-z0-9-]+)`", table)) == set()
