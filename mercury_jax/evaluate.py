@@ -16,6 +16,9 @@ directly. ``draft`` holds the drafter's figures over every target token: ``all_m
 cross-entropy with every token of a block masked (deterministic; what the default recipe trains; not a bound), and
 ``elbo_*``, the block negative ELBO with t drawn per block from ``[t_min, 1]`` (``--t-samples`` draws; an upper bound
 on the NLL of the model that decodes a block by iterative unmasking).
+
+The command shows its progress on stderr with an estimate of the time left (``mercury_jax.progress``): one unit per
+batch and t draw, so ``--max-batches`` and ``--t-samples`` bound the time.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from mercury_jax.checkpoint import restore_params
 from mercury_jax.config import Config
 from mercury_jax.data import pipeline
 from mercury_jax.objectives import autoregressive as ar_objective
+from mercury_jax.progress import Progress
 from mercury_jax.trainer import Trainer
 
 
@@ -47,8 +51,10 @@ def evaluate_params(
   batch_size: int | None = None,
   seed: int = 0,
   max_batches: int | None = None,
+  progress: bool = False,
 ) -> dict[str, Any]:
-  """Scores ``params`` on one exact pass over ``split`` (or its first ``max_batches`` batches)."""
+  """Scores ``params`` on one exact pass over ``split`` (or its first ``max_batches`` batches); with ``progress``,
+  shows the batches scored and the time left on stderr (the first process only)."""
   if t_samples < 1:
     raise ValueError(f"t_samples={t_samples} must be >= 1")
   meta = pipeline.read_metadata(data_dir)
@@ -69,18 +75,20 @@ def evaluate_params(
   batches = [pipeline.to_global(b, mesh, trainer.rules) for b in local[:max_batches]]
   tokenizer = pipeline.load_data_tokenizer(data_dir)
   covered = min(meta["splits"][split]["records"], len(batches) * batch_size)
-  if cfg.objective.verified:
-    return _evaluate_verified(
-      trainer, params, batches, local[:max_batches], tokenizer, t_samples=t_samples, seed=seed
-    ) | {
-      "split": split,
-      "records": covered,
-    }
   autoregressive = cfg.objective.autoregressive
-  draws = 1 if autoregressive else t_samples
-  per_draw = [
-    trainer.nats_per_token(params, batches, jax.random.fold_in(jax.random.key(seed), d)) for d in range(draws)
-  ]
+  draws = 1 + t_samples if cfg.objective.verified else 1 if autoregressive else t_samples
+  shown = Progress(
+    max(1, draws * len(batches)), "mercury_jax.evaluate", "batches", enabled=progress and distributed.is_primary()
+  )
+  with shown:
+    if cfg.objective.verified:
+      return _evaluate_verified(
+        trainer, params, batches, local[:max_batches], tokenizer, t_samples=t_samples, seed=seed, on_batch=shown.update
+      ) | {"split": split, "records": covered}
+    per_draw = [
+      trainer.nats_per_token(params, batches, jax.random.fold_in(jax.random.key(seed), d), on_batch=shown.update)
+      for d in range(draws)
+    ]
   nats = float(np.mean(per_draw))
   stderr = float(np.std(per_draw, ddof=1) / math.sqrt(draws)) if draws > 1 else 0.0
   tokens, characters = _scored_counts(local[:max_batches], tokenizer, autoregressive)
@@ -101,11 +109,17 @@ def evaluate_params(
   }
 
 
-def _evaluate_verified(trainer: Trainer, params, batches, local_batches, tokenizer, *, t_samples: int, seed: int):
+def _evaluate_verified(
+  trainer: Trainer, params, batches, local_batches, tokenizer, *, t_samples: int, seed: int, on_batch=None
+):
   """A verified model's verifier (top level, as the twin's) and drafter (``draft``) figures (module docstring)."""
   key = jax.random.key(seed)
-  one_pass = trainer.eval_sums(params, batches, key, draft="all_mask")  # The verifier and the one-step drafter.
-  elbo = [trainer.eval_sums(params, batches, jax.random.fold_in(key, d), draft="elbo") for d in range(t_samples)]
+  # The verifier and the one-step drafter, then the drafter's bound.
+  one_pass = trainer.eval_sums(params, batches, key, draft="all_mask", on_batch=on_batch)
+  elbo = [
+    trainer.eval_sums(params, batches, jax.random.fold_in(key, d), draft="elbo", on_batch=on_batch)
+    for d in range(t_samples)
+  ]
   ar_tokens, ar_chars = _scored_counts(local_batches, tokenizer, autoregressive=True)
   draft_tokens, draft_chars = _scored_counts(local_batches, tokenizer, autoregressive=False)
   bits = lambda nats, tokens, chars: nats * tokens / (chars * math.log(2))  # noqa: E731
@@ -187,6 +201,7 @@ def main(argv: list[str] | None = None) -> None:
       batch_size=args.batch_size,
       seed=args.seed,
       max_batches=args.max_batches,
+      progress=True,
     )
   except (ValueError, FileNotFoundError) as e:
     usage.fail("evaluate", e)

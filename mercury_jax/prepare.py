@@ -48,6 +48,7 @@ from mercury_jax import kinds
 from mercury_jax.data import corpus as corpus_lib, mixture as mixture_lib, pipeline, records, retrieval, sources
 from mercury_jax.data.tokenizer import MIN_VOCAB_SIZE, Tokenizer, train_tokenizer
 from mercury_jax.files import MANIFEST_FILE, METADATA_FILE, TOKENIZER_FILE
+from mercury_jax.progress import duration
 
 MIN_SEQ_LEN = 8
 
@@ -215,6 +216,7 @@ def prepare(
   num_shards: int = 4,
   force: bool = False,
   log: Callable[[str], None] = print,
+  progress: bool = False,
 ) -> dict[str, Any]:
   """Writes a prepared data directory and returns its metadata.
 
@@ -228,6 +230,8 @@ def prepare(
     num_shards: ArrayRecord files per split, at most.
     force: Replace a non-empty ``out``.
     log: Receives the summary lines.
+    progress: Print each stage as it starts, with the time so far, on stderr (reading the corpus and training the
+      tokenizer give no count to estimate the time left from).
 
   Raises:
     ValueError: Bad arguments or input (the message is one line naming the value).
@@ -244,11 +248,18 @@ def prepare(
     )
   out = Path(out)
   _check_destination(out, force)
+  stage = _stages(start, progress)
   tokenizer = Tokenizer.load(tokenizer_path) if tokenizer_path else None
   specs = [corpus] if isinstance(corpus, str) else list(corpus)
+  stage(f"reading {' + '.join(specs)}")
   source = load_source(specs)
   if tokenizer is None:
-    tokenizer = train_tokenizer(source.texts(), vocab_size)
+    texts = source.texts()
+    stage(
+      f"training a {vocab_size}-piece tokenizer on {len(texts):,} texts, {sum(map(len, texts)) / 1e6:.1f} M characters"
+    )
+    tokenizer = train_tokenizer(texts, vocab_size)
+    del texts
 
   out.parent.mkdir(parents=True, exist_ok=True)
   tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -256,6 +267,7 @@ def prepare(
   try:
     split_meta, part_meta = {}, [dict(p) for p in source.parts]
     for name in corpus_lib.SPLITS:
+      stage(f"encoding and packing the {name} split")
       packed, stats, per_part = source.encode(name, tokenizer, seq_len)
       if name == corpus_lib.TRAIN and not stats["records"]:
         raise ValueError(
@@ -300,6 +312,18 @@ def prepare(
   return metadata
 
 
+def _stages(start: float, enabled: bool) -> Callable[[str], None]:
+  """Prints a stage of ``prepare`` with the time since ``start`` on stderr (when ``enabled``)."""
+
+  def stage(text: str) -> None:
+    if enabled:
+      print(
+        f"mercury_jax.prepare: {text} ({duration(time.perf_counter() - start)} so far)", file=sys.stderr, flush=True
+      )
+
+  return stage
+
+
 def _summarise(out: Path, metadata: dict[str, Any], seconds: float, log: Callable[[str], None]) -> None:
   python = f" (Python {metadata['python_version']})" if metadata["python_version"] else ""
   corpus = metadata["corpus"] if isinstance(metadata["corpus"], str) else " + ".join(metadata["corpus"])
@@ -338,6 +362,7 @@ def main(argv: list[str] | None = None) -> int:
       seq_len=args.seq_len,
       num_shards=args.shards,
       force=args.force,
+      progress=True,
     )
   except (ValueError, OSError) as e:
     message = " ".join(str(e).split())

@@ -8,6 +8,7 @@ custom handlers. It is built ``eval_shape -> logical partition specs -> sharding
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -201,22 +202,26 @@ class Trainer:
       )
     return self._eval_steps[draft]
 
-  def eval_sums(self, params, batches: list[Batch], key: jax.Array, draft: str | None = None) -> dict[str, float]:
-    """The objective's sums over ``batches``, batch i drawn with ``fold_in(key, i)``."""
+  def eval_sums(
+    self, params, batches: list[Batch], key: jax.Array, draft: str | None = None, on_batch: Callable | None = None
+  ) -> dict[str, float]:
+    """The objective's sums over ``batches``, batch i drawn with ``fold_in(key, i)``; ``on_batch()`` after each."""
     totals: dict[str, float] = {}
     for i, batch in enumerate(batches):
       out = jax.device_get(self.eval_step_for(draft)(params, batch, jax.random.fold_in(key, i)))
       for name, value in out.items():
         totals[name] = totals.get(name, 0.0) + float(value)
+      if on_batch is not None:
+        on_batch()
     return totals
 
-  def nats_per_token(self, params, batches: list[Batch], key: jax.Array) -> float:
+  def nats_per_token(self, params, batches: list[Batch], key: jax.Array, on_batch: Callable | None = None) -> float:
     """The objective over ``batches`` (batch i drawn with ``fold_in(key, i)``), in nats per target token.
 
     For diffusion this is one Monte Carlo draw of the negative ELBO per sequence; for the AR twin the exact NLL;
     for ``verified`` the weighted mean of its halves' losses (:func:`verified_losses`).
     """
-    totals = self.eval_sums(params, batches, key)
+    totals = self.eval_sums(params, batches, key, on_batch=on_batch)
     if self.cfg.objective.verified:
       return verified_losses(totals, self.cfg.objective.ar_weight)["loss"]
     return totals["loss_sum"] / max(totals["tokens"], 1.0)

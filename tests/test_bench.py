@@ -6,6 +6,7 @@ import dataclasses
 import importlib.util
 import json
 import math
+import re
 import shutil
 import textwrap
 from pathlib import Path
@@ -252,6 +253,9 @@ def test_smoke_bench_writes_every_row_with_sane_numbers(models, capsys):
     ]
   )
   result = json.loads((out / "results.json").read_text())
+  # Progress on stderr: every compilation and timed call counted, to the end.
+  captured = capsys.readouterr()
+  assert re.search(r"^mercury_jax\.bench compare: (\d+)/\1 calls \(100%\)", captured.err, re.M)
   assert result["machine"]["backend"] == "cpu" and result["machine"]["cpu_count"] >= 1
   assert [p["key"] for p in result["prompts"]] == [VALIDATION_FILE] * 2
   names = {(r["name"], r["batch"]) for r in result["rows"]}
@@ -267,7 +271,7 @@ def test_smoke_bench_writes_every_row_with_sane_numbers(models, capsys):
   assert [h["batch"] for h in result["headline"]] == [1, 2] and "AR twin" in result["matched_quality"]
   table = (out / "results.md").read_text()
   assert "| confidence steps=4 | 1 |" in table and "**Headline** batch 1:" in table
-  printed = capsys.readouterr().out
+  printed = captured.out
   assert "Headline" in printed
   if importlib.util.find_spec("matplotlib") is None:  # The plots come with the `bench` extra; without it, a note.
     assert "matplotlib is not installed" in printed

@@ -327,10 +327,17 @@ def test_prepare_sft_end_to_end(sft_dir, tokenizer):
   assert train["eos_padding_tokens"] == eos_padding > 0
 
 
+PROGRESS = "mercury_jax.prepare: "  # The stage lines prepare prints on stderr beside an error.
+
+
+def _errors(stderr: str) -> list[str]:
+  return [line for line in stderr.strip().splitlines() if not line.startswith(PROGRESS)]
+
+
 def _run_main(capsys, *argv):
   code = prepare_lib.main(list(argv))
   captured = capsys.readouterr()
-  return code, captured.err.strip().splitlines()
+  return code, _errors(captured.err)
 
 
 @pytest.mark.parametrize(
@@ -384,7 +391,7 @@ def test_prepare_cli_subprocess(tmp_path):
     env=env,
     timeout=60,
   )
-  assert bad.returncode == 2 and "Traceback" not in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+  assert bad.returncode == 2 and "Traceback" not in bad.stderr and len(_errors(bad.stderr)) == 1
   good = subprocess.run(
     [
       sys.executable,
@@ -406,6 +413,12 @@ def test_prepare_cli_subprocess(tmp_path):
   )
   assert good.returncode == 0, good.stderr
   assert "train: 58 docs, 1 skipped" in good.stdout and "chars/token" in good.stdout
+  stages = [line.split(" (")[0].split(" on ")[0] for line in good.stderr.splitlines() if line.startswith(PROGRESS)]
+  assert stages[1:] == [
+    f"{PROGRESS}training a 400-piece tokenizer",
+    f"{PROGRESS}encoding and packing the train split",
+    f"{PROGRESS}encoding and packing the validation split",
+  ], good.stderr
 
 
 # ----------------------------------------------------------------------------------------------- pipeline

@@ -28,7 +28,7 @@ SMALL = {
 }
 
 
-def test_diffusion_bound_is_finite_and_consistent_with_training(tmp_path, data_dir):
+def test_diffusion_bound_is_finite_and_consistent_with_training(tmp_path, data_dir, capsys):
   cfg = load_config("tiny", {**SMALL, "data.path": str(data_dir), "train.steps": "40"})
   last = train(cfg, tmp_path / "run", log=False, devices=jax.devices()[:1])  # No sharding under test.
   params, stored = restore_params(tmp_path / "run")
@@ -42,8 +42,14 @@ def test_diffusion_bound_is_finite_and_consistent_with_training(tmp_path, data_d
   # the raw text.
   split = pipeline.read_metadata(data_dir)["splits"]["validation"]
   assert (result["scored_tokens"], result["characters"]) == (split["target_tokens"], split["characters"])
-  again = evaluate_params(params, stored, data_dir, t_samples=8, batch_size=8)
+  capsys.readouterr()
+  again = evaluate_params(params, stored, data_dir, t_samples=8, batch_size=8, progress=True)
   assert again["nats_per_token"] == result["nats_per_token"]  # A fixed seed gives a fixed estimate.
+  # Progress on stderr (not a terminal here: plain lines): one after the first batch, with the time left, and the end.
+  lines = capsys.readouterr().err.splitlines()
+  units = 8 * math.ceil(split["records"] / 8)
+  assert lines[0].startswith(f"mercury_jax.evaluate: 1/{units} batches") and "left" in lines[0]
+  assert lines[-1].startswith(f"mercury_jax.evaluate: {units}/{units} batches (100%)")
 
 
 def test_autoregressive_nll_is_exact_and_draw_free(tmp_path, data_dir):

@@ -56,9 +56,19 @@ from mercury_jax import files, usage
 from mercury_jax.bench import prompts as bench_prompts, quality, report as bench_report, verified as bench_verified
 from mercury_jax.bench.models import load_models
 from mercury_jax.bench.overhead import engine_overhead
-from mercury_jax.bench.rounds import Runner, cache_speedups, completions, grid, make_batches, measure, summarise
+from mercury_jax.bench.rounds import (
+  Runner,
+  cache_speedups,
+  completions,
+  grid,
+  make_batches,
+  measure,
+  measure_units,
+  summarise,
+)
 from mercury_jax.bench.throughput import machine_info
 from mercury_jax.data.hf_files import SPECIAL_TOKENS_FILE, TOKENIZER_JSON
+from mercury_jax.progress import Progress
 from mercury_jax.sampling.plan import Decoding
 from mercury_jax.sampling.registry import default_checkpoint
 from mercury_jax.sampling.sampler import Sampler
@@ -116,7 +126,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
       samplers["verified"].plan(Decoding(decode="verified", draft_length=draft))
   batches = {b: make_batches(prompt_ids, args.length, context, b, tokenizer.pad_id) for b in args.batch_sizes}
   runner = Runner(samplers, args.seed)
-  calls, gflops = measure(runner, settings, batches, len(prompts), args.repeats)
+  units = measure_units(settings, batches, args.repeats)
+  with Progress(units, "mercury_jax.bench compare", "calls") as progress:  # Compilations count as calls.
+    calls, gflops = measure(runner, settings, batches, len(prompts), args.repeats, progress)
   kinds = np.concatenate([np.asarray(c.kinds) for c in batches[args.batch_sizes[0]]])[: len(prompts)]
   reference = settings.index(next(s for s in settings if s.model == "autoregressive" and s.temperature == 1.0))
   twin_at = {s.temperature: i for i, s in enumerate(settings) if s.model == "autoregressive"}

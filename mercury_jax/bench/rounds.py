@@ -123,16 +123,23 @@ class Runner:
     return out._replace(tokens=out.tokens[:, : np.shape(canvas.tokens)[1]]), wall  # Drop the Sampler's bucket.
 
 
-def measure(runner: Runner, settings: list[Setting], batches: dict[int, list[cv.Canvas]], rows: int, repeats: int):
-  """Interleaved timing: ``calls[(setting index, batch)]`` and the load probe's GFLOP/s after each round."""
+def measure(
+  runner: Runner, settings: list[Setting], batches: dict[int, list[cv.Canvas]], rows: int, repeats: int, progress=None
+):
+  """Interleaved timing: ``calls[(setting index, batch)]`` and the load probe's GFLOP/s after each round.
+
+  ``progress`` (a :class:`~mercury_jax.progress.Progress` of :func:`measure_units` units) counts each compilation
+  and each timed call."""
   probe_input = jnp.ones((PROBE_SIZE, PROBE_SIZE), jnp.float32)
   probe = jax.jit(lambda x: x @ x)
   time_call(probe, probe_input)
   calls: dict[tuple[int, int], list[dict[str, Any]]] = {}
   gflops, round_index = [], 0
+  tick = progress.update if progress is not None else lambda: None
   for batch, chunks in batches.items():
     for i, setting in enumerate(settings):
       runner.executable(setting, chunks[0])
+      tick()
       calls[(i, batch)] = []
     for _ in range(repeats):
       for chunk_index, canvas in enumerate(chunks):
@@ -140,6 +147,7 @@ def measure(runner: Runner, settings: list[Setting], batches: dict[int, list[cv.
         order = [(round_index + k) % len(settings) for k in range(len(settings))]
         for i in order:
           out, wall = runner.call(settings[i], canvas)
+          tick()
           pad_id = runner.samplers[settings[i].model].tokenizer.pad_id  # Each model pads with its own id.
           generated = (np.asarray(canvas.kinds)[:real] == K.TARGET) & (out.tokens[:real] != pad_id)
           calls[(i, batch)].append(
@@ -155,6 +163,11 @@ def measure(runner: Runner, settings: list[Setting], batches: dict[int, list[cv.
         gflops.append(2 * PROBE_SIZE**3 / time_call(probe, probe_input) / 1e9)
         round_index += 1
   return calls, gflops
+
+
+def measure_units(settings: list[Setting], batches: dict[int, list[cv.Canvas]], repeats: int) -> int:
+  """The units :func:`measure` counts: a compilation per setting and batch size, then every timed call."""
+  return sum(len(settings) * (1 + repeats * len(chunks)) for chunks in batches.values())
 
 
 def completions(calls: list[dict[str, Any]], kinds: np.ndarray, eos_id: int, pad_id: int) -> list[list[int]]:

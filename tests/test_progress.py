@@ -1,0 +1,40 @@
+"""Progress lines of long commands: a plain line after the first unit, then every few seconds, and the last one."""
+
+import io
+
+import pytest
+
+from mercury_jax.progress import Progress, duration
+
+
+def test_plain_lines_estimate_the_time_left():
+  out = io.StringIO()  # Not a terminal: plain lines.
+  with Progress(4, "job", "batches", every=0.0, stream=out) as progress:
+    for _ in range(4):
+      progress.update()
+  lines = out.getvalue().splitlines()
+  assert [line.split(",")[0] for line in lines] == [
+    "job: 1/4 batches (25%)",
+    "job: 2/4 batches (50%)",
+    "job: 3/4 batches (75%)",
+    "job: 4/4 batches (100%)",
+  ]
+  assert all("left" in line for line in lines[:-1]) and "left" not in lines[-1]
+
+
+def test_lines_are_spaced_and_a_disabled_progress_is_silent():
+  out = io.StringIO()
+  with Progress(100, "job", every=3600.0, stream=out) as progress:
+    for _ in range(100):
+      progress.update()
+  assert len(out.getvalue().splitlines()) == 2  # After the first unit, and at the end.
+  quiet = io.StringIO()
+  with Progress(3, "job", enabled=False, stream=quiet) as progress:
+    progress.update(3)
+  assert quiet.getvalue() == ""
+
+
+def test_durations_and_bad_totals():
+  assert [duration(s) for s in (0.4, 42, 185, 3720)] == ["0s", "42s", "3m05s", "1h02m"]
+  with pytest.raises(ValueError, match="total=0"):
+    Progress(0, "job")
