@@ -36,6 +36,7 @@ from mercury_jax.config import Config, ConfigError, load_config, parse_set_args
 from mercury_jax.data import pipeline
 from mercury_jax.files import CHECKPOINTS, TOKENIZER_FILE
 from mercury_jax.model import count_params, flops_per_token
+from mercury_jax.progress import duration
 from mercury_jax.trainer import HALVES, Trainer, learning_rate_schedule, verified_losses
 
 
@@ -284,7 +285,10 @@ def train(
             last.update(evaluate(trainer, state["params"], eval_batches, cfg.train.seed))
           summaries.write(last)
           bound = cfg.objective.name == "masked_diffusion"
-          progress.show(_status(last, cfg.train.steps, bound), final=done == cfg.train.steps)
+          status = _status(last, cfg.train.steps, bound)
+          if done < cfg.train.steps:  # At the window's rate: evaluations and checkpoints come on top.
+            status += f" | about {duration((cfg.train.steps - done) * tokens_per_step / rate)} left"
+          progress.show(status, final=done == cfg.train.steps)
         if save_now:
           checkpointer.save(state, data_iter, cfg)
         if log_now or step == start_step:  # Compilation, evaluation and saving stay out of the throughput window.

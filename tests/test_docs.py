@@ -231,3 +231,9 @@ def test_benchmarks_page_lists_every_command():
   commands = set(re.findall(r"^  ([a-z][a-z0-9-]+)  ", help_text, flags=re.M))
   table = (ROOT / "docs" / "benchmarks.md").read_text().split("| command |", 1)[1].split("\n\n", 1)[0]
   assert len(commands) > 10 and commands - set(re.findall(r"`([a-z0-9-]+)`", table)) == set()
+
+
+def test_readme_links_resolve():
+  text = (ROOT / "README.md").read_text()
+  links = [link.split("#")[0] for link in re.findall(r"\]\(([^)\s]+)\)", text) if "://" not in link]
+  assert links and [link for link in links if not (ROOT / link).exists()] == []

@@ -86,6 +86,9 @@ def test_kill_and_resume_gives_bitwise_identical_parameters(tmp_path, data_dir, 
     _train_cmd(tmp_path / "uninterrupted", data_dir, steps), capture_output=True, text=True, timeout=600, env=cli_env
   )
   assert reference.returncode == 0, reference.stderr[-3000:]
+  # Its status lines (every 4 steps, plain lines: not a terminal) estimate the time left, but the last one.
+  status = [line for line in reference.stderr.splitlines() if line.startswith("step ")]
+  assert len(status) == steps // 4 and all(" left" in line for line in status[:-1]) and " left" not in status[-1]
 
   workdir = tmp_path / "killed"
   proc = subprocess.Popen(_train_cmd(workdir, data_dir, steps), stderr=subprocess.PIPE, text=True, env=cli_env)
