@@ -166,7 +166,7 @@ def converted(tmp_path_factory):
 @pytest.mark.parametrize("prompt", [[20, 31, 42, 53], [70, 81, 92, 11, 12, 13, 14, 15]], ids=["prompt4", "prompt8"])
 def test_llada_semi_autoregressive_low_confidence_remasking(converted, prompt):
   """LLaDA's blocks start at the prompt's end, the engine's at multiples of block_length from the canvas start: the
-  same blocks when the prompt length is a multiple of block_length (README: "Run a public diffusion LLM")."""
+  same blocks when the prompt length is a multiple of block_length (docs/checkpoints.md, "Blocks")."""
   model, out = converted["llada"]
   want = llada_generate(model, np.array(prompt), gen_length=12, block_length=4, steps=9, special=_special(out))
   got = _engine_tokens(out, prompt, 12, 3, rule="confidence", block_length=4)
