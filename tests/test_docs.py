@@ -141,10 +141,14 @@ def test_pages_show_commands():
     assert ("python", "-m", f"mercury_jax.{module}") in modules, module
 
 
-def test_page_commands_name_real_flags_and_scripts():
-  """Every ``python -m mercury_jax...`` command on the pages uses flags its ``--help`` lists, and every launch
-  script it names exists."""
-  wanted: dict[tuple[str, ...], set[str]] = {}
+SERVE, BENCH = ("python", "-m", "mercury_jax.serve"), ("python", "-m", "mercury_jax.bench")
+
+
+@pytest.fixture(scope="module")
+def page_flags() -> dict[tuple[str, ...], set[tuple[str, str]]]:
+  """``python -m mercury_jax...`` prefix (with a bench subcommand) -> the (page, flag) pairs the pages use with it;
+  asserts on the way that every launch script a command names exists."""
+  wanted: dict[tuple[str, ...], set[tuple[str, str]]] = {SERVE: set(), BENCH: set()}
   for page in COMMAND_PAGES:
     for command in shell_commands(page.read_text()):
       for word in command.split():
@@ -153,11 +157,20 @@ def test_page_commands_name_real_flags_and_scripts():
       parsed = _module_command(command)
       if parsed:
         wanted.setdefault(tuple(parsed[0]), set()).update((page.name, flag) for flag in parsed[1])
-  helps = _helps(sorted(wanted))
+  return wanted
+
+
+@pytest.fixture(scope="module")
+def helps(page_flags) -> dict[tuple[str, ...], str]:
+  return _helps(sorted(page_flags))
+
+
+def test_page_commands_name_real_flags(page_flags, helps):
+  """Every ``python -m mercury_jax...`` command on the pages uses flags its ``--help`` lists."""
   missing = []
   for prefix, out in helps.items():
     known = set(re.findall(r"--[a-z0-9][a-z0-9-]*", out))
-    missing += [f"{page}: {' '.join(prefix)} {flag}" for page, flag in sorted(wanted[prefix]) if flag not in known]
+    missing += [f"{page}: {' '.join(prefix)} {flag}" for page, flag in sorted(page_flags[prefix]) if flag not in known]
   assert not missing, "flags the commands' --help does not list:\n" + "\n".join(missing)
 
 
@@ -195,11 +208,17 @@ def _helps(prefixes: list[tuple[str, ...]]) -> dict[tuple[str, ...], str]:
   return result
 
 
-@pytest.mark.parametrize("command", RUN_AS_WRITTEN)
-def test_readme_command_runs(command):
-  run = subprocess.run(command, shell=True, cwd=ROOT, capture_output=True, text=True, timeout=240)
-  assert run.returncode == 0, run.stdout + run.stderr
-  assert run.stdout.strip()
+def test_readme_quick_commands_run_as_written():
+  """The quick README commands, run at once (each is mostly compilation on one core)."""
+  runs = {
+    command: subprocess.Popen(
+      command, shell=True, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    for command in RUN_AS_WRITTEN
+  }
+  for command, proc in runs.items():
+    out = proc.communicate(timeout=300)[0]
+    assert proc.returncode == 0 and out.strip(), f"{command}: {out}"
 
 
 def test_readme_python_example_runs():
@@ -210,7 +229,7 @@ def test_readme_python_example_runs():
   assert run.stdout.startswith("def fibonacci(n):") or run.stdout.strip()
 
 
-def test_server_page_lists_every_request_field_and_flag():
+def test_server_page_lists_every_request_field_and_flag(helps):
   """The server page's tables name every field the request models accept and every flag of the command."""
   from mercury_jax.serve import protocol
 
@@ -221,13 +240,13 @@ def test_server_page_lists_every_request_field_and_flag():
   fields = {f.alias or name for model in models for name, f in model.model_fields.items()}
   assert fields - named == set(), "request fields missing from docs/server.md's table"
   flags_table = text.split("## Flags", 1)[1].split("\n## ", 1)[0]
-  (help_text,) = _helps([("python", "-m", "mercury_jax.serve")]).values()
+  help_text = helps[SERVE]
   flags = set(re.findall(r"--[a-z0-9][a-z0-9-]*", help_text)) - {"--help"}
   assert flags - set(re.findall(r"`(--[a-z0-9-]+)`", flags_table)) == set(), "flags missing from the flags table"
 
 
-def test_benchmarks_page_lists_every_command():
-  (help_text,) = _helps([("python", "-m", "mercury_jax.bench")]).values()
+def test_benchmarks_page_lists_every_command(helps):
+  help_text = helps[BENCH]
   commands = set(re.findall(r"^  ([a-z][a-z0-9-]+)  ", help_text, flags=re.M))
   table = (ROOT / "docs" / "benchmarks.md").read_text().split("| command |", 1)[1].split("\n\n", 1)[0]
   assert len(commands) > 10 and commands - set(re.findall(r"`([a-z0-9-]+)`", table)) == set()
