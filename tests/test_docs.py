@@ -230,7 +230,8 @@ def test_readme_python_example_runs():
 
 
 def test_server_page_lists_every_request_field_and_flag(helps):
-  """The server page's tables name every field the request models accept and every flag of the command."""
+  """The server page's tables name every field the request models accept, every flag of the command and every
+  metric it exports."""
   from mercury_jax.serve import protocol
 
   text = (ROOT / "docs" / "server.md").read_text()
@@ -243,6 +244,9 @@ def test_server_page_lists_every_request_field_and_flag(helps):
   help_text = helps[SERVE]
   flags = set(re.findall(r"--[a-z0-9][a-z0-9-]*", help_text)) - {"--help"}
   assert flags - set(re.findall(r"`(--[a-z0-9-]+)`", flags_table)) == set(), "flags missing from the flags table"
+  metrics_table = text.split("### Metrics", 1)[1].split("\n## ", 1)[0]
+  exported = set(re.findall(r'"(mercury_[a-z_]+)"', (ROOT / "mercury_jax" / "serve" / "metrics.py").read_text()))
+  assert len(exported) > 20 and exported - set(re.findall(r"`(mercury_[a-z_]+)`", metrics_table)) == set()
 
 
 def test_benchmarks_page_lists_every_command(helps):
