@@ -260,3 +260,9 @@ def test_readme_links_resolve():
   text = (ROOT / "README.md").read_text()
   links = [link.split("#")[0] for link in re.findall(r"\]\(([^)\s]+)\)", text) if "://" not in link]
   assert links and [link for link in links if not (ROOT / link).exists()] == []
+
+
+def test_training_page_lists_every_preset():
+  table = (ROOT / "docs" / "training.md").read_text().split("| preset |", 1)[1].split("\n\n", 1)[0]
+  listed = set(re.findall(r"^\| `([a-z0-9_]+)`", table, flags=re.M)) | set(re.findall(r", `([a-z0-9_]+)` \|", table))
+  assert {p.stem for p in (ROOT / "configs").glob("*.toml")} - listed == set()
