@@ -12,6 +12,7 @@ first estimates are pessimistic.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from typing import TextIO
@@ -25,6 +26,14 @@ def duration(seconds: float) -> str:
   if seconds < 3600:
     return f"{seconds // 60}m{seconds % 60:02d}s"
   return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
+def _terminal_width(stream: TextIO) -> int:
+  """Columns of the terminal ``stream`` writes to; 0 when it is not one (or one without a size: a bare pty)."""
+  try:
+    return os.get_terminal_size(stream.fileno()).columns if stream.isatty() else 0
+  except (AttributeError, OSError, ValueError):
+    return 0
 
 
 class Progress:
@@ -56,7 +65,7 @@ class Progress:
     self.enabled, self.done = enabled, 0
     self.start = self.shown = time.monotonic()
     self.bar = None
-    if enabled and self.stream.isatty():
+    if enabled and _terminal_width(self.stream) > 0:
       from tqdm import tqdm
 
       self.bar = tqdm(total=total, desc=desc, unit=f" {unit}", file=self.stream, dynamic_ncols=True, leave=True)

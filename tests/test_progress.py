@@ -38,3 +38,38 @@ def test_durations_and_bad_totals():
   assert [duration(s) for s in (0.4, 42, 185, 3720)] == ["0s", "42s", "3m05s", "1h02m"]
   with pytest.raises(ValueError, match="total=0"):
     Progress(0, "job")
+
+
+def test_a_terminal_gets_a_bar_with_the_time_left():
+  """On a terminal with a size, a tqdm bar (elapsed<left); a bare pseudo-terminal without one gets plain lines."""
+  import fcntl
+  import os
+  import pty
+  import struct
+  import subprocess
+  import sys
+  import termios
+  from pathlib import Path
+
+  script = "from mercury_jax.progress import Progress\nwith Progress(4, 'job', 'batches') as p:\n  p.update(4)\n"
+  env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+  outputs = []
+  for columns in (100, 0):
+    leader, follower = pty.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, columns, 0, 0))
+    proc = subprocess.Popen([sys.executable, "-c", script], stdin=follower, stdout=follower, stderr=follower, env=env)
+    os.close(follower)
+    out = b""
+    while True:
+      try:
+        chunk = os.read(leader, 4096)
+      except OSError:  # The child closed the terminal.
+        break
+      if not chunk:
+        break
+      out += chunk
+    os.close(leader)
+    assert proc.wait(timeout=60) == 0
+    outputs.append(out.decode())
+  assert "job: 100%|" in outputs[0] and "4/4 [" in outputs[0]
+  assert "job: 4/4 batches (100%)" in outputs[1] and "|" not in outputs[1]
