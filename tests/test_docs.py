@@ -221,6 +221,25 @@ def test_readme_quick_commands_run_as_written():
     assert proc.returncode == 0 and out.strip(), f"{command}: {out}"
 
 
+def _bundled_sample_commands() -> list[str]:
+  """Every ``sample`` command of the pages that needs nothing but the bundled models, once each."""
+  commands = [c for page in COMMAND_PAGES for c in shell_commands(page.read_text())]
+  quick = [c for c in commands if c.startswith("python -m mercury_jax.sample ") and "--checkpoint" not in c]
+  return list(dict.fromkeys(c for c in quick if "--prompts-file" not in c))
+
+
+def test_the_quick_commands_are_the_bundled_models_samples():
+  assert set(RUN_AS_WRITTEN) - {"python -m mercury_jax.bench --help"} <= set(_bundled_sample_commands())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", _bundled_sample_commands())
+def test_every_bundled_sample_command_runs_as_written(command):
+  """``pytest -m slow``: the pages' other sample commands on the bundled models, each as written."""
+  run = subprocess.run(command, shell=True, cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert run.returncode == 0 and run.stdout.strip(), run.stdout + run.stderr
+
+
 def test_readme_python_example_runs():
   text = (ROOT / "README.md").read_text()
   example = text.split("```python\n", 1)[1].split("```", 1)[0]
