@@ -285,3 +285,17 @@ def test_training_page_lists_every_preset():
   table = (ROOT / "docs" / "training.md").read_text().split("| preset |", 1)[1].split("\n\n", 1)[0]
   listed = set(re.findall(r"^\| `([a-z0-9_]+)`", table, flags=re.M)) | set(re.findall(r", `([a-z0-9_]+)` \|", table))
   assert {p.stem for p in (ROOT / "configs").glob("*.toml")} - listed == set()
+
+
+def _page_python_examples() -> list[str]:
+  """The pages' Python examples that run on the bundled models alone (not the HTTP clients' examples)."""
+  blocks = [b.split("```", 1)[0] for page in COMMAND_PAGES for b in page.read_text().split("```python\n")[1:]]
+  return [b for b in blocks if b.startswith("from mercury_jax") and "client" not in b]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("example", _page_python_examples())
+def test_every_page_python_example_runs(example):
+  """``pytest -m slow``: the pages' self-contained Python examples, each as written."""
+  run = subprocess.run([sys.executable, "-c", example], cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert run.returncode == 0 and run.stdout.strip(), run.stdout + run.stderr
