@@ -33,6 +33,7 @@ def _needle(tmp_path: Path, *flags: str) -> dict:
   done = subprocess.run([*command, *flags], env=env, capture_output=True, text=True, timeout=280)
   assert done.returncode == 0, done.stderr[-3000:]
   assert "retrieved" in done.stdout and "| depth | needles | retrieved |" in done.stdout
+  assert "needles (100%)" in done.stderr  # Its progress, on stderr, ends at every needle asked.
   return json.loads(out.read_text())
 
 

@@ -56,6 +56,7 @@ from mercury_jax.bench.recipes import run_module
 from mercury_jax.bench.throughput import timed
 from mercury_jax.config import Config
 from mercury_jax.data import retrieval
+from mercury_jax.progress import Progress
 
 DEPTH_BINS = 8
 SCALINGS = ("as-trained", "none", "linear", "ntk", "yarn", "llama3")  # ``needle --rope``
@@ -104,7 +105,9 @@ def needles(
   return [retrieval.needle(rng, length, float(rng.uniform(*depths)), keys) for _ in range(count)]
 
 
-def run(sampler, prompts: Sequence[retrieval.Needle], *, prefill_chunk: int = 0, batch: int = 8) -> list[Trial]:
+def run(
+  sampler, prompts: Sequence[retrieval.Needle], *, prefill_chunk: int = 0, batch: int = 8, progress: bool = False
+) -> list[Trial]:
   """Asks ``sampler`` every needle, ``batch`` prompts per ``generate`` call (the last batch is filled up with
   copies of its first prompt, so every call has one shape and the engine compiles once).
 
@@ -113,8 +116,10 @@ def run(sampler, prompts: Sequence[retrieval.Needle], *, prefill_chunk: int = 0,
     prompts: The needles (:func:`needles`).
     prefill_chunk: The engine's prefill chunk (``SamplerSettings.prefill_chunk``; 0: one pass).
     batch: Prompts per call.
+    progress: Show the needles asked and the time left on stderr (:class:`~mercury_jax.progress.Progress`).
   """
   trials = []
+  shown = Progress(max(1, len(prompts)), "mercury_jax.bench needle", "needles", enabled=progress)
   for start in range(0, len(prompts), batch):
     group = list(prompts[start : start + batch])
     texts = [n.prompt for n in group] + [group[0].prompt] * (batch - len(group))
@@ -123,6 +128,8 @@ def run(sampler, prompts: Sequence[retrieval.Needle], *, prefill_chunk: int = 0,
       length = len(sampler.tokenizer.encode(needle.prompt))
       distance = length - 1 - needle.position
       trials.append(Trial(needle.depth, distance, needle.answer, sample.text, sample.compile_time))
+    shown.update(len(group))
+  shown.close()
   return trials
 
 
@@ -227,7 +234,7 @@ def run_needle(args: argparse.Namespace) -> None:
     sampler = Sampler(sampler.params, cfg, sampler.tokenizer)
   prompts = needles(args.trials, context - 2, args.seed, depths=args.depths)  # the value and EOS fill the context
   try:
-    trials = run(sampler, prompts, prefill_chunk=args.prefill_chunk, batch=args.batch)
+    trials = run(sampler, prompts, prefill_chunk=args.prefill_chunk, batch=args.batch, progress=True)
   except (SettingError, ValueError) as e:
     _fail(e)
   rope = cfg.model.rope_scaling
@@ -296,7 +303,7 @@ def measure(root: Path, trials: int, chunk: int, batch: int, seed: int, scalings
   results = {}
   for label, params, cfg, length in cases:
     prompts = needles(trials, length - 2, seed)  # two tokens to generate: the value and EOS
-    ask = lambda p, c, n: run(Sampler(p, c, tokenizer), n, prefill_chunk=chunk, batch=batch)  # noqa: E731
+    ask = lambda p, c, n: run(Sampler(p, c, tokenizer), n, prefill_chunk=chunk, batch=batch, progress=True)  # noqa: E731
     out, seconds = timed(ask, params, cfg, prompts)
     depth = by_depth(out)
     results[label] = {"rate": rate(out), "by_depth": depth, "seconds": seconds, "trials": len(out)}
