@@ -6,8 +6,8 @@ holds a few readable lines instead of carriage returns::
 
   mercury_jax.evaluate: 12/72 batches (17%), 1m05s elapsed, about 5m25s left
 
-The estimate is the mean time per unit so far times the units left: the first unit carries the compilation, so the
-first estimates are pessimistic.
+The estimate is the mean time per unit times the units left. The first unit usually carries the compilation, so
+from the second unit on the mean leaves it out; a plain line is written after each of the first two units.
 """
 
 from __future__ import annotations
@@ -64,6 +64,7 @@ class Progress:
     self.stream = stream or sys.stderr
     self.enabled, self.done = enabled, 0
     self.start = self.shown = time.monotonic()
+    self.first: tuple[int, float] | None = None  # Units done and the clock at the first update (compilation's end).
     self.bar = None
     if enabled and _terminal_width(self.stream) > 0:
       from tqdm import tqdm
@@ -76,26 +77,40 @@ class Progress:
   def __exit__(self, *exc) -> None:
     self.close()
 
+  def left(self) -> float | None:
+    """Seconds left at the mean time per unit (after the first unit, once there is one more); None when done."""
+    if not 0 < self.done < self.total:
+      return None
+    now = time.monotonic()
+    if self.first is not None and self.done > self.first[0]:
+      per_unit = (now - self.first[1]) / (self.done - self.first[0])
+    else:
+      per_unit = (now - self.start) / self.done
+    return per_unit * (self.total - self.done)
+
   def line(self) -> str:
     """The plain progress line: units done, share, time so far and the estimate of the time left."""
     elapsed = time.monotonic() - self.start
     text = f"{self.desc}: {self.done}/{self.total} {self.unit} ({100 * self.done // self.total}%), "
     text += f"{duration(elapsed)} elapsed"
-    if 0 < self.done < self.total:
-      text += f", about {duration(elapsed / self.done * (self.total - self.done))} left"
+    left = self.left()
+    if left is not None:
+      text += f", about {duration(left)} left"
     return text
 
   def update(self, n: int = 1) -> None:
     """Counts ``n`` more units done."""
     self.done = min(self.total, self.done + n)
+    now = time.monotonic()
+    early = self.first is None or self.shown <= self.first[1]  # The first or the second update.
+    if self.first is None:
+      self.first = (self.done, now)
     if not self.enabled:
       return
     if self.bar is not None:
       self.bar.update(n)
       return
-    now = time.monotonic()
-    first = self.done == min(n, self.total)  # The first line comes after the first unit, with a first estimate.
-    if (first or now - self.shown >= self.every) and self.done < self.total:
+    if (early or now - self.shown >= self.every) and self.done < self.total:
       self.shown = now
       self.stream.write(self.line() + "\n")
       self.stream.flush()

@@ -27,11 +27,26 @@ def test_lines_are_spaced_and_a_disabled_progress_is_silent():
   with Progress(100, "job", every=3600.0, stream=out) as progress:
     for _ in range(100):
       progress.update()
-  assert len(out.getvalue().splitlines()) == 2  # After the first unit, and at the end.
+  assert len(out.getvalue().splitlines()) == 3  # After the first and the second unit, and at the end.
   quiet = io.StringIO()
   with Progress(3, "job", enabled=False, stream=quiet) as progress:
     progress.update(3)
   assert quiet.getvalue() == ""
+
+
+def test_the_estimate_leaves_the_first_unit_out(monkeypatch):
+  """The first unit carries the compilation: 100 s, then 1 s a unit, leaves 1 s a unit for the rest."""
+  from mercury_jax import progress as progress_lib
+
+  now = [0.0]
+  monkeypatch.setattr(progress_lib.time, "monotonic", lambda: now[0])
+  out = io.StringIO()
+  progress = Progress(10, "job", every=0.0, stream=out)
+  for now[0] in (100.0, 101.0, 102.0):  # Only the first unit to go by at 100 s: 100 s a unit.
+    progress.update()
+  lines = out.getvalue().splitlines()
+  assert lines[0].endswith("about 15m00s left")  # 9 units x 100 s
+  assert lines[1].endswith("about 8s left") and lines[2].endswith("about 7s left")
 
 
 def test_durations_and_bad_totals():
