@@ -451,6 +451,12 @@ def test_the_detokenizer_adds_up_to_the_whole_decode_without_re_decoding_it(data
       text += piece
     assert text == tokenizer.decode(ids)
     assert max(decoded) <= 6 * size + 8  # A window, never the prefix: no update re-decodes the text so far.
+  # The text before a character split over updates goes out with the update; the character waits for its last byte.
+  ids = tokenizer.encode("x = 1 \U0001f600")
+  cut = next(k for k in range(len(ids), 0, -1) if tokenizer.decode(ids[:k]).endswith("\ufffd"))
+  detokenizer = Detokenizer(tokenizer)
+  assert detokenizer.add(ids[:cut]) == "x = 1 "
+  assert detokenizer.add(ids[cut:]) == "\U0001f600"
 
 
 def test_stop_straddling_a_block_edge_truncates_and_frees_the_slot():
