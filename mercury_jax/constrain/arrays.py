@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 import math
 
-from mercury_jax.constrain import fsa, patterns, regexes
+from mercury_jax.constrain import chains, fsa, patterns, regexes
 from mercury_jax.constrain.document import dumps
 from mercury_jax.constrain.errors import ConstraintError
 from mercury_jax.constrain.normal import Conj, Evaluated, value_key
@@ -58,7 +58,7 @@ def language(c: Conj, builder) -> fsa.Dfa:
       item = builder.lang(tuple(lits))
       if item.empty:
         continue
-      item = fsa.concat([COMMA, item], builder.budget) if position else item
+      item = chains.concat([COMMA, item], builder.budget) if position else item
       for counts in itertools.product(*(range(cap + 1) for cap in caps)):
         after = list(counts)
         for i, hit in zip(active, matches, strict=True):
@@ -71,10 +71,10 @@ def language(c: Conj, builder) -> fsa.Dfa:
     if all(k.low <= n and (k.high is None or n <= k.high) for k, n in zip(c.contains, counts, strict=True))
   ]
   start = (0, tuple(0 for _ in caps))
-  body = fsa.graph(start, finals, edges, builder.budget)
+  body = chains.graph(start, finals, edges, builder.budget)
   if body.empty:
     builder.note("no array satisfies items, minItems, maxItems and contains together", ())
-  return fsa.concat([OPEN, body, CLOSE], builder.budget)
+  return chains.concat([OPEN, body, CLOSE], builder.budget)
 
 
 def _unique(c: Conj, builder) -> fsa.Dfa:

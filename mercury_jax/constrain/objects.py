@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 
-from mercury_jax.constrain import fsa, patterns, strings
+from mercury_jax.constrain import chains, fsa, patterns, strings
 from mercury_jax.constrain.document import dumps
 from mercury_jax.constrain.normal import Conj, Evaluated, KeyRule, Keys, asks_nothing
 
@@ -43,7 +43,7 @@ def key_set(keys: Keys, wide: bool, builder) -> fsa.Dfa:
     return strings.ANY_STRING
   parts = [fsa.literal(name) for name in sorted(keys.names)]
   parts += [patterns.search(p, budget, wide=wide) for p in keys.patterns]
-  return fsa.union(parts, budget)
+  return chains.union(parts, budget)
 
 
 def _uneval_rules(c: Conj) -> list[KeyRule]:
@@ -84,16 +84,16 @@ def language(c: Conj, builder) -> fsa.Dfa:
       builder.note(f"required property {name!r} can have no value (or its name is not allowed)", ())
       return fsa.NOTHING
     if not value.empty:
-      members.append((name, fsa.concat([fsa.literal(dumps(name) + ":"), value], budget), required))
-  parts = _parts(fsa.difference(allowed, fsa.union([fsa.literal(n) for n in listed])), rules, builder)
+      members.append((name, chains.concat([fsa.literal(dumps(name) + ":"), value], budget), required))
+  parts = _parts(fsa.difference(allowed, chains.union([fsa.literal(n) for n in listed])), rules, builder)
   is_map = not members and not any(rule.written for rule in rules)
-  free = fsa.union([_member(p.names, p.lits, builder) for p in parts if p.written or is_map], budget)
+  free = chains.union([_member(p.names, p.lits, builder) for p in parts if p.written or is_map], budget)
   witnesses = []
   for need in c.exists:
     names = key_set(need.keys, False, builder)
     options = [_member(fsa.intersect(p.names, names, budget), p.lits + need.lits, builder) for p in parts]
-    witnesses.append(fsa.union(options, budget))
-  return fsa.concat([OPEN, _body(c, members, free, witnesses, builder), CLOSE], budget)
+    witnesses.append(chains.union(options, budget))
+  return chains.concat([OPEN, _body(c, members, free, witnesses, builder), CLOSE], budget)
 
 
 def _member(names: fsa.Dfa, lits: tuple, builder) -> fsa.Dfa:
@@ -102,7 +102,7 @@ def _member(names: fsa.Dfa, lits: tuple, builder) -> fsa.Dfa:
   value = builder.lang(lits)
   if value.empty:
     return fsa.NOTHING
-  return fsa.concat([strings.quoted(strings.escape(names), builder.budget), COLON, value], builder.budget)
+  return chains.concat([strings.quoted(strings.escape(names), builder.budget), COLON, value], builder.budget)
 
 
 def _parts(names: fsa.Dfa, rules: list[KeyRule], builder) -> list[_Part]:
@@ -136,7 +136,7 @@ def _body(c: Conj, members: list, free: fsa.Dfa, witnesses: list[fsa.Dfa], build
   n = len(members)
   if (n + 1) * (listed_cap + 1) * (free_cap + 1) * 2 ** len(witnesses) > MAX_NODES:
     raise fsa.TooLarge((n + 1) * (listed_cap + 1) * (free_cap + 1))
-  comma_free = fsa.concat([COMMA, free], builder.budget) if not free.empty else fsa.NOTHING
+  comma_free = chains.concat([COMMA, free], builder.budget) if not free.empty else fsa.NOTHING
   comma = {}
   edges = []
   flags_all = list(itertools.product((0, 1), repeat=len(witnesses)))
@@ -149,7 +149,7 @@ def _body(c: Conj, members: list, free: fsa.Dfa, witnesses: list[fsa.Dfa], build
           if free_n:
             continue  # further members come after the listed ones
           if written and id(member) not in comma:
-            comma[id(member)] = fsa.concat([COMMA, member], builder.budget)
+            comma[id(member)] = chains.concat([COMMA, member], builder.budget)
           text = comma[id(member)] if written else member
           edges.append((source, (j + 1, min(listed_n + 1, listed_cap), 0, flags), text))
           if not required:
@@ -159,7 +159,7 @@ def _body(c: Conj, members: list, free: fsa.Dfa, witnesses: list[fsa.Dfa], build
         edges.append((source, (n, listed_n, after, flags), comma_free if written else free))
         for k, witness in enumerate(witnesses):
           raised = tuple(1 if i == k else f for i, f in enumerate(flags))
-          text = fsa.concat([COMMA, witness], builder.budget) if written else witness
+          text = chains.concat([COMMA, witness], builder.budget) if written else witness
           edges.append((source, (n, listed_n, after, raised), text))
   finals = []
   for listed_n in range(listed_cap + 1):
@@ -169,4 +169,4 @@ def _body(c: Conj, members: list, free: fsa.Dfa, witnesses: list[fsa.Dfa], build
       if counting and (distinct < low or (high is not None and total > high)):
         continue
       finals.append((n, listed_n, free_n, tuple(1 for _ in witnesses)))
-  return fsa.graph((0, 0, 0, tuple(0 for _ in witnesses)), finals, edges, builder.budget)
+  return chains.graph((0, 0, 0, tuple(0 for _ in witnesses)), finals, edges, builder.budget)

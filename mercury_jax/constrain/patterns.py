@@ -22,10 +22,10 @@ import unicodedata
 import warnings
 from re import _constants as sre, _parser as sre_parse
 
-from mercury_jax.constrain import fsa
+from mercury_jax.constrain import chains, fsa, utf8
 from mercury_jax.constrain.errors import ConstraintError
 
-ALL = ((0, fsa.MAX_CODE_POINT),)
+ALL = ((0, utf8.MAX_CODE_POINT),)
 _EVERYTHING = [
   {sre.CATEGORY_DIGIT, sre.CATEGORY_NOT_DIGIT},
   {sre.CATEGORY_WORD, sre.CATEGORY_NOT_WORD},
@@ -41,7 +41,7 @@ class PatternError(Exception):
 @functools.cache
 def _scan(test) -> tuple[tuple[int, int], ...]:
   ranges: list[list[int]] = []
-  for code in range(fsa.MAX_CODE_POINT + 1):
+  for code in range(utf8.MAX_CODE_POINT + 1):
     if 0xD800 <= code <= 0xDFFF:
       continue
     if test(chr(code)):
@@ -73,19 +73,19 @@ def _category(name, wide: bool) -> tuple:
   if name is sre.CATEGORY_DIGIT:
     return _python_digit() if wide else ((0x30, 0x39),)
   if name is sre.CATEGORY_NOT_DIGIT:
-    return fsa.complement_ranges(_category(sre.CATEGORY_DIGIT, not wide))
+    return utf8.complement_ranges(_category(sre.CATEGORY_DIGIT, not wide))
   if name is sre.CATEGORY_WORD:
     return _python_word() if wide else ((0x30, 0x39), (0x41, 0x5A), (0x5F, 0x5F), (0x61, 0x7A))
   if name is sre.CATEGORY_NOT_WORD:
-    return fsa.complement_ranges(_category(sre.CATEGORY_WORD, not wide))
+    return utf8.complement_ranges(_category(sre.CATEGORY_WORD, not wide))
   if name is sre.CATEGORY_SPACE:
     python = set(_python_space())
     if wide:
-      return fsa.normalize_ranges(python | set(_ECMA_SPACE))
+      return utf8.normalize_ranges(python | set(_ECMA_SPACE))
     both = [r for r in _ECMA_SPACE if all(_in(python, c) for c in range(r[0], r[1] + 1))]
-    return fsa.normalize_ranges(both)
+    return utf8.normalize_ranges(both)
   if name is sre.CATEGORY_NOT_SPACE:
-    return fsa.complement_ranges(_category(sre.CATEGORY_SPACE, not wide))
+    return utf8.complement_ranges(_category(sre.CATEGORY_SPACE, not wide))
   raise PatternError(f"the class {name} is not supported")
 
 
@@ -112,13 +112,13 @@ class _Reader:
       codes = _cased(value) if ignore_case else [value]
       if ignore_case and wide and len(codes) == 1 and chr(value).lower() != chr(value).upper():
         raise PatternError("a case-insensitive non-ASCII letter cannot be complemented exactly")
-      return fsa.normalize_ranges((c, c) for c in codes)
+      return utf8.normalize_ranges((c, c) for c in codes)
     if op is sre.NOT_LITERAL:
-      return fsa.complement_ranges(self.ranges(sre.LITERAL, value, ignore_case, dot_all, not wide))
+      return utf8.complement_ranges(self.ranges(sre.LITERAL, value, ignore_case, dot_all, not wide))
     if op is sre.ANY:
       if dot_all:
         return ALL
-      return fsa.complement_ranges(((0x0A, 0x0A),) if wide else _LINE_ENDS_NARROW)
+      return utf8.complement_ranges(((0x0A, 0x0A),) if wide else _LINE_ENDS_NARROW)
     if op is sre.RANGE:
       low, high = value
       out = [(low, high)]
@@ -127,7 +127,7 @@ class _Reader:
           out += [(c, c) for c in _cased(code)]
         if wide and any(chr(c).lower() != chr(c).upper() and not chr(c).isascii() for c in range(low, high + 1)):
           raise PatternError("a case-insensitive non-ASCII range cannot be complemented exactly")
-      return fsa.normalize_ranges(out)
+      return utf8.normalize_ranges(out)
     if op is sre.CATEGORY:
       return _category(value, wide)
     if op is sre.IN:
@@ -142,18 +142,18 @@ class _Reader:
       out = []
       for item_op, item_value in items:
         out += self.ranges(item_op, item_value, ignore_case, dot_all, inner)
-      return fsa.complement_ranges(out) if negate else fsa.normalize_ranges(out)
+      return utf8.complement_ranges(out) if negate else utf8.normalize_ranges(out)
     raise PatternError(f"{op} inside a character class is not supported")
 
   def sequence(self, items, ignore_case: bool = False, dot_all: bool = False) -> fsa.Dfa:
     parts = [self.item(op, value, ignore_case, dot_all) for op, value in items]
-    return fsa.concat(parts, self.budget)
+    return chains.concat(parts, self.budget)
 
   def item(self, op, value, ignore_case: bool, dot_all: bool) -> fsa.Dfa:
     if op in (sre.LITERAL, sre.NOT_LITERAL, sre.ANY, sre.IN, sre.CATEGORY):
       return fsa.chars(self.ranges(op, value, ignore_case, dot_all, self.wide))
     if op is sre.BRANCH:
-      return fsa.minimize(fsa.union([self.sequence(b, ignore_case, dot_all) for b in value[1]], self.budget))
+      return fsa.minimize(chains.union([self.sequence(b, ignore_case, dot_all) for b in value[1]], self.budget))
     if op is sre.SUBPATTERN:
       _, add, remove, items = value
       if (add | remove) & ~(sre.SRE_FLAG_IGNORECASE | sre.SRE_FLAG_DOTALL | sre.SRE_FLAG_UNICODE):
@@ -164,7 +164,7 @@ class _Reader:
     if op in (sre.MAX_REPEAT, sre.MIN_REPEAT):
       low, high, items = value
       body = self.sequence(items, ignore_case, dot_all)
-      return fsa.repeat(body, low, None if high is sre.MAXREPEAT else high, self.budget)
+      return chains.repeat(body, low, None if high is sre.MAXREPEAT else high, self.budget)
     names = {
       sre.AT: "an anchor inside the pattern (^ or $ only begin and end it or its alternatives; \\b, \\A, \\Z)",
       sre.ASSERT: "a look-ahead or look-behind",
@@ -217,14 +217,14 @@ def _refused(pattern: str, error: PatternError) -> ConstraintError:
 @functools.lru_cache(maxsize=512)
 def _search(pattern: str, wide: bool, budget: fsa.Budget) -> fsa.Dfa:
   reader = _Reader(budget, wide)
-  anything = fsa.repeat(fsa.ANY_CHAR, 0, None)
-  trailing_newline = fsa.union([fsa.EPSILON, fsa.literal("\n")]) if wide else fsa.EPSILON
+  anything = chains.repeat(fsa.ANY_CHAR, 0, None)
+  trailing_newline = chains.union([fsa.EPSILON, fsa.literal("\n")]) if wide else fsa.EPSILON
   try:
     options = []
     for start, items, end in _anchored(_parse(pattern)):
       body = reader.sequence(items)
-      options.append(fsa.concat([fsa.EPSILON if start else anything, body, trailing_newline if end else anything]))
-    return fsa.minimize(fsa.union(options, budget))
+      options.append(chains.concat([fsa.EPSILON if start else anything, body, trailing_newline if end else anything]))
+    return fsa.minimize(chains.union(options, budget))
   except PatternError as e:
     raise _refused(pattern, e) from None
 

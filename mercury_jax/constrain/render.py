@@ -17,7 +17,7 @@ import functools
 
 import numpy as np
 
-from mercury_jax.constrain import fsa
+from mercury_jax.constrain import fsa, utf8
 from mercury_jax.constrain.errors import ConstraintError
 
 MAX_LENGTH = 2_000_000  # Characters a regex written out may have.
@@ -236,7 +236,7 @@ def tree(dfa: fsa.Dfa) -> tuple:
       source = d.source
       if d.empty:
         out = ("nothing",)
-      elif d.size == 1 and d.nullable:
+      elif fsa.only_empty_text(d):
         out = ("text", "")
       elif source is None:
         out = ("ranges", Ranges.of(d))
@@ -286,8 +286,8 @@ def _escaped(n: tuple, memo: dict) -> tuple:
   if kind == "text":
     out = ("text", "".join(_ESCAPES.get(c, chr(c)) for c in map(ord, n[1])))
   elif kind == "chars":
-    allowed = fsa.complement_ranges(_MUST_ESCAPE)
-    plain = fsa.normalize_ranges((max(a, c), min(b, d)) for a, b in n[1] for c, d in allowed if max(a, c) <= min(b, d))
+    allowed = utf8.complement_ranges(_MUST_ESCAPE)
+    plain = utf8.normalize_ranges((max(a, c), min(b, d)) for a, b in n[1] for c, d in allowed if max(a, c) <= min(b, d))
     escaped = [("text", text) for code, text in sorted(_ESCAPES.items()) if any(a <= code <= b for a, b in n[1])]
     options = ([("chars", plain)] if plain else []) + escaped
     out = options[0] if len(options) == 1 else ("alt", tuple(options))

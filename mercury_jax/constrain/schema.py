@@ -24,7 +24,7 @@ import dataclasses
 import functools
 import math
 
-from mercury_jax.constrain import arrays, fsa, keywords, numbers, objects, patterns, strings
+from mercury_jax.constrain import arrays, chains, fsa, keywords, numbers, objects, patterns, strings
 from mercury_jax.constrain.document import Document, base_of, dumps
 from mercury_jax.constrain.errors import ConstraintError
 from mercury_jax.constrain.normal import Conj, Sub, value_key
@@ -59,9 +59,9 @@ def any_value(depth: int, exact: bool = False) -> fsa.Dfa:
   scalars = [fsa.literal("null"), fsa.literal("true"), fsa.literal("false")]
   scalars += [numbers.language(numbers.NumberSpec(), fsa.UNBOUNDED, exact), strings.plain(0, None, fsa.UNBOUNDED)]
   if depth == 0:
-    return fsa.minimize(fsa.union(scalars))
+    return fsa.minimize(chains.union(scalars))
   containers = [any_container("array", depth, exact), any_container("object", depth, exact)]
-  return fsa.minimize(fsa.union(scalars + containers))
+  return fsa.minimize(chains.union(scalars + containers))
 
 
 @functools.cache
@@ -69,16 +69,18 @@ def any_container(kind: str, depth: int, exact: bool = False) -> fsa.Dfa:
   """Any array (``kind``) or object whose containers nest at most ``depth`` deep (itself included)."""
   inner = any_value(depth - 1, exact)
   if kind == "array":
-    return fsa.concat([fsa.literal("["), fsa.repeat(inner, 0, None, separator=fsa.literal(",")), fsa.literal("]")])
-  member = fsa.concat([strings.plain(0, None, fsa.UNBOUNDED), fsa.literal(":"), inner])
-  return fsa.concat([fsa.literal("{"), fsa.repeat(member, 0, None, separator=fsa.literal(",")), fsa.literal("}")])
+    return chains.concat(
+      [fsa.literal("["), chains.repeat(inner, 0, None, separator=fsa.literal(",")), fsa.literal("]")]
+    )
+  member = chains.concat([strings.plain(0, None, fsa.UNBOUNDED), fsa.literal(":"), inner])
+  return chains.concat([fsa.literal("{"), chains.repeat(member, 0, None, separator=fsa.literal(",")), fsa.literal("}")])
 
 
 def any_object(depth: int, budget: fsa.Budget, exact: bool = False) -> fsa.Dfa:
   """Compact JSON objects whose containers nest at most ``depth`` deep (the object counts)."""
-  member = fsa.concat([strings.plain(0, None, budget), fsa.literal(":"), any_value(depth - 1, exact)], budget)
-  members = fsa.repeat(member, 0, None, budget, separator=fsa.literal(","))
-  return fsa.concat([fsa.literal("{"), members, fsa.literal("}")], budget)
+  member = chains.concat([strings.plain(0, None, budget), fsa.literal(":"), any_value(depth - 1, exact)], budget)
+  members = chains.repeat(member, 0, None, budget, separator=fsa.literal(","))
+  return chains.concat([fsa.literal("{"), members, fsa.literal("}")], budget)
 
 
 class Builder:
@@ -111,7 +113,7 @@ class Builder:
       if len(alternatives) == 1 and alternatives[0].trivial:
         out = any_value(ANY_VALUE_DEPTH, self.options.exact_numbers)
       else:
-        out = fsa.minimize(fsa.union([self._conj(c) for c in alternatives], self.budget))
+        out = fsa.minimize(chains.union([self._conj(c) for c in alternatives], self.budget))
     except fsa.TooLarge as e:
       if isinstance(e, _Located):
         raise
@@ -155,18 +157,18 @@ class Builder:
       if not texts:
         self.note("no value of 'enum'/'const' satisfies the rest of the schema", ())
       try:
-        return fsa.words(texts, self.budget)
+        return chains.words(texts, self.budget)
       except fsa.TooLarge as e:
         raise _Located(e.states, _keyword_path(c, ("enum", "const"))) from None
     kinds = c.written_kinds
-    return fsa.union([self._kind(kind, c) for kind in _KINDS if kind in kinds], self.budget)
+    return chains.union([self._kind(kind, c) for kind in _KINDS if kind in kinds], self.budget)
 
   def _kind(self, kind: str, c: Conj) -> fsa.Dfa:
     excluded = [v for v in c.excluded if _kind_of(v) == kind]
     if kind == "null":
       return fsa.NOTHING if excluded else fsa.literal("null")
     if kind == "boolean":
-      return fsa.words([t for t in ("true", "false") if value_key(t == "true") not in map(value_key, excluded)])
+      return chains.words([t for t in ("true", "false") if value_key(t == "true") not in map(value_key, excluded)])
     if kind == "number":
       spec = dataclasses.replace(c.number, excluded=c.number.excluded + tuple(numbers.exact(v) for v in excluded))
       try:
@@ -216,13 +218,13 @@ class Builder:
       if "string" not in c.kinds:
         continue
       if c.values is not None:
-        out.append(fsa.words([v for v in c.values if isinstance(v, str) and self.valid(v, c)]))
+        out.append(chains.words([v for v in c.values if isinstance(v, str) and self.valid(v, c)]))
         continue
       excluded = tuple(v for v in c.excluded if isinstance(v, str))
       names = tuple(name for name, _ in c.formats)
       value = strings.values(c.min_length, c.max_length, c.patterns, c.not_patterns, names, excluded, self.budget)
-      out.append(value if value is not None else fsa.repeat(fsa.ANY_CHAR, c.min_length, c.max_length, self.budget))
-    return fsa.union(out, self.budget)
+      out.append(value if value is not None else chains.repeat(fsa.ANY_CHAR, c.min_length, c.max_length, self.budget))
+    return chains.union(out, self.budget)
 
   def domain(self, lits: tuple, most: int) -> list | None:
     """The distinct values the literals allow when they are few (at most ``most``), else None."""

@@ -11,13 +11,13 @@ import functools
 
 import numpy as np
 
-from mercury_jax.constrain import fsa, patterns
+from mercury_jax.constrain import chains, fsa, patterns
 from mercury_jax.constrain.formats import FORMATS
 
 _SHORT = {0x22: ord('"'), 0x5C: ord("\\"), 0x0A: ord("n"), 0x0D: ord("r"), 0x09: ord("t"), 0x08: ord("b")}
 _SHORT[0x0C] = ord("f")
 _ESCAPED = np.array(sorted(set(range(0x20)) | {0x22, 0x5C}))
-ANY_STRING = fsa.repeat(fsa.ANY_CHAR, 0, None)  # every string (UTF-8 text)
+ANY_STRING = chains.repeat(fsa.ANY_CHAR, 0, None)  # every string (UTF-8 text)
 QUOTE = fsa.literal('"')
 
 
@@ -43,13 +43,13 @@ JSON_CHAR = escape(fsa.ANY_CHAR)  # one character of a JSON string's text
 
 
 def quoted(text: fsa.Dfa, budget: fsa.Budget = fsa.UNBOUNDED) -> fsa.Dfa:
-  return fsa.concat([QUOTE, text, QUOTE], budget)
+  return chains.concat([QUOTE, text, QUOTE], budget)
 
 
 @functools.lru_cache(maxsize=256)
 def plain(low: int, high: int | None, budget: fsa.Budget) -> fsa.Dfa:
   """JSON strings of ``low`` to ``high`` characters, quotes included."""
-  return quoted(fsa.repeat(JSON_CHAR, low, high, budget), budget)
+  return quoted(chains.repeat(JSON_CHAR, low, high, budget), budget)
 
 
 def values(
@@ -74,9 +74,9 @@ def values(
   for pattern in not_searched:
     out = fsa.difference(out, patterns.search(pattern, budget, wide=True), budget)
   if excluded:
-    out = fsa.difference(out, fsa.union([fsa.literal(v) for v in excluded]), budget)
+    out = fsa.difference(out, chains.union([fsa.literal(v) for v in excluded]), budget)
   if low or high is not None:
-    out = fsa.intersect(out, fsa.repeat(fsa.ANY_CHAR, low, high, budget), budget)
+    out = fsa.intersect(out, chains.repeat(fsa.ANY_CHAR, low, high, budget), budget)
   return fsa.minimize(out)
 
 
