@@ -83,12 +83,12 @@ def test_constraints_too_big_to_fit_are_refused_in_milliseconds_without_an_index
 
 def test_the_state_count_refuses_what_the_estimate_misses_before_the_dense_table(tokenizer, monkeypatch):
   """A repetition of a part that may be empty is estimated at one copy (70 states), but its automaton has a state
-  per character up to 70 * 70; the count of token-level states refuses it before the [states, vocab] table."""
+  per character up to 70 * 70; the count of states refuses it before the token table is made."""
 
   def dense(*args):
     raise AssertionError("the dense table was made")
 
-  monkeypatch.setattr(tokens, "_dense", dense)
+  monkeypatch.setattr(tokens, "_with_done", dense)
   regex = "(?:[ab]{0,70}){0,70}"
   assert regexes.min_states(regex) == 70
   error = pytest.raises(ConstraintError, Compiler(tokenizer, **SERVER).regex, regex).value

@@ -64,9 +64,10 @@ def auto_draft(schema) -> str:
   )
   if boolean_bounds or (not later and isinstance(schema.get("id"), str) and "$id" not in schema):
     return "4"
-  if any(isinstance(node.get("items"), list) for node in nodes) or any(
-    k in node for node in nodes for k in _EARLIER_FORMS
-  ):
+  fragment_ids = any(isinstance(n.get("$id"), str) and "#" in n["$id"].rstrip("#") for n in nodes)
+  if fragment_ids or any(isinstance(node.get("items"), list) for node in nodes):
+    return "7"  # an $id with a fragment (a plain name), or a list of items: only draft 7 and earlier have them
+  if any(k in node for node in nodes for k in _EARLIER_FORMS):
     return "7"
   return "2020-12"
 

@@ -34,7 +34,12 @@ class Keyword:
 
 
 COVERAGE = (
-  Keyword(("type", "enum", "const"), "enforced", "Enum values that fail the schema's other keywords are dropped."),
+  Keyword(
+    ("type", "enum", "const"),
+    "enforced",
+    "Enum values that fail the schema's other keywords are dropped. A schema without type, enum or const is written "
+    'as the kinds of value its own keywords apply to ({"properties": ...} as an object), where that leaves a value.',
+  ),
   Keyword(
     ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"),
     "enforced",
@@ -44,8 +49,8 @@ COVERAGE = (
   Keyword(
     ("multipleOf",),
     "enforced with limits",
-    "Any decimal step: the digits are read modulo the step (a step p/10^k needs p states per digit place). A step "
-    "above 100000 in its last digit place needs both bounds, and at most 256 multiples between them.",
+    "Any decimal step: the digits are read modulo the step p/10^k (about p states per digit place). A step that would "
+    "need more than 100000 states needs both bounds, with at most 256 multiples between them.",
   ),
   Keyword(
     ("minLength", "maxLength"),
@@ -56,15 +61,16 @@ COVERAGE = (
     ("pattern",),
     "enforced",
     "Searched, as JSON Schema reads it (anchors at the ends of its alternatives). Characters JSON must escape are "
-    "written escaped. \\d, \\w, \\s and . are read as both ECMA-262 and Python read them (ASCII digits and word "
-    "characters). Look-arounds, backreferences and anchors inside are refused.",
+    "written escaped (the short forms; other control characters are never written). \\d, \\w, \\s and . are read "
+    "as both ECMA-262 and Python read them (ASCII digits and word characters). Look-arounds, backreferences and "
+    "anchors inside are refused.",
   ),
   Keyword(
     ("format",),
     "enforced (subset)",
-    "date, time, date-time, duration, email, hostname, ipv4, ipv6, uri, uri-reference, iri, iri-reference, uuid, "
-    "json-pointer, relative-json-pointer: one regular language each, within RFC 3339, 1123, 5321, 4291, 3986. "
-    "Other formats are annotations (refused when strict).",
+    "date, time, date-time, duration, email, hostname, ipv4, ipv6, uri, uri-reference, iri, iri-reference, "
+    "uri-template, uuid, json-pointer, relative-json-pointer, byte: one regular language each, within RFC 3339, "
+    "1123, 5321, 4291, 3986, 6570, 6901. Other formats are annotations (refused when strict).",
   ),
   Keyword(
     ("properties", "required"),
@@ -263,12 +269,13 @@ def coverage_markdown() -> str:
     "this file is what the code says. Every text the automaton accepts validates against the schema; the compiler",
     "writes compact JSON (no whitespace, properties in the schema's order), so some valid texts are never written",
     '("subset"). A keyword it cannot enforce is refused with one line naming it and its path (the server answers',
-    "400 with that path in `param`). Keywords it does not know are annotations, as the specification says: ignored",
-    "and listed in the automaton's `warnings` (the server's `X-Schema-Warnings` header); `strict=True` refuses them.",
+    "400 with that path in `param`). Keywords and formats it does not know are annotations, as the specification",
+    "says: ignored, and listed in one line in the automaton's `warnings` (a `SchemaWarning` when compiled);",
+    "`strict=True` refuses them.",
     "",
     "The draft is the one `$schema` names. Without it (`draft=\"auto\"`, the library's and the server's default):",
-    "2020-12, unless the schema uses a form that only earlier drafts define: `items` as a list, `additionalItems` or",
-    "`dependencies` (draft 7), or `id` and boolean `exclusiveMinimum` (draft 4).",
+    "2020-12, unless the schema uses a form that only earlier drafts define: `items` as a list, `additionalItems`,",
+    "`dependencies` or an `$id` with a fragment (draft 7), or a root `id` and boolean `exclusiveMinimum` (draft 4).",
     "",
     "| Keyword | Status | Drafts | Notes |",
     "|---|---|---|---|",
@@ -281,17 +288,20 @@ def coverage_markdown() -> str:
     "",
     "## Numbers",
     "",
-    "A number without bounds has at most 15 digits before and after the point and an exponent of at most two",
-    "digits, so every number written parses to a finite IEEE double (`exact_numbers=True` lifts this). Integers",
-    "are written without a fraction or exponent.",
+    "Every number written parses to a finite IEEE double that is zero only when its text is (`exact_numbers=True`",
+    "lifts this). A number without bounds has at most 12 digits before the point, fewer than 6 zeros after it",
+    "before a nonzero digit, and an exponent of at most two digits; with a bound on one side only, at most 15",
+    "digits before the point (more where the bound needs them); near zero, fewer than 15 zeros after the point.",
+    "Bounded numbers and integers are written without an exponent.",
     "",
     "## Size limits",
     "",
     "Every path (library, command line, server) refuses a constraint that would pass its limits before building",
     "it: static estimates refuse `maxLength: 100000` or `{1000000}` in a pattern in about a millisecond; every",
-    "byte automaton built on the way is held to 16 times `max_states` states, and the token-level automaton before",
-    "minimizing to 8 times, all within `max_memory` (1 GiB) of tables. The measured distribution over the official",
-    "test suite and JSONSchemaBench's collections is in `BUILD_NOTES.md` (JSON Schema coverage, issue 49).",
+    "byte automaton built on the way is held to 16 times `max_states` states (refused as soon as one would pass it),",
+    "and the token-level automaton before minimizing to 8 times, all within `max_memory` (1 GiB) of tables. The",
+    "measured distribution over the official test suite and JSONSchemaBench's collections is in `BUILD_NOTES.md`",
+    "(JSON Schema coverage, issue 49).",
     "",
   ]
   return "\n".join(lines)

@@ -14,8 +14,9 @@ class Options:
   Attributes:
     draft: The draft of a schema without ``$schema``: one of :data:`DRAFTS`, or ``"auto"`` (the default): draft
       2020-12, unless the schema uses a form only earlier drafts define (``items`` as a list, ``additionalItems``,
-      ``dependencies``, draft 4's ``id`` or boolean ``exclusiveMinimum``), then draft 7 (draft 4 for those last
-      two). A ``$schema`` naming a draft always wins.
+      ``dependencies``, an ``$id`` with a fragment; draft 4's root ``id`` or boolean ``exclusiveMinimum``), then
+      draft 7 (draft 4 for those last two). A ``$schema`` naming a draft always wins. The server has the same
+      default: tool schemas are mostly written in draft 7's style, and the forms that differ are recognized.
     strict: Refuse keywords and formats the compiler does not know, instead of reading them as annotations (the
       specification's rule, and the default: they are ignored and listed in the automaton's warnings).
     exact_numbers: Numbers without bounds may have any number of digits and any exponent. By default they have at

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from mercury_jax.constrain import formats, numbers, oneof
+from mercury_jax.constrain import complements, formats, numbers, oneof
 from mercury_jax.constrain.document import Document, base_of
 from mercury_jax.constrain.errors import ConstraintError
 from mercury_jax.constrain.normal import (
@@ -14,12 +14,10 @@ from mercury_jax.constrain.normal import (
   Conj,
   Contains,
   Evaluated,
-  Exists,
   KeyRule,
   Keys,
   Sub,
   asks_nothing,
-  bounds_negated,
   merge,
   value_key,
 )
@@ -222,7 +220,7 @@ class Normalizer:
     if s.get("format") in formats.FORMATS:
       out["formats"] = ((s["format"], sub.path),)
     evaluated = Evaluated()
-    items, evaluated = self._items(sub, evaluated)
+    items, evaluated = self.items(sub, evaluated)
     out["items"] = items
     out["min_items"] = int(s.get("minItems", 0))
     out["max_items"] = None if "maxItems" not in s else int(s["maxItems"])
@@ -260,7 +258,7 @@ class Normalizer:
     out["evaluated"] = evaluated
     return Conj(**out)
 
-  def _items(self, sub: Sub, evaluated: Evaluated):
+  def items(self, sub: Sub, evaluated: Evaluated):
     """``(items rules, evaluated)``: per position, what the items of an array must satisfy."""
     s, rank = sub.schema, self.doc.rank
     rules = []
@@ -352,127 +350,11 @@ class Normalizer:
     if "$ref" in schema and rank <= 2:
       target = self.follow(sub, schema["$ref"])
       return [] if target is None else self.negative(target)
-    out = self._negated_atoms(sub)
+    out = complements.atoms(self, sub)
     if "$ref" in schema:
       target = self.follow(sub, schema["$ref"])
       out += [] if target is None else self.negative(target)
-    out += self._negated_applicators(sub)
+    out += complements.applicators(self, sub)
     if schema.get("nullable") is True:  # not (S or null) = not S and not null
       out = self.product(out, [Conj(kinds=KINDS - {"null"})], sub.path) if out else []
-    return out
-
-  def _negated_atoms(self, sub: Sub) -> list[Conj]:
-    s, rank = sub.schema, self.doc.rank
-    out = []
-    if "type" in s:
-      types = [s["type"]] if isinstance(s["type"], str) else list(s["type"])
-      kinds = {"number" if t == "integer" else t for t in types}
-      out.append(Conj(kinds=KINDS - kinds))
-      if "integer" in types and "number" not in types:
-        out.append(Conj(kinds=_only("number"), number=NumberSpec(fractional=True)))
-    if "enum" in s:
-      out.append(Conj(excluded=tuple(s["enum"])))
-    if "const" in s and rank >= 1:
-      out.append(Conj(excluded=(s["const"],)))
-    low = numbers.bound(s, "minimum", "exclusiveMinimum", max)
-    high = numbers.bound(s, "maximum", "exclusiveMaximum", min)
-    for spec in bounds_negated(*low, *high):
-      out.append(Conj(kinds=_only("number"), number=spec))
-    if "multipleOf" in s:
-      out.append(Conj(kinds=_only("number"), number=NumberSpec(not_steps=(exact(s["multipleOf"]),))))
-    if int(s.get("minLength", 0)) > 0:
-      out.append(Conj(kinds=_only("string"), max_length=int(s["minLength"]) - 1))
-    if "maxLength" in s:
-      out.append(Conj(kinds=_only("string"), min_length=int(s["maxLength"]) + 1))
-    if "pattern" in s:
-      out.append(Conj(kinds=_only("string"), not_patterns=(s["pattern"],)))
-    if int(s.get("minItems", 0)) > 0:
-      out.append(Conj(kinds=_only("array"), max_items=int(s["minItems"]) - 1))
-    if "maxItems" in s:
-      out.append(Conj(kinds=_only("array"), min_items=int(s["maxItems"]) + 1))
-    out += self._negated_items(sub)
-    if "contains" in s and rank >= 1:
-      low = int(s.get("minContains", 1)) if rank >= 3 else 1
-      high = None if rank < 3 or "maxContains" not in s else int(s["maxContains"])
-      lits = ((self.child(sub, s["contains"], "contains"), True),)
-      if low:
-        out.append(Conj(kinds=_only("array"), contains=(Contains(lits, 0, low - 1),)))
-      if high is not None:
-        out.append(Conj(kinds=_only("array"), contains=(Contains(lits, high + 1, None),)))
-    if int(s.get("minProperties", 0)) > 0:
-      out.append(Conj(kinds=_only("object"), max_properties=int(s["minProperties"]) - 1))
-    if "maxProperties" in s:
-      out.append(Conj(kinds=_only("object"), min_properties=int(s["maxProperties"]) + 1))
-    for name in dict.fromkeys(s.get("required", [])):
-      out.append(Conj(kinds=_only("object"), properties=((name, ((self.false(sub, "required"), True),)),)))
-    properties = s.get("properties", {})
-    patterns = s.get("patternProperties", {})
-    for name, value in properties.items():
-      if value is not True:
-        lits = ((self.child(sub, value, "properties", name), False),)
-        out.append(Conj(kinds=_only("object"), required=(name,), properties=((name, lits),)))
-    for pattern, value in patterns.items():
-      if value is not True:
-        lits = ((self.child(sub, value, "patternProperties", pattern), False),)
-        out.append(Conj(kinds=_only("object"), exists=(Exists(Keys(patterns=(pattern,)), lits),)))
-    extra = s.get("additionalProperties", True)
-    if extra is not True:
-      keys = Keys(names=frozenset(properties), patterns=tuple(patterns), negated=True)
-      lits = ((self.child(sub, extra, "additionalProperties"), False),)
-      out.append(Conj(kinds=_only("object"), exists=(Exists(keys, lits),)))
-    if rank >= 1 and s.get("propertyNames", True) is not True:
-      keys = Keys(strings=((self.child(sub, s["propertyNames"], "propertyNames"), False),))
-      out.append(Conj(kinds=_only("object"), exists=(Exists(keys, ()),)))
-    return out
-
-  def _negated_items(self, sub: Sub) -> list[Conj]:
-    """Arrays with an item that fails its position's schema."""
-    out = []
-    for start, end, lits in self._items(sub, Evaluated())[0]:
-      ((item, _),) = lits
-      if item.schema is True:
-        continue
-      if item.schema is False:
-        out.append(Conj(kinds=_only("array"), min_items=start + 1))
-      elif end is not None:
-        rule = ((start, end, ((item, False),)),)
-        out.append(Conj(kinds=_only("array"), min_items=end, items=rule))
-      else:
-        out.append(Conj(kinds=_only("array"), contains=(Contains(((item, False),), 1, None, start),)))
-    return out
-
-  def _negated_applicators(self, sub: Sub) -> list[Conj]:
-    s, rank = sub.schema, self.doc.rank
-    out = []
-    for i, part in enumerate(s.get("allOf", ())):
-      out += self.negative(self.child(sub, part, "allOf", str(i)))
-    if "anyOf" in s:
-      every = [_TRIVIAL]
-      for i, part in enumerate(s["anyOf"]):
-        every = self.product(every, self.negative(self.child(sub, part, "anyOf", str(i))), sub.path + ("anyOf",))
-      out += every
-    if "oneOf" in s:
-      parts = [self.child(sub, part, "oneOf", str(i)) for i, part in enumerate(s["oneOf"])]
-      none = [_TRIVIAL]
-      for part in parts:
-        none = self.product(none, self.negative(part), sub.path + ("oneOf",))
-      out += none
-      for i, a in enumerate(parts):
-        for b in parts[:i]:
-          out += self.product(self.positive(a), self.positive(b), sub.path + ("oneOf",))
-    if "not" in s:
-      out += self.positive(self.child(sub, s["not"], "not"))
-    if rank >= 2 and "if" in s:
-      condition = self.child(sub, s["if"], "if")
-      if "then" in s:
-        out += self.product(self.positive(condition), self.negative(self.child(sub, s["then"], "then")), sub.path)
-      if "else" in s:
-        out += self.product(self.negative(condition), self.negative(self.child(sub, s["else"], "else")), sub.path)
-    for word, name, need in self._dependencies(sub):
-      present = Conj(kinds=_only("object"), required=(name,))
-      if isinstance(need, list):
-        false = ((self.false(sub, word, name), True),)
-        out += [Conj(kinds=_only("object"), required=(name,), properties=((n, false),)) for n in need]
-      else:
-        out += self.product([present], self.negative(self.child(sub, need, word, name)), sub.path)
     return out

@@ -161,7 +161,10 @@ class Builder:
       except fsa.TooLarge as e:
         raise _Located(e.states, _keyword_path(c, ("enum", "const"))) from None
     kinds = c.written_kinds
-    return chains.union([self._kind(kind, c) for kind in _KINDS if kind in kinds], self.budget)
+    out = chains.union([self._kind(kind, c) for kind in _KINDS if kind in kinds], self.budget)
+    if out.empty and kinds != c.kinds:  # what its keywords apply to is impossible: the other kinds it allows
+      out = chains.union([self._kind(kind, c) for kind in _KINDS if kind in c.kinds - kinds], self.budget)
+    return out
 
   def _kind(self, kind: str, c: Conj) -> fsa.Dfa:
     excluded = [v for v in c.excluded if _kind_of(v) == kind]

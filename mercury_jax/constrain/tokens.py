@@ -25,6 +25,7 @@ import hashlib
 import os
 
 import numpy as np
+from scipy.sparse import csgraph, csr_matrix
 
 from mercury_jax.constrain import fsa
 from mercury_jax.constrain.errors import ConstraintError
@@ -129,10 +130,16 @@ class Limits:
     )
 
 
-def _token_rows(text: fsa.Dfa, vocab: Vocab, most: int) -> tuple[np.ndarray, np.ndarray] | int:
-  """``(rows [states, vocab], accepting)``: the byte automaton's states reached at token boundaries from its start
-  (breadth-first; row i is the i-th state reached), each row the state (row number) every token leads to, or -1;
-  the number of states found so far once it passes ``most``."""
+def _token_rows(text: fsa.Dfa, vocab: Vocab, most: int):
+  """``(columns [states, classes], classes [vocab], accepting)``: the byte automaton's states reached at token
+  boundaries from its start (breadth-first; state i is the i-th reached), and where each token leads from each (-1:
+  forbidden), with tokens whose columns are equal sharing a class; or the number of states found once it passes
+  ``most``.
+
+  States are read 256 at a time, all the vocabulary at once (a gather per byte position of the tokens), and the
+  token classes are refined as they go: tokens that went alike so far and go alike from the new states stay
+  together (their earlier columns are equal, so a class's earlier column is any member's).
+  """
   n = text.size
   table = np.concatenate([text.columns, np.full((1, text.columns.shape[1]), n, np.int32)])  # row n: dead, stays dead
   table[:n][text.columns < 0] = n
@@ -140,7 +147,8 @@ def _token_rows(text: fsa.Dfa, vocab: Vocab, most: int) -> tuple[np.ndarray, np.
   vocab_size = vocab.tokenizer.vocab_size
   number = {0: 0}
   order = [0]
-  rows = []
+  classes = np.zeros(vocab_size, np.int64)  # every token alike before any state is read
+  blocks: list[tuple[np.ndarray, np.ndarray]] = []  # each batch's columns, by the classes after it
   done = 0
   while done < len(order):
     batch = np.array(order[done : done + 256], np.int64)
@@ -154,34 +162,54 @@ def _token_rows(text: fsa.Dfa, vocab: Vocab, most: int) -> tuple[np.ndarray, np.
         order.append(found)
     if len(order) > most:
       return len(order)
-    renumbered = np.full((len(batch), vocab_size), -1, np.int32)
     lookup = np.full(n + 1, -1, np.int32)
     keys = np.fromiter(number.keys(), np.int64, len(number))
     lookup[keys] = np.fromiter(number.values(), np.int32, len(number))
-    renumbered[:, vocab.ids] = lookup[current]
-    rows.append(renumbered)
-  return np.concatenate(rows), text.accepting[np.array(order)]
+    rows = np.full((len(batch), vocab_size), -1, np.int32)
+    rows[:, vocab.ids] = lookup[current]
+    first, classes = _refined(classes, rows)
+    blocks.append((rows[:, first], classes))
+  first = np.unique(classes, return_index=True)[1]  # a token of each final class: its column in every batch
+  columns = np.vstack([block[:, then[first]] for block, then in blocks])
+  return columns, classes, text.accepting[np.array(order)]
 
 
-def _dense(rows: np.ndarray, finals: np.ndarray, eos: int) -> tuple[np.ndarray, np.ndarray]:
-  """``(table [states, vocab], accepting)`` with DONE prepended (states shift by one) and EOS wired in."""
-  table = np.concatenate([np.zeros((1, rows.shape[1]), np.int32), np.where(rows >= 0, rows + 1, -1)])
-  accepting = np.concatenate([[True], finals])
-  table[1:, eos] = np.where(accepting[1:], DONE, -1)
-  return table.astype(np.int32), accepting
+def _refined(classes: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """``(a token of each new class, the new class of each token)``: tokens of one class whose ``rows`` columns are
+  equal stay together (a hash of each column, checked exactly)."""
+  weights = np.random.default_rng(len(rows)).integers(1, 2**63, size=len(rows) + 1, dtype=np.uint64)
+  hashes = classes.astype(np.uint64) * weights[0] + weights[1:] @ (rows.astype(np.int64) + 1).astype(np.uint64)
+  _, first, inverse = np.unique(hashes, return_index=True, return_inverse=True)
+  inverse = inverse.reshape(-1)
+  if not (np.array_equal(rows[:, first[inverse]], rows) and np.array_equal(classes[first[inverse]], classes)):
+    _, first, inverse = np.unique(np.vstack([classes[None, :], rows]), axis=1, return_index=True, return_inverse=True)
+    inverse = inverse.reshape(-1)
+  return first, inverse
+
+
+def _with_done(columns: np.ndarray, classes: np.ndarray, accepting: np.ndarray, eos: int):
+  """``(columns, classes, accepting)`` with DONE prepended (states shift by one) and EOS given a class of its own,
+  allowed in accepting states, where it leads to DONE."""
+  columns = np.where(columns >= 0, columns + 1, -1)
+  columns = np.concatenate([np.zeros((1, columns.shape[1]), columns.dtype), columns])
+  accepting = np.concatenate([[True], accepting])
+  eos_column = np.where(accepting, DONE, -1)[:, None]
+  classes = classes.copy()
+  classes[eos] = columns.shape[1]
+  return np.hstack([columns, eos_column]).astype(np.int32), classes, accepting
 
 
 def _distance(table: np.ndarray, accepting: np.ndarray) -> np.ndarray:
-  """Fewest tokens from each state to an accepting one (breadth-first on the reversed graph); -1 where none."""
-  distance = np.where(accepting, 0, -1).astype(np.int32)
-  frontier = accepting.copy()
-  step = 0
-  while frontier.any():
-    step += 1
-    hit = ((table >= 0) & frontier[np.maximum(table, 0)]).any(axis=1) & (distance < 0)
-    distance[hit] = step
-    frontier = hit
-  return distance
+  """Fewest tokens from each state to an accepting one (breadth-first on the reversed graph, from a virtual state
+  before every accepting one); -1 where none."""
+  n = len(table)
+  src, cls = np.nonzero(table >= 0)
+  finals = np.flatnonzero(accepting)
+  rows = np.concatenate([table[src, cls], np.full(len(finals), n)])
+  cols = np.concatenate([src, finals])
+  graph = csr_matrix((np.ones(len(rows)), (rows, cols)), shape=(n + 1, n + 1))
+  found = csgraph.dijkstra(graph, indices=n, unweighted=True)[:n]
+  return np.where(np.isfinite(found), found - 1, -1).astype(np.int32)
 
 
 def _reachable(table: np.ndarray, start: int) -> np.ndarray:
@@ -197,17 +225,16 @@ def _reachable(table: np.ndarray, start: int) -> np.ndarray:
   return np.concatenate(levels)
 
 
-def _classes(table: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-  """``(columns [states, classes], classes [vocab])``: equal columns share a class, numbered by first token."""
-  weights = np.random.default_rng(0).integers(1, 2**63, size=table.shape[0], dtype=np.uint64)
-  hashes = (table.T.astype(np.uint64) * weights).sum(axis=1)  # wraps around: a hash of each column
-  _, first, inverse = np.unique(hashes, return_index=True, return_inverse=True)
-  rank = np.empty_like(first)
-  rank[np.argsort(first)] = np.arange(len(first))
-  columns, classes = table[:, np.sort(first)], rank[inverse.reshape(-1)]
-  if not np.array_equal(columns[:, classes], table):  # A hash collision: the slow exact way.
-    columns, classes = np.unique(table, axis=1, return_inverse=True)
-  return np.ascontiguousarray(columns, np.int32), classes.reshape(-1).astype(np.int32)
+def _classes(columns: np.ndarray, classes: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+  """``(columns, classes [vocab])`` with equal columns merged, numbered by first token (``classes``: the token ->
+  column map of ``columns``; None: one column per token)."""
+  if classes is None:
+    classes = np.arange(columns.shape[1])
+  _, first, inverse = np.unique(columns, axis=1, return_index=True, return_inverse=True)
+  order = np.argsort(first)
+  rank = np.empty_like(order)
+  rank[order] = np.arange(len(order))
+  return np.ascontiguousarray(columns[:, first[order]], np.int32), rank[inverse.reshape(-1)][classes].astype(np.int32)
 
 
 def _equivalent(columns: np.ndarray, accepting: np.ndarray) -> np.ndarray:
@@ -248,32 +275,47 @@ def _equivalent(columns: np.ndarray, accepting: np.ndarray) -> np.ndarray:
   raise AssertionError("partition refinement did not converge")
 
 
-def _minimized(table: np.ndarray, accepting: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-  """``(table, accepting)`` with equivalent states merged; a class is numbered by its first member, so DONE stays 0
-  and the start 1."""
-  columns, classes = _classes(table)
+def _minimized(columns: np.ndarray, classes: np.ndarray, accepting: np.ndarray):
+  """``(columns, classes, accepting)`` with equivalent states merged; a class is numbered by its first member, so
+  DONE stays 0 and the start 1."""
   block = _equivalent(columns, accepting)
   first = np.unique(block, return_index=True)[1]
   quotient = np.where(columns[first] >= 0, block[np.maximum(columns[first], 0)], -1)
-  return quotient[:, classes].astype(np.int32), accepting[first]
+  quotient, classes = _classes(quotient, classes)
+  return quotient, classes, accepting[first]
 
 
-def _forced_text(table: np.ndarray, accepting: np.ndarray, vocab: Vocab, eos: int) -> dict[int, str]:
+def _members(classes: np.ndarray) -> list[np.ndarray]:
+  """The tokens of each class."""
+  order = np.argsort(classes, kind="stable")
+  cuts = np.flatnonzero(np.diff(classes[order])) + 1
+  return np.split(order, cuts)
+
+
+def _forced_text(columns: np.ndarray, classes: np.ndarray, accepting: np.ndarray, vocab: Vocab) -> dict[int, str]:
   """The longest text every continuation of a state begins with, for states where it is not empty.
 
   F(s) is the longest common prefix over the allowed tokens t of text(t) + F(next(s, t)), and empty in accepting
   states. It is the least fixed point reached from all-empty by iterating that rule (each round can only lengthen
   F, capped at ``FORCED_TEXT_LIMIT`` characters); every round's F is a prefix of the true one, so it is always safe.
   """
-  allowed = table >= 0
-  allowed[:, eos] = False
-  first = np.where(allowed, vocab.first[None, :], np.iinfo(np.int32).max).min(axis=1)
-  last = np.where(allowed, vocab.first[None, :], -1).max(axis=1)
+  eos = vocab.tokenizer.eos_id
+  members = _members(classes)
+  first_of = np.full(len(members), np.iinfo(np.int32).max, np.int64)
+  last_of = np.full(len(members), -1, np.int64)
+  for c, tokens in enumerate(members):
+    firsts = vocab.first[tokens[tokens != eos]]
+    if len(firsts):
+      first_of[c], last_of[c] = firsts.min(), firsts.max()
+  allowed = columns >= 0
+  allowed[:, classes[eos]] = False
+  first = np.where(allowed, first_of[None, :], np.iinfo(np.int32).max).min(axis=1)
+  last = np.where(allowed, last_of[None, :], -1).max(axis=1)
   candidates = np.flatnonzero((first == last) & ~accepting & (first >= 0))
   edges = {}
   for s in candidates.tolist():
-    tokens = np.flatnonzero(allowed[s])
-    edges[s] = [(vocab.texts[t], int(table[s, t])) for t in tokens.tolist()]
+    tokens = np.concatenate([members[c] for c in np.flatnonzero(allowed[s])])
+    edges[s] = [(vocab.texts[t], int(columns[s, classes[t]])) for t in tokens.tolist() if t != eos]
   text = dict.fromkeys(edges, "")
   changed = True
   while changed:
@@ -288,16 +330,17 @@ def _forced_text(table: np.ndarray, accepting: np.ndarray, vocab: Vocab, eos: in
   return {s: t for s, t in text.items() if t}
 
 
-def _walk_dense(table: np.ndarray, state: int, tokens: list[int]) -> int:
+def _walk(columns: np.ndarray, classes: np.ndarray, state: int, tokens: list[int]) -> int:
   for token in tokens:
-    state = int(table[state, token])
+    state = int(columns[state, classes[token]])
     if state < 0:
       return -1
   return state
 
 
-def _canonicalize(table: np.ndarray, accepting: np.ndarray, vocab: Vocab) -> np.ndarray:
-  """Forbids every token but the tokenizer's own first token of a state's fixed text (in place).
+def _canonicalize(columns: np.ndarray, classes: np.ndarray, accepting: np.ndarray, vocab: Vocab):
+  """``(columns, classes)`` where a state with fixed text allows only the tokenizer's own first token of it (which
+  gets a class of its own where its class-mates are then forbidden).
 
   The tokenizer's first token of the fixed text F is kept only when it is also its first token of F followed by
   anything that may come next (each character that may follow, and the longest token starting with it): BPE merges
@@ -307,17 +350,18 @@ def _canonicalize(table: np.ndarray, accepting: np.ndarray, vocab: Vocab) -> np.
   encode = vocab.tokenizer.encode
   probes: dict[int, list[str]] = {}  # What may follow a divergence state: "" when it accepts, then per first
   # character that character alone and the longest token starting with it.
-  for s, fixed in _forced_text(table, accepting, vocab, eos).items():
+  kept: list[tuple[int, int]] = []
+  for s, fixed in _forced_text(columns, classes, accepting, vocab).items():
     ids = encode(fixed)
     token = ids[0]
-    if table[s, token] < 0:
+    if columns[s, classes[token]] < 0:
       continue
     if len(fixed) < FORCED_TEXT_LIMIT:
-      after = _walk_dense(table, s, ids)
+      after = _walk(columns, classes, s, ids)
       if after < 0:
         continue
       if after not in probes:
-        ids = np.flatnonzero(table[after] >= 0)
+        ids = np.flatnonzero(columns[after, classes] >= 0)
         ids = ids[ids != eos]
         ids = ids[np.lexsort((-vocab.lengths[ids], vocab.first[ids]))]  # by first character, longest first
         longest = ids[np.unique(vocab.first[ids], return_index=True)[1]].tolist()
@@ -325,10 +369,20 @@ def _canonicalize(table: np.ndarray, accepting: np.ndarray, vocab: Vocab) -> np.
         probes[after] += [vocab.texts[t] for t in longest]
       if any(encode(fixed + probe)[0] != token for probe in probes[after]):
         continue
-    keep = table[s, token]
-    table[s] = -1
-    table[s, token] = keep
-  return table
+    kept.append((s, token))
+  classes = classes.copy()
+  own = {}
+  for token in dict.fromkeys(t for _, t in kept):
+    own[token] = columns.shape[1] + len(own)
+  if own:
+    columns = np.hstack([columns, columns[:, [classes[t] for t in own]]])
+    for token, column in own.items():
+      classes[token] = column
+  for s, token in kept:
+    keep = columns[s, classes[token]]
+    columns[s] = -1
+    columns[s, classes[token]] = keep
+  return columns, classes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -360,21 +414,21 @@ def build(text: fsa.Dfa, vocab: Vocab, limits: Limits, canonical: bool, what: st
   found = _token_rows(text, vocab, most)
   if isinstance(found, int):
     raise limits.refusal(found, what, param, most, "token-level")
-  table, accepting = _dense(*found, vocab.tokenizer.eos_id)
+  columns, classes, accepting = _with_done(*found, vocab.tokenizer.eos_id)
   start = 1
-  live = _distance(_classes(table)[0], accepting) >= 0
+  live = _distance(columns, accepting) >= 0
   if not live[start]:
     raise impossible
-  table = np.where(live[np.maximum(table, 0)], table, -1).astype(np.int32)
+  columns = np.where(live[np.maximum(columns, 0)], columns, -1).astype(np.int32)
   if canonical:
-    table = _canonicalize(table, accepting, vocab)
-  reachable = _reachable(table, start)
+    columns, classes = _canonicalize(columns, classes, accepting, vocab)
+  reachable = _reachable(columns, start)
   keep = np.concatenate([[DONE], reachable[reachable != DONE]])
-  renumber = np.full(table.shape[0], -1, np.int32)
+  renumber = np.full(columns.shape[0], -1, np.int32)
   renumber[keep] = np.arange(len(keep), dtype=np.int32)
-  table = np.where(table >= 0, renumber[np.maximum(table, 0)], -1)[keep]
-  table, accepting = _minimized(table, accepting[keep])
-  table, classes = _classes(table)
+  columns = np.where(columns >= 0, renumber[np.maximum(columns, 0)], -1)[keep]
+  columns, classes = _classes(columns, classes)
+  table, classes, accepting = _minimized(columns, classes, accepting[keep])
   distance = _distance(table, accepting)
   assert (distance >= 0).all(), "pruning left a state that cannot reach acceptance"
   allowed_count = (table >= 0).astype(np.int64) @ np.bincount(classes, minlength=table.shape[1])
