@@ -143,7 +143,7 @@ def test_recursion_is_cut_where_the_schema_allows(compiler, tokenizer, schema, g
       {"$defs": {"n": {"type": "array", "items": {"$ref": "#/$defs/n"}, "minItems": 1}}, "$ref": "#/$defs/n"},
       "items.$ref",
     ),
-    ({"properties": {"again": {"$ref": "#"}}, "required": ["again"]}, "properties.again.$ref"),
+    ({"type": "object", "properties": {"again": {"$ref": "#"}}, "required": ["again"]}, "properties.again.$ref"),
     ({"$defs": {"loop": {"$ref": "#/$defs/loop"}}, "$ref": "#/$defs/loop"}, "$ref"),
   ],
 )

@@ -245,7 +245,7 @@ class Compiler:
     def texts():
       if regexes.plain_syntax(regex):  # read bottom-up, minimized as it goes: no large unminimized automaton
         try:
-          yield patterns.full(regex, self._budget), ()
+          yield patterns.full(regex, self._budget), (), "last"
         except fsa.TooLarge as e:
           raise self._too_large(e, "the regex", "regex") from None
         return
@@ -253,7 +253,7 @@ class Compiler:
         rows = self._limits.rows(self._vocab)
         raise self._limits.refusal(regexes.min_states(regex), "the regex", "regex", rows, "token-level")
       try:
-        yield regex_text(regex, self._budget), ()
+        yield regex_text(regex, self._budget), (), "last"
       except fsa.TooLarge as e:
         raise self._too_large(e, "the regex", "regex") from None
 
@@ -298,11 +298,11 @@ class Compiler:
     def texts():
       for depth in range(schema_lib.JSON_OBJECT_DEPTH, 1, -1):
         try:
-          yield schema_lib.any_object(depth, self._budget, self._options.exact_numbers), ()
+          yield schema_lib.any_object(depth, self._budget, self._options.exact_numbers), (), "try"
         except fsa.TooLarge:
           continue
       try:
-        yield schema_lib.any_object(1, self._budget, self._options.exact_numbers), ()
+        yield schema_lib.any_object(1, self._budget, self._options.exact_numbers), (), "last"
       except fsa.TooLarge as e:
         raise self._too_large(e, "a JSON object", None) from None
 
@@ -322,8 +322,9 @@ class Compiler:
     return self._limits.refusal(error.states, what, getattr(error, "param", param), self._budget.states, "byte-level")
 
   def _compile(self, kind: str, source: str, texts_of, written: str | None = None) -> Automaton:
-    """The cached automaton of ``kind`` and ``source``; ``texts_of()`` yields ``(byte automaton, warnings)`` to
-    try in turn until one fits the limits."""
+    """The cached automaton of ``kind`` and ``source``; ``texts_of()`` yields ``(byte automaton, warnings, role)``
+    to try in turn until one fits the limits: ``"try"``, or ``"last"`` (refused if it does not fit), or ``"floor"``
+    (refused if it does not fit, else kept while the next ones are tried)."""
     key = _key(kind, source, self._vocab.digest, self._canonical, self._options)
     with self._lock:
       found = self._cache.get(key)
@@ -332,15 +333,24 @@ class Compiler:
     if found is None:
       try:
         what, param = ("the regex", "regex") if kind == "regex" else ("the constraint", None)
-        for candidate in texts_of():
+        chosen = floor = None
+        for text, notes, role in texts_of():
           try:
-            arrays = tokens.build(candidate[0], self._vocab, self._limits, self._canonical, what, param)
-            break
+            arrays = tokens.build(text, self._vocab, self._limits, self._canonical, what, param)
           except ConstraintError as e:
+            if role in ("last", "floor"):
+              raise
             found = e
-        else:
+            continue
+          if role == "floor":  # it fits: a deeper one may too
+            floor = (arrays, text, notes)
+            continue
+          chosen = (arrays, text, notes)
+          break
+        chosen = chosen or floor
+        if chosen is None:
           raise found
-        text, notes = candidate
+        arrays, text, notes = chosen
         found = Automaton(
           kind=kind,
           source=source,

@@ -10,6 +10,8 @@ it keeps (:func:`~mercury_jax.constrain.fsa.minimize`).
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from mercury_jax.constrain.fsa import (
@@ -167,6 +169,8 @@ def union(parts: list[Dfa], budget: Budget = UNBOUNDED) -> Dfa:
     return NOTHING
   if len(unique) == 1:
     return unique[0]
+  if len(unique) > 2 and all(p.source is not None and p.source[0] == "text" for p in unique):
+    return words([p.source[1] for p in unique], budget)  # a trie, not a subset construction over many starts
   out = _chain(unique, list(range(len(unique))), [[len(unique)]] * len(unique), budget)
   return sourced(out, ("alt", tuple(unique)))
 
@@ -243,7 +247,11 @@ def _closure(node, moves: dict) -> set:
 def words(texts, budget: Budget = UNBOUNDED) -> Dfa:
   """The minimal automaton of a finite set of texts (Daciuk et al.'s incremental construction from sorted words:
   each finished branch is merged with an equal one already built, so the size stays near the minimal one)."""
-  texts = sorted({t.encode() if isinstance(t, str) else t for t in texts})
+  return _words(tuple(sorted({t.encode() if isinstance(t, str) else t for t in texts})), budget)
+
+
+@functools.lru_cache(maxsize=256)
+def _words(texts: tuple[bytes, ...], budget: Budget) -> Dfa:
   if not texts:
     return NOTHING
   children: list[dict[int, int]] = [{}]

@@ -34,6 +34,13 @@ class _Part:
 
 def key_set(keys: Keys, wide: bool, builder) -> fsa.Dfa:
   """The names of ``keys`` (value-level); ``wide``: as either reading of its patterns finds them."""
+  found = builder.keys.get((keys, wide))
+  if found is None:
+    found = builder.keys[keys, wide] = _key_set(keys, wide, builder)
+  return found
+
+
+def _key_set(keys: Keys, wide: bool, builder) -> fsa.Dfa:
   budget = builder.budget
   if keys.negated:
     return fsa.difference(strings.ANY_STRING, key_set(dataclasses.replace(keys, negated=False), not wide, builder))
@@ -41,7 +48,7 @@ def key_set(keys: Keys, wide: bool, builder) -> fsa.Dfa:
     return builder.string_values(keys.strings)
   if keys.everything:
     return strings.ANY_STRING
-  parts = [fsa.literal(name) for name in sorted(keys.names)]
+  parts = [chains.words(keys.names, budget)] if keys.names else []
   parts += [patterns.search(p, budget, wide=wide) for p in keys.patterns]
   return chains.union(parts, budget)
 
@@ -85,7 +92,7 @@ def language(c: Conj, builder) -> fsa.Dfa:
       return fsa.NOTHING
     if not value.empty:
       members.append((name, chains.concat([fsa.literal(dumps(name) + ":"), value], budget), required))
-  parts = _parts(fsa.difference(allowed, chains.union([fsa.literal(n) for n in listed])), rules, builder)
+  parts = _parts(fsa.difference(allowed, chains.words(listed, budget)), rules, builder)
   is_map = not members and not any(rule.written for rule in rules)
   free = chains.union([_member(p.names, p.lits, builder) for p in parts if p.written or is_map], budget)
   witnesses = []

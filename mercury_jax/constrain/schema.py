@@ -98,6 +98,7 @@ class Builder:
     self.reader = Normalizer(doc, options.recursion_depth, self.note)
     self._cache: dict[tuple, fsa.Dfa] = {}
     self._splits: dict[int, tuple] = {}
+    self.keys: dict[tuple, fsa.Dfa] = {}  # the names of a Keys (objects.key_set)
 
   def note(self, message: str, path: tuple) -> None:
     """Records why an alternative accepts nothing."""
@@ -309,9 +310,11 @@ def _static(doc: Document, sizes: Sizes | None) -> None:
 
 
 def compile_schema(schema, options: Options, budget: fsa.Budget, sizes: Sizes | None = None):
-  """Yields ``(byte automaton of the schema's texts, warnings)`` (module docstring): with recursion unrolled
-  ``options.recursion_depth`` levels, then, if the schema recursed, one level fewer, and so on down to 1 (the
-  automata to try in turn until one fits the compiler's limits).
+  """Yields ``(byte automaton of the schema's texts, warnings, role)`` (module docstring): with recursion unrolled
+  ``options.recursion_depth`` levels; then, if the schema recursed, one level (role ``"floor"``: if that does not
+  fit the compiler's limits, nothing will; if it does, it is kept in case no deeper one does), then every depth
+  between, deepest first (``"try"``). A schema too large even unrolled once is so found after two tries, not one per
+  level. The role of the only automaton of a schema that does not recurse is ``"last"``.
 
   Raises:
     ConstraintError: The schema is invalid, uses what the compiler cannot enforce, or accepts no value.
@@ -321,20 +324,23 @@ def compile_schema(schema, options: Options, budget: fsa.Budget, sizes: Sizes | 
   names, formats = keywords.unknown(doc.root, doc.draft)
   notes = keywords.report(names, formats, options.strict)
   _static(doc, sizes)
-  for depth in range(options.recursion_depth, 0, -1):
+  depths = [options.recursion_depth] + ([1] if options.recursion_depth > 1 else [])
+  depths += list(range(options.recursion_depth - 1, 1, -1))
+  for i, depth in enumerate(depths):
     builder = Builder(doc, dataclasses.replace(options, recursion_depth=depth), budget)
+    root = Sub(doc.root, doc.resolver, (), ((id(doc.root), base_of(doc.resolver)),))  # "#" counts as followed
     try:
-      root = Sub(doc.root, doc.resolver, (), ((id(doc.root), base_of(doc.resolver)),))  # "#" counts as followed
       text = builder.lang(((root, True),))
     except fsa.TooLarge:
-      if builder.reader.recursed and depth > 1:
+      if builder.reader.recursed and depth > 1 and i + 1 < len(depths):
         continue
       raise
     if text.empty:
       raise _refusal(builder, depth)
-    yield text, notes
     if not builder.reader.recursed:
+      yield text, notes, "last"
       return
+    yield text, notes, "floor" if i == 1 else "try"
 
 
 def _refusal(builder: Builder, depth: int) -> ConstraintError:

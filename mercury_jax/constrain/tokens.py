@@ -351,6 +351,13 @@ def _canonicalize(columns: np.ndarray, classes: np.ndarray, accepting: np.ndarra
   probes: dict[int, list[str]] = {}  # What may follow a divergence state: "" when it accepts, then per first
   # character that character alone and the longest token starting with it.
   kept: list[tuple[int, int]] = []
+  first_tokens: dict[str, int] = {}
+
+  def first_token(text: str) -> int:
+    if text not in first_tokens:
+      first_tokens[text] = encode(text)[0]
+    return first_tokens[text]
+
   for s, fixed in _forced_text(columns, classes, accepting, vocab).items():
     ids = encode(fixed)
     token = ids[0]
@@ -367,7 +374,7 @@ def _canonicalize(columns: np.ndarray, classes: np.ndarray, accepting: np.ndarra
         longest = ids[np.unique(vocab.first[ids], return_index=True)[1]].tolist()
         probes[after] = [""] * bool(accepting[after]) + [vocab.texts[t][0] for t in longest]
         probes[after] += [vocab.texts[t] for t in longest]
-      if any(encode(fixed + probe)[0] != token for probe in probes[after]):
+      if any(first_token(fixed + probe) != token for probe in probes[after]):
         continue
     kept.append((s, token))
   classes = classes.copy()
