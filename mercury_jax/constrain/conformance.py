@@ -1,6 +1,7 @@
 """Checks of compiled JSON Schemas against the schemas' meaning, for tests and benchmarks: texts sampled from the
-automaton validate (``jsonschema``, numbers read exactly as ``Decimal``), every number in them is readable (a
-finite double, zero only when written as zero), and given instances are accepted or rejected as they should be.
+automaton validate (``jsonschema``, numbers read exactly as ``Decimal``, the formats it can check asserted), every
+number in them is readable (a finite double, zero only when written as zero), and given instances are accepted or
+rejected as they should be.
 
 :func:`official_suite` reads the JSON-Schema-Test-Suite as vendored for the tests (the copy in ``jsonschema``'s
 source distribution, :data:`SUITE_FILE`), keeping the schemas that need no other document and no dynamic scope.
@@ -124,10 +125,12 @@ def parse(text: str):
 
 
 def validator(schema, draft: str):
-  """A validator of ``schema`` (numbers as ``Decimal``), in the draft the compiler reads it in."""
+  """A validator of ``schema`` (numbers as ``Decimal``), in the draft the compiler reads it in, that also asserts
+  the formats jsonschema can check in that draft (stricter than the specification's default)."""
   exact = json.loads(json.dumps(schema), parse_float=Decimal)
   doc = document.Document.of(exact, Options(draft=draft), check=False)
-  return doc.validator(exact, registry=doc.registry, _resolver=doc.resolver)
+  checker = doc.validator.FORMAT_CHECKER
+  return doc.validator(exact, registry=doc.registry, _resolver=doc.resolver, format_checker=checker)
 
 
 def sample(automaton: Automaton, tokenizer, rng: np.random.Generator, max_tokens: int = 160) -> str:
