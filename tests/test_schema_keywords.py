@@ -33,7 +33,7 @@ def compiler(tokenizer) -> Compiler:
 
 def valid(schema, text: str) -> bool:
   """Whether ``text`` validates, numbers read exactly (``0.3`` is a multiple of ``0.1``), every number readable."""
-  return conformance.validator(schema, "auto").is_valid(conformance.parse(text))
+  return not conformance.errors(conformance.validator(schema, "auto"), conformance.parse(text))
 
 
 def text_of(value) -> str:

@@ -1,10 +1,20 @@
 """The host half of structured output: a constraint compiled into a token-level automaton of plain arrays.
 
-A constraint is first the byte automaton of its texts (:mod:`~mercury_jax.constrain.fsa`): a regex's, parsed by
-outlines-core over single bytes, or a JSON Schema's, built by :mod:`~mercury_jax.constrain.schema`. Then the
-tokenizer's vocabulary is read through it (:mod:`~mercury_jax.constrain.tokens`) into the dense int32 arrays that
-:mod:`mercury_jax.constrain.device` runs over inside the jitted loop. :class:`Compiler` is the front door: regexes,
-JSON Schemas and "any JSON object", compiled once per tokenizer and cached.
+A constraint is first the byte automaton of its texts (:mod:`~mercury_jax.constrain.fsa`): a JSON Schema's, built
+by :mod:`~mercury_jax.constrain.schema`; a regex's, read bottom-up by
+:mod:`~mercury_jax.constrain.patterns` when its syntax means the same in Rust and Python (literals, explicit
+classes, groups, repeats: every regex written out of a schema), else parsed by outlines-core over single bytes (Rust
+syntax, its Unicode tables). Then the tokenizer's vocabulary is read through it (:mod:`~mercury_jax.constrain.tokens`)
+into the dense int32 arrays that :mod:`mercury_jax.constrain.device` runs over inside the jitted loop.
+:class:`Compiler` is the front door: regexes, JSON Schemas and "any JSON object", compiled once per tokenizer and
+cached.
+
+outlines-core's JSON Schema compiler and its token index are no longer used for schemas: the compiler writes a regex,
+and a regex cannot say what half of JSON Schema needs (``not``, ``if``, a pattern and a length together, keys that
+match no pattern, ``unevaluatedProperties``), so those were refused; and its index builds the automaton of the
+regex unminimized, token by token, before anything can count it (17 optional strings of up to 8192 characters grew
+a process to 24 GB). Byte automata minimized as they are built, with their sizes checked before each table is made,
+hold every path to the same limits.
 
 Limits hold on every path (library, command line, server) before anything large is built: a static estimate
 refuses in milliseconds what cannot fit (a regex's :func:`~mercury_jax.constrain.regexes.min_states`, a schema's
