@@ -52,9 +52,9 @@ SCATTERED = [hashlib.sha256(str(i).encode()).hexdigest()[:16] for i in range(500
 @pytest.mark.parametrize(
   "kind,constraint,param",
   [
-    ("json_schema", {"type": "string", "maxLength": 100_000}, "maxLength"),
+    ("json_schema", {"type": "string", "minLength": 100_000}, "minLength"),
     ("json_schema", {"properties": {"a": {"type": "string", "pattern": "^x{1000000}$"}}}, "properties.a.pattern"),
-    ("json_schema", {"type": "array", "items": {"type": "integer"}, "maxItems": 100_000}, "maxItems"),
+    ("json_schema", {"type": "object", "maxProperties": 100_000}, "maxProperties"),
     ("json_schema", {"type": "array", "items": {"type": "integer"}, "minItems": 50_000}, "minItems"),
     ("json_schema", {"enum": SCATTERED}, "enum"),
     ("json_schema", {"type": "object", "properties": PROPERTIES}, None),
@@ -63,7 +63,18 @@ SCATTERED = [hashlib.sha256(str(i).encode()).hexdigest()[:16] for i in range(500
     ("regex", "(?:ab|cd){300000}", "regex"),
     ("regex", "x{99999999999}", "regex"),
   ],
-  ids=["maxLength", "pattern", "maxItems", "minItems", "enum", "properties", "repeat", "range", "branches", "huge"],
+  ids=[
+    "minLength",
+    "pattern",
+    "maxProperties",
+    "minItems",
+    "enum",
+    "properties",
+    "repeat",
+    "range",
+    "branches",
+    "huge",
+  ],
 )
 def test_constraints_too_big_to_fit_are_refused_in_milliseconds_without_an_index(
   tokenizer, no_index, kind, constraint, param

@@ -18,6 +18,7 @@ from mercury_jax.constrain.normal import Conj, Evaluated, value_key
 MAX_ENUMERATED = 256  # Values (or unique arrays) a regex lists one by one.
 MAX_UNIQUE = 64  # Distinct values the items of a uniqueItems array may take.
 MAX_NODES = 4096  # (position, counts) nodes of an array's graph.
+LONG_ARRAY = 64  # A larger maxItems is written as at most this many items (each position is a copy of the item).
 OPEN, CLOSE, COMMA = fsa.literal("["), fsa.literal("]"), fsa.literal(",")
 
 
@@ -32,6 +33,7 @@ def language(c: Conj, builder) -> fsa.Dfa:
   if high is not None and high < low:
     builder.note(f"minItems={low} is above maxItems={high}", ())
     return fsa.NOTHING
+  high = builder.capped(high, low, LONG_ARRAY, c, "maxItems")
   if c.unique and (high is None or high > 1):
     return _unique(c, builder)
   ends = {0, low} | {e for s, e, _ in c.items if e is not None} | {s for s, _, _ in c.items}

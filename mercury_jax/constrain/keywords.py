@@ -55,7 +55,9 @@ COVERAGE = (
   Keyword(
     ("minLength", "maxLength"),
     "enforced",
-    "In characters (code points), together with patterns and formats (the languages are intersected).",
+    "In characters (code points), together with patterns and formats (the languages are intersected). A "
+    "maxLength above 256 is written as at most 256 characters (a subset, named in the warning line) unless the "
+    "patterns need longer strings.",
   ),
   Keyword(
     ("pattern",),
@@ -112,7 +114,8 @@ COVERAGE = (
   Keyword(
     ("items", "prefixItems", "additionalItems", "minItems", "maxItems"),
     "enforced",
-    "Per position; tuples may stop early where minItems allows (a false item ends them).",
+    "Per position; tuples may stop early where minItems allows (a false item ends them). A maxItems above 64 "
+    "is written as at most 64 items (a subset, named in the warning line).",
   ),
   Keyword(
     ("contains", "minContains", "maxContains"),
@@ -233,8 +236,9 @@ def unknown(schema, draft: str) -> tuple[list[tuple[str, str]], list[tuple[str, 
   return sorted(names, key=order), sorted(formats, key=order)
 
 
-def report(names: list[tuple[str, str]], formats: list[tuple[str, str]], strict: bool) -> list[str]:
-  """The warning line for the unknown keywords and formats (none when there are none).
+def report(names: list[tuple[str, str]], formats: list[tuple[str, str]], strict: bool, capped=()) -> list[str]:
+  """The warning line for the unknown keywords and formats, and the lengths written shorter than they allow
+  (``capped``: a phrase each); none when there are none.
 
   Raises:
     ConstraintError: ``strict``, naming the first.
@@ -254,10 +258,16 @@ def report(names: list[tuple[str, str]], formats: list[tuple[str, str]], strict:
       param=".".join(p for p in (where, "format") if p),
     )
   parts = [f"{k!r} at {w or '(root)'}" for k, w in names] + [f"format {f!r} at {w or '(root)'}" for f, w in formats]
-  if not parts:
-    return []
-  shown = parts[:12] + ([f"and {len(parts) - 12} more"] if len(parts) > 12 else [])
-  return [f"read as annotations and ignored (the compiler does not know them): {', '.join(shown)}"]
+  lines = []
+  if parts:
+    shown = parts[:12] + ([f"and {len(parts) - 12} more"] if len(parts) > 12 else [])
+    lines.append(f"read as annotations and ignored (the compiler does not know them): {', '.join(shown)}")
+  if capped:
+    shown = list(capped)[:6] + ([f"and {len(capped) - 6} more"] if len(capped) > 6 else [])
+    lines.append(
+      f"written shorter than the schema allows (each character or item is an automaton state): {'; '.join(shown)}"
+    )
+  return ["; ".join(lines)] if lines else []
 
 
 def coverage_markdown() -> str:
@@ -297,7 +307,7 @@ def coverage_markdown() -> str:
     "## Size limits",
     "",
     "Every path (library, command line, server) refuses a constraint that would pass its limits before building",
-    "it: static estimates refuse `maxLength: 100000` or `{1000000}` in a pattern in about a millisecond; every",
+    "it: static estimates refuse `minLength: 100000` or `{1000000}` in a pattern in about a millisecond; every",
     "byte automaton built on the way is held to 16 times `max_states` states (refused as soon as one would pass it),",
     "and the token-level automaton before minimizing to 8 times, all within `max_memory` (1 GiB) of tables. The",
     "measured distribution over the official test suite and JSONSchemaBench's collections is in `BUILD_NOTES.md`",

@@ -32,6 +32,7 @@ from mercury_jax.constrain.options import Options
 from mercury_jax.constrain.reading import Normalizer
 
 RECURSION_DEPTH = 4  # Levels a recursive $ref is unrolled to at most (the compiler's default recursion_depth).
+LONG_STRING = 256  # A longer maxLength is written as at most this many characters (each is a state of its own).
 ANY_VALUE_DEPTH = 1  # Containers "any value" nests inside a schema ({}, true, items without a schema).
 JSON_OBJECT_DEPTH = 4  # Containers a json_object nests (the outer object counts).
 _KINDS = ("null", "boolean", "number", "string", "array", "object")
@@ -99,6 +100,7 @@ class Builder:
     self._cache: dict[tuple, fsa.Dfa] = {}
     self._splits: dict[int, tuple] = {}
     self.keys: dict[tuple, fsa.Dfa] = {}  # the names of a Keys (objects.key_set)
+    self.capped_notes: dict[str, str] = {}  # long maxLength / maxItems written shorter
 
   def note(self, message: str, path: tuple) -> None:
     """Records why an alternative accepts nothing."""
@@ -192,13 +194,16 @@ class Builder:
         self.note(f"minLength={c.min_length} is above maxLength={c.max_length}", ())
         return fsa.NOTHING
       names = tuple(name for name, _ in c.formats)
+      high = self.capped(c.max_length, c.min_length, LONG_STRING, c, "maxLength")
       try:
-        value = strings.values(
-          c.min_length, c.max_length, c.patterns, c.not_patterns, names, tuple(excluded), self.budget
-        )
+        value = strings.values(c.min_length, high, c.patterns, c.not_patterns, names, tuple(excluded), self.budget)
+        if value is not None and value.empty and high != c.max_length:  # the patterns need the longer strings
+          self.capped_notes.pop(_keyword_path(c, ("maxLength",)) or "(root)", None)
+          high = c.max_length
+          value = strings.values(c.min_length, high, c.patterns, c.not_patterns, names, tuple(excluded), self.budget)
         if value is not None and value.empty:
           self.note("no string satisfies the patterns, formats and lengths together", ())
-        return strings.text(value, c.min_length, c.max_length, self.budget)
+        return strings.text(value, c.min_length, high, self.budget)
       except fsa.TooLarge as e:
         raise _Located(e.states, _keyword_path(c, ("maxLength", "minLength", "pattern", "format"))) from None
       except ConstraintError as e:
@@ -214,6 +219,14 @@ class Builder:
       return arrays.language(c, self)
     c = dataclasses.replace(c, min_properties=max(c.min_properties, 1)) if excluded else c
     return objects.language(c, self)
+
+  def capped(self, high: int | None, low: int, cap: int, c: Conj, word: str) -> int | None:
+    """``high``, or ``cap`` (``low`` if more) when it is larger: a subset, reported in the warning line."""
+    if high is None or high <= max(cap, low):
+      return high
+    where = _keyword_path(c, (word,)) or "(root)"
+    self.capped_notes.setdefault(where, f"{word}={high} at {where} is written as at most {max(cap, low)}")
+    return max(cap, low)
 
   def string_values(self, lits: tuple) -> fsa.Dfa:
     """The strings (unescaped) that satisfy every literal: property names."""
@@ -296,10 +309,12 @@ def _static(doc: Document, sizes: Sizes | None) -> None:
   than the compiler may build (each character or item of a text up to that length is a state of its own)."""
   if sizes is None:
     return
+  caps = {"maxLength": LONG_STRING, "maxItems": arrays.LONG_ARRAY}
   for schema, path in keywords.subschemas(doc.root, doc.draft):
     for word in ("maxLength", "minLength", "maxItems", "minItems", "maxProperties", "minProperties"):
-      if isinstance(schema.get(word), int) and schema[word] + 1 > sizes.states:
-        raise sizes.refusal(schema[word] + 1, f"{word}={schema[word]}", ".".join(path + (word,)))
+      value = schema.get(word)
+      if isinstance(value, int) and min(value, caps.get(word, value)) + 1 > sizes.states:
+        raise sizes.refusal(value + 1, f"{word}={value}", ".".join(path + (word,)))
     found = [("pattern", schema["pattern"])] if isinstance(schema.get("pattern"), str) else []
     found += [("patternProperties", p) for p in schema.get("patternProperties", {}) if isinstance(p, str)]
     for word, pattern in found:
@@ -337,6 +352,7 @@ def compile_schema(schema, options: Options, budget: fsa.Budget, sizes: Sizes | 
       raise
     if text.empty:
       raise _refusal(builder, depth)
+    notes = keywords.report(names, formats, options.strict, list(builder.capped_notes.values()))
     if not builder.reader.recursed:
       yield text, notes, "last"
       return
