@@ -292,6 +292,19 @@ def test_names_whose_schemas_cannot_hold_together_are_never_written(compiler, to
   check(compiler, tokenizer, escaped, ['{"a\\"b":"c"}', {"x": "y"}], [{"x": 1}, {}])
 
 
+def test_min_properties_over_further_members_writes_names_that_cannot_repeat(compiler, tokenizer):
+  """Further members may repeat a name (the last one counts), so where minProperties needs two or more of them
+  they are written with names of distinct lengths: {"a": .., "bb": ..}, never {"a": .., "a": ..}."""
+  free = {"type": "object", "additionalProperties": True, "minProperties": 3}
+  automaton = check(compiler, tokenizer, free, [{"a": 1, "bb": [], "ccc": None}], [{"a": 1, "b": 2, "c": 3}], n=16)
+  assert not accepts(automaton, tokenizer, '{"a":1,"a":2,"a":3}') and not accepts(automaton, tokenizer, {"a": 1})
+  listed = {"properties": {"id": {"type": "integer"}}, "additionalProperties": {"type": "string"}, "minProperties": 3}
+  check(compiler, tokenizer, listed, [{"id": 1, "a": "x", "bb": "y"}, {"a": "x", "bb": "y", "ccc": "z"}], [])
+  assert not accepts(compiler.json_schema(listed), tokenizer, '{"id":1,"a":"x","a":"y"}')
+  bounded = {"type": "object", "patternProperties": {"^x-": {"type": "string"}}, "additionalProperties": False}
+  check(compiler, tokenizer, {**bounded, "minProperties": 2, "maxProperties": 3}, [{"x-": "", "x-a": ""}], [{}])
+
+
 # ----------------------------------------------------------------------------------------------- uniqueItems
 
 

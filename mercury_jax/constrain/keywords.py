@@ -102,7 +102,8 @@ COVERAGE = (
   Keyword(
     ("minProperties", "maxProperties"),
     "enforced",
-    "Counted as written; further properties (which may repeat a key) count once towards minProperties.",
+    "Counted as written. Further properties may repeat a name; where minProperties needs two or more of them, "
+    "they are written with names of distinct lengths (up to 64 characters).",
   ),
   Keyword(
     ("dependentRequired", "dependentSchemas"),

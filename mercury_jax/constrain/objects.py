@@ -9,6 +9,7 @@ properties), or when the object lists nothing (a map). A rule's names are read g
 values (a name either reading of a pattern finds gets its schema) and strictly where it lets a value be anything.
 ``minProperties``/``maxProperties`` and the members a complement asks for (a name the pattern finds whose value
 fails its schema) are counted along the way: a graph of (listed property, counts) nodes whose edges are members.
+Further members may repeat a name; those ``minProperties`` needs have names of distinct lengths.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from mercury_jax.constrain.normal import Conj, Evaluated, KeyRule, Keys, asks_no
 
 MAX_NODES = 4096  # (listed property, counts) nodes of an object's graph.
 MAX_PARTS = 64  # Parts the names that are not listed may be split into.
+MAX_NAME_LENGTH = 64  # Further members counted toward minProperties have names of distinct lengths up to this.
 OPEN, CLOSE, COMMA, COLON = (fsa.literal(t) for t in "{},:")
 
 
@@ -94,13 +96,35 @@ def language(c: Conj, builder) -> fsa.Dfa:
       members.append((name, chains.concat([fsa.literal(dumps(name) + ":"), value], budget), required))
   parts = _parts(fsa.difference(allowed, chains.words(listed, budget)), rules, builder)
   is_map = not members and not any(rule.written for rule in rules)
-  free = chains.union([_member(p.names, p.lits, builder) for p in parts if p.written or is_map], budget)
+  shown = [p for p in parts if p.written or is_map]
+  free = chains.union([_member(p.names, p.lits, builder) for p in shown], budget)
+  distinct = _distinct(shown, c.min_properties, builder) if not (free.empty or c.exists) else []
   witnesses = []
   for need in c.exists:
     names = key_set(need.keys, False, builder)
     options = [_member(fsa.intersect(p.names, names, budget), p.lits + need.lits, builder) for p in parts]
     witnesses.append(chains.union(options, budget))
-  return chains.concat([OPEN, _body(c, members, free, witnesses, builder), CLOSE], budget)
+  return chains.concat([OPEN, _body(c, members, free, distinct, witnesses, builder), CLOSE], budget)
+
+
+def _distinct(parts: list[_Part], low: int, builder) -> list[fsa.Dfa]:
+  """Further members with names of distinct lengths (so surely distinct names), shortest first (the empty name
+  last), as many as ``minProperties`` could need (none below two: one further member needs no other). Not used
+  with witnesses (their names could repeat one of these)."""
+  if low < 2:
+    return []
+  names = chains.union([p.names for p in parts], builder.budget)
+  out = []
+  for length in [*range(1, MAX_NAME_LENGTH + 1), 0]:  # the empty name last
+    sized = chains.repeat(fsa.ANY_CHAR, length, length, builder.budget)
+    if fsa.disjoint(names, sized):
+      continue
+    out.append(chains.union([_member(fsa.intersect(p.names, sized, builder.budget), p.lits, builder) for p in parts]))
+    if out[-1].empty:
+      out.pop()
+    if len(out) == low:
+      break
+  return out
 
 
 def _member(names: fsa.Dfa, lits: tuple, builder) -> fsa.Dfa:
@@ -131,15 +155,19 @@ def _parts(names: fsa.Dfa, rules: list[KeyRule], builder) -> list[_Part]:
   return parts
 
 
-def _body(c: Conj, members: list, free: fsa.Dfa, witnesses: list[fsa.Dfa], builder) -> fsa.Dfa:
-  """The members between the braces: a graph over (listed member, listed count, further count, witnesses)."""
+def _body(c: Conj, members: list, free: fsa.Dfa, distinct: list[fsa.Dfa], witnesses: list[fsa.Dfa], builder) -> fsa.Dfa:
+  """The members between the braces: a graph over (listed member, listed count, further count, witnesses).
+
+  Further members may repeat a name (the last one counts), so they count once toward ``minProperties``, save those
+  written from ``distinct`` (the k-th from ``distinct[k]``) while the listed ones and they fall two or more short.
+  """
   low, high = c.min_properties, c.max_properties
   if high is not None and high < low:
     builder.note(f"minProperties={low} is above maxProperties={high}", ())
     return fsa.NOTHING
   counting = bool(low) or high is not None
   listed_cap = max(low, 0 if high is None else high + 1) if counting else 1
-  free_cap = (1 if high is None else high + 1) if counting else 1
+  free_cap = (max(1, len(distinct)) if high is None else high + 1) if counting else 1
   n = len(members)
   if (n + 1) * (listed_cap + 1) * (free_cap + 1) * 2 ** len(witnesses) > MAX_NODES:
     raise fsa.TooLarge((n + 1) * (listed_cap + 1) * (free_cap + 1))
@@ -163,7 +191,11 @@ def _body(c: Conj, members: list, free: fsa.Dfa, witnesses: list[fsa.Dfa], build
             edges.append((source, (j + 1, listed_n, 0, flags), None))
         source = (n, listed_n, free_n, flags)
         after = min(free_n + 1, free_cap)
-        edges.append((source, (n, listed_n, after, flags), comma_free if written else free))
+        if low - listed_n >= 2 and free_n < len(distinct):
+          text = chains.concat([COMMA, distinct[free_n]], builder.budget) if written else distinct[free_n]
+        else:
+          text = comma_free if written else free
+        edges.append((source, (n, listed_n, after, flags), text))
         for k, witness in enumerate(witnesses):
           raised = tuple(1 if i == k else f for i, f in enumerate(flags))
           text = chains.concat([COMMA, witness], builder.budget) if written else witness
@@ -171,9 +203,9 @@ def _body(c: Conj, members: list, free: fsa.Dfa, witnesses: list[fsa.Dfa], build
   finals = []
   for listed_n in range(listed_cap + 1):
     for free_n in range(free_cap + 1):
-      distinct = listed_n + min(free_n, 1)
+      named = listed_n + min(free_n, len(distinct) if low - listed_n >= 2 else 1)
       total = listed_n + free_n
-      if counting and (distinct < low or (high is not None and total > high)):
+      if counting and (named < low or (high is not None and total > high)):
         continue
       finals.append((n, listed_n, free_n, tuple(1 for _ in witnesses)))
   return chains.graph((0, 0, 0, tuple(0 for _ in witnesses)), finals, edges, builder.budget)
