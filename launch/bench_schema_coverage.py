@@ -206,7 +206,7 @@ def bench(args) -> None:
       print(collection, path.name, "ok" if "states" in row else row.get("refused", row.get("crashed")), file=sys.stderr)
     rows += part
     lines += _summary(collection, part)
-  _write(args, "bench.json", rows)
+    _write(args, "bench.json", rows)  # after each collection: a long run leaves what it has measured
   lines += _summary("all collections", rows)
   print("\n".join(lines))
 
