@@ -74,8 +74,8 @@ class Automaton:
     text: The texts the automaton accepts, as byte ranges (:class:`~mercury_jax.constrain.render.Ranges`).
     built: How those texts were built (:func:`~mercury_jax.constrain.render.tree`), to write them out as a regex.
     written: The regex of a ``"regex"`` constraint (anchors dropped); None for JSON Schemas.
-    warnings: One line per thing the compiler read as an annotation and ignored (unknown keywords and formats);
-      empty when there is none.
+    warnings: The compiler's warning line, if any: what it read as an annotation and ignored (unknown keywords
+      and formats) and the lengths it writes shorter than the schema allows; empty when there is none.
   """
 
   kind: str

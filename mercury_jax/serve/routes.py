@@ -419,10 +419,11 @@ def create_app(scheduler, compiler, options: Options) -> FastAPI:
       return api.Usage.of(len(prompt) + backed + len(suffix), completion, sum(c.nfe for c in choices))
 
     path = request.url.path
+    warned = structured.warning_headers(constraint)
     if body.stream:
       stream = answers.events(choices, form, usage if body.include_usage else None, metrics, path, deadline, timeout)
       margin = max(options.grace - STREAM_SHUTDOWN_MARGIN, 0.0)
-      return EventSourceResponse(stream, sep="\n", shutdown_grace_period=margin)
+      return EventSourceResponse(stream, sep="\n", shutdown_grace_period=margin, headers=warned)
     collect = asyncio.ensure_future(answers.collect(choices, deadline))
     gone = asyncio.ensure_future(_disconnected(request))
     await asyncio.wait((collect, gone), return_when=asyncio.FIRST_COMPLETED)
@@ -436,7 +437,7 @@ def create_app(scheduler, compiler, options: Options) -> FastAPI:
     except answers.TimedOut:
       raise timeout from None
     metrics.request(path, 200)
-    return JSONResponse(form.whole(choices, usage()).model_dump(mode="json"))
+    return JSONResponse(form.whole(choices, usage()).model_dump(mode="json"), headers=warned)
 
   def tokenise_completion(body: api.CompletionRequest, shape: structured.Structure, default_max_tokens: int) -> _Text:
     """A completion's :class:`_Text` (token healing is decided here)."""
