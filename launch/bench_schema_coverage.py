@@ -1,7 +1,8 @@
 """JSON Schema coverage of structured output (issue 49): the official test suite and JSONSchemaBench's collections.
 
     python launch/bench_schema_coverage.py suite [--samples 8] [--out docs/bench/schema]
-    python launch/bench_schema_coverage.py bench --data JSONSCHEMABENCH/data [--per 100] [--samples 8] [--out ...]
+    python launch/bench_schema_coverage.py bench --data JSONSCHEMABENCH/data [--tests JSONSCHEMABENCH/maskbench/data]
+        [--per 100] [--samples 8] [--out ...]
     python launch/bench_schema_coverage.py vendor --sdist jsonschema-4.26.0.tar.gz
 
 ``suite``: every schema of drafts 2020-12 and 7 of the JSON-Schema-Test-Suite vendored in
@@ -16,7 +17,10 @@ automaton's texts (compact, in its own key order and in the schema's); the valid
 ``bench``: ``--per`` schemas of each collection of JSONSchemaBench (arXiv 2501.10868), drawn with a fixed seed from
 the sorted file names. The collections are not vendored (their files carry no licence): clone
 ``https://github.com/guidance-ai/jsonschemabench`` and pass its ``data`` directory. The same sampling checks, and the
-refusals by reason.
+refusals by reason. With ``--tests``, the instances JSONSchemaBench's ``maskbench/data`` gives for the same schema
+(``<collection>---<file>``, where the schema there is the same) are checked as the suite's are: each is labelled valid
+or invalid by the same validator as the samples (the labels they carry, from other validators, are counted where
+they differ), every invalid one must be rejected and the valid ones are counted when accepted.
 
 Each compile may take 30 s of CPU time (``ITIMER_PROF``: on a shared machine, wall time measures the neighbours
 too; both are recorded, the distributions are of CPU seconds); its peak memory is the process's resident high-water
@@ -31,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import decimal
 import json
 import random
 import signal
@@ -120,6 +125,7 @@ def measure(compiler: Compiler, tokenizer, schema, draft: str | None, samples: i
     invalid_accepted=report.invalid_accepted[:3],
     valid_accepted=report.valid_accepted,
     valid_total=report.valid_total,
+    invalid_total=len(invalid),
   )
   return out
 
@@ -142,11 +148,14 @@ def _summary(title: str, rows: list[dict]) -> list[str]:
     f"- sampled outputs: {samples}; invalid: {sum(len(r.get('invalid_samples', [])) for r in accepted)}; "
     f"unreadable numbers: {sum(len(r.get('unreadable', [])) for r in accepted)}"
   )
-  if any(r.get("valid_total") for r in accepted):
+  if any(r.get("valid_total") or r.get("invalid_total") for r in accepted):
     lines.append(
-      f"- suite instances: invalid ones accepted: {sum(len(r['invalid_accepted']) for r in accepted)}; valid ones "
-      f"accepted: {sum(r['valid_accepted'] for r in accepted)} of {sum(r['valid_total'] for r in accepted)}"
+      f"- instances of accepted schemas: {sum(r.get('invalid_total', 0) for r in accepted)} invalid, texts of them "
+      f"accepted: {sum(len(r['invalid_accepted']) for r in accepted)}; valid ones accepted: "
+      f"{sum(r['valid_accepted'] for r in accepted)} of {sum(r['valid_total'] for r in accepted)}"
     )
+  if any(r.get("relabelled") for r in rows):
+    lines.append(f"- instances whose maskbench label the validator here reverses: {sum(r['relabelled'] for r in rows)}")
   lines.append(f"- compile CPU seconds (median / p95 / max): {_distribution([r['seconds'] for r in accepted])}")
   lines.append(f"- compile wall seconds (median / p95 / max): {_distribution([r['wall_seconds'] for r in accepted])}")
   every = [r["seconds"] for r in rows if "seconds" in r]
@@ -188,6 +197,31 @@ def suite(args) -> None:
   print("\n".join(lines))
 
 
+def _instances(folder: str | None, collection: str, name: str, schema) -> tuple[list, list, int]:
+  """``(valid, invalid, relabelled)``: maskbench's instances of the schema (module docstring), labelled by the
+  validator the samples are checked with; ``relabelled``: how many carried the other label."""
+  path = Path(folder or "") / f"{collection}---{name}"
+  if folder is None or not path.exists():
+    return [], [], 0
+  found = json.loads(path.read_text())
+  if found.get("schema") != schema:
+    return [], [], 0
+  try:
+    check = conformance.validator(schema, "auto")
+  except Exception:  # noqa: BLE001  a schema the validator cannot read: no instances
+    return [], [], 0
+  valid, invalid, relabelled = [], [], 0
+  for test in found.get("tests", []):
+    exact = json.loads(json.dumps(test["data"]), parse_float=decimal.Decimal)
+    try:
+      ok = not conformance.errors(check, exact)
+    except Exception:  # noqa: BLE001
+      continue
+    (valid if ok else invalid).append(test["data"])
+    relabelled += ok != bool(test.get("valid"))
+  return valid, invalid, relabelled
+
+
 def bench(args) -> None:
   tokenizer = load_tokenizer(TOKENIZER)
   compiler = Compiler(tokenizer)
@@ -200,7 +234,9 @@ def bench(args) -> None:
     for path in chosen:
       start = time.perf_counter()
       row = {"collection": collection, "file": path.name}
-      row.update(measure(compiler, tokenizer, json.loads(path.read_text()), None, args.samples))
+      schema = json.loads(path.read_text())
+      valid, invalid, row["relabelled"] = _instances(args.tests, collection, path.name, schema)
+      row.update(measure(compiler, tokenizer, schema, None, args.samples, valid, invalid))
       row["wall"] = time.perf_counter() - start
       part.append(row)
       print(collection, path.name, "ok" if "states" in row else row.get("refused", row.get("crashed")), file=sys.stderr)
@@ -240,6 +276,7 @@ def main() -> None:
     part.add_argument("--samples", type=int, default=8)
     part.add_argument("--out", default=str(ROOT / "docs" / "bench" / "schema"))
   sub.choices["bench"].add_argument("--data", required=True)
+  sub.choices["bench"].add_argument("--tests", default=None)
   sub.choices["bench"].add_argument("--per", type=int, default=100)
   sub.choices["bench"].add_argument("--seed", type=int, default=0)
   sub.choices["bench"].add_argument("--collections", nargs="+", default=list(COLLECTIONS))
