@@ -151,8 +151,8 @@ def _summary(title: str, rows: list[dict]) -> list[str]:
   if any(r.get("valid_total") or r.get("invalid_total") for r in accepted):
     lines.append(
       f"- instances of accepted schemas: {sum(r.get('invalid_total', 0) for r in accepted)} invalid, texts of them "
-      f"accepted: {sum(len(r['invalid_accepted']) for r in accepted)}; valid ones accepted: "
-      f"{sum(r['valid_accepted'] for r in accepted)} of {sum(r['valid_total'] for r in accepted)}"
+      f"accepted: {sum(len(r.get('invalid_accepted', ())) for r in accepted)}; valid ones accepted: "
+      f"{sum(r.get('valid_accepted', 0) for r in accepted)} of {sum(r.get('valid_total', 0) for r in accepted)}"
     )
   if any(r.get("relabelled") for r in rows):
     lines.append(f"- instances whose maskbench label the validator here reverses: {sum(r['relabelled'] for r in rows)}")
@@ -239,7 +239,8 @@ def bench(args) -> None:
       row.update(measure(compiler, tokenizer, schema, None, args.samples, valid, invalid))
       row["wall"] = time.perf_counter() - start
       part.append(row)
-      print(collection, path.name, "ok" if "states" in row else row.get("refused", row.get("crashed")), file=sys.stderr)
+      said = row.get("check_failed", "ok") if "states" in row else row.get("refused", row.get("crashed"))
+      print(collection, path.name, said, file=sys.stderr)
     rows += part
     lines += _summary(collection, part)
     _write(args, "bench.json", rows)  # after each collection: a long run leaves what it has measured
