@@ -19,7 +19,9 @@ from typing import Any, Literal
 ATTENTION_IMPLS = ("auto", "xla", "pallas", "cudnn")
 OBJECTIVES = ("masked_diffusion", "autoregressive", "verified", "continuous")
 SCHEDULES = ("linear", "cosine", "polynomial")
-DTYPES = ("float32", "bfloat16", "float16")
+COMPUTE_DTYPES = ("float32", "bfloat16", "float16")  # What the model computes in (``ModelConfig.dtype``).
+# What parameters are stored in (``ModelConfig.param_dtype``); also what ``export`` and ``convert`` write.
+PARAM_DTYPES = ("float32", "bfloat16")
 
 
 class ConfigError(ValueError):
@@ -60,9 +62,9 @@ class ModelConfig:
   rope_attention_factor: float = 0.0  # yarn's cos/sin scale; 0: 0.1 * ln(factor) + 1.
   rope_low_freq_factor: float = 1.0  # llama3
   rope_high_freq_factor: float = 4.0  # llama3
-  param_dtype: Literal["float32", "bfloat16"] = "float32"  # Parameters' storage dtype (converted models: bfloat16).
-  dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # Compute dtype (parameters: param_dtype).
-  attention: Literal["auto", "xla", "pallas", "cudnn"] = "auto"  # auto: pallas on GPU, xla elsewhere.
+  param_dtype: Literal[*PARAM_DTYPES] = "float32"  # Parameters' storage dtype (converted models: bfloat16).
+  dtype: Literal[*COMPUTE_DTYPES] = "float32"  # Compute dtype (parameters: param_dtype).
+  attention: Literal[*ATTENTION_IMPLS] = "auto"  # auto: pallas on GPU, xla elsewhere.
   remat: bool = False  # Rematerialise each block in the backward pass (saves activation memory).
   # How attention crosses the shards of a sequence split over mesh.sequence > 1 (mercury_jax.kernels.context_parallel):
   # all_gather (every shard gathers the whole sequence's keys and values, per layer) or ring (key/value blocks pass
@@ -114,8 +116,8 @@ class ObjectiveConfig:
   verifier, in one pass (``objectives.verified``).
   """
 
-  name: Literal["masked_diffusion", "autoregressive", "verified", "continuous"] = "masked_diffusion"
-  schedule: Literal["linear", "cosine", "polynomial"] = "linear"
+  name: Literal[*OBJECTIVES] = "masked_diffusion"
+  schedule: Literal[*SCHEDULES] = "linear"
   exponent: float = 1.0  # Polynomial schedule: alpha_t = 1 - t**exponent.
   antithetic: bool = True  # Low-discrepancy t across the global batch (Kingma et al. 2021, VDM).
   t_min: float = 1e-4  # t is drawn from [t_min, 1] so the ELBO weight -alpha'_t / (1 - alpha_t) stays finite.

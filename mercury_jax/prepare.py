@@ -45,8 +45,9 @@ from pathlib import Path
 from typing import Any
 
 from mercury_jax import kinds
-from mercury_jax.data import corpus as corpus_lib, mixture as mixture_lib, pipeline, records, retrieval
+from mercury_jax.data import corpus as corpus_lib, mixture as mixture_lib, pipeline, records, retrieval, sources
 from mercury_jax.data.tokenizer import MIN_VOCAB_SIZE, Tokenizer, train_tokenizer
+from mercury_jax.files import MANIFEST_FILE, METADATA_FILE, TOKENIZER_FILE
 
 MIN_SEQ_LEN = 8
 
@@ -135,7 +136,7 @@ class Source:
 
 def _read_source(specs: list[str]) -> Source:
   """The corpora of ``specs`` (one, or a mixture), packed by ``pack_lm`` or ``pack_sft``."""
-  source = mixture_lib.load_mixture(specs)
+  source = sources.load_mixture(specs)
   single = source.parts[0].corpus if source.single else None
   parts = () if single else tuple({"spec": p.spec, "kind": p.corpus.kind, "weight": p.weight} for p in source.parts)
   if not source.packed(corpus_lib.TRAIN):
@@ -263,9 +264,9 @@ def prepare(
       split_meta[name] = {**stats, "shards": records.write_shards(packed, tmp, name, num_shards)}
       for meta, counts in zip(part_meta, per_part, strict=True):
         meta.setdefault("splits", {})[name] = counts
-    tokenizer.save(tmp / pipeline.TOKENIZER_FILE)
+    tokenizer.save(tmp / TOKENIZER_FILE)
     manifest = source.manifest
-    (tmp / pipeline.MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
+    (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
     metadata = {
       "format_version": pipeline.FORMAT_VERSION,
       "mode": source.mode,
@@ -282,14 +283,14 @@ def prepare(
       **({"corpora": part_meta} if part_meta else {}),
       "python_version": manifest.get("python_version"),
       "tokenizer": {
-        "file": pipeline.TOKENIZER_FILE,
-        "sha256": _sha256(tmp / pipeline.TOKENIZER_FILE),
+        "file": TOKENIZER_FILE,
+        "sha256": _sha256(tmp / TOKENIZER_FILE),
         "trained": tokenizer_path is None,
         "vocab_size_requested": None if tokenizer_path else vocab_size,
       },
       "splits": split_meta,
     }
-    (tmp / pipeline.METADATA_FILE).write_text(json.dumps(metadata, indent=2) + "\n")
+    (tmp / METADATA_FILE).write_text(json.dumps(metadata, indent=2) + "\n")
     _check_destination(out, force)
     _move_into_place(tmp, out)
   except BaseException:

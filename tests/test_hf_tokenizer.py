@@ -261,7 +261,7 @@ def test_structured_output_with_the_hf_backend(family, request):
 
 
 def test_structured_output_pads_ids_past_the_tokenizer_with_the_mask_class(qwen):
-  from mercury_jax.constrain import device
+  from mercury_jax.sampling import automata as device
 
   automaton = Compiler(qwen).regex("[a-z]+")
   tables = device.tables([automaton], device.capacity_of([automaton]), vocab=qwen.vocab_size + 8)

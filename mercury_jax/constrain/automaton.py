@@ -5,7 +5,7 @@ by :mod:`~mercury_jax.constrain.schema`; a regex's, read bottom-up by
 :mod:`~mercury_jax.constrain.patterns` when its syntax means the same in Rust and Python (literals, explicit
 classes, groups, repeats: every regex written out of a schema), else parsed by outlines-core over single bytes (Rust
 syntax, its Unicode tables). Then the tokenizer's vocabulary is read through it (:mod:`~mercury_jax.constrain.tokens`)
-into the dense int32 arrays that :mod:`mercury_jax.constrain.device` runs over inside the jitted loop.
+into the dense int32 arrays that :mod:`mercury_jax.sampling.automata` runs over inside the jitted loop.
 :class:`Compiler` is the front door: regexes, JSON Schemas and "any JSON object", compiled once per tokenizer and
 cached.
 
@@ -346,7 +346,7 @@ class Compiler:
         chosen = floor = None
         for text, notes, role in texts_of():
           try:
-            arrays = tokens.build(text, self._vocab, self._limits, self._canonical, what, param)
+            arrays = tokens.build(text, self._vocab, self._limits, what, param, canonical=self._canonical)
           except ConstraintError as e:
             if role in ("last", "floor"):
               raise

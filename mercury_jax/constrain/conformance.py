@@ -210,7 +210,9 @@ class Report:
     return not (self.invalid_samples or self.unreadable or self.invalid_accepted)
 
 
-def check(automaton: Automaton, tokenizer, schema, draft: str, valid=(), invalid=(), samples: int = 8, seed: int = 0):
+def check(
+  automaton: Automaton, tokenizer, schema, draft: str, valid=(), invalid=(), *, samples: int = 8, seed: int = 0
+):
   """Samples ``samples`` texts and checks them; checks that the byte automaton rejects every ``invalid``
   instance (compact, in its own key order and in the schema's) and counts the ``valid`` ones it accepts in the
   compiler's form (module docstring)."""

@@ -196,11 +196,15 @@ class Builder:
       names = tuple(name for name, _ in c.formats)
       high = self.capped(c.max_length, c.min_length, LONG_STRING, c, "maxLength")
       try:
-        value = strings.values(c.min_length, high, c.patterns, c.not_patterns, names, tuple(excluded), self.budget)
+        value = strings.values(
+          c.min_length, high, c.patterns, c.not_patterns, names, excluded=tuple(excluded), budget=self.budget
+        )
         if value is not None and value.empty and high != c.max_length:  # the patterns need the longer strings
           self.capped_notes.pop(_keyword_path(c, ("maxLength",)) or "(root)", None)
           high = c.max_length
-          value = strings.values(c.min_length, high, c.patterns, c.not_patterns, names, tuple(excluded), self.budget)
+          value = strings.values(
+            c.min_length, high, c.patterns, c.not_patterns, names, excluded=tuple(excluded), budget=self.budget
+          )
         if value is not None and value.empty:
           self.note("no string satisfies the patterns, formats and lengths together", ())
         return strings.text(value, c.min_length, high, self.budget)
@@ -239,7 +243,9 @@ class Builder:
         continue
       excluded = tuple(v for v in c.excluded if isinstance(v, str))
       names = tuple(name for name, _ in c.formats)
-      value = strings.values(c.min_length, c.max_length, c.patterns, c.not_patterns, names, excluded, self.budget)
+      value = strings.values(
+        c.min_length, c.max_length, c.patterns, c.not_patterns, names, excluded=excluded, budget=self.budget
+      )
       out.append(value if value is not None else chains.repeat(fsa.ANY_CHAR, c.min_length, c.max_length, self.budget))
     return chains.union(out, self.budget)
 

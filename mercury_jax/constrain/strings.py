@@ -58,6 +58,7 @@ def values(
   searched: tuple[str, ...],
   not_searched: tuple[str, ...],
   formats: tuple[str, ...],
+  *,
   excluded: tuple[str, ...],
   budget: fsa.Budget,
 ) -> fsa.Dfa | None:

@@ -1,5 +1,5 @@
 """Token-level automata: a byte automaton of the constraint's texts (:mod:`~mercury_jax.constrain.fsa`) read
-through the tokenizer's vocabulary, as the dense arrays :mod:`mercury_jax.constrain.device` runs over.
+through the tokenizer's vocabulary, as the dense arrays :mod:`mercury_jax.sampling.automata` runs over.
 
 * State 0 is ``DONE`` (after EOS), where every token goes to ``DONE``. EOS is allowed exactly in accepting states.
 * A token is allowed in a state when its bytes lead the byte automaton somewhere: every state of the byte automaton
@@ -404,7 +404,7 @@ class Tables:
   start: int
 
 
-def build(text: fsa.Dfa, vocab: Vocab, limits: Limits, canonical: bool, what: str, param: str | None) -> Tables:
+def build(text: fsa.Dfa, vocab: Vocab, limits: Limits, what: str, param: str | None, *, canonical: bool) -> Tables:
   """The token-level automaton of the byte automaton ``text`` (module docstring).
 
   Raises:

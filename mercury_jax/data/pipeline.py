@@ -25,11 +25,9 @@ import numpy as np
 from mercury_jax import sharding
 from mercury_jax.data import records
 from mercury_jax.data.tokenizer import Tokenizer
+from mercury_jax.files import METADATA_FILE, TOKENIZER_FILE
 
 FORMAT_VERSION = 1
-METADATA_FILE = "metadata.json"
-MANIFEST_FILE = "manifest.json"
-TOKENIZER_FILE = "tokenizer.model"
 _PREPARE_HINT = "run `python -m mercury_jax.prepare --corpus python-stdlib --out DATA_DIR` to prepare one"
 
 
@@ -56,8 +54,12 @@ def read_metadata(data_dir: str | os.PathLike) -> dict[str, Any]:
   return metadata
 
 
-def load_tokenizer(data_dir: str | os.PathLike) -> Tokenizer:
-  """The tokenizer that a prepared directory was encoded with."""
+def load_data_tokenizer(data_dir: str | os.PathLike) -> Tokenizer:
+  """The tokenizer that a prepared directory was encoded with (a checkpoint's: ``tokenizer.load_tokenizer``).
+
+  Raises:
+    ValueError: ``data_dir`` is not a prepared directory (:func:`read_metadata`).
+  """
   read_metadata(data_dir)
   return Tokenizer.load(Path(data_dir) / TOKENIZER_FILE)
 

@@ -1,11 +1,11 @@
 """JSON Schema coverage of structured output (issue 49): the official test suite and JSONSchemaBench's collections.
 
-    python launch/bench_schema_coverage.py suite [--samples 8] [--out docs/bench/schema]
-    python launch/bench_schema_coverage.py bench --data JSONSCHEMABENCH/data [--tests JSONSCHEMABENCH/maskbench/data]
+    python -m mercury_jax.bench schema-suite [--samples 8] [--out docs/bench/schema]
+    python -m mercury_jax.bench schema-bench --data JSONSCHEMABENCH/data [--tests JSONSCHEMABENCH/maskbench/data]
         [--per 100] [--samples 8] [--out ...]
-    python launch/bench_schema_coverage.py vendor --sdist jsonschema-4.26.0.tar.gz
+    python -m mercury_jax.bench schema-vendor --sdist jsonschema-4.26.0.tar.gz
 
-``suite``: every schema of drafts 2020-12 and 7 of the JSON-Schema-Test-Suite vendored in
+``schema-suite``: every schema of drafts 2020-12 and 7 of the JSON-Schema-Test-Suite vendored in
 ``tests/fixtures/json_schema_test_suite`` (format tests, and schemas that need another document or a dynamic
 scope, left out), compiled as a library user would (``Compiler(tokenizer)``, the bundled tokenizer), once with the
 default draft (``"auto"``) and once with the suite's draft named. For each accepted schema: ``--samples`` random
@@ -14,8 +14,8 @@ texts of the automaton must validate (``jsonschema``, numbers as ``Decimal``) an
 automaton's texts (compact, in its own key order and in the schema's); the valid ones, written as the compiler writes
 (the schema's key order, compact), are counted when accepted.
 
-``bench``: ``--per`` schemas of each collection of JSONSchemaBench (arXiv 2501.10868), drawn with a fixed seed from
-the sorted file names. The collections are not vendored (their files carry no licence): clone
+``schema-bench``: ``--per`` schemas of each collection of JSONSchemaBench (arXiv 2501.10868), drawn with a fixed
+seed from the sorted file names. The collections are not vendored (their files carry no licence): clone
 ``https://github.com/guidance-ai/jsonschemabench`` and pass its ``data`` directory. The same sampling checks, and the
 refusals by reason. With ``--tests``, the instances JSONSchemaBench's ``maskbench/data`` gives for the same schema
 (``<collection>---<file>``, where the schema there is the same) are checked as the suite's are: each is labelled valid
@@ -25,9 +25,10 @@ they differ), every invalid one must be rejected and the valid ones are counted 
 Each compile may take 30 s of CPU time (``ITIMER_PROF``: on a shared machine, wall time measures the neighbours
 too; both are recorded, the distributions are of CPU seconds); its peak memory is the process's resident high-water
 mark (reset before each compile through ``/proc/self/clear_refs``) above what it held before. Results go to
-``OUT/suite.json`` or ``OUT/bench.json`` (one record per schema) and a markdown summary on stdout.
+``OUT/suite.json`` or ``OUT/bench.json`` (the command, the machine, and one record per schema) and a markdown
+summary on stdout.
 
-``vendor``: writes the suite's files of drafts 2020-12 and 7 (but ``format.json``) from ``jsonschema``'s source
+``schema-vendor``: writes the suite's files of drafts 2020-12 and 7 (but ``format.json``) from ``jsonschema``'s source
 distribution into ``tests/fixtures/json_schema_test_suite/suite.json``, with its licence.
 """
 
@@ -46,11 +47,13 @@ import time
 import warnings
 from pathlib import Path
 
+from mercury_jax.bench.throughput import host_info
 from mercury_jax.constrain import Compiler, ConstraintError, conformance
 from mercury_jax.data.tokenizer import load_tokenizer
+from mercury_jax.files import TOKENIZER_FILE
+from mercury_jax.sampling.registry import DEFAULT_CHECKPOINT
 
-ROOT = Path(__file__).resolve().parents[1]
-TOKENIZER = ROOT / "mercury_jax" / "assets" / "default" / "tokenizer.model"
+TOKENIZER = DEFAULT_CHECKPOINT / TOKENIZER_FILE  # the bundled model's, as a library user gets it
 COLLECTIONS = (
   "Github_trivial",
   "Github_easy",
@@ -86,7 +89,7 @@ def _alarm(signum, frame):
   raise _Timeout
 
 
-def measure(compiler: Compiler, tokenizer, schema, draft: str | None, samples: int, valid=(), invalid=()) -> dict:
+def measure(compiler: Compiler, tokenizer, schema, draft: str | None, samples: int, *, valid=(), invalid=()) -> dict:
   """One schema: compiled (time, memory, size) and checked (conformance.check), or refused (the reason)."""
   out: dict = {}
   before = _peak_reset()
@@ -171,7 +174,7 @@ def _summary(title: str, rows: list[dict]) -> list[str]:
   return lines + [""]
 
 
-def suite(args) -> None:
+def suite(args: argparse.Namespace) -> None:
   tokenizer = load_tokenizer(TOKENIZER)
   cases = conformance.official_suite()
   rows = []
@@ -185,7 +188,7 @@ def suite(args) -> None:
       row = {"case": case.name, "draft": case.draft, "default": name}
       samples = args.samples if name == "named" else 0
       valid, invalid = (case.valid, case.invalid) if name == "named" else ((), ())
-      row.update(measure(compilers[case.draft], tokenizer, case.schema, draft, samples, valid, invalid))
+      row.update(measure(compilers[case.draft], tokenizer, case.schema, draft, samples, valid=valid, invalid=invalid))
       row["wall"] = time.perf_counter() - start
       rows.append(row)
   _write(args, "suite.json", rows)
@@ -222,7 +225,7 @@ def _instances(folder: str | None, collection: str, name: str, schema) -> tuple[
   return valid, invalid, relabelled
 
 
-def bench(args) -> None:
+def bench(args: argparse.Namespace) -> None:
   tokenizer = load_tokenizer(TOKENIZER)
   compiler = Compiler(tokenizer)
   rows = []
@@ -236,7 +239,7 @@ def bench(args) -> None:
       row = {"collection": collection, "file": path.name}
       schema = json.loads(path.read_text())
       valid, invalid, row["relabelled"] = _instances(args.tests, collection, path.name, schema)
-      row.update(measure(compiler, tokenizer, schema, None, args.samples, valid, invalid))
+      row.update(measure(compiler, tokenizer, schema, None, args.samples, valid=valid, invalid=invalid))
       row["wall"] = time.perf_counter() - start
       part.append(row)
       said = row.get("check_failed", "ok") if "states" in row else row.get("refused", row.get("crashed"))
@@ -248,7 +251,7 @@ def bench(args) -> None:
   print("\n".join(lines))
 
 
-def vendor(args) -> None:
+def vendor(args: argparse.Namespace) -> None:
   out = {"source": "JSON-Schema-Test-Suite, as vendored in jsonschema's source distribution (json/tests)", "files": {}}
   with tarfile.open(args.sdist) as sdist:
     names = sorted(n for n in sdist.getnames() if "/json/tests/" in n and n.endswith(".json"))
@@ -266,26 +269,54 @@ def vendor(args) -> None:
 def _write(args, name: str, rows: list[dict]) -> None:
   folder = Path(args.out)
   folder.mkdir(parents=True, exist_ok=True)
-  (folder / name).write_text(json.dumps(rows, indent=1, default=str) + "\n")
+  record = {"command": "python -m mercury_jax.bench " + " ".join(sys.argv[1:]), "machine": host_info(), "rows": rows}
+  (folder / name).write_text(json.dumps(record, indent=1, default=str) + "\n")
 
 
-def main() -> None:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  sub = parser.add_subparsers(dest="command", required=True)
-  for name in ("suite", "bench"):
-    part = sub.add_parser(name)
-    part.add_argument("--samples", type=int, default=8)
-    part.add_argument("--out", default=str(ROOT / "docs" / "bench" / "schema"))
-  sub.choices["bench"].add_argument("--data", required=True)
-  sub.choices["bench"].add_argument("--tests", default=None)
-  sub.choices["bench"].add_argument("--per", type=int, default=100)
-  sub.choices["bench"].add_argument("--seed", type=int, default=0)
-  sub.choices["bench"].add_argument("--collections", nargs="+", default=list(COLLECTIONS))
-  sub.add_parser("vendor").add_argument("--sdist", required=True)
-  args = parser.parse_args()
+def _add_common(p: argparse.ArgumentParser) -> None:
+  p.add_argument("--samples", type=int, default=8, help="random texts checked per accepted schema")
+  p.add_argument("--out", default="docs/bench/schema", help="folder for suite.json or bench.json")
+
+
+def add_bench_arguments(p: argparse.ArgumentParser) -> None:
+  _add_common(p)
+  p.add_argument("--data", required=True, help="JSONSchemaBench's data folder (a clone of guidance-ai/jsonschemabench)")
+  p.add_argument("--tests", default=None, help="JSONSchemaBench's maskbench/data folder: instances of the schemas")
+  p.add_argument("--per", type=int, default=100, help="schemas drawn from each collection")
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--collections", nargs="+", default=list(COLLECTIONS))
+
+
+def add_vendor_arguments(p: argparse.ArgumentParser) -> None:
+  p.add_argument("--sdist", required=True, help="jsonschema's source distribution (.tar.gz)")
+
+
+def run_suite(args: argparse.Namespace) -> None:
+  """The official JSON Schema test suite: schemas accepted, outputs valid, invalid instances rejected.
+
+  Drafts 2020-12 and 7, each with the draft named and without $schema; sampled texts must validate and every invalid
+  instance be rejected.
+  """
   signal.signal(signal.SIGPROF, _alarm)
-  {"suite": suite, "bench": bench, "vendor": vendor}[args.command](args)
+  suite(args)
 
 
-if __name__ == "__main__":
-  main()
+def run_bench(args: argparse.Namespace) -> None:
+  """JSONSchemaBench's real-world schemas: accepted per collection, outputs valid, refusals by reason.
+
+  --per schemas of each collection (fixed seed); with --tests, maskbench's instances of each are checked too.
+  """
+  signal.signal(signal.SIGPROF, _alarm)
+  bench(args)
+
+
+def run_vendor(args: argparse.Namespace) -> None:
+  """Vendors the official test suite (drafts 2020-12 and 7) from jsonschema's sdist into tests/fixtures."""
+  vendor(args)
+
+
+COMMANDS = {
+  "schema-suite": (_add_common, run_suite),
+  "schema-bench": (add_bench_arguments, run_bench),
+  "schema-vendor": (add_vendor_arguments, run_vendor),
+}
