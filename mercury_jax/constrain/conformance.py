@@ -142,8 +142,12 @@ def errors(check, value) -> list[str]:
 
 
 def sample(automaton: Automaton, tokenizer, rng: np.random.Generator, max_tokens: int = 160) -> str:
-  """A random accepted text: uniform over the tokens that leave room to finish, hurrying now and then."""
+  """A random accepted text: uniform over the tokens that leave room to finish, hurrying now and then.
+
+  ``max_tokens`` is raised to the fewest tokens the automaton accepts, when they are more: a token of a shortest path
+  always leaves room, so some token is always kept."""
   state, tokens = automaton.start, []
+  max_tokens = max(max_tokens, int(automaton.distance[automaton.start]))
   while True:
     allowed = automaton.allowed(state)
     nxt = automaton.table[state, automaton.classes[allowed]]
