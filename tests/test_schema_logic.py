@@ -134,8 +134,18 @@ def test_unevaluated_items_see_the_branch_written(compiler, tokenizer):  # noqa:
       [{}, {"a": 1, "b": 2}],
       [{"a": 1}],
     ),
+    (  # a schema and a list side by side: referencing 0.37's crawl took the list for a schema (a crash before)
+      {
+        "$schema": "http://json-schema.org/draft-07/schema#",
+        "type": "object",
+        "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+        "dependencies": {"a": {"required": ["b"]}, "b": ["a"]},
+      },
+      [{}, {"a": 1, "b": 2}],
+      [{"a": 1}, {"b": 2}],
+    ),
   ],
-  ids=["propertyNames", "dependentRequired", "dependentSchemas", "dependencies"],
+  ids=["propertyNames", "dependentRequired", "dependentSchemas", "dependencies", "dependencies-mixed"],
 )
 def test_names_and_dependencies(compiler, tokenizer, schema, good, bad):  # noqa: F811
   check(compiler, tokenizer, schema, good, bad)

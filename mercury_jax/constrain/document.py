@@ -10,6 +10,7 @@ compiler fetches nothing.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -145,7 +146,11 @@ class Document:
     specification = _SPECIFICATIONS[draft]
     resource = specification.create_resource(schema)
     uri = resource.id() or ""
-    registry = referencing.Registry().with_resource(uri, resource).crawl()
+    registry = referencing.Registry().with_resource(uri, resource)
+    # referencing 0.37 takes a list of draft 7's dependencies for a schema when a schema is beside it, and fails: then
+    # the root alone (pointers resolve; an $id or $anchor inside is found when a lookup enters its resource).
+    with contextlib.suppress(AttributeError, TypeError):
+      registry = registry.crawl()
     return cls(schema, draft, registry.resolver(base_uri=uri), validator, registry)
 
   @functools.cached_property
