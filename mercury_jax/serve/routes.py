@@ -336,13 +336,14 @@ async def _generate(request: Request, body, text: ready.Text, shape: structured.
     completion = sum(max(c.tokens - backed, 0) for c in choices)
     return api.Usage.of(len(text.prompt) + backed + len(text.suffix), completion, sum(c.nfe for c in choices))
 
+  warned = structured.warning_headers(constraint)
   if body.stream:
     ends = answers.Ends(deadline, served.timeout, served.drain.closing, served.drain.ended(answer_id))
     usage_of = usage if body.include_usage else None
     return EventSourceResponse(
-      answers.events(choices, form, usage_of, served.metrics, request.url.path, ends), sep="\n"
+      answers.events(choices, form, usage_of, served.metrics, request.url.path, ends), sep="\n", headers=warned
     )
-  return await _whole(request, choices, form, usage, (deadline, answer_id))
+  return await _whole(request, choices, form, usage, (deadline, answer_id), headers=warned)
 
 
 def _submit(served: Served, rows, body, shape: structured.Structure, healed: str, answer_id: str):
@@ -366,8 +367,9 @@ def _submit(served: Served, rows, body, shape: structured.Structure, healed: str
   return choices
 
 
-async def _whole(request: Request, choices, form: answers.Shape, usage, ending: tuple[float, str]):
-  """The one JSON body of a request that does not stream, once every choice is done (or the client left)."""
+async def _whole(request: Request, choices, form: answers.Shape, usage, ending: tuple[float, str], *, headers=None):
+  """The one JSON body of a request that does not stream, once every choice is done (or the client left); ``headers``:
+  the response's own (:func:`~mercury_jax.serve.structured.warning_headers`)."""
   served, path, (deadline, answer_id) = _served(request), request.url.path, ending
   collect = asyncio.ensure_future(answers.collect(choices, deadline, served.drain.closing))
   gone = asyncio.ensure_future(ready.disconnected(request))
@@ -385,7 +387,7 @@ async def _whole(request: Request, choices, form: answers.Shape, usage, ending: 
     raise served.drain.ended(answer_id) from None
   served.metrics.request(path, 200)
   began = time.perf_counter()
-  response = JSONResponse(form.whole(choices, usage()).model_dump(mode="json"))
+  response = JSONResponse(form.whole(choices, usage()).model_dump(mode="json"), headers=headers)
   served.metrics.answer_seconds.inc(time.perf_counter() - began)
   return response
 
