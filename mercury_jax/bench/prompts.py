@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
-from mercury_jax.data import corpus as corpus_lib, pipeline
+from mercury_jax.data import corpus as corpus_lib, pipeline, sources
 
 
 class Prompt(NamedTuple):
@@ -59,7 +59,7 @@ def spread(items: Sequence, n: int) -> list:
 
 def corpus_prompts(spec: str, split: str = corpus_lib.VALIDATION) -> list[Prompt]:
   """Every documented-function prompt of one split of a corpus (``python-stdlib``, a glob, ...), in stable order."""
-  documents = corpus_lib.load_corpus(spec).split(split)
+  documents = sources.load_corpus(spec).split(split)
   return [p for d in documents for p in function_prompts(d.text, d.key)]
 
 
