@@ -92,7 +92,7 @@ def test_template_renders_roles_system_tools_calls_and_results_and_the_server_re
     chat_format.render([{"role": "robot", "content": "x"}])
 
 
-@pytest.mark.parametrize("preset", ["v4_chat", "v4_chat_ar"])
+@pytest.mark.parametrize("preset", ["v4_chat", "v4_chat_ar", "v4_distill", "v4_distill_ar"])
 def test_the_v4_presets_store_the_template_and_the_server_renders_it(preset):
   cfg = load_config(preset)
   assert cfg.data.chat_template == chat_format.TEMPLATE
@@ -155,6 +155,22 @@ def test_mined_tool_calls_validate_against_their_schema_and_answers_fit_the_reco
     assert e.kind in ("tool_call",) or not e.answer.startswith("{")  # a text answer never reads as a call
   results = [e for e in examples if e.kind == "tool_result"]
   assert all("<|tool|>" in e.prompt() and e.prompt().count("<|assistant|>") == 2 for e in results)
+
+
+def test_the_tools_file_holds_the_train_lines_tool_examples(tmp_path):
+  documents = [corpus.Document("pkg/mod.py", corpus.TRAIN, SOURCE)]
+  examples, counts = instructions.mine(documents, Tokenizer.load(TOKENIZER), seq_len=256, seed=1, tool_variants=40)
+  out, tools = tmp_path / "chat.jsonl", tmp_path / "tools.jsonl"
+  instructions.write(examples, out, {"seed": 1}, {}, tools)
+  lines = out.read_text().splitlines()
+  kinds = [json.loads(line)["kind"] for line in out.with_suffix(".sources.jsonl").read_text().splitlines()]
+  want = [
+    line
+    for i, (line, kind) in enumerate(zip(lines, kinds, strict=True))
+    if kind in instructions.TOOL_KINDS and corpus.split_of(str(i)) == corpus.TRAIN
+  ]
+  assert tools.read_text().splitlines() == want and 0 < len(want) < sum(k in instructions.TOOL_KINDS for k in kinds)
+  assert json.loads(out.with_suffix(".manifest.json").read_text())["tools_out"]["examples"] == len(want)
 
 
 def test_packed_sft_records_hold_several_examples_and_score_only_answers_and_their_eos():

@@ -23,7 +23,9 @@ corpus, tokenizer and seed give the same file.
 Outputs: ``FILE.jsonl`` (``{"prompt", "response"}`` lines, what ``python -m mercury_jax.prepare --corpus FILE.jsonl``
 reads), ``FILE.sources.jsonl`` (line by line: the kind, the corpus, the file and the function each came from) and
 ``FILE.manifest.json`` (the command, seed, counts by kind and by distribution, and the source corpora's
-distributions, versions and licences).
+distributions, versions and licences). ``--tools-out TOOLS.jsonl`` also writes the tool examples (``tool_call``,
+``tool_result``, ``no_tool``) of ``FILE.jsonl``'s train lines (the JSONL corpus's split rule, by line index), to be
+mixed in with a weight of their own: no example held out of ``FILE.jsonl`` is among them.
 """
 
 from __future__ import annotations
@@ -524,9 +526,28 @@ def _owners(mixture) -> dict[str, str]:
   return owners
 
 
-def write(examples: Sequence[Example], out: Path, manifest: dict[str, Any], owners: dict[str, str]) -> None:
-  """Writes ``out`` (prompt/response lines), ``out.sources.jsonl`` and ``out.manifest.json`` (module docstring)."""
+TOOL_KINDS = ("tool_call", "tool_result", "no_tool")
+
+
+def write(
+  examples: Sequence[Example],
+  out: Path,
+  manifest: dict[str, Any],
+  owners: dict[str, str],
+  tools_out: Path | None = None,
+) -> None:
+  """Writes ``out`` (prompt/response lines), ``out.sources.jsonl``, ``out.manifest.json`` and, with ``tools_out``,
+  the train lines' tool examples (module docstring)."""
   out.parent.mkdir(parents=True, exist_ok=True)
+  if tools_out is not None:
+    train_tools = [
+      e for i, e in enumerate(examples) if e.kind in TOOL_KINDS and corpus_lib.split_of(str(i)) == corpus_lib.TRAIN
+    ]
+    with tools_out.open("w") as lines:
+      for e in train_tools:
+        lines.write(json.dumps({"prompt": e.prompt(), "response": e.answer}, ensure_ascii=False) + "\n")
+    manifest = {**manifest, "tools_out": {"file": tools_out.name, "examples": len(train_tools)}}
+    manifest["tools_out"]["sha256"] = hashlib.sha256(tools_out.read_bytes()).hexdigest()
   by_distribution = Counter(owners.get(e.function.key, "") for e in examples)
   with out.open("w") as lines, out.with_suffix(".sources.jsonl").open("w") as provenance:
     for e in examples:
@@ -548,6 +569,7 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--seq-len", type=int, default=256, help="a record's length: longer examples are left out")
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--tool-variants", type=int, default=3, help="examples per tool function (default 3)")
+  parser.add_argument("--tools-out", help="also write the train lines' tool examples to this JSONL file")
   args = parser.parse_args(argv)
   try:
     mixture = sources.load_mixture(args.corpus)
@@ -570,7 +592,7 @@ def main(argv: list[str] | None = None) -> int:
     **counts,
     "corpora": _source_summary(mixture),
   }
-  write(examples, Path(args.out), manifest, _owners(mixture))
+  write(examples, Path(args.out), manifest, _owners(mixture), Path(args.tools_out) if args.tools_out else None)
   print(f"{len(examples):,} examples of {counts['functions']:,} functions ({counts['examples']}) -> {args.out}")
   return 0
 
