@@ -7,7 +7,7 @@
 distribution, version, licence and sha256). This adds what else went in, under ``v4``: the mined chat examples
 (``mercury_jax.data.instructions``'s manifest: command, seed, counts by kind and source, the source distributions and
 licences, and the JSONL's sha256), the prepared chat data's split counts, and each self-distillation set's manifest
-(``mercury_jax.data.distill``: command, checkpoint sha256, seed, temperature, throughput, and every prompt as
+(``mercury_jax.distill``: command, checkpoint sha256, seed, temperature, throughput, and every prompt as
 ``[source, record, prompt tokens]``). Absolute paths are cut to folder names, as ``export`` does.
 """
 

@@ -10,13 +10,14 @@ accelerator-scale model shows up on a laptop. Two modes:
   ``--hf-config PATH`` (a Hugging Face ``config.json``, mapped by :func:`mercury_jax.convert.config_from_hf`),
   ``--family F [--size S]`` (a public model's ``config.json`` shipped in ``configs/public/``) or ``--config NAME`` (a
   preset, on its own mesh unless ``--mesh`` says otherwise): lowers and compiles
-  the decoding engine's whole generation (:meth:`~mercury_jax.sampling.engine.BlockEngine.sample`: prefill and
-  every block) for the decoder the checkpoint runs (:func:`~mercury_jax.sampling.decoders.choose` with its
+  the very programs ``Sampler`` runs (:class:`~mercury_jax.sampling.programs.Programs`: the prefill, then the loop
+  over every block) for the decoder the checkpoint runs (:func:`~mercury_jax.sampling.plan.plan_for` with its
   ``[sampling]`` defaults: whole canvas, semi-autoregressive blocks or the exact cache), with abstract parameters in
   the checkpoint's dtype split over ``fsdp`` x ``tensor`` by the model's logical axis rules, at each ``--batch``
   size, on a canvas of ``--length`` positions (prompt and generation: the split is traced data and does not change
   the program). A batch is padded to the data-parallel size as the sampler pads it (``rows``). Prints per-device
-  argument, temporary and output bytes from XLA's memory analysis; the step count is traced, so it changes nothing.
+  argument, temporary and output bytes from XLA's memory analysis of the larger of the two (they run one after the
+  other); the step count is traced, so it changes nothing.
   With ``--prefill`` it compiles only the engine's start (:meth:`~mercury_jax.sampling.engine.BlockEngine.init`): the
   prefill of a prompt that fills all of the canvas but its last block, and the first block's state; its output is
   the state, the key-value cache included. On a mesh with a ``sequence`` axis the prefill runs context-parallel.
@@ -32,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import json
 import math
 import os
@@ -41,6 +41,7 @@ from importlib import resources
 from pathlib import Path
 
 from mercury_jax.config import Config, ConfigError, MeshConfig
+from mercury_jax.files import CHECKPOINTS
 
 # Public models' config.json files shipped in configs/public/ (provenance in its README.md): family -> size -> file.
 # A family's first size is its default.
@@ -204,8 +205,8 @@ def checkpoint_config(path: str | Path) -> Config:
   root, step = Path(path).absolute(), None
   if not root.is_dir():
     raise AotError(f"--checkpoint {str(path)!r}: no such folder")
-  if (root / "checkpoints").is_dir():
-    root = root / "checkpoints"
+  if (root / CHECKPOINTS).is_dir():
+    root = root / CHECKPOINTS
   elif root.name.isdigit() and (root / "config").is_dir():
     root, step = root.parent, int(root.name)
   with ocp.CheckpointManager(root, item_names=("config",)) as manager:
@@ -288,7 +289,9 @@ def sample_report(
   Returns:
     A dict: ``params`` (count), ``param_bytes`` (all of them), ``param_bytes_per_device`` (the largest device's share
     by the shardings), ``rows`` (the batch padded to the data-parallel size), ``length`` (the planned canvas),
-    ``decoder`` (cache and block), and ``argument``, ``temp``, ``output``, ``alias`` and ``total`` bytes per device.
+    ``decoder`` (cache and block), ``state_bytes`` and ``state_bytes_per_device`` (the loop state the prefill hands
+    the loop; 0 with ``prefill``), and ``argument``, ``temp``, ``output``, ``alias`` and ``total`` bytes per device
+    (of the larger program).
 
   Raises:
     AotError: a mesh that does not fit the devices or the parameters, a length the model cannot take, or a cache
@@ -301,11 +304,12 @@ def sample_report(
   from mercury_jax import kinds as K, sharding as sh
   from mercury_jax.model import Transformer, abstract_params
   from mercury_jax.sampling import canvas as cv
-  from mercury_jax.sampling.decoders import without_knobs
-  from mercury_jax.sampling.engine import BlockEngine, prefill_slots
+  from mercury_jax.sampling.engine import Start, prefill_slots
   from mercury_jax.sampling.jobs import Jobs
-  from mercury_jax.sampling.mesh import jit_on_mesh
   from mercury_jax.sampling.network import Network
+  from mercury_jax.sampling.plan import Decoding
+  from mercury_jax.sampling.programs import Programs
+  from mercury_jax.sampling.proposal import Knobs
   from mercury_jax.sampling.settings import SettingError
 
   devices = math.prod((mesh_cfg.data, mesh_cfg.fsdp, mesh_cfg.sequence, mesh_cfg.tensor))
@@ -323,35 +327,41 @@ def sample_report(
   jobs = Jobs(cfg, _TokenIds(cfg.model.vocab_size), None)  # no placement: nothing is put on devices
   try:
     settings = jobs.settings()
-    decoder = jobs.decoder(cache, settings.block_length, settings.decode, settings.draft_length)
+    decoding = Decoding(cache, settings.block_length, settings.decode, settings.draft_length, settings.prefill_chunk)
+    plan = jobs.plan(decoding, length)
   except SettingError as e:
     raise AotError(e.named(f"--{e.field.replace('_', '-')}")) from None
   prompt = length // 2 if length > 1 else 0
   if prefill:
-    prompt = max(length - max(decoder.block, 1), 0)
+    prompt = max(length - max(plan.block, 1), 0)
   kinds = np.full((batch, length), K.TARGET, np.int32)
   kinds[:, :prompt] = K.FIXED
-  canvas = cv.Canvas(np.zeros_like(kinds), kinds, np.arange(batch, dtype=np.int32))
-  canvas, plan = jobs.plan(canvas, decoder)
+  canvas = cv.pad_length(cv.Canvas(np.zeros_like(kinds), kinds, np.arange(batch, dtype=np.int32)), plan.length)
   canvas = cv.pad_batch(canvas, sh.data_parallel_size(mesh, rules))
-  engine = BlockEngine(Network(cfg.model), without_knobs(settings), plan)
-  param_shardings = jax.tree.map(lambda p: p.sharding, params)
-  if prefill:
-    rows, replicated = sh.batch_sharding(mesh, rules, 2), jax.sharding.NamedSharding(mesh, jax.P())
-    canvas_sharding = cv.Canvas(rows, rows, sh.batch_sharding(mesh, rules, 1))
-    start = functools.partial(engine.init, prefill=prefill_slots(canvas.kinds, plan))  # as the Sampler runs it
-    fn = sh.MeshJit(start, mesh, rules, in_shardings=(param_shardings, canvas_sharding, replicated, replicated))
-  else:
-    fn = jit_on_mesh(engine.sample, mesh, rules, param_shardings, scalars=1)
-  abstract = lambda a: jax.ShapeDtypeStruct(np.shape(a), jnp.int32)  # noqa: E731
-  compiled = fn.lower(
-    params,
-    cv.Canvas(*(abstract(a) for a in canvas)),
-    jax.ShapeDtypeStruct((2,), jnp.uint32),  # the key's data, as Placement.key places it
-    jax.ShapeDtypeStruct((), jnp.int32),  # steps per block (traced)
-  ).compile()
-  memory = compiled.memory_analysis()
+  programs = Programs(Network(cfg.model), mesh, rules, jax.tree.map(lambda p: p.sharding, params))
+  engine = programs.engine(settings, plan)
+  init = programs.prefill(engine, prefill_slots(canvas.kinds, plan))  # as the Sampler runs it
+  replicated = jax.sharding.NamedSharding(mesh, jax.P())
+  rows = lambda a, dtype: jax.ShapeDtypeStruct(np.shape(a), dtype, sharding=sh.batch_sharding(mesh, rules, np.ndim(a)))  # noqa: E731
+  scalar = lambda dtype: jax.ShapeDtypeStruct((), dtype, sharding=replicated)  # noqa: E731
+  per_row = rows(canvas.streams, jnp.int32)  # steps per block and extra steps, per row
+  start = Start(
+    cv.Canvas(*(rows(a, jnp.int32) for a in canvas)),
+    jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=replicated),  # the key's data, as Placement.key places it
+    per_row,
+    Knobs(scalar(jnp.float32), scalar(jnp.int32), scalar(jnp.float32), scalar(jnp.float32)),
+    extra_steps=per_row,
+  )
+  compiled = [init.lower(params, start).compile()]
+  if not prefill:  # and the loop, over the state the prefill leaves
+    state = jax.tree.map(
+      lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+      compiled[0].out_info,
+      compiled[0].output_shardings,
+    )
+    compiled.append(programs.advance(engine).lower(params, state, scalar(jnp.int32), scalar(jnp.int32)).compile())
   leaves = jax.tree.leaves(params)
+  states = jax.tree.leaves(state) if not prefill else []
   report = {
     "params": sum(math.prod(p.shape) for p in leaves),
     "param_bytes": sum(math.prod(p.shape) * p.dtype.itemsize for p in leaves),
@@ -360,16 +370,28 @@ def sample_report(
     "length": int(np.shape(canvas.tokens)[1]),
     "decoder": f"cache={plan.cache} block={plan.block}" + (" (prefill)" if prefill else ""),
     "devices": mesh.size,
+    "state_bytes": sum(math.prod(a.shape) * a.dtype.itemsize for a in states),
+    "state_bytes_per_device": sum(math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize for a in states),
   }
-  if memory is not None:
-    report |= {
+  return report | _memory(compiled)
+
+
+def _memory(compiled: list) -> dict:
+  """Per-device bytes of the largest of the programs (they run one after the other): ``argument``, ``temp``,
+  ``output``, ``alias`` and their ``total``; nothing when XLA has no memory analysis."""
+  reports = []
+  for program in compiled:
+    memory = program.memory_analysis()
+    if memory is None:
+      return {}
+    r = {
       "argument": memory.argument_size_in_bytes,
       "temp": memory.temp_size_in_bytes,
       "output": memory.output_size_in_bytes,
       "alias": memory.alias_size_in_bytes,
     }
-    report["total"] = report["argument"] + report["temp"] + report["output"] - report["alias"]
-  return report
+    reports.append(r | {"total": r["argument"] + r["temp"] + r["output"] - r["alias"]})
+  return max(reports, key=lambda r: r["total"])
 
 
 def _sample_main(args: argparse.Namespace) -> None:

@@ -31,12 +31,13 @@ from jax.sharding import PartitionSpec as P
 
 from mercury_jax import sharding
 from mercury_jax.batch_invariance import Tiling, by_rows
+from mercury_jax.config import ATTENTION_IMPLS
 from mercury_jax.kernels import masks
+from mercury_jax.kernels.common import CachedInputs
 from mercury_jax.kvcache import read_pages
 
-IMPLEMENTATIONS = ("auto", "xla", "pallas", "cudnn")
 # From this length on, ``xla`` runs blockwise. Measured on this CPU (2 cores, AMD EPYC; batch 1, 4 heads, head_dim 64,
-# float32, 512 x 512 chunks; launch/bench_long_attention.py, BUILD_NOTES "Issue 26"): at 1024 tokens blockwise took
+# float32, 512 x 512 chunks; `bench long-attention`, BUILD_NOTES "Issue 26"): at 1024 tokens blockwise took
 # half the dense path's compiled temp memory (forward 12.8 vs 32 MiB, forward + backward 25 vs 50 MiB) at 1.0-3.6x its
 # speed over the bidirectional, causal and block_diffusion masks; at 256-512 tokens both need 2-22 MiB and blockwise
 # forward + backward ran at 0.88-2.3x the dense speed, so short sequences keep the dense path's numerics.
@@ -45,38 +46,31 @@ BLOCKWISE_MIN_LENGTH = 1024
 # visible slot (kernels/blockwise_cached_attention.py) instead of scoring every slot; measured in BUILD_NOTES
 # ("Issue 26: the cache read up to what a chunk sees").
 CACHED_BLOCKWISE_MIN_SLOTS = 2048
-_BLOCK_MASKS = ("block_causal", "block_diffusion", "verified")  # The masks that take a diffusion_block.
-_TWO_HALVES = ("block_diffusion", "verified")  # The masks over two halves of equal length.
 
 
 def resolve_implementation(name: str) -> str:
   """Turns ``auto`` into the backend's best implementation: ``pallas`` on GPU, ``xla`` elsewhere."""
-  if name not in IMPLEMENTATIONS:
-    raise ValueError(f"attention implementation {name!r} must be one of {IMPLEMENTATIONS}")
+  if name not in ATTENTION_IMPLS:
+    raise ValueError(f"attention implementation {name!r} must be one of {ATTENTION_IMPLS}")
   if name != "auto":
     return name
   return "pallas" if jax.default_backend() == "gpu" else "xla"
 
 
-def _resolve_mask(causal: bool, mask: str | None, diffusion_block: int | None) -> str:
+def _resolve_mask(causal: bool, mask: str | None, diffusion_block: int | None, length: int) -> str:
   if mask is None:
     mask = "causal" if causal else "bidirectional"
   elif causal and mask != "causal":
     raise ValueError(f"causal=True contradicts {mask=}; pass only one of them")
-  if mask not in masks.MASKS:
-    raise ValueError(f"{mask=} must be one of {masks.MASKS}")
-  if (mask in _BLOCK_MASKS) != (diffusion_block is not None):
-    raise ValueError(f"{diffusion_block=} must be given exactly for the block masks (got {mask=})")
+  masks.check(mask, diffusion_block, length=length)
   return mask
 
 
 def _dense_mask(segment_ids: jax.Array | None, mask: str, diffusion_block: int | None, length: int):
   """``[batch or 1, 1, q, k]`` bool for ``jax.nn.dot_product_attention``, or None when nothing is masked."""
-  if mask in _TWO_HALVES and length % 2:
-    raise ValueError(f"{mask=} runs over two halves (drafts ⊕ x_0) and needs an even length, got {length=}")
   visible = None
   if mask != "bidirectional":
-    visible = masks.dense(length, mask, block=diffusion_block, half=length // 2, xp=jnp)[None, None]
+    visible = masks.dense(length, mask, block=diffusion_block, xp=jnp)[None, None]
   if segment_ids is not None:
     same = segment_ids[:, None, :, None] == segment_ids[:, None, None, :]  # [batch, 1, q, k]
     visible = same if visible is None else visible & same
@@ -90,7 +84,7 @@ def _zero_padding_rows(out: jax.Array, segment_ids: jax.Array | None) -> jax.Arr
   return jnp.where((segment_ids != 0)[:, :, None, None], out, jnp.zeros((), out.dtype))
 
 
-def _xla(q, k, v, segment_ids, mask, diffusion_block, blockwise: bool | None = None):
+def _xla(q, k, v, segment_ids, mask, diffusion_block, *, blockwise: bool | None = None):
   """Dense below ``BLOCKWISE_MIN_LENGTH`` tokens (or with ``blockwise=False``), else blockwise."""
   if blockwise if blockwise is not None else q.shape[1] >= BLOCKWISE_MIN_LENGTH:
     from mercury_jax.kernels import blockwise_attention as bw
@@ -136,7 +130,7 @@ def _head_split(q_shape, k_shape, mesh, rules, *, length: bool):
   return q_spec, P(rows, q_spec[1], None, kv_spec[3]), select_kv if names else None
 
 
-def _context_parallel(q, k, v, segment_ids, mask, diffusion_block, layout, strategy):
+def _context_parallel(q, k, v, segment_ids, mask, diffusion_block, *, layout, strategy: str):
   """Attention over a sequence split over the ``sequence`` mesh axis, per shard inside a ``shard_map``
   (:mod:`mercury_jax.kernels.context_parallel`): rows over the data axes, heads over ``tensor``, positions over
   ``sequence`` in ``layout``. Every implementation takes this path (its per-shard loops are the blockwise XLA ones)."""
@@ -151,7 +145,7 @@ def _context_parallel(q, k, v, segment_ids, mask, diffusion_block, layout, strat
     )
   if segment_ids is None:
     segment_ids = jnp.ones(q.shape[:2], jnp.int32)
-  half = q.shape[1] // 2 if mask in _TWO_HALVES else None
+  half = q.shape[1] // 2 if mask in masks.TWO_HALVES else None
 
   def per_shard(q, k, v, segment_ids):
     if select_kv is not None:
@@ -227,29 +221,27 @@ def attend(
       whatever ``implementation``; None: the whole sequence on every shard of that axis.
     context_parallel: with ``layout``, ``all_gather`` or ``ring``.
   """
-  mask = _resolve_mask(causal, mask, diffusion_block)
+  mask = _resolve_mask(causal, mask, diffusion_block, q.shape[1])
   if layout is not None:
-    if mask in _TWO_HALVES and q.shape[1] % 2:
-      raise ValueError(f"{mask=} runs over two halves (drafts ⊕ x_0) and needs an even length, got {q.shape[1]}")
-    return _context_parallel(q, k, v, segment_ids, mask, diffusion_block, layout, context_parallel)
+    return _context_parallel(
+      q, k, v, segment_ids, mask, diffusion_block, layout=layout, strategy=context_parallel
+    )  # fmt: skip
   impl = resolve_implementation(implementation)
   if impl == "xla":
-    return _xla(q, k, v, segment_ids, mask, diffusion_block, blockwise)
+    return _xla(q, k, v, segment_ids, mask, diffusion_block, blockwise=blockwise)
   if blockwise is not None:
     raise ValueError(f"{blockwise=} applies to implementation='xla' only, not to {impl!r}; pass blockwise=None")
   fn = {"pallas": _pallas, "cudnn": _cudnn}[impl]
   return fn(q, k, v, segment_ids, mask, diffusion_block)
 
 
-def _cached_xla(
-  q, k, v, segments, cache_k, cache_v, cache_segments, starts, mask, diffusion_block, split=None, heads_first=False
-):
+def _cached_xla(inputs: CachedInputs, mask: str, diffusion_block: int | None, *, split=None, heads_first=False):
   """Attention over ``[cache ; chunk]`` with two score blocks and one softmax, so the cache is never concatenated.
 
   The products are plain matmuls batched over ``[batch, kv_heads]``, the query rows of a key/value head's group laid
   out as one ``[groups * chunk, head_dim]`` matrix (on XLA:CPU the einsum that kept the head axes between the query
   and slot axes made this attention 1.8-3.4x slower for a prefill chunk of 512 tokens over 4 K and 16 K slots:
-  ``launch/bench_long_context.py cached``, ``BUILD_NOTES.md``). The scores are laid out slots-major, ``keys @
+  ``bench long-context cached``, ``BUILD_NOTES.md``). The scores are laid out slots-major, ``keys @
   queries^T`` ``[batch, kv_heads, keys, rows]``: the keys, the large operand, are read as they lie, ``[slots,
   head_dim]`` row-major, and only the queries are transposed; the softmax reduces over the keys' axis and the
   weighted values' product contracts it (``scores^T`` against ``[slots, head_dim]``). The usual ``queries @ keys^T``
@@ -267,6 +259,7 @@ def _cached_xla(
 
   ``heads_first``: the cache is ``[batch, kv_heads, slots, head_dim]``, as a paged cache's pages are gathered
   (``kvcache.read_pages``); a dense cache ``[batch, slots, kv_heads, head_dim]`` is transposed first."""
+  q, k, v, segments, cache_k, cache_v, cache_segments, starts = inputs
   batch, chunk, heads, head_dim = q.shape
   kv_heads, dtype = k.shape[2], v.dtype
   groups = heads // kv_heads
@@ -304,7 +297,18 @@ def _cached_xla(
   return out.reshape(batch, chunk, heads, head_dim).astype(dtype)
 
 
-def _cached_split(q, k, v, segments, cache_k, cache_v, cache_segments, starts, mask, diffusion_block):
+def _row_split(inputs: CachedInputs, mesh, rules):
+  """``(specs, select_kv)`` of the cached attention run per shard: a ``CachedInputs`` of the partition specs of
+  ``inputs``' dense layout, rows over the data axes and heads over ``tensor`` (:func:`_head_split`), the chunk and
+  the cache's slots whole; and :func:`_head_split`'s ``select_kv``."""
+  q_spec, kv_spec, select_kv = _head_split(inputs.q.shape, inputs.k.shape, mesh, rules, length=False)
+  rows = q_spec[0]
+  q_spec, kv_spec = P(rows, None, q_spec[2], None), P(rows, None, kv_spec[2], None)
+  specs = CachedInputs(q_spec, kv_spec, kv_spec, P(rows, None), kv_spec, kv_spec, P(rows, None), P(rows))
+  return specs, select_kv
+
+
+def _cached_split(inputs: CachedInputs, mask: str, diffusion_block: int | None):
   """:func:`_cached_xla` over a cache whose slots are split over ``sequence`` (``KVCache.constrained``), or None when
   they are not: per shard inside a ``shard_map``, rows over the data axes and heads over ``tensor``, so no shard
   gathers another's slots; the chunk is whole on every shard."""
@@ -312,25 +316,22 @@ def _cached_split(q, k, v, segments, cache_k, cache_v, cache_segments, starts, m
   if mesh.empty:
     return None
   rules = nn.get_logical_axis_rules()
-  slots = sharding.mesh_spec((sharding.BATCH, sharding.LENGTH), cache_segments.shape, mesh, rules)[1]
+  slots = sharding.mesh_spec((sharding.BATCH, sharding.LENGTH), inputs.cache_segments.shape, mesh, rules)[1]
   if slots is None:
     return None
-  q_spec, kv_spec, select_kv = _head_split(q.shape, k.shape, mesh, rules, length=False)
-  rows = q_spec[0]
-  q_spec, kv_spec = P(rows, None, q_spec[2], None), P(rows, None, kv_spec[2], None)
-  cache_spec = P(rows, slots, kv_spec[2], None)
+  specs, select_kv = _row_split(inputs, mesh, rules)
+  rows, cache_spec = specs.q[0], P(specs.q[0], slots, specs.k[2], None)
+  specs = specs._replace(cache_k=cache_spec, cache_v=cache_spec, cache_segments=P(rows, slots))
 
-  def per_shard(q, k, v, segments, cache_k, cache_v, cache_segments, starts):
+  def per_shard(inputs):
     if select_kv is not None:
-      k, v, cache_k, cache_v = (select_kv(x) for x in (k, v, cache_k, cache_v))
-    return _cached_xla(q, k, v, segments, cache_k, cache_v, cache_segments, starts, mask, diffusion_block, slots)
+      inputs = inputs._replace(k=select_kv(inputs.k), v=select_kv(inputs.v)).map_cache(select_kv)
+    return _cached_xla(inputs, mask, diffusion_block, split=slots)
 
-  specs = (q_spec, kv_spec, kv_spec, P(rows, None), cache_spec, cache_spec, P(rows, slots), P(rows))
-  args = (q, k, v, segments, cache_k, cache_v, cache_segments, starts)
-  return jax.shard_map(per_shard, mesh=mesh, in_specs=specs, out_specs=q_spec, check_vma=False)(*args)
+  return jax.shard_map(per_shard, mesh=mesh, in_specs=(specs,), out_specs=specs.q, check_vma=False)(inputs)
 
 
-def _cached_pallas(q, k, v, segments, cache_k, cache_v, cache_segments, starts, mask, diffusion_block, table=None):
+def _cached_pallas(inputs: CachedInputs, mask: str, diffusion_block: int | None, table=None):
   """The Pallas kernel (:mod:`mercury_jax.kernels.cached_attention`; interpret mode off GPU), per shard on a mesh:
   rows over the data axes, heads over ``tensor`` (kv heads with them when they split alike, else whole on every
   shard, which then reads the kv heads its query heads use).
@@ -347,35 +348,26 @@ def _cached_pallas(q, k, v, segments, cache_k, cache_v, cache_segments, starts, 
   )
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty:
-    return kernel(q, k, v, segments, cache_k, cache_v, cache_segments, starts, table=table)
-  q_spec, kv_spec, select_kv = _head_split(q.shape, k.shape, mesh, nn.get_logical_axis_rules(), length=False)
-  rows = q_spec[0]
-  q_spec, kv_spec = P(rows, None, q_spec[2], None), P(rows, None, kv_spec[2], None)
+    return kernel(inputs, table=table)
+  specs, select_kv = _row_split(inputs, mesh, nn.get_logical_axis_rules())
+  if table is not None:  # A pool: every page on every row shard.
+    pool_spec = P(None, specs.k[2], None, None)
+    specs = specs._replace(cache_k=pool_spec, cache_v=pool_spec)
 
-  def per_shard(q, k, v, segments, cache_k, cache_v, cache_segments, starts, *table):
+  def per_shard(inputs, *table):
     if select_kv is not None:
-      k, v = select_kv(k), select_kv(v)
-      cache_k, cache_v = (select_kv(c, axis=1 if table else 2) for c in (cache_k, cache_v))
-    return kernel(q, k, v, segments, cache_k, cache_v, cache_segments, starts, table=table[0] if table else None)
+      inputs = inputs._replace(k=select_kv(inputs.k), v=select_kv(inputs.v))
+      inputs = inputs.map_cache(lambda c: select_kv(c, axis=1 if table else 2))
+    return kernel(inputs, table=table[0] if table else None)
 
-  rows_2d, rows_1d = P(rows, None), P(rows)
-  cache_spec = kv_spec if table is None else P(None, kv_spec[2], None, None)  # A pool: every page on every row shard.
-  specs = (q_spec, kv_spec, kv_spec, rows_2d, cache_spec, cache_spec, rows_2d, rows_1d)
-  args = (q, k, v, segments, cache_k, cache_v, cache_segments, starts)
+  args, in_specs = (inputs,), (specs,)
   if table is not None:
-    specs, args = specs + (rows_2d,), args + (table,)
-  return jax.shard_map(per_shard, mesh=mesh, in_specs=specs, out_specs=q_spec, check_vma=False)(*args)
+    args, in_specs = (inputs, table), (specs, P(specs.q[0], None))
+  return jax.shard_map(per_shard, mesh=mesh, in_specs=in_specs, out_specs=specs.q, check_vma=False)(*args)
 
 
 def attend_cached(
-  q: jax.Array,
-  k: jax.Array,
-  v: jax.Array,
-  segments: jax.Array,
-  cache_k: jax.Array,
-  cache_v: jax.Array,
-  cache_segments: jax.Array,
-  starts: jax.Array,
+  inputs: CachedInputs,
   *,
   mask: str,
   diffusion_block: int | None = None,
@@ -396,17 +388,13 @@ def attend_cached(
   (``kvcache.read_pages``), in one softmax.
 
   Args:
-    q: ``[batch, chunk, heads, head_dim]``, the chunk's queries.
-    k: ``[batch, chunk, kv_heads, head_dim]``, the chunk's keys.
-    v: like ``k``.
-    segments: ``[batch, chunk]`` int32, the chunk's segments (0: padding, whose output is zeros).
-    cache_k: ``[batch, slots, kv_heads, head_dim]``, the cached keys; with ``table``, one layer's pool of pages
-      ``[pages, kv_heads, page_size, head_dim]``.
-    cache_v: like ``cache_k``.
-    cache_segments: ``[batch, slots]`` int32 (dense for a paged cache too).
-    starts: ``[batch]`` int32, each row's first slot of the chunk.
-    mask: ``causal``, ``block_causal`` or ``bidirectional``, in slot space; or ``verify_chunk``, a chunk of
-      ``k + k*k`` queries (``masks.verify_chunk``) over the slots before ``starts``.
+    inputs: the chunk's queries ``[batch, chunk, heads, head_dim]``, keys and values ``[batch, chunk, kv_heads,
+      head_dim]`` and segments ``[batch, chunk]`` (0: padding, whose output is zeros); the cached keys and values
+      ``[batch, slots, kv_heads, head_dim]`` (with ``table``, one layer's pools of pages ``[pages, kv_heads,
+      page_size, head_dim]``), the cache's segments ``[batch, slots]`` (dense for a paged cache too) and ``starts``
+      ``[batch]``, each row's first slot of the chunk (:class:`~mercury_jax.kernels.common.CachedInputs`).
+    mask: one of ``masks.CACHE_MASKS``: ``causal``, ``block_causal`` or ``bidirectional``, in slot space; or
+      ``verify_chunk``, a chunk of ``k + k*k`` queries (``masks.verify_chunk``) over the slots before ``starts``.
     diffusion_block: the block of ``block_causal``; the draft length ``k`` of ``verify_chunk``.
     implementation: ``auto``, ``xla``, ``pallas`` or ``cudnn`` (``cudnn`` runs the XLA path: cuDNN has no mask for a
       cache with per-row chunk positions; so does ``verify_chunk``, which the Pallas kernel does not implement).
@@ -422,62 +410,55 @@ def attend_cached(
   Returns:
     ``[batch, chunk, heads, head_dim]`` in ``v``'s dtype.
   """
-  if mask not in ("causal", "block_causal", "bidirectional", *masks.CHUNK_MASKS):
-    raise ValueError(
-      f"{mask=} must be causal, block_causal, bidirectional or one of {masks.CHUNK_MASKS} for attention over a cache"
-    )
-  if (mask in ("block_causal", *masks.CHUNK_MASKS)) != (diffusion_block is not None):
-    raise ValueError(f"{diffusion_block=} must be given exactly for mask='block_causal' and {masks.CHUNK_MASKS}")
-  starts = jnp.broadcast_to(jnp.asarray(starts, jnp.int32), q.shape[:1])
+  masks.check(mask, diffusion_block, masks.CACHE_MASKS)
+  inputs = inputs._replace(starts=jnp.broadcast_to(jnp.asarray(inputs.starts, jnp.int32), inputs.q.shape[:1]))
   impl = resolve_implementation(implementation)
-  pallas = impl == "pallas" and mask not in masks.CHUNK_MASKS
+  pallas = impl == "pallas" and mask in masks.CACHE_KERNEL_MASKS
   mesh = jax.sharding.get_abstract_mesh()
   if pallas and not mesh.empty and sharding.sequence_shards(mesh, nn.get_logical_axis_rules()) > 1:
     pallas = False  # A cache split over `sequence`: the XLA path, whose softmax GSPMD reduces across the shards.
   from mercury_jax.kernels import blockwise_cached_attention as bca
 
-  if blockwise and mask not in bca.BOUNDED:
-    raise ValueError(f"{blockwise=} needs a mask whose visible slots end with the chunk, one of {bca.BOUNDED}")
-  long = cache_segments.shape[1] >= CACHED_BLOCKWISE_MIN_SLOTS
-  tiled = not pallas and mask in bca.BOUNDED and (long if blockwise is None else blockwise)
+  if blockwise and mask not in masks.BOUNDED:
+    raise ValueError(f"{blockwise=} needs a mask whose visible slots end with the chunk, one of {masks.BOUNDED}")
+  long = inputs.cache_segments.shape[1] >= CACHED_BLOCKWISE_MIN_SLOTS
+  tiled = not pallas and mask in masks.BOUNDED and (long if blockwise is None else blockwise)
   # A cache split over `sequence` reads each shard's slots in one softmax (_cached_split).
   sequence_split = not mesh.empty and sharding.sequence_shards(mesh, nn.get_logical_axis_rules()) > 1
   if tiling is not None and not pallas and (tiled or sequence_split):  # Row by row: the tiles' online softmax.
     options = dict(mask=mask, diffusion_block=diffusion_block, implementation=implementation, blockwise=blockwise)
     if table is None and layer is not None:  # A dense cache's rows go one by one: this layer's, batch first.
-      cache_k, cache_v, layer = cache_k[layer], cache_v[layer], None
+      inputs, layer = inputs.map_cache(lambda c: c[layer]), None
+    pools = None if table is None else (inputs.cache_k, inputs.cache_v)  # A pool of pages is every row's: never split.
 
-    def row(q, k, v, segments, cache_segments, starts, table, cache_rows):
-      keys, values = (cache_k, cache_v) if cache_rows is None else cache_rows
-      return attend_cached(q, k, v, segments, keys, values, cache_segments, starts, table=table, layer=layer, **options)
+    def row(inputs, table):
+      if pools is not None:
+        inputs = inputs._replace(cache_k=pools[0], cache_v=pools[1])
+      return attend_cached(inputs, table=table, layer=layer, **options)
 
-    rows = None if table is not None else (cache_k, cache_v)  # a pool of pages is every row's: never split
-    return by_rows(row, tiling.shards, q, k, v, segments, cache_segments, starts, table, rows)
+    if pools is not None:
+      inputs = inputs._replace(cache_k=None, cache_v=None)
+    return by_rows(row, tiling.shards, inputs, table)
   if tiled and (table is not None or not sequence_split):
-    return bca.cached_attention(
-      q, k, v, segments, cache_k, cache_v, cache_segments, starts, mask=mask, diffusion_block=diffusion_block,
-      table=table, layer=layer,
-    )  # fmt: skip
+    return bca.cached_attention(inputs, mask=mask, diffusion_block=diffusion_block, table=table, layer=layer)
   if table is not None:
     in_place = False
     if pallas:
       from mercury_jax.kernels import cached_attention as ca
 
-      in_place = cache_k.shape[-2] % ca.PAGE_MULTIPLE == 0  # [..., pages, kv_heads, page_size, head_dim]
+      in_place = inputs.cache_k.shape[-2] % ca.PAGE_MULTIPLE == 0  # [..., pages, kv_heads, page_size, head_dim]
     if not in_place:  # Each row's pages gathered: heads-first for the XLA path's products, which read them as they
       # are; as a dense cache for the Pallas kernel and for a cache split over `sequence` (_cached_split). The layer's
       # pages in the same gather: a slice of the layer's pool first would be a copy of the pool (hoisted out of a loop
       # over rows, InvariantNetwork's).
-      slots, heads_first = cache_segments.shape[1], not pallas and not sequence_split
-      cache_k, cache_v = (read_pages(p, table, slots, layer=layer, heads_first=heads_first) for p in (cache_k, cache_v))
+      slots, heads_first = inputs.cache_segments.shape[1], not pallas and not sequence_split
+      inputs = inputs.map_cache(lambda p: read_pages(p, table, slots, layer=layer, heads_first=heads_first))
       table, layer = None, None
       if heads_first:
-        args = (q, k, v, segments, cache_k, cache_v, cache_segments, starts, mask, diffusion_block)
-        return _cached_xla(*args, heads_first=True)
+        return _cached_xla(inputs, mask, diffusion_block, heads_first=True)
   if layer is not None:
-    cache_k, cache_v = cache_k[layer], cache_v[layer]
+    inputs = inputs.map_cache(lambda c: c[layer])
   if pallas:
-    return _cached_pallas(q, k, v, segments, cache_k, cache_v, cache_segments, starts, mask, diffusion_block, table)
-  args = (q, k, v, segments, cache_k, cache_v, cache_segments, starts, mask, diffusion_block)
-  split = _cached_split(*args) if table is None else None
-  return _cached_xla(*args) if split is None else split
+    return _cached_pallas(inputs, mask, diffusion_block, table)
+  split = _cached_split(inputs, mask, diffusion_block) if table is None else None
+  return _cached_xla(inputs, mask, diffusion_block) if split is None else split

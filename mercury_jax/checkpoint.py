@@ -26,9 +26,10 @@ from jax.sharding import Mesh
 
 from mercury_jax import sharding as sh
 from mercury_jax.config import CheckpointConfig, Config, ConfigError, MeshConfig, config_from_dict
+from mercury_jax.files import CHECKPOINTS, PARAMS, TOKENIZER_FILE
 from mercury_jax.model import LATENT_PARAMS, Transformer, abstract_params
 
-ITEMS = ("params", "train", "data", "config")
+ITEMS = (PARAMS, "train", "data", "config")
 
 
 class Checkpointer:
@@ -90,14 +91,11 @@ class Checkpointer:
 
 def _manager_root(path: Path) -> Path:
   """Accepts a train workdir, its ``checkpoints`` folder, or one step folder inside it."""
-  if (path / "checkpoints").is_dir():
-    return path / "checkpoints"
-  if (path / "params").is_dir() and path.name.isdigit():
+  if (path / CHECKPOINTS).is_dir():
+    return path / CHECKPOINTS
+  if (path / PARAMS).is_dir() and path.name.isdigit():
     return path.parent
   return path
-
-
-TOKENIZER_FILE = "tokenizer.model"
 
 
 def find_tokenizer(path: str | Path) -> Path:

@@ -19,7 +19,9 @@ from typing import Any, Literal
 ATTENTION_IMPLS = ("auto", "xla", "pallas", "cudnn")
 OBJECTIVES = ("masked_diffusion", "autoregressive", "verified", "continuous")
 SCHEDULES = ("linear", "cosine", "polynomial")
-DTYPES = ("float32", "bfloat16", "float16")
+COMPUTE_DTYPES = ("float32", "bfloat16", "float16")  # What the model computes in (``ModelConfig.dtype``).
+# What parameters are stored in (``ModelConfig.param_dtype``); also what ``export`` and ``convert`` write.
+PARAM_DTYPES = ("float32", "bfloat16")
 
 
 class ConfigError(ValueError):
@@ -60,9 +62,9 @@ class ModelConfig:
   rope_attention_factor: float = 0.0  # yarn's cos/sin scale; 0: 0.1 * ln(factor) + 1.
   rope_low_freq_factor: float = 1.0  # llama3
   rope_high_freq_factor: float = 4.0  # llama3
-  param_dtype: Literal["float32", "bfloat16"] = "float32"  # Parameters' storage dtype (converted models: bfloat16).
-  dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # Compute dtype (parameters: param_dtype).
-  attention: Literal["auto", "xla", "pallas", "cudnn"] = "auto"  # auto: pallas on GPU, xla elsewhere.
+  param_dtype: Literal[*PARAM_DTYPES] = "float32"  # Parameters' storage dtype (converted models: bfloat16).
+  dtype: Literal[*COMPUTE_DTYPES] = "float32"  # Compute dtype (parameters: param_dtype).
+  attention: Literal[*ATTENTION_IMPLS] = "auto"  # auto: pallas on GPU, xla elsewhere.
   remat: bool = False  # Rematerialise each block in the backward pass (saves activation memory).
   # How attention crosses the shards of a sequence split over mesh.sequence > 1 (mercury_jax.kernels.context_parallel):
   # all_gather (every shard gathers the whole sequence's keys and values, per layer) or ring (key/value blocks pass
@@ -114,8 +116,8 @@ class ObjectiveConfig:
   verifier, in one pass (``objectives.verified``).
   """
 
-  name: Literal["masked_diffusion", "autoregressive", "verified", "continuous"] = "masked_diffusion"
-  schedule: Literal["linear", "cosine", "polynomial"] = "linear"
+  name: Literal[*OBJECTIVES] = "masked_diffusion"
+  schedule: Literal[*SCHEDULES] = "linear"
   exponent: float = 1.0  # Polynomial schedule: alpha_t = 1 - t**exponent.
   antithetic: bool = True  # Low-discrepancy t across the global batch (Kingma et al. 2021, VDM).
   t_min: float = 1e-4  # t is drawn from [t_min, 1] so the ELBO weight -alpha'_t / (1 - alpha_t) stays finite.
@@ -210,12 +212,12 @@ class DataConfig:
   # long record of many files never attends across files. False: a record is one segment.
   document_segments: bool = False
   # A Jinja2 chat template that renders `messages` (OpenAI-style dicts) into the SFT prompt text, for the server's
-  # /v1/chat/completions (mercury_jax.serve.chat); "" = none: the model has no chat format.
+  # /v1/chat/completions (mercury_jax.data.chat_template); "" = none: the model has no chat format.
   chat_template: str = ""
   # More prepared directories whose training records are mixed into data.path's, as "DIR@WEIGHT" (data.path weighs 1;
   # e.g. "data/chat@0.33": a quarter of the rows), record by record; evaluation stays on data.path's validation split.
   mix: tuple[str, ...] = ()
-  # Self-distillation sets (`python -m mercury_jax.data.distill`), "DIR[@WEIGHT]", mixed with each other by weight:
+  # Self-distillation sets (`python -m mercury_jax.distill`), "DIR[@WEIGHT]", mixed with each other by weight:
   # distill_batch_size of their records follow the data.batch_size rows of every batch, which stay exactly the batches
   # a run without them reads (objective.name='verified' only: their tokens train the drafter alone).
   distill: tuple[str, ...] = ()

@@ -24,11 +24,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-DTYPES = ("float32", "bfloat16")
-CARD_FILE = "MODEL_CARD.md"
-MANIFEST_FILE = "manifest.json"
-METADATA_FILE = "metadata.json"
-ORBAX_COMMIT_MARKER = "commit_success.txt"
+from mercury_jax.config import PARAM_DTYPES
+from mercury_jax.files import CARD_FILE, MANIFEST_FILE, METADATA_FILE, ORBAX_COMMIT_MARKER
 
 
 def export(
@@ -64,8 +61,8 @@ def export(
 
   from mercury_jax.checkpoint import export_params, find_tokenizer, replace_folder, restore_params
 
-  if dtype not in DTYPES:
-    raise ValueError(f"dtype={dtype!r} must be one of {', '.join(DTYPES)}")
+  if dtype not in PARAM_DTYPES:
+    raise ValueError(f"dtype={dtype!r} must be one of {', '.join(PARAM_DTYPES)}")
   out = Path(out).absolute()
   if out.exists() and not out.is_dir():
     raise ValueError(f"{str(out)!r} exists and is not a folder")
@@ -136,7 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--checkpoint", required=True, help="train workdir, its checkpoints folder, or a step folder")
   p.add_argument("--out", required=True, help="folder to write (an inference checkpoint)")
   p.add_argument("--step", type=int, default=None, help="step to export (default: latest)")
-  p.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="storage dtype of the parameters")
+  p.add_argument("--dtype", choices=PARAM_DTYPES, default="bfloat16", help="storage dtype of the parameters")
   p.add_argument("--data", default=None, help="prepared data folder whose manifest.json is bundled")
   p.add_argument("--card", default=None, help="model card to bundle as MODEL_CARD.md")
   p.add_argument("--force", action="store_true", help="replace an existing --out folder")

@@ -9,7 +9,7 @@ rows with one kind per position:
 * ``TARGET`` (2): what the model predicts. In training, noised by the objective and scored; in sampling, the
   positions that start masked and are generated.
 * ``DISTILLED`` (3): training only, a token the network's own next-token head wrote (a self-distillation record,
-  ``mercury_jax.data.distill``). A verified model's drafter masks and scores it like ``TARGET``; every next-token loss
+  ``mercury_jax.distill``). A verified model's drafter masks and scores it like ``TARGET``; every next-token loss
   (the verifier's, the twin's) reads it as context and never scores it, and every other objective sees clean context.
 """
 

@@ -172,6 +172,49 @@ class KVCache(NamedTuple):
     would be copied out of the stack once per layer and step when the attention loops over it."""
     return jnp.arange(self.keys.shape[0], dtype=jnp.int32), (self.keys, self.values)
 
+  # Row moves (:mod:`mercury_jax.sampling.state`): keys and values keep their rows on axis 1, segments on axis 0.
+
+  def _by_rows(self, fn) -> KVCache:
+    return KVCache(fn(self.keys, 1), fn(self.values, 1), fn(self.segments, 0))
+
+  def take_rows(self, rows: jax.Array) -> KVCache:
+    """The rows ``rows`` [n]."""
+    return self._by_rows(lambda a, axis: jnp.take(a, rows, axis=axis))
+
+  def put_rows(self, rows: jax.Array, part: KVCache) -> KVCache:
+    """This cache with ``part`` (a :meth:`take_rows` after a step) written back at ``rows``."""
+    return KVCache(
+      self.keys.at[:, rows].set(part.keys),
+      self.values.at[:, rows].set(part.values),
+      self.segments.at[rows].set(part.segments),
+    )
+
+  def select_rows(self, keep: jax.Array, other: KVCache) -> KVCache:
+    """This cache in the rows ``keep`` [b] marks and ``other`` in the others (a chunk's keys and values, too)."""
+
+    def pick(a, b, axis):
+      shape = [1] * a.ndim
+      shape[axis] = keep.shape[0]
+      return jnp.where(keep.reshape(shape), a, b)
+
+    return KVCache(
+      pick(self.keys, other.keys, 1), pick(self.values, other.values, 1), pick(self.segments, other.segments, 0)
+    )
+
+  def insert_row(self, slot: jax.Array, row: KVCache, table: jax.Array | None = None) -> KVCache:
+    """This cache with the one-row cache ``row`` in row ``slot`` (``table`` is the paged cache's; unused)."""
+    del table
+    at = lambda a, r, axis: jax.lax.dynamic_update_slice_in_dim(a, r.astype(a.dtype), slot, axis=axis)  # noqa: E731
+    return KVCache(at(self.keys, row.keys, 1), at(self.values, row.values, 1), at(self.segments, row.segments, 0))
+
+  def repeat_rows(self, n: int) -> KVCache:
+    """``n`` copies of each row."""
+    return self._by_rows(lambda a, axis: jnp.repeat(a, n, axis=axis))
+
+  def forget(self, row: jax.Array) -> KVCache:
+    """This cache with row ``row`` holding nothing (every slot in segment 0, which no query sees)."""
+    return self._replace(segments=self.segments.at[row].set(0))
+
 
 class PagedKVCache(NamedTuple):
   """Keys and values in a pool of pages shared by the rows, addressed through a per-row page table (see the module
@@ -240,9 +283,11 @@ class PagedKVCache(NamedTuple):
     pages of its own pool through the table (:class:`KVCache.layers`)."""
     return jnp.arange(self.keys.shape[0], dtype=jnp.int32), (self.keys, self.values, self.table)
 
-  def insert(self, row: jax.Array, table: jax.Array, dense: KVCache) -> PagedKVCache:
-    """This cache with row ``row`` on the pages ``table`` [ceil(slots / page_size)] holding the one-row dense cache
-    ``dense`` (an admitted request's prefill); slots whose table entry is the sink keep nothing. Whole pages are
+  # Row moves (:mod:`mercury_jax.sampling.state`): the pool is every row's; a row's segments and table are its own.
+
+  def insert_row(self, slot: jax.Array, row: KVCache, table: jax.Array) -> PagedKVCache:
+    """This cache with row ``slot`` on the pages ``table`` [ceil(slots / page_size)] holding the one-row dense cache
+    ``row`` (an admitted request's prefill); slots whose table entry is the sink keep nothing. Whole pages are
     written, one contiguous ``[kv_heads, page_size, head_dim]`` block each (the row's last page padded)."""
     per_row, size = table.shape[0], self.page_size
 
@@ -252,25 +297,34 @@ class PagedKVCache(NamedTuple):
 
     put = lambda pool, new: pool.at[:, table].set(pages(new).astype(pool.dtype))  # noqa: E731
     return PagedKVCache(
-      put(self.keys, dense.keys),
-      put(self.values, dense.values),
-      self.segments.at[row].set(dense.segments[0]),
-      self.table.at[row].set(table),
+      put(self.keys, row.keys),
+      put(self.values, row.values),
+      self.segments.at[slot].set(row.segments[0]),
+      self.table.at[slot].set(table),
     )
 
   def forget(self, row: jax.Array) -> PagedKVCache:
     """This cache with row ``row`` holding no page (its table on the sink, every slot in segment 0)."""
     return self._replace(segments=self.segments.at[row].set(0), table=self.table.at[row].set(SINK))
 
-  def take(self, rows: jax.Array) -> PagedKVCache:
+  def take_rows(self, rows: jax.Array) -> PagedKVCache:
     """The rows ``rows`` [n] over the same pool (a batch bucket's view: nothing of the pool is copied)."""
     return self._replace(segments=self.segments[rows], table=self.table[rows])
 
-  def put(self, rows: jax.Array, part: PagedKVCache) -> PagedKVCache:
-    """This cache after a step over :meth:`take` ``(rows)``: ``part``'s pool, and its rows' segments and tables."""
+  def put_rows(self, rows: jax.Array, part: PagedKVCache) -> PagedKVCache:
+    """This cache after a step over :meth:`take_rows` ``(rows)``: ``part``'s pool, and its rows' segments and tables."""
     return PagedKVCache(
       part.keys, part.values, self.segments.at[rows].set(part.segments), self.table.at[rows].set(part.table)
     )
+
+  def select_rows(self, keep: jax.Array, other: PagedKVCache) -> PagedKVCache:
+    """This cache: the pool is every row's, and a row that must stay as it was wrote nothing into it."""
+    del keep, other
+    return self
+
+  def repeat_rows(self, n: int) -> PagedKVCache:
+    """``n`` copies of each row's table and segments over the same pool."""
+    return self._replace(segments=jnp.repeat(self.segments, n, axis=0), table=jnp.repeat(self.table, n, axis=0))
 
 
 def read_pages(

@@ -19,7 +19,7 @@ from flax import linen as nn
 from jax.sharding import Mesh
 
 from mercury_jax import sharding as sh
-from mercury_jax.attention import attend, attend_cached
+from mercury_jax.attention import CachedInputs, attend, attend_cached
 from mercury_jax.batch_invariance import Tiling, by_rows, positionwise, tiled
 from mercury_jax.config import ModelConfig, dtype_of
 from mercury_jax.kernels.context_parallel import SequenceLayout
@@ -153,14 +153,7 @@ class Attention(nn.Module):
     layer, cache_k, cache_v, *paged, cache_segments, starts = cache  # A paged cache: pools, then the tables.
     segment_ids = jnp.ones(q.shape[:2], jnp.int32) if segment_ids is None else segment_ids
     return attend_cached(
-      q,
-      k,
-      v,
-      segment_ids,
-      cache_k,
-      cache_v,
-      cache_segments,
-      starts,
+      CachedInputs(q, k, v, segment_ids, cache_k, cache_v, cache_segments, starts),
       mask=self.mask,
       diffusion_block=self.diffusion_block,
       implementation=cfg.attention,

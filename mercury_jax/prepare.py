@@ -49,6 +49,7 @@ from typing import Any
 from mercury_jax import kinds
 from mercury_jax.data import corpus as corpus_lib, mixture as mixture_lib, pipeline, records, retrieval, sources
 from mercury_jax.data.tokenizer import MIN_VOCAB_SIZE, Tokenizer, train_tokenizer
+from mercury_jax.files import MANIFEST_FILE, METADATA_FILE, TOKENIZER_FILE
 
 MIN_SEQ_LEN = 8
 
@@ -86,6 +87,7 @@ def _encode_split(
   seq_len: int,
   parts: list[int],
   num_parts: int,
+  *,
   pack: bool = False,
 ) -> tuple[Any, dict[str, int], list[dict[str, int]]]:
   """Packs one split; returns the records, its metadata counts, and the counts of each of the ``num_parts`` corpora.
@@ -167,7 +169,9 @@ def _read_source(specs: list[str], pack: bool = False) -> Source:
   def encode(name: str, tokenizer: Tokenizer, seq_len: int) -> Encoded:
     pairs = source.packed(name)
     docs, indices = [d for d, _ in pairs], [i for _, i in pairs]
-    packed, stats, per_part = _encode_split(docs, tokenizer, source.mode, seq_len, indices, len(source.parts), pack)
+    packed, stats, per_part = _encode_split(
+      docs, tokenizer, source.mode, seq_len, indices, len(source.parts), pack=pack
+    )
     return packed, stats, per_part if parts else []
 
   return Source(source.mode, single.source if single else specs, parts, texts, encode, source.manifest())
@@ -285,9 +289,9 @@ def prepare(
       split_meta[name] = {**stats, "shards": records.write_shards(packed, tmp, name, num_shards)}
       for meta, counts in zip(part_meta, per_part, strict=True):
         meta.setdefault("splits", {})[name] = counts
-    tokenizer.save(tmp / pipeline.TOKENIZER_FILE)
+    tokenizer.save(tmp / TOKENIZER_FILE)
     manifest = source.manifest
-    (tmp / pipeline.MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
+    (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
     metadata = {
       "format_version": pipeline.FORMAT_VERSION,
       "mode": source.mode,
@@ -305,14 +309,14 @@ def prepare(
       **({"corpora": part_meta} if part_meta else {}),
       "python_version": manifest.get("python_version"),
       "tokenizer": {
-        "file": pipeline.TOKENIZER_FILE,
-        "sha256": _sha256(tmp / pipeline.TOKENIZER_FILE),
+        "file": TOKENIZER_FILE,
+        "sha256": _sha256(tmp / TOKENIZER_FILE),
         "trained": tokenizer_path is None,
         "vocab_size_requested": None if tokenizer_path else vocab_size,
       },
       "splits": split_meta,
     }
-    (tmp / pipeline.METADATA_FILE).write_text(json.dumps(metadata, indent=2) + "\n")
+    (tmp / METADATA_FILE).write_text(json.dumps(metadata, indent=2) + "\n")
     _check_destination(out, force)
     _move_into_place(tmp, out)
   except BaseException:

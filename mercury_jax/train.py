@@ -31,9 +31,10 @@ from tensorboard.summary.writer.record_writer import RecordWriter
 
 from mercury_jax import distributed, sharding as sh
 from mercury_jax.bench.throughput import peak_flops
-from mercury_jax.checkpoint import TOKENIZER_FILE, Checkpointer, init_params_from
+from mercury_jax.checkpoint import Checkpointer, init_params_from
 from mercury_jax.config import Config, ConfigError, load_config, parse_set_args
 from mercury_jax.data import pipeline
+from mercury_jax.files import CHECKPOINTS, TOKENIZER_FILE
 from mercury_jax.model import count_params, flops_per_token
 from mercury_jax.trainer import HALVES, Trainer, learning_rate_schedule, verified_losses
 
@@ -200,7 +201,7 @@ def train(
   _check_data(cfg, meta)
   mesh = sh.make_mesh(cfg.mesh, devices)
   trainer = Trainer(cfg, mesh)
-  checkpointer = Checkpointer(workdir / "checkpoints", cfg.checkpoint)
+  checkpointer = Checkpointer(workdir / CHECKPOINTS, cfg.checkpoint)
   dataset = pipeline.train_dataset(
     cfg.data.path,
     seq_len=cfg.model.max_length,

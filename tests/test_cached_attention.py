@@ -26,6 +26,7 @@ from flax import linen as nn
 from mercury_jax import attention, sharding
 from mercury_jax.config import MeshConfig, ModelConfig
 from mercury_jax.kernels import blockwise_cached_attention as bca, cached_attention as ca, masks
+from mercury_jax.kernels.common import CachedInputs
 from mercury_jax.kvcache import SINK, KVCache, PagedKVCache, read_pages
 from mercury_jax.model import Transformer
 
@@ -80,7 +81,7 @@ def _inputs(case: Case, dtype, seed: int = 0):
   arrays = [jnp.asarray(x, dtype) for x in (q, k, v)]
   arrays += [jnp.asarray(segments)]
   arrays += [jnp.asarray(x, dtype) for x in (cache_k, cache_v)]
-  return (*arrays, jnp.asarray(cache_segments), jnp.asarray(starts))
+  return CachedInputs(*arrays, jnp.asarray(cache_segments), jnp.asarray(starts))
 
 
 def _options(case: Case) -> dict:
@@ -89,10 +90,12 @@ def _options(case: Case) -> dict:
 
 def _kernel_and_reference(case: Case, dtype, interpret: bool = True):
   args = _inputs(case, dtype)
-  kernel = jax.jit(lambda *a: ca.cached_attention(*a, block_sizes=case.blocks, interpret=interpret, **_options(case)))
+  kernel = jax.jit(
+    lambda *a: ca.cached_attention(CachedInputs(*a), block_sizes=case.blocks, interpret=interpret, **_options(case))
+  )
   with jax.default_matmul_precision("highest"):  # No TF32 in the float32 reference on a GPU.
     f32 = [x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x for x in args]
-    want = jax.jit(lambda *a: ca.reference_cached_attention(*a, **_options(case)))(*f32)
+    want = jax.jit(lambda *a: ca.reference_cached_attention(CachedInputs(*a), **_options(case)))(*f32)
   return kernel(*args).astype(jnp.float32), want
 
 
@@ -187,7 +190,7 @@ def _brute_force(q, k, v, segments, cache_k, cache_v, cache_segments, starts, *,
 )
 def test_reference_matches_brute_force(chunk, mask, diffusion_block):
   options = {"mask": mask, "diffusion_block": diffusion_block}
-  reference = jax.jit(lambda *a: ca.reference_cached_attention(*a, **options))
+  reference = jax.jit(lambda *a: ca.reference_cached_attention(CachedInputs(*a), **options))
   # GQA 2 over 40 slots; for two chunk sizes also one head per kv head over 17 slots (fewer than 24 chunk tokens).
   for slots, heads, kv_heads in [(40, 4, 2)] + ([(17, 2, 2)] if chunk in (8, 24) else []):
     args = _inputs(Case(chunk, slots, heads, kv_heads, mask, diffusion_block, head_dim=16), jnp.float32, seed=chunk)
@@ -261,14 +264,14 @@ def test_kernel_never_loads_the_tiles_after_the_chunk_or_of_padding(mask, diffus
   q, k, v, segments, cache_k, cache_v, cache_segments, _ = _inputs(case, jnp.float32)
   starts = jnp.asarray([0, 24, 40, 8], jnp.int32)  # Whole diffusion blocks; rows 1 and 2 start mid-tile.
   cache_segments = cache_segments.at[1, :16].set(0)  # Row 1: a whole tile of left padding.
-  want = ca.reference_cached_attention(q, k, v, segments, cache_k, cache_v, cache_segments, starts, mask=mask,
-                                       diffusion_block=diffusion_block)  # fmt: skip
+  want = ca.reference_cached_attention(CachedInputs(q, k, v, segments, cache_k, cache_v, cache_segments, starts),
+                                       mask=mask, diffusion_block=diffusion_block)  # fmt: skip
   slot = jnp.arange(64)[None, :, None, None]
   unread = (slot >= (starts[:, None, None, None] + 15) // 16 * 16) | (
     (jnp.arange(4) == 1)[:, None, None, None] & (slot < 16)
   )
   poisoned = [jnp.where(unread, jnp.nan, x) for x in (cache_k, cache_v)]
-  got = ca.cached_attention(q, k, v, segments, *poisoned, cache_segments, starts, mask=mask,
+  got = ca.cached_attention(CachedInputs(q, k, v, segments, *poisoned, cache_segments, starts), mask=mask,
                             diffusion_block=diffusion_block, block_sizes=SMALL, interpret=True)  # fmt: skip
   _check_f32(got, want)
 
@@ -276,7 +279,7 @@ def test_kernel_never_loads_the_tiles_after_the_chunk_or_of_padding(mask, diffus
 def test_padding_queries_and_rows_output_zeros():
   case = Case(8, 40, 4, 2, "bidirectional")
   args = _inputs(case, jnp.float32)
-  out = ca.cached_attention(*args, mask="bidirectional", block_sizes=SMALL, interpret=True)
+  out = ca.cached_attention(args, mask="bidirectional", block_sizes=SMALL, interpret=True)
   assert bool(jnp.all(jnp.isfinite(out)))
   np.testing.assert_array_equal(np.asarray(out[3]), 0.0)  # The padding row,
   np.testing.assert_array_equal(np.asarray(out[2, 6:]), 0.0)  # and the chunk's trailing padding.
@@ -295,7 +298,9 @@ def _call_with(**changes):
     "starts": jnp.zeros((2,), jnp.int32),
     "mask": "causal",
   }
-  return ca.cached_attention(**(args | changes), interpret=True)
+  args |= changes
+  inputs = CachedInputs(*(args.pop(name) for name in CachedInputs._fields))
+  return ca.cached_attention(inputs, **args, interpret=True)
 
 
 def test_argument_errors_name_the_value():
@@ -351,18 +356,18 @@ def test_kernel_lowers_to_triton_for_gpu(mask, diffusion_block):
       shape((batch, slots), jnp.int32),
       shape((batch,), jnp.int32),
     )
-    fn = jax.jit(lambda *a: ca.cached_attention(*a, mask=mask, diffusion_block=diffusion_block))
+    fn = jax.jit(lambda *a: ca.cached_attention(CachedInputs(*a), mask=mask, diffusion_block=diffusion_block))
     lowered = fn.trace(*args).lower(lowering_platforms=("cuda",))
     assert lowered.as_text().count("__gpu$xla.gpu.triton") == 1
 
 
 def test_one_compilation_serves_every_start():
   case = Case(4, 40, 2, 2, "block_causal", 4)
-  args = list(_inputs(case, jnp.float32))
-  fn = jax.jit(lambda *a: ca.cached_attention(*a, block_sizes=SMALL, interpret=True, **_options(case)))
+  args = _inputs(case, jnp.float32)
+  fn = jax.jit(lambda *a: ca.cached_attention(CachedInputs(*a), block_sizes=SMALL, interpret=True, **_options(case)))
   for starts in ([0, 1, 2, 3], [36, 20, 39, 0]):
-    args[-1] = jnp.asarray(starts, jnp.int32)
-    _check_f32(fn(*args), ca.reference_cached_attention(*args, **_options(case)))
+    args = args._replace(starts=jnp.asarray(starts, jnp.int32))
+    _check_f32(fn(*args), ca.reference_cached_attention(CachedInputs(*args), **_options(case)))
   assert fn._cache_size() == 1
 
 
@@ -414,11 +419,11 @@ def _check_paged_kernel(case, page_size, interpret):
   pool_k, pool_v, table = _paged(cache_k, cache_v, cache_segments.at[3].set(0), page_size)
   options = {"block_sizes": case.blocks, "interpret": interpret, **_options(case)}
   for starts in (first_starts, jnp.asarray([16, 15, case.slots - 1, 31], jnp.int32)):
-    paged = _KERNEL(q, k, v, segments, pool_k, pool_v, cache_segments, starts, table=table, **options)
-    dense = _KERNEL(q, k, v, segments, cache_k, cache_v, cache_segments, starts, **options)
+    paged = _KERNEL(CachedInputs(q, k, v, segments, pool_k, pool_v, cache_segments, starts), table=table, **options)
+    dense = _KERNEL(CachedInputs(q, k, v, segments, cache_k, cache_v, cache_segments, starts), **options)
     with jax.default_matmul_precision("highest"):  # No TF32 in the float32 reference on a GPU.
       want = ca.reference_cached_attention(
-        q, k, v, segments, cache_k, cache_v, cache_segments, starts, **_options(case)
+        CachedInputs(q, k, v, segments, cache_k, cache_v, cache_segments, starts), **_options(case)
       )
     _check_f32(paged, want)
     _check_f32(dense, want)
@@ -443,11 +448,11 @@ def test_paged_kernel_reads_each_row_through_its_own_table():
   pool_k, pool_v, table = _paged(cache_k, cache_v, cache_segments, page_size)
   options = {"block_sizes": case.blocks, "interpret": True, **_options(case)}
   swapped = table[jnp.asarray([1, 0, 2, 3])]
-  got = _KERNEL(q, k, v, segments, pool_k, pool_v, cache_segments, starts, table=swapped, **options)
-  before = _KERNEL(q, k, v, segments, pool_k, pool_v, cache_segments, starts, table=table, **options)
+  got = _KERNEL(CachedInputs(q, k, v, segments, pool_k, pool_v, cache_segments, starts), table=swapped, **options)
+  before = _KERNEL(CachedInputs(q, k, v, segments, pool_k, pool_v, cache_segments, starts), table=table, **options)
   swapped_k, swapped_v = (read_pages(pool, swapped, case.slots) for pool in (pool_k, pool_v))
   want = ca.reference_cached_attention(
-    q, k, v, segments, swapped_k, swapped_v, cache_segments, starts, **_options(case)
+    CachedInputs(q, k, v, segments, swapped_k, swapped_v, cache_segments, starts), **_options(case)
   )
   _check_f32(got, want)
   assert float(jnp.min(jnp.max(jnp.abs(got[:2] - before[:2]), axis=(1, 2, 3)))) > 0.1
@@ -475,12 +480,14 @@ def test_attend_cached_reads_pages_in_place_with_pallas_and_gathers_them_otherwi
   case = Case(8, 64, 4, 2, "causal")
   q, k, v, segments, cache_k, cache_v, cache_segments, starts = _inputs(case, jnp.float32)
   pool_k, pool_v, table = _paged(cache_k, cache_v, cache_segments, page_size)
-  want = ca.reference_cached_attention(q, k, v, segments, cache_k, cache_v, cache_segments, starts, mask="causal")
-  args = (q, k, v, segments, pool_k, pool_v, cache_segments, starts)
+  want = ca.reference_cached_attention(
+    CachedInputs(q, k, v, segments, cache_k, cache_v, cache_segments, starts), mask="causal"
+  )
+  args = CachedInputs(q, k, v, segments, pool_k, pool_v, cache_segments, starts)
   for impl in ("pallas", "xla"):
     fn = functools.partial(attention.attend_cached, mask="causal", implementation=impl, table=table)
-    _check_f32(jax.jit(fn)(*args), want)
-    gathers = sum(eqn.primitive.name == "gather" for eqn in jax.make_jaxpr(fn)(*args).jaxpr.eqns)
+    _check_f32(jax.jit(fn)(args), want)
+    gathers = sum(eqn.primitive.name == "gather" for eqn in jax.make_jaxpr(fn)(args).jaxpr.eqns)
     assert gathers == (0 if impl == "pallas" and page_size == 16 else 2), impl  # One per pool.
 
 
@@ -491,12 +498,14 @@ def test_paged_attend_cached_sharded_equals_the_reference(kv_heads):
   case = Case(8, 64, 4, kv_heads, "causal")
   q, k, v, segments, cache_k, cache_v, cache_segments, starts = _inputs(case, jnp.float32)
   pool_k, pool_v, table = _paged(cache_k, cache_v, cache_segments, 16)
-  want = ca.reference_cached_attention(q, k, v, segments, cache_k, cache_v, cache_segments, starts, mask="causal")
+  want = ca.reference_cached_attention(
+    CachedInputs(q, k, v, segments, cache_k, cache_v, cache_segments, starts), mask="causal"
+  )
   fn = functools.partial(attention.attend_cached, mask="causal", implementation="pallas", table=table)
-  args = (q, k, v, segments, pool_k, pool_v, cache_segments, starts)
+  args = CachedInputs(q, k, v, segments, pool_k, pool_v, cache_segments, starts)
   with jax.set_mesh(sharding.make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))), nn.logical_axis_rules(sharding.RULES):
-    got = jax.jit(fn)(*args)
-    assert "shard_map" in str(jax.make_jaxpr(fn)(*args))
+    got = jax.jit(fn)(args)
+    assert "shard_map" in str(jax.make_jaxpr(fn)(args))
   _check_f32(got, want)
 
 
@@ -516,7 +525,9 @@ def test_paged_kernel_lowers_to_triton_for_gpu():
       shape((batch,), jnp.int32),
       shape((batch, -(-slots // page_size)), jnp.int32),
     )
-    fn = jax.jit(lambda *a: ca.cached_attention(*a[:8], table=a[8], mask="block_causal", diffusion_block=8))
+    fn = jax.jit(
+      lambda *a: ca.cached_attention(CachedInputs(*a[:8]), table=a[8], mask="block_causal", diffusion_block=8)
+    )
     lowered = fn.trace(*args).lower(lowering_platforms=("cuda",))
     assert lowered.as_text().count("__gpu$xla.gpu.triton") == 1
 
@@ -538,7 +549,7 @@ def test_transformer_over_a_paged_cache_gives_the_dense_cache_logits():
   paged = PagedKVCache.empty(cfg, 2, 48, pages=8, page_size=16)
   for row, pages in enumerate(([5, 2, SINK], [7, 1, 3])):
     one = KVCache(dense.keys[:, row : row + 1], dense.values[:, row : row + 1], dense.segments[row : row + 1])
-    paged = paged.insert(row, jnp.asarray(pages, jnp.int32), one)
+    paged = paged.insert_row(row, one, jnp.asarray(pages, jnp.int32))
   paged = paged._replace(segments=paged.segments.at[1, 13:].set(0))  # Row 1 resumes at slot 13.
   dense = dense._replace(segments=paged.segments)
   starts = jnp.asarray([20, 13], jnp.int32)
@@ -567,7 +578,7 @@ TILED_CASES = [CASES[0], CASES[2], CASES[4], CASES[6], CASES[7], Case(6, 64, 4, 
 
 def _one_shot(case: Case, args):
   """The XLA path's one softmax over every slot (``attention._cached_xla``), the tiles' reference."""
-  return jax.jit(lambda *a: attention._cached_xla(*a, case.mask, case.diffusion_block))(*args)
+  return jax.jit(lambda a: attention._cached_xla(a, case.mask, case.diffusion_block))(args)
 
 
 @pytest.mark.parametrize("case", TILED_CASES, ids=str)
@@ -578,15 +589,15 @@ def test_the_cache_read_in_tiles_equals_one_softmax_over_every_slot(case):
   args = _inputs(case, jnp.float32)
   want = _one_shot(case, args)
   if case.mask != "verify_chunk":
-    _check_f32(want, ca.reference_cached_attention(*args, **_options(case)))
+    _check_f32(want, ca.reference_cached_attention(CachedInputs(*args), **_options(case)))
   q, k, v, segments, cache_k, cache_v, cache_segments, starts = args
   for tile, page_size in ((16, None), (24, None), (24, 8), (24, 16)):
     tiled = jax.jit(functools.partial(bca.cached_attention, tile=tile, **_options(case)))
     if page_size is None:
-      _check_f32(tiled(*args), want)
+      _check_f32(tiled(args), want)
       continue
     pool_k, pool_v, table = _paged(cache_k, cache_v, cache_segments.at[3].set(0), page_size)
-    _check_f32(tiled(q, k, v, segments, pool_k, pool_v, cache_segments, starts, table=table), want)
+    _check_f32(tiled(args._replace(cache_k=pool_k, cache_v=pool_v), table=table), want)
 
 
 @pytest.mark.parametrize("mask, diffusion_block", [("causal", None), ("block_causal", 4), ("verify_chunk", 2)])
@@ -600,9 +611,8 @@ def test_tiles_past_the_last_visible_slot_are_never_read(mask, diffusion_block):
   end = int(jnp.max(bca.visible_end(starts, chunk, mask, diffusion_block)))
   first_unread = -(-end // 16) * 16
   poisoned = cache_v.at[:, first_unread:].set(jnp.nan)
-  args = (q, k, v, segments, cache_k, cache_v, cache_segments, starts)
-  got = bca.cached_attention(q, k, v, segments, cache_k, poisoned, cache_segments, starts, mask=mask,
-                             diffusion_block=diffusion_block, tile=16)  # fmt: skip
+  args = CachedInputs(q, k, v, segments, cache_k, cache_v, cache_segments, starts)
+  got = bca.cached_attention(args._replace(cache_v=poisoned), mask=mask, diffusion_block=diffusion_block, tile=16)
   assert first_unread < 160 and np.isfinite(np.asarray(got)).all()
   _check_f32(got, _one_shot(case, args))
 
@@ -611,12 +621,9 @@ def test_a_rows_result_is_the_same_whatever_the_other_rows_read():
   """Row 0 (a chunk at slot 0) beside a row that reads one tile or nine: bitwise the same, since the extra tiles are
   fully masked for row 0 and leave its softmax state as it was."""
   case = Case(4, 160, 4, 2, "causal")
-  q, k, v, segments, cache_k, cache_v, cache_segments, _ = _inputs(case, jnp.float32)
+  args = _inputs(case, jnp.float32)
   tiled = jax.jit(functools.partial(bca.cached_attention, mask="causal", tile=16))
-  outs = [
-    np.asarray(tiled(q, k, v, segments, cache_k, cache_v, cache_segments, jnp.asarray([0, s, 3, 5], jnp.int32)))
-    for s in (2, 140)
-  ]
+  outs = [np.asarray(tiled(args._replace(starts=jnp.asarray([0, s, 3, 5], jnp.int32)))) for s in (2, 140)]
   np.testing.assert_array_equal(outs[0][0], outs[1][0])
 
 
@@ -633,7 +640,10 @@ def test_attend_cached_reads_long_caches_in_tiles_and_short_ones_in_one_softmax(
 
     def fn(q, k, v, seg, ck, cv, cs):
       return attention.attend_cached(
-        q, k, v, seg, ck, cv, cs, jnp.zeros((1,), jnp.int32), mask="causal", implementation="xla", blockwise=blockwise
+        CachedInputs(q, k, v, seg, ck, cv, cs, jnp.zeros((1,), jnp.int32)),
+        mask="causal",
+        implementation="xla",
+        blockwise=blockwise,
       )
 
     return jax.jit(fn).lower(q, k, k, seg, cache, cache, cache_seg).as_text()
@@ -641,7 +651,8 @@ def test_attend_cached_reads_long_caches_in_tiles_and_short_ones_in_one_softmax(
   assert "while" in text(attention.CACHED_BLOCKWISE_MIN_SLOTS)
   assert "while" not in text(attention.CACHED_BLOCKWISE_MIN_SLOTS - 16)
   assert "while" in text(64, blockwise=True)
+  chunk, cache = jnp.zeros((1, 4, 2, 16)), jnp.zeros((1, 8, 2, 16))
+  segments, cache_segments = jnp.ones((1, 4), jnp.int32), jnp.ones((1, 8), jnp.int32)
+  inputs = CachedInputs(chunk, chunk, chunk, segments, cache, cache, cache_segments, jnp.zeros(1, jnp.int32))
   with pytest.raises(ValueError, match="blockwise=True needs a mask"):
-    attention.attend_cached(*([jnp.zeros((1, 4, 2, 16))] * 3), jnp.ones((1, 4), jnp.int32),
-                            *([jnp.zeros((1, 8, 2, 16))] * 2), jnp.ones((1, 8), jnp.int32), jnp.zeros((1,), jnp.int32),
-                            mask="bidirectional", blockwise=True)  # fmt: skip
+    attention.attend_cached(inputs, mask="bidirectional", blockwise=True)

@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 from random_models import random_checkpoint
 
-from mercury_jax import kinds as K
+from mercury_jax import distill, kinds as K
 from mercury_jax.config import load_config
 from mercury_jax.constrain.schema import tool_call_schema
-from mercury_jax.data import chat_format, corpus, distill, instructions, pipeline, records
+from mercury_jax.data import chat_format, corpus, instructions, pipeline, records
+from mercury_jax.data.chat_template import chat_template_of
 from mercury_jax.data.tokenizer import Tokenizer
-from mercury_jax.serve.chat import chat_template_of
 from mercury_jax.serve.structured import parse_tool_call
 
 ROOT = Path(__file__).parent.parent

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mercury_jax.constrain import device
+from mercury_jax.sampling import automata as device
 from mercury_jax.sampling.proposal import Knobs
 
 MASK = 5  # the tiny vocabulary's mask id: tokens 0..4 are text, 5 is the mask
@@ -81,9 +81,8 @@ def test_dp_string_is_the_best_valid_string(seed, budget):
   knobs = Knobs(*(jnp.asarray([v]) for v in (0.0, 0, 1.0, 0.9)))
   noise = jnp.full((1, length, 6), 0.5)
   class_noise = jnp.full((1, length, t.table.shape[2]), 0.5)
-  x0, found = device.propose(
-    t, jnp.asarray([0]), clean, knobs, jnp.asarray(z), hole, jnp.asarray(remaining), noise, class_noise, MASK
-  )
+  block = device.Block(jnp.asarray([0]), jnp.asarray(z), hole, jnp.asarray(remaining), MASK)
+  x0, found = device.propose(t, block, clean, knobs, noise, class_noise)
   x0 = np.asarray(x0)[0]
   chosen = np.where(committed, z[0], x0)
 

@@ -57,7 +57,7 @@ def sft_dir(tmp_path_factory, lm_dir) -> Path:
 
 @pytest.fixture(scope="module")
 def tokenizer(lm_dir) -> Tokenizer:
-  return pipeline.load_tokenizer(lm_dir)
+  return pipeline.load_data_tokenizer(lm_dir)
 
 
 def _take(dataset, n):

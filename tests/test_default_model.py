@@ -67,7 +67,7 @@ def test_bundled_models_are_the_default_presets(sampler, twin):
     assert model.cfg.objective == preset.objective
     assert model.tokenizer.vocab_size <= model.cfg.model.vocab_size
   assert sampler.cfg.objective.name == "verified" and sampler.cfg.objective.draft_length == 4
-  assert sampler.decoder().decode == "verified" and twin.autoregressive and bd.block_size == 8
+  assert sampler.plan().decode == "verified" and twin.autoregressive and bd.block_size == 8
 
 
 def _nats_per_token(sampler: Sampler, rows: list[np.ndarray], draws: int = 4) -> list[float]:

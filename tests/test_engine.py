@@ -17,12 +17,12 @@ from mercury_jax.config import Config, MeshConfig, ModelConfig, ObjectiveConfig
 from mercury_jax.kvcache import KVCache
 from mercury_jax.model import Transformer, param_shardings
 from mercury_jax.sampling import canvas as cv
-from mercury_jax.sampling.caches import per_row
 from mercury_jax.sampling.engine import BlockEngine, prefill_slots
 from mercury_jax.sampling.mesh import jit_on_mesh
 from mercury_jax.sampling.plan import plan_blocks
 from mercury_jax.sampling.sampler import Sampler
 from mercury_jax.sampling.settings import SamplerSettings, SettingError, hole_loads, steps_per_block
+from mercury_jax.sampling.state import select_rows
 
 BLOCK = 4
 EOS = 3
@@ -416,13 +416,14 @@ def test_the_constraint_stops_running_once_its_row_is_released(tmp_path_factory,
   serving engine releases it (``Constraint.passes`` counts the steps that ran them)."""
   from random_models import random_checkpoint
 
-  from mercury_jax.constrain import device as constrained
+  from mercury_jax.sampling import automata as constrained
 
   path = random_checkpoint(tmp_path_factory.mktemp("released"), "block_diffusion", data_dir / "tokenizer.model")
   sampler = Sampler.from_checkpoint(path)
   automaton = sampler.constraint(regex=r"[a-z]{30}")
   canvas = cv.make_canvas([cv.prefix(sampler.tokenizer.encode("x = "), 40)] * 2)
-  canvas, plan = sampler.plan(canvas, sampler.decoder())
+  plan = sampler.plan(length=canvas.tokens.shape[1])
+  canvas = cv.pad_length(canvas, plan.length)
   settings = sampler.settings(temperature=0.0)
   engine = BlockEngine(sampler.network, settings, plan)
   capacity = constrained.capacity_of([automaton, automaton])
@@ -513,17 +514,17 @@ def test_the_engine_is_the_only_decoding_loop():
 
 
 def test_a_pass_run_for_some_rows_leaves_the_other_rows_logits_and_cache_as_they_were():
-  """``caches.per_row``: a batched pass runs when any row wants it; the rows that did not want it keep what they had,
+  """``state.select_rows``: a batched pass runs when any row wants it; the rows that did not want it keep what they had,
   in every layer (keys and values are ``[layers, b, ...]``, here with as many layers as rows, so that a mix-up of the
   two axes shows)."""
   want = jnp.asarray([True, False])
   old = KVCache(jnp.zeros((2, 2, 3, 1, 4)), jnp.zeros((2, 2, 3, 1, 4)), jnp.zeros((2, 3), jnp.int32))
   new = KVCache(jnp.ones((2, 2, 3, 1, 4)), 2 * jnp.ones((2, 2, 3, 1, 4)), jnp.ones((2, 3), jnp.int32))
-  got = per_row(want, new, old)
+  got = select_rows(want, new, old)
   np.testing.assert_array_equal(got.keys[:, 0], 1.0)
   np.testing.assert_array_equal(got.keys[:, 1], 0.0)
   np.testing.assert_array_equal(got.values[:, 0], 2.0)
   np.testing.assert_array_equal(got.values[:, 1], 0.0)
   np.testing.assert_array_equal(got.segments, [[1, 1, 1], [0, 0, 0]])
-  logits = per_row(want, jnp.ones((2, 4, 8)), jnp.zeros((2, 4, 8)))
+  logits = select_rows(want, jnp.ones((2, 4, 8)), jnp.zeros((2, 4, 8)))
   np.testing.assert_array_equal(logits.sum(axis=(1, 2)), [32.0, 0.0])

@@ -72,7 +72,7 @@ def test_autoregressive_nll_is_exact_and_draw_free(tmp_path, data_dir):
   # those of each record's first token, which has no context and is not scored.
   split = pipeline.read_metadata(data_dir)["splits"]["validation"]
   records_ = records.read_shards(pipeline.split_paths(data_dir, "validation"))
-  tokenizer = pipeline.load_tokenizer(data_dir)
+  tokenizer = pipeline.load_data_tokenizer(data_dir)
   model = Transformer(stored.model)
   nll = scored = 0.0
   unscored_chars = 0
@@ -140,7 +140,7 @@ def test_generative_perplexity_of_a_uniform_model_is_the_vocabulary_size():
 
 
 def test_characters_per_token_sum_to_the_text_length(data_dir):
-  tokenizer = pipeline.load_tokenizer(data_dir)
+  tokenizer = pipeline.load_data_tokenizer(data_dir)
   chars = tokenizer.characters_per_token()
   assert chars[[tokenizer.pad_id, tokenizer.bos_id, tokenizer.eos_id, tokenizer.mask_id]].sum() == 0
   # ASCII code, runs of spaces, a literal U+2581, and characters outside the vocabulary (byte fallback, 2-4 bytes).

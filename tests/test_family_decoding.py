@@ -29,10 +29,9 @@ from hf_reference import VOCAB, build, reference_logits  # noqa: E402
 from mercury_jax.checkpoint import restore_params  # noqa: E402
 from mercury_jax.convert import convert  # noqa: E402
 from mercury_jax.sampling import canvas as cv  # noqa: E402
-from mercury_jax.sampling.decoders import choose  # noqa: E402
 from mercury_jax.sampling.engine import BlockEngine  # noqa: E402
 from mercury_jax.sampling.network import Network  # noqa: E402
-from mercury_jax.sampling.plan import plan_blocks  # noqa: E402
+from mercury_jax.sampling.plan import Decoding, plan_blocks, plan_for  # noqa: E402
 from mercury_jax.sampling.settings import SamplerSettings  # noqa: E402
 
 PROMPTS = [[20, 31, 42, 53, 64], [70, 81, 92]]
@@ -133,14 +132,18 @@ def _engine_tokens(out_dir, prompt, gen_length, steps_per_block, **knobs):
   params = jax.tree.map(lambda a: a.astype(jnp.float32), params)
   special = _special(out_dir)
   or_pad = lambda name: special[name] if special[name] is not None else special["pad_id"]  # noqa: E731
-  decoder = choose(cfg, "auto", knobs.get("block_length", 0))
+  canvas = cv.make_canvas([cv.prefix(list(prompt), gen_length)])
+  length = canvas.tokens.shape[1]
+  chosen = plan_for(cfg, Decoding(block_length=knobs.get("block_length", 0)), length)
+  whole = chosen.whole_sequence and not knobs.get(
+    "block_length"
+  )  # the canvas as one block, unpadded (as the reference)
+  block = length if whole else chosen.block
+  plan = plan_blocks(canvas.kinds, block, cache=chosen.cache, whole_sequence=chosen.whole_sequence)
   settings = SamplerSettings(
     objective=cfg.objective, eos_id=special["eos_id"], pad_id=special["pad_id"], bos_id=or_pad("bos_id"),
     unk_id=or_pad("unk_id"), num_tokens=VOCAB, temperature=0.0, eos_to_pad=False, **knobs,
   ).validate()  # fmt: skip
-  canvas = cv.make_canvas([cv.prefix(list(prompt), gen_length)])
-  whole = not cfg.objective.block_size
-  plan = plan_blocks(canvas.kinds, decoder.block or canvas.tokens.shape[1], cache=decoder.cache, whole_sequence=whole)
   engine = BlockEngine(Network(cfg.model), settings, plan)
   out = jax.jit(engine.sample)(params, canvas, jax.random.key(0), jnp.int32(steps_per_block))
   return np.asarray(out.tokens)[0, len(prompt) : len(prompt) + gen_length]

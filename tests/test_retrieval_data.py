@@ -101,7 +101,7 @@ def test_prepare_writes_the_records_the_trainer_reads(tmp_path):
   meta = pipeline.read_metadata(out)
   assert meta["mode"] == "sft" and meta["corpus"] == spec and meta["seq_len"] == SEQ_LEN
   assert json.loads((out / "manifest.json").read_text())["kind"] == R.SPEC
-  tokenizer = pipeline.load_tokenizer(out)
+  tokenizer = pipeline.load_data_tokenizer(out)
   stored = records.read_shards([out / name for name in meta["splits"]["train"]["shards"]])
   np.testing.assert_array_equal(stored, R.records(R.parse_spec(spec), "train", SEQ_LEN, R.Symbols.of(tokenizer)))
   assert meta["splits"]["train"]["target_tokens"] == 20 * (8 + 1)  # 8 values and the EOS per record

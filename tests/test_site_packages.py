@@ -290,7 +290,7 @@ def test_weights_repeat_train_documents_only(tmp_path):
   rest = [d for d in sources.load_corpus(CORPUS_GLOB).documents if not d.key.endswith(".txt")]  # .txt: duplicates.
   train = [[d.text for d in texts.split("train")], [d.text for d in rest if d.split == "train"]]
   assert all(train)
-  tokenizer = pipeline.load_tokenizer(tmp_path / "mix")
+  tokenizer = pipeline.load_data_tokenizer(tmp_path / "mix")
   # Pass r holds the train documents of each corpus whose weight exceeds r: weights (3, 2) pack A B, A B, A.
   assert _stream_texts(tmp_path / "mix", "train", tokenizer) == train[0] + train[1] + train[0] + train[1] + train[0]
   validation = [d.text for d in texts.split("validation")] + [d.text for d in rest if d.split == "validation"]

@@ -14,6 +14,7 @@ import pytest
 
 from mercury_jax import attention
 from mercury_jax.kernels import cached_attention as ca, flash_attention as fa, masks
+from mercury_jax.kernels.common import CachedInputs
 
 F32_OUT = {"atol": 2e-5, "rtol": 2e-5}
 F32_GRAD = {"atol": 5e-5, "rtol": 5e-5}
@@ -221,9 +222,11 @@ def test_attend_cached_verify_chunk_matches_loops(implementation):
   q, kk, v = normal(2, chunk, heads, dim), normal(2, chunk, kv_heads, dim), normal(2, chunk, kv_heads, dim)
   cache_k, cache_v = normal(2, slots, kv_heads, dim), normal(2, slots, kv_heads, dim)
   got = attention.attend_cached(
-    q, kk, v, segments, cache_k, cache_v, cache_segments, starts, mask="verify_chunk", diffusion_block=k,
+    CachedInputs(q, kk, v, segments, cache_k, cache_v, cache_segments, starts),
+    mask="verify_chunk",
+    diffusion_block=k,
     implementation=implementation,
-  )  # fmt: skip
+  )
   in_cache, in_chunk = masks.cached(segments, cache_segments, starts, "verify_chunk", block=k)
   keys, values = np.concatenate([cache_k, kk], axis=1), np.concatenate([cache_v, v], axis=1)
   visible = np.concatenate([in_cache, in_chunk], axis=-1)  # [batch, chunk, slots + chunk]
@@ -246,9 +249,11 @@ def test_errors_name_the_value():
   segments, cache_segments, starts = jnp.ones((1, 6), jnp.int32), jnp.ones((1, 8), jnp.int32), jnp.zeros(1, jnp.int32)
   with pytest.raises(ValueError, match="no Pallas kernel"):
     ca.cached_attention(
-      chunk, chunk, chunk, segments, cache, cache, cache_segments, starts, mask="verify_chunk", diffusion_block=2,
+      CachedInputs(chunk, chunk, chunk, segments, cache, cache, cache_segments, starts),
+      mask="verify_chunk",
+      diffusion_block=2,
       interpret=True,
-    )  # fmt: skip
+    )
   seg = jnp.ones((1, 5), jnp.int32)
   with pytest.raises(ValueError, match="chunk of k \\+ k\\*k"):
     masks.cached(seg, jnp.ones((1, 8), jnp.int32), jnp.zeros((1,), jnp.int32), "verify_chunk", block=2)

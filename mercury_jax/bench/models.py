@@ -81,7 +81,7 @@ def _tokenizers(
     except FileNotFoundError:
       own[model] = None
   if data_dir is not None:
-    shared = pipeline.load_tokenizer(data_dir)
+    shared = pipeline.load_data_tokenizer(data_dir)
     for model, flag, path in models:
       if isinstance(own[model], HFTokenizer):
         raise ValueError(

@@ -11,24 +11,20 @@ nothing next to the model.
 
 from __future__ import annotations
 
-import statistics
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mercury_jax.bench.throughput import time_call
+from mercury_jax.bench.throughput import median_seconds
 from mercury_jax.sampling import canvas as cv
 from mercury_jax.sampling.caches import Needs
 from mercury_jax.sampling.engine import BlockEngine
+from mercury_jax.sampling.jobs import Budget
+from mercury_jax.sampling.plan import Decoding
 from mercury_jax.sampling.sampler import Sampler
 from mercury_jax.sampling.settings import SamplerSettings
-
-
-def median_seconds(fn, *args, repeats: int) -> float:
-  jax.block_until_ready(fn(*args))  # compile and warm up
-  return statistics.median(time_call(fn, *args) for _ in range(repeats))
 
 
 def engine_overhead(
@@ -42,11 +38,12 @@ def engine_overhead(
   passes: int = 32,
 ) -> dict[str, Any]:
   """The overhead ratio (module docstring) of ``sampler``'s engine on one canvas batch (one device)."""
-  decoder = sampler.decoder(cache, settings.block_length, settings.decode, settings.draft_length)
+  decoding = Decoding(cache, settings.block_length, settings.decode, settings.draft_length)
   canvas = cv.Canvas(*(np.asarray(a) for a in canvas))
-  canvas, plan = sampler.plan(canvas, decoder)
+  plan = sampler.plan(decoding, np.shape(canvas.tokens)[1])
+  canvas = cv.pad_length(canvas, plan.length, sampler.tokenizer.pad_id)
   whole_canvas = plan.whole_sequence and plan.block >= plan.length
-  budgets = sampler.steps_per_block(steps, None, canvas.kinds, 0 if whole_canvas else plan.block, settings)
+  budgets = sampler.steps_per_block(Budget(steps), canvas.kinds, 0 if whole_canvas else plan.block, settings)
   engine = BlockEngine(sampler.network, settings, plan)
   params, key = sampler.params, jax.random.key(0)
   per_block, extra = jnp.asarray(budgets[:, 0]), jnp.asarray(budgets[:, 1])
@@ -70,10 +67,8 @@ def engine_overhead(
           block=jnp.full_like(st.block, i % blocks), fresh=jnp.full_like(st.fresh, fresh), cache=cache
         )
         starts = engine.starts(moved)
-        if plan.draft:  # Verified decoding: the verify+draft chunk, every step alike.
-          logits, _, cache = engine.cache.window(p, moved, starts, settings.mask_id, jnp.ones((batch,), bool))
-          return total + logits[0, 0, 0], cache
-        needs = Needs(starts, jnp.ones((batch,), jnp.float32), jnp.ones((batch,), bool), moved.fresh)
+        ones = jnp.ones((batch,), bool)
+        needs = Needs(starts, jnp.ones((batch,), jnp.float32), ones, ones if plan.draft else moved.fresh)
         out = engine.cache.forward(p, moved, needs)
         return total + out.logits[0, 0, 0], out.cache
 

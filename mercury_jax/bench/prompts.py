@@ -17,6 +17,26 @@ from typing import NamedTuple
 
 from mercury_jax.data import corpus as corpus_lib, pipeline, sources
 
+# Short code prompts of the serving and accelerator benchmarks (``bench serve``'s default, ``bench gpu-sampling``).
+CODE_PROMPTS = (
+  "def fibonacci(n):",
+  "import os\n",
+  "class Stack:\n    def push(self, item):",
+  "def is_prime(n):",
+  "def read_config(path):",
+  "import json\n\ndef load(path):",
+  "def merge_sorted(a, b):",
+  "for i in range(10):",
+  "class Node:\n    def __init__(self, value):",
+  "def binary_search(items, target):",
+  "def parse_args():",
+  "import numpy as np\n\ndef normalize(x):",
+  "def flatten(nested):",
+  "with open('data.txt') as f:",
+  "def quicksort(items):",
+  "class Counter:\n    def increment(self):",
+)
+
 
 class Prompt(NamedTuple):
   """One prompt and where it came from (``key`` is the corpus document key, ``line`` its 1-based ``def`` line)."""

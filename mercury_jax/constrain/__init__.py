@@ -1,6 +1,6 @@
 """Structured output: constraints (regexes, JSON Schemas) compiled on the host into token-level automata of plain
 arrays (:mod:`~mercury_jax.constrain.automaton`), which the decoding engine runs over on the device
-(:mod:`~mercury_jax.constrain.device`).
+(:mod:`~mercury_jax.sampling.automata`).
 
 The host half (outlines-core, jsonschema) is imported on first use of its names, so decoding without a constraint
 never loads it.

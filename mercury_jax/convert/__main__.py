@@ -22,6 +22,7 @@ import functools
 import sys
 
 from mercury_jax import usage
+from mercury_jax.config import PARAM_DTYPES
 from mercury_jax.convert.build import convert
 from mercury_jax.convert.families import FAMILIES, ConvertError
 
@@ -38,7 +39,7 @@ def build_parser() -> usage.Parser:
     default="auto",
     help="default: from config.json's model_type (a plain qwen2/qwen3/llama needs it named)",
   )
-  p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="parameters' dtype")
+  p.add_argument("--dtype", choices=PARAM_DTYPES, default="bfloat16", help="parameters' dtype")
   p.add_argument("--max-length", type=int, default=None, help="context (default: the source's, at most 4096)")
   p.add_argument("--force", action="store_true", help="replace a non-empty --out folder")
   return p

@@ -31,9 +31,8 @@ from mercury_jax.convert.tokens import (
   write_tokenizer,
 )
 from mercury_jax.data.hf_files import TOKENIZER_CONFIG, TOKENIZER_JSON, SpecialTokens
+from mercury_jax.files import CARD_FILE, ORBAX_COMMIT_MARKER
 
-CARD_FILE = "MODEL_CARD.md"
-ORBAX_COMMIT_MARKER = "commit_success.txt"
 NUMPY_DTYPES = {"bfloat16": np.dtype(ml_dtypes.bfloat16), "float32": np.dtype(np.float32)}
 PROGRESS_MIN_BYTES = 64 * 2**20  # Smaller conversions print no progress.
 

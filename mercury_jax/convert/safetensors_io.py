@@ -20,7 +20,7 @@ import numpy as np
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 # safetensors dtype codes this reader takes (every float format public checkpoints ship in).
-DTYPES = {"BF16": ml_dtypes.bfloat16, "F16": np.float16, "F32": np.float32, "F64": np.float64}
+DTYPE_CODES = {"BF16": ml_dtypes.bfloat16, "F16": np.float16, "F32": np.float32, "F64": np.float64}
 _MAX_HEADER = 100 * 2**20  # The format's own limit on the JSON header (100 MB).
 
 
@@ -73,9 +73,9 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
       code, shape, (begin, stop) = entry["dtype"], tuple(int(n) for n in entry["shape"]), entry["data_offsets"]
     except (KeyError, TypeError, ValueError):
       raise CheckpointError(f"{path.name}: tensor {name!r} has a malformed header entry {entry!r}") from None
-    if code not in DTYPES:
-      raise CheckpointError(f"{path.name}: tensor {name!r} has dtype {code}; supported: {', '.join(DTYPES)}")
-    info = TensorInfo(path, np.dtype(DTYPES[code]), shape, 8 + length + int(begin))
+    if code not in DTYPE_CODES:
+      raise CheckpointError(f"{path.name}: tensor {name!r} has dtype {code}; supported: {', '.join(DTYPE_CODES)}")
+    info = TensorInfo(path, np.dtype(DTYPE_CODES[code]), shape, 8 + length + int(begin))
     if stop - begin != info.nbytes:
       raise CheckpointError(
         f"{path.name}: tensor {name!r} {code}{list(shape)} needs {info.nbytes} bytes but its offsets span "

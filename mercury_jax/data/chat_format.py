@@ -1,8 +1,8 @@
 """The bundled models' chat format: one Jinja2 chat template (``data.chat_template``) and the calls it writes.
 
-The template is rendered by :class:`mercury_jax.serve.chat.ChatTemplate`, the code that renders imported Hugging Face
-templates, for training examples (:mod:`mercury_jax.data.instructions`) and for the server alike. A conversation is a
-run of turns, each a header line and its text::
+The template is rendered by :class:`mercury_jax.data.chat_template.ChatTemplate`, the code that renders imported
+Hugging Face templates, for training examples (:mod:`mercury_jax.data.instructions`) and for the server alike. A
+conversation is a run of turns, each a header line and its text::
 
   <|system|>
   You write Python.
@@ -101,7 +101,7 @@ def assistant_call(name: str, arguments: dict, call_id: str = "call_0") -> dict:
 
 def render(messages: Sequence[dict], tools: Sequence[dict] | None = None, *, add_generation_prompt: bool = True) -> str:
   """``messages`` (and ``tools``) in this format, through the server's template code (module docstring)."""
-  from mercury_jax.serve.chat import ChatTemplate  # jinja2: loaded only where chats are rendered
+  from mercury_jax.data.chat_template import ChatTemplate  # jinja2: loaded only where chats are rendered
 
   return _template(ChatTemplate).render(messages, tools=tools, add_generation_prompt=add_generation_prompt)
 

@@ -27,11 +27,9 @@ from grain.experimental import ZipMapDataset
 from mercury_jax import sharding
 from mercury_jax.data import records
 from mercury_jax.data.tokenizer import Tokenizer
+from mercury_jax.files import METADATA_FILE, TOKENIZER_FILE
 
 FORMAT_VERSION = 1
-METADATA_FILE = "metadata.json"
-MANIFEST_FILE = "manifest.json"
-TOKENIZER_FILE = "tokenizer.model"
 _PREPARE_HINT = "run `python -m mercury_jax.prepare --corpus python-stdlib --out DATA_DIR` to prepare one"
 
 
@@ -58,8 +56,12 @@ def read_metadata(data_dir: str | os.PathLike) -> dict[str, Any]:
   return metadata
 
 
-def load_tokenizer(data_dir: str | os.PathLike) -> Tokenizer:
-  """The tokenizer that a prepared directory was encoded with."""
+def load_data_tokenizer(data_dir: str | os.PathLike) -> Tokenizer:
+  """The tokenizer that a prepared directory was encoded with (a checkpoint's: ``tokenizer.load_tokenizer``).
+
+  Raises:
+    ValueError: ``data_dir`` is not a prepared directory (:func:`read_metadata`).
+  """
   read_metadata(data_dir)
   return Tokenizer.load(Path(data_dir) / TOKENIZER_FILE)
 
@@ -188,7 +190,7 @@ def train_dataset(
     mix: More prepared directories ``(dir, weight)`` (``data.mix``) whose train records are mixed into
       ``data_dir``'s (weight 1), record by record in proportion to the weights; the rows of a batch are drawn from
       the mixed stream. Empty: ``data_dir`` alone, exactly as before mixtures existed.
-    distill: Self-distillation sets ``(dir, weight)`` (``data.distill``: ``python -m mercury_jax.data.distill``),
+    distill: Self-distillation sets ``(dir, weight)`` (``data.distill``: ``python -m mercury_jax.distill``),
       mixed with each other by weight; ``distill_batch_size`` of their records (over all processes) follow the
       ``global_batch_size`` rows of every batch, so the first rows are exactly the batches without them.
     distill_batch_size: Rows from ``distill`` per global batch.

@@ -27,6 +27,8 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 import sentencepiece as spm
 
+from mercury_jax.files import TOKENIZER_FILE
+
 PAD_ID = 0
 UNK_ID = 1
 BOS_ID = 2
@@ -41,7 +43,6 @@ MIN_VOCAB_SIZE = NUM_BYTE_PIECES + NUM_SPECIAL + 128
 MAX_TRAINING_SENTENCES = 50_000  # Training sentences are chunks of up to LINES_PER_SENTENCE lines.
 LINES_PER_SENTENCE = 16
 MAX_SENTENCE_CHARS = 8192  # Longer chunks are cut; sentencepiece would silently skip them.
-SENTENCEPIECE_FILE = "tokenizer.model"  # A checkpoint's sentencepiece tokenizer (``checkpoint.TOKENIZER_FILE``).
 
 
 @runtime_checkable
@@ -277,7 +278,8 @@ def load_tokenizer(path: str | os.PathLike) -> TextTokenizer:
   """The tokenizer of a checkpoint (an export, a step folder or a train workdir), looked for in ``path`` and the two
   folders above it: ``tokenizer.model`` gives a sentencepiece :class:`Tokenizer`, ``tokenizer.json`` with
   ``special_tokens.json`` (a converted Hugging Face checkpoint) an
-  :class:`~mercury_jax.data.hf_tokenizer.HFTokenizer`. ``path`` may also be a ``tokenizer.model`` file.
+  :class:`~mercury_jax.data.hf_tokenizer.HFTokenizer`. ``path`` may also be a ``tokenizer.model`` file. (A prepared
+  data folder's tokenizer: ``pipeline.load_data_tokenizer``.)
 
   Raises:
     FileNotFoundError: Neither is found.
@@ -290,8 +292,8 @@ def load_tokenizer(path: str | os.PathLike) -> TextTokenizer:
     return Tokenizer.load(path)
   half = None
   for folder in (path, path.parent, path.parent.parent):
-    if (folder / SENTENCEPIECE_FILE).is_file():
-      return Tokenizer.load(folder / SENTENCEPIECE_FILE)
+    if (folder / TOKENIZER_FILE).is_file():
+      return Tokenizer.load(folder / TOKENIZER_FILE)
     if (folder / hf_files.TOKENIZER_JSON).is_file():
       if (folder / hf_files.SPECIAL_TOKENS_FILE).is_file():
         return hf_tokenizer.HFTokenizer.load(folder)
@@ -303,7 +305,7 @@ def load_tokenizer(path: str | os.PathLike) -> TextTokenizer:
     else ""
   )
   raise FileNotFoundError(
-    f"no tokenizer in {str(path)!r} or the two folders above it: expected {SENTENCEPIECE_FILE} or "
+    f"no tokenizer in {str(path)!r} or the two folders above it: expected {TOKENIZER_FILE} or "
     f"{hf_files.TOKENIZER_JSON} with {hf_files.SPECIAL_TOKENS_FILE}{hint}"
   )
 

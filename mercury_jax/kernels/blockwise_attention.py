@@ -60,8 +60,6 @@ from jax import lax
 
 from mercury_jax.kernels import masks
 
-_BLOCK_MASKS = ("block_causal", "block_diffusion", "verified")  # The masks that take a diffusion_block.
-_TWO_HALVES = ("block_diffusion", "verified")  # The masks over two halves of equal length.
 _FAR = 2**30  # A key position past any sequence: the end of a bidirectional query's key range.
 
 
@@ -160,6 +158,33 @@ def init_state(q: jax.Array):
   return jnp.full(stats, -jnp.inf), jnp.zeros(stats), jnp.zeros(q.shape, jnp.float32)
 
 
+def _query_chunk(plan: Plan, i, q, q_pos, q_seg):
+  """Query chunk ``i``: ``(start, scaled float32 queries [b, kv, g, bq, d], positions [bq], segments [b, bq])``."""
+  start = i * plan.block_q
+  q_i = _slice(q, start, plan.block_q, 3).astype(jnp.float32) * plan.scale  # [b, kv, g, bq, d]
+  return start, q_i, _slice(q_pos, start, plan.block_q, 0), _slice(q_seg, start, plan.block_q, 1)
+
+
+def _visit_keys(plan: Plan, qp, qs, k, v, k_start, k_seg, step, carry):
+  """``step(j, k_j, v_j, seen, carry)`` over the key chunks ``j`` that a query chunk (positions ``qp``, segments
+  ``qs``) may see: those in :func:`_chunk_range`, and of them only the ones whose tile ``seen`` (the positional mask
+  and the segments) holds a visible pair (a ``lax.cond``); ``k_j``, ``v_j`` are float32 ``[b, kv, bk, d]``."""
+  bk = plan.block_k
+
+  def key_chunk(j, carry):
+    def update(carry):
+      k_j = _slice(k, j * bk, bk, 2).astype(jnp.float32)  # [b, kv, bk, d]
+      v_j = _slice(v, j * bk, bk, 2).astype(jnp.float32)
+      return step(j, k_j, v_j, seen, carry)
+
+    k_pos = k_start + j * bk + jnp.arange(bk, dtype=jnp.int32)
+    seen = plan.visible(qp, k_pos, qs, _slice(k_seg, j * bk, bk, 1))
+    return lax.cond(jnp.any(seen), update, lambda carry: carry, carry)
+
+  lo, hi = _chunk_range(plan, jnp.min(qp), jnp.max(qp), k_start, k.shape[2] // bk)
+  return lax.fori_loop(lo, hi, key_chunk, carry)
+
+
 def accumulate(plan: Plan, q, q_pos, q_seg, k, v, k_start, k_seg, state):
   """``state`` with the keys ``k``, ``v`` at positions ``k_start ..`` folded in (module docstring).
 
@@ -173,36 +198,25 @@ def accumulate(plan: Plan, q, q_pos, q_seg, k, v, k_start, k_seg, state):
     k_seg: ``[batch, k_len]`` int32 segments of the keys (0: padding).
     state: ``(m, ell, acc)`` from :func:`init_state` or an earlier call.
   """
-  bq, bk = plan.block_q, plan.block_k
-  num_k = k.shape[2] // bk
+  bq = plan.block_q
 
   def query_chunk(i, state):
     m, ell, acc = state
-    start = i * bq
-    q_i = _slice(q, start, bq, 3).astype(jnp.float32) * plan.scale  # [b, kv, g, bq, d]
-    qp, qs = _slice(q_pos, start, bq, 0), _slice(q_seg, start, bq, 1)
+    start, q_i, qp, qs = _query_chunk(plan, i, q, q_pos, q_seg)
 
-    def key_chunk(j, chunk_state):
-      def update(chunk_state):
-        m, ell, acc = chunk_state
-        k_j = _slice(k, j * bk, bk, 2).astype(jnp.float32)  # [b, kv, bk, d]
-        v_j = _slice(v, j * bk, bk, 2).astype(jnp.float32)
-        s = jnp.einsum("bhgqd,bhkd->bhgqk", q_i, k_j)  # [b, kv, g, bq, bk]
-        s = jnp.where(seen[:, None, None], s, -jnp.inf)
-        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
-        m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # A row that has seen nothing yet keeps weight 0.
-        p = jnp.exp(s - m_safe[..., None])
-        alpha = jnp.exp(m - m_safe)
-        acc = acc * alpha[..., None] + jnp.einsum("bhgqk,bhkd->bhgqd", p, v_j)
-        return m_new, ell * alpha + jnp.sum(p, axis=-1), acc
-
-      k_pos = k_start + j * bk + jnp.arange(bk, dtype=jnp.int32)
-      seen = plan.visible(qp, k_pos, qs, _slice(k_seg, j * bk, bk, 1))
-      return lax.cond(jnp.any(seen), update, lambda chunk_state: chunk_state, chunk_state)
+    def update(j, k_j, v_j, seen, chunk_state):
+      m, ell, acc = chunk_state
+      s = jnp.einsum("bhgqd,bhkd->bhgqk", q_i, k_j)  # [b, kv, g, bq, bk]
+      s = jnp.where(seen[:, None, None], s, -jnp.inf)
+      m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+      m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # A row that has seen nothing yet keeps weight 0.
+      p = jnp.exp(s - m_safe[..., None])
+      alpha = jnp.exp(m - m_safe)
+      acc = acc * alpha[..., None] + jnp.einsum("bhgqk,bhkd->bhgqd", p, v_j)
+      return m_new, ell * alpha + jnp.sum(p, axis=-1), acc
 
     chunk_state = (_slice(m, start, bq, 3), _slice(ell, start, bq, 3), _slice(acc, start, bq, 3))
-    lo, hi = _chunk_range(plan, jnp.min(qp), jnp.max(qp), k_start, num_k)
-    m_i, ell_i, acc_i = lax.fori_loop(lo, hi, key_chunk, chunk_state)
+    m_i, ell_i, acc_i = _visit_keys(plan, qp, qs, k, v, k_start, k_seg, update, chunk_state)
     return _put(m, m_i, start, 3), _put(ell, ell_i, start, 3), _put(acc, acc_i, start, 3)
 
   return lax.fori_loop(0, q.shape[3] // bq, query_chunk, state)
@@ -225,36 +239,25 @@ def gradients(plan: Plan, q, q_pos, q_seg, k, v, k_start, k_seg, lse, delta, d_o
   one run of many. ``dk`` and ``dv`` are the run's, like ``k``; ``dq`` is the queries' and includes the scale.
   """
   bq, bk = plan.block_q, plan.block_k
-  num_k = k.shape[2] // bk
 
   def query_chunk(i, grads):
     dq, dk, dv = grads
-    start = i * bq
-    q_i = _slice(q, start, bq, 3).astype(jnp.float32) * plan.scale  # [b, kv, g, bq, d]
+    start, q_i, qp, qs = _query_chunk(plan, i, q, q_pos, q_seg)
     do_i = _slice(d_out, start, bq, 3).astype(jnp.float32)
     lse_i, delta_i = _slice(lse, start, bq, 3)[..., None], _slice(delta, start, bq, 3)[..., None]
-    qp, qs = _slice(q_pos, start, bq, 0), _slice(q_seg, start, bq, 1)
 
-    def key_chunk(j, carry):
-      def update(carry):
-        dq_i, dk, dv = carry
-        k_j = _slice(k, j * bk, bk, 2).astype(jnp.float32)  # [b, kv, bk, d]
-        v_j = _slice(v, j * bk, bk, 2).astype(jnp.float32)
-        s = jnp.einsum("bhgqd,bhkd->bhgqk", q_i, k_j)  # [b, kv, g, bq, bk]
-        p = jnp.where(seen[:, None, None], jnp.exp(s - lse_i), 0.0)
-        dv_j = jnp.einsum("bhgqk,bhgqd->bhkd", p, do_i)  # Summed over the group's query heads.
-        dp = jnp.einsum("bhgqd,bhkd->bhgqk", do_i, v_j)
-        ds = p * (dp - delta_i)
-        dq_i = dq_i + jnp.einsum("bhgqk,bhkd->bhgqd", ds, k_j) * plan.scale
-        dk_j = jnp.einsum("bhgqk,bhgqd->bhkd", ds, q_i)  # q_i carries the scale already.
-        return dq_i, _add_slice(dk, dk_j, j * bk, 2), _add_slice(dv, dv_j, j * bk, 2)
+    def update(j, k_j, v_j, seen, carry):
+      dq_i, dk, dv = carry
+      s = jnp.einsum("bhgqd,bhkd->bhgqk", q_i, k_j)  # [b, kv, g, bq, bk]
+      p = jnp.where(seen[:, None, None], jnp.exp(s - lse_i), 0.0)
+      dv_j = jnp.einsum("bhgqk,bhgqd->bhkd", p, do_i)  # Summed over the group's query heads.
+      dp = jnp.einsum("bhgqd,bhkd->bhgqk", do_i, v_j)
+      ds = p * (dp - delta_i)
+      dq_i = dq_i + jnp.einsum("bhgqk,bhkd->bhgqd", ds, k_j) * plan.scale
+      dk_j = jnp.einsum("bhgqk,bhgqd->bhkd", ds, q_i)  # q_i carries the scale already.
+      return dq_i, _add_slice(dk, dk_j, j * bk, 2), _add_slice(dv, dv_j, j * bk, 2)
 
-      k_pos = k_start + j * bk + jnp.arange(bk, dtype=jnp.int32)
-      seen = plan.visible(qp, k_pos, qs, _slice(k_seg, j * bk, bk, 1))
-      return lax.cond(jnp.any(seen), update, lambda carry: carry, carry)
-
-    lo, hi = _chunk_range(plan, jnp.min(qp), jnp.max(qp), k_start, num_k)
-    dq_i, dk, dv = lax.fori_loop(lo, hi, key_chunk, (_slice(dq, start, bq, 3), dk, dv))
+    dq_i, dk, dv = _visit_keys(plan, qp, qs, k, v, k_start, k_seg, update, (_slice(dq, start, bq, 3), dk, dv))
     return _put(dq, dq_i, start, 3), dk, dv
 
   return lax.fori_loop(0, q.shape[3] // bq, query_chunk, grads)
@@ -319,12 +322,7 @@ def check_args(q, k, v, segment_ids, mask: str, diffusion_block: int | None):
     raise ValueError(f"k {k.shape} and v {v.shape} must both be [batch, length, kv_heads, head_dim] for q {q.shape}")
   if heads % kv_heads:
     raise ValueError(f"{heads=} must be a multiple of {kv_heads=} (grouped-query attention)")
-  if mask not in masks.MASKS:
-    raise ValueError(f"{mask=} must be one of {masks.MASKS}")
-  if (mask in _BLOCK_MASKS) != (diffusion_block is not None):
-    raise ValueError(f"{diffusion_block=} must be given exactly for the block masks {_BLOCK_MASKS} (got {mask=})")
-  if diffusion_block is not None and diffusion_block < 1:
-    raise ValueError(f"{diffusion_block=} must be a positive int")
+  masks.check(mask, diffusion_block, length=length)
   if segment_ids is not None and segment_ids.shape != (batch, length):
     raise ValueError(f"segment_ids {segment_ids.shape} must be [batch, length] = {(batch, length)}")
 
@@ -357,13 +355,11 @@ def blockwise_attention(
   check_args(q, k, v, segment_ids, mask, diffusion_block)
   if k.shape[1] != length:
     raise ValueError(f"k {k.shape} must have q's length {length} (self-attention)")
-  if mask in _TWO_HALVES and length % 2:
-    raise ValueError(f"{mask=} runs over two halves (drafts ⊕ x_0) and needs an even length, got {length=}")
   blocks = (block_sizes or BlockSizes()).fit(length)
   plan = Plan(
     mask=mask,
     diffusion_block=diffusion_block,
-    half=length // 2 if mask in _TWO_HALVES else None,
+    half=length // 2 if mask in masks.TWO_HALVES else None,
     block_q=blocks.block_q,
     block_k=blocks.block_k,
     scale=head_dim**-0.5,

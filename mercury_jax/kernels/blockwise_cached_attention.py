@@ -13,7 +13,8 @@ fully masked tile leaves the running maximum, normaliser and accumulator bitwise
 are tile ``s // T`` whatever the batch, so the same row sums the same tiles in the same order in any batch.
 
 Only the masks whose visible slots end before the chunk's end are bounded (``causal``, ``block_causal`` and the
-verified chunk, :data:`BOUNDED`); a bidirectional chunk sees every slot and keeps the one-shot path.
+verified chunk, :data:`mercury_jax.kernels.masks.BOUNDED`); a bidirectional chunk sees every slot and keeps the
+one-shot path.
 """
 
 from __future__ import annotations
@@ -23,9 +24,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from mercury_jax.kernels import masks
+from mercury_jax.kernels.common import CachedInputs
 from mercury_jax.kvcache import read_pages
 
-BOUNDED = ("causal", "block_causal", "verify_chunk")
 DEFAULT_TILE = 512  # Slots per tile (rounded up to whole pages of a paged cache).
 
 
@@ -41,18 +42,11 @@ def visible_end(starts: jax.Array, chunk: int, mask: str, block: int | None) -> 
     return starts + chunk
   if mask == "block_causal":
     return ((starts + chunk - 1) // block + 1) * block
-  raise ValueError(f"{mask=} is not bounded; the bounded masks are {BOUNDED}")
+  raise ValueError(f"{mask=} is not bounded; the bounded masks are {masks.BOUNDED}")
 
 
 def cached_attention(
-  q: jax.Array,
-  k: jax.Array,
-  v: jax.Array,
-  segments: jax.Array,
-  cache_k: jax.Array,
-  cache_v: jax.Array,
-  cache_segments: jax.Array,
-  starts: jax.Array,
+  inputs: CachedInputs,
   *,
   mask: str,
   diffusion_block: int | None = None,
@@ -63,14 +57,9 @@ def cached_attention(
   """``attention.attend_cached``'s result, reading the cache tile by tile up to each row's last visible slot.
 
   Args:
-    q: ``[batch, chunk, heads, head_dim]``.
-    k: ``[batch, chunk, kv_heads, head_dim]``, the chunk's keys; ``v`` likewise.
-    segments: ``[batch, chunk]`` int32 (0: padding).
-    cache_k: ``[batch, slots, kv_heads, head_dim]``; with ``table``, one layer's pool ``[pages, kv_heads, page_size,
-      head_dim]``. ``cache_v`` likewise.
-    cache_segments: ``[batch, slots]`` int32.
-    starts: ``[batch]`` int32, each row's first slot of the chunk.
-    mask: one of :data:`BOUNDED`.
+    inputs: the chunk and the cache (:class:`~mercury_jax.kernels.common.CachedInputs`); with ``table``,
+      ``cache_k`` and ``cache_v`` are one layer's pools ``[pages, kv_heads, page_size, head_dim]``.
+    mask: one of :data:`mercury_jax.kernels.masks.BOUNDED`.
     diffusion_block: the block of ``block_causal``; the draft length of ``verify_chunk``.
     table: ``[batch, ceil(slots / page_size)]`` int32 page table of a paged cache.
     tile: slots per tile (a paged cache's is rounded up to whole pages).
@@ -80,6 +69,7 @@ def cached_attention(
   Returns:
     ``[batch, chunk, heads, head_dim]`` in ``v``'s dtype.
   """
+  q, k, v, segments, cache_k, cache_v, cache_segments, starts = inputs
   batch, chunk, heads, head_dim = q.shape
   kv_heads, slots = k.shape[2], cache_segments.shape[1]
   groups = heads // kv_heads

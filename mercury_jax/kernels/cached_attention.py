@@ -69,15 +69,14 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from mercury_jax.kernels import masks
+from mercury_jax.kernels import common, masks
+from mercury_jax.kernels.common import CachedInputs, cdiv, clip, dot
 
-MASKS = ("causal", "block_causal", "bidirectional")
-PAGE_MULTIPLE = 16  # A paged cache's page_size must be a multiple of this (the smallest cache tile).
-_LOG2_E = math.log2(math.e)
+PAGE_MULTIPLE = common.MIN_TILE  # A paged cache's page_size must be a multiple of this (the smallest cache tile).
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class BlockSizes:
+class BlockSizes(common.TritonBlockSizes):
   """Tile sizes and Triton launch parameters; every block is a power of two >= 16.
 
   Attributes:
@@ -94,12 +93,6 @@ class BlockSizes:
   num_warps: int = 4
   num_stages: int = 2
 
-  def __post_init__(self):
-    for name in ("block_q", "block_k", "block_c"):
-      value = getattr(self, name)
-      if value < 16 or value & (value - 1):
-        raise ValueError(f"BlockSizes.{name}={value} must be a power of two >= 16 (Triton tiles and tensor cores)")
-
   @classmethod
   def get_default(cls, head_dim: int, dtype=jnp.bfloat16) -> BlockSizes:
     """Tiles for Hopper (H100/H200) that fit the kernel in its registers and shared memory.
@@ -109,14 +102,14 @@ class BlockSizes:
     three masks: no stack use (spills), at most 129 KiB of shared memory (of 227), except float32 with head_dim 256 on a
     16-row tile (a one-token step) under causal or bidirectional, which spills 160 bytes. Not yet timed on a GPU.
     bfloat16 takes the forward tiles of ``flash_attention``. float32 runs IEEE float32 dots (no tensor cores, see
-    ``_dot``), which need far more registers: small query tiles and 8 warps. ``fit`` shrinks the tiles for short
+    ``common.dot``), which need far more registers: small query tiles and 8 warps. ``fit`` shrinks the tiles for short
     chunks (a one-token decoding step has ``groups`` rows).
 
     Args:
       head_dim: the head dimension (padded internally to a power of two >= 16).
       dtype: the input dtype.
     """
-    padded = max(16, pl.next_power_of_2(head_dim))
+    padded = common.padded_tile(head_dim)
     if jnp.dtype(dtype).itemsize > 2:
       if padded <= 64:
         return cls(32, 32, 32, num_warps=8, num_stages=2)
@@ -130,13 +123,7 @@ class BlockSizes:
   def fit(self, rows: int, chunk: int, slots: int) -> BlockSizes:
     """Shrinks each block to at most its padded extent: ``rows`` query rows (chunk tokens times the group's heads),
     ``chunk`` keys of the chunk, ``slots`` cache slots."""
-    cap = lambda n: max(16, pl.next_power_of_2(n))
-    return dataclasses.replace(
-      self,
-      block_q=min(self.block_q, cap(rows)),
-      block_k=min(self.block_k, cap(slots)),
-      block_c=min(self.block_c, cap(chunk)),
-    )
+    return self.capped(block_q=rows, block_k=slots, block_c=chunk)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,15 +173,15 @@ class _Plan:
     first, last = self._chunk_span(tile)
     below = jnp.minimum(start, slots)
     after = jnp.minimum(start + self.chunk, slots)
-    hi_first = _clip(self.limit(start + first), after, slots)
-    hi_last = _clip(self.limit(start + last), after, slots)
+    hi_first = clip(self.limit(start + first), after, slots)
+    hi_last = clip(self.limit(start + last), after, slots)
     begin = lax.div(after, block_k)
-    end = jnp.where(hi_last > after, _cdiv(hi_last, block_k), begin)
-    whole_begin = _clip(_cdiv(after, block_k), begin, end)
-    whole_end = _clip(lax.div(hi_first, block_k), whole_begin, end)
+    end = jnp.where(hi_last > after, cdiv(hi_last, block_k), begin)
+    whole_begin = clip(cdiv(after, block_k), begin, end)
+    whole_end = clip(lax.div(hi_first, block_k), whole_begin, end)
     return [
       (jnp.zeros_like(below), lax.div(below, block_k), None),
-      (lax.div(below, block_k), _cdiv(below, block_k), (0, below)),
+      (lax.div(below, block_k), cdiv(below, block_k), (0, below)),
       (begin, whole_begin, (after, slots)),
       (whole_begin, whole_end, None),
       (whole_end, end, (after, slots)),
@@ -207,31 +194,12 @@ class _Plan:
     """
     block_c = self.blocks.block_c
     first, last = self._chunk_span(tile)
-    whole = lax.div(_clip(self.limit(start + first) - start, 0, self.chunk), block_c)
-    end = _cdiv(_clip(self.limit(start + last) - start, 0, self.chunk), block_c)
+    whole = lax.div(clip(self.limit(start + first) - start, 0, self.chunk), block_c)
+    end = cdiv(clip(self.limit(start + last) - start, 0, self.chunk), block_c)
     return [(jnp.zeros_like(whole), whole, False), (whole, end, True)]
 
   def compiler_params(self) -> pltriton.CompilerParams:
     return pltriton.CompilerParams(num_warps=self.blocks.num_warps, num_stages=self.blocks.num_stages)
-
-
-def _cdiv(a, b: int):
-  return lax.div(a + b - 1, b)
-
-
-def _dot(a, b, contract: tuple[int, int]):
-  """2-D matmul contracting ``a``'s dim ``contract[0]`` with ``b``'s dim ``contract[1]``, accumulated in f32.
-
-  float32 inputs ask for ``HIGHEST`` precision, which the Triton lowering turns into IEEE float32 (not TF32).
-  """
-  exact = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
-  return lax.dot_general(
-    a, b, (((contract[0],), (contract[1],)), ((), ())), precision=exact, preferred_element_type=jnp.float32
-  )
-
-
-def _clip(x, lo, hi):
-  return jnp.minimum(jnp.maximum(x, lo), hi)
 
 
 def _kernel(
@@ -249,19 +217,19 @@ def _kernel(
   pos = start + lax.div(rows, plan.groups)  # [block_q]: each row's query slot.
   q = q_ref[...]  # [block_q, head_dim]
   q_seg = q_seg_ref[...]  # [block_q], -1 for padding rows
-  scale = plan.sm_scale * _LOG2_E
+  scale = plan.sm_scale * common.LOG2_E
 
   def update(carry, k, v, k_seg, visible):
     """One online-softmax step over a key tile; ``visible`` is the positional mask or None (every pair visible)."""
     m, ell, acc = carry
-    s = _dot(q, k, (1, 1)) * scale  # [block_q, keys]
+    s = dot(q, k, (1, 1)) * scale  # [block_q, keys]
     same = q_seg[:, None] == k_seg[None, :]
     s = jnp.where(same if visible is None else same & visible, s, -jnp.inf)
     m_new = jnp.maximum(m, jnp.max(s, axis=1))
     m_shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # A row that has seen only -inf so far.
     p = jnp.exp2(s - m_shift[:, None])  # [block_q, keys]
     alpha = jnp.exp2(m - m_shift)
-    acc = acc * alpha[:, None] + _dot(p.astype(v.dtype), v, (1, 0))  # [block_q, head_dim]
+    acc = acc * alpha[:, None] + dot(p.astype(v.dtype), v, (1, 0))  # [block_q, head_dim]
     return m_new, ell * alpha + jnp.sum(p, axis=1), acc
 
   def cache_tile(t):
@@ -299,11 +267,7 @@ def _kernel(
     return update(carry, k_ref[idx, :], v_ref[idx, :], k_seg_ref[idx], visible)
 
   seg_first, seg_end = seg_range_ref[0], seg_range_ref[1]  # The cache tiles whose segment ids can match.
-  carry = (
-    jnp.full((block_q,), -jnp.inf, jnp.float32),
-    jnp.zeros((block_q,), jnp.float32),
-    jnp.zeros((block_q, plan.head_dim), jnp.float32),
-  )
+  carry = common.softmax_start(block_q, plan.head_dim)
   for begin, end, bounds in plan.cache_ranges(i, start):
     if bounds is None and block_k > slots:
       continue  # No tile of a cache shorter than one tile is whole (nor can it be loaded unmasked).
@@ -332,34 +296,6 @@ def page_block_k(block_k: int, page_size: int) -> int:
   return math.gcd(block_k, page_size)
 
 
-def _segment_ranges(q_seg, cache_segments, block_q: int, block_k: int):
-  """For each query tile, the cache tiles ``[first, end)`` that can hold a slot of a segment of the tile's queries.
-
-  int32 ``[batch, query tiles, 2]``, from each tile's smallest and largest id (computed in XLA, read by the kernel
-  as loop bounds, so no branch stops Triton from pipelining). Any layout is correct: a tile inside the range that
-  matches nothing is merely masked.
-
-  Args:
-    q_seg: query rows' ids ``[batch, rows]``, -1 for padding (a multiple of ``block_q``).
-    cache_segments: ``[batch, S]``, 0 for empty slots.
-    block_q: query tile size.
-    block_k: cache tile size.
-  """
-  batch, rows = q_seg.shape
-  slots = cache_segments.shape[1]
-  n = -(-slots // block_k)
-  k_tiles = jnp.pad(cache_segments, ((0, 0), (0, n * block_k - slots))).reshape(batch, n, block_k)
-  q_tiles = q_seg.reshape(batch, rows // block_q, block_q)  # [batch, q tiles, block_q]
-  q_hi = jnp.max(q_tiles, axis=-1)
-  q_lo = jnp.min(jnp.where(q_tiles < 0, jnp.iinfo(jnp.int32).max, q_tiles), axis=-1)  # Padding rows match nothing.
-  k_lo, k_hi = jnp.min(k_tiles, axis=-1), jnp.max(k_tiles, axis=-1)  # [batch, k tiles]
-  overlap = (k_lo[:, None, :] <= q_hi[:, :, None]) & (k_hi[:, None, :] >= q_lo[:, :, None])  # [batch, q, k tiles]
-  index = jnp.arange(n)
-  first = jnp.min(jnp.where(overlap, index, n), axis=-1)  # [batch, q tiles]
-  end = jnp.max(jnp.where(overlap, index + 1, 0), axis=-1)
-  return jnp.stack([first, jnp.maximum(first, end)], axis=-1).astype(jnp.int32)
-
-
 def _call(q, q_seg, k, v, k_seg, cache_k, cache_v, cache_segments, starts, table, plan: _Plan):
   """``q``: ``[batch, kv_heads, rows, head_dim]``; the other arrays padded; returns ``q``'s shape. ``table`` is None
   over a dense cache ``[batch, slots, kv_heads, head_dim]``, else the page table of the pools ``cache_k, cache_v``
@@ -367,7 +303,7 @@ def _call(q, q_seg, k, v, k_seg, cache_k, cache_v, cache_segments, starts, table
   batch, kv_heads, rows, head_dim = q.shape
   chunk, slots = k.shape[1], cache_segments.shape[1]
   block_q = plan.blocks.block_q
-  seg_range = _segment_ranges(q_seg, cache_segments, block_q, plan.blocks.block_k)
+  seg_range = common.segment_ranges(q_seg, cache_segments, block_q, plan.blocks.block_k)
   if table is None:
     cache_spec = pl.BlockSpec((None, slots, None, head_dim), lambda i, b, h: (b, 0, h, 0))  # the row's slots
     paging, paging_specs = (), []
@@ -399,7 +335,8 @@ def _call(q, q_seg, k, v, k_seg, cache_k, cache_v, cache_segments, starts, table
   )(q, q_seg, k, v, k_seg, cache_k, cache_v, cache_segments, starts[:, None], seg_range, *paging)
 
 
-def _check_args(q, k, v, segments, cache_k, cache_v, cache_segments, starts, mask, diffusion_block, table=None):
+def _check_args(inputs: CachedInputs, mask: str, diffusion_block: int | None, table=None):
+  q, k, v, segments, cache_k, cache_v, cache_segments, starts = inputs
   if q.ndim != 4 or k.ndim != 4 or cache_k.ndim != 4:
     raise ValueError(f"{q.shape=}, {k.shape=} and {cache_k.shape=} must be [batch, length, heads, head_dim]")
   batch, chunk, heads, head_dim = q.shape
@@ -441,25 +378,13 @@ def _check_args(q, k, v, segments, cache_k, cache_v, cache_segments, starts, mas
   ):
     if x.shape != shape or not jnp.issubdtype(x.dtype, jnp.integer):
       raise ValueError(f"{name}.shape={x.shape} ({x.dtype}) must be int32 {shape}")
-  if mask in masks.CHUNK_MASKS:
+  if mask in masks.CACHE_MASKS and mask not in masks.CACHE_KERNEL_MASKS:
     raise ValueError(f"{mask=} has no Pallas kernel: attention.attend_cached runs it on the XLA path")
-  if mask not in MASKS:
-    raise ValueError(f"{mask=} must be one of {MASKS}")
-  if mask == "block_causal" and (not isinstance(diffusion_block, int) or diffusion_block < 1):
-    raise ValueError(f"{diffusion_block=} must be a positive int for mask='block_causal'")
-  if mask != "block_causal" and diffusion_block is not None:
-    raise ValueError(f"{diffusion_block=} is only meaningful for mask='block_causal', got {mask=}")
+  masks.check(mask, diffusion_block, masks.CACHE_KERNEL_MASKS)
 
 
 def cached_attention(
-  q: jax.Array,
-  k: jax.Array,
-  v: jax.Array,
-  segments: jax.Array,
-  cache_k: jax.Array,
-  cache_v: jax.Array,
-  cache_segments: jax.Array,
-  starts: jax.Array,
+  inputs: CachedInputs,
   *,
   table: jax.Array | None = None,
   mask: str,
@@ -474,21 +399,17 @@ def cached_attention(
   of pages and ``table`` each row's pages, read in place; see the module docstring for the ``block_k`` rule).
 
   Args:
-    q: the chunk's queries ``[batch, C, heads, head_dim]`` (rotary already applied).
-    k: the chunk's keys ``[batch, C, kv_heads, head_dim]``; ``heads`` must be a multiple of ``kv_heads``.
-    v: the chunk's values, shaped like ``k``.
-    segments: int32 ``[batch, C]``, the chunk's non-negative segment ids; 0 is padding (sees nothing, outputs zeros).
-    cache_k: the cache's keys ``[batch, S, kv_heads, head_dim]``; slots ``[starts, starts + C)`` are not read. With
-      ``table``: the pool of pages ``[pages, kv_heads, page_size, head_dim]``, ``page_size`` a multiple of 16.
-    cache_v: the cache's values, shaped like ``cache_k``.
-    cache_segments: int32 ``[batch, S]``, each slot's non-negative segment id; 0 for empty slots (dense for a paged
-      cache too: it gives ``S``).
-    starts: int32 ``[batch]``, non-negative: the slot of each row's first chunk token. ``starts + C`` may exceed
-      ``S`` (a prefix-cache chunk): slots ``>= S`` do not exist.
+    inputs: the chunk's queries, keys, values and segments and the cache's keys, values, segments and the chunk's
+      ``starts`` (:class:`~mercury_jax.kernels.common.CachedInputs`). The queries carry their rotary embedding
+      already; ``heads`` must be a multiple of ``kv_heads``; segment ids are non-negative, 0 for padding (which
+      sees nothing and outputs zeros) and empty slots. The cache slots ``[starts, starts + C)`` are not read, and
+      ``starts + C`` may exceed ``S`` (a prefix-cache chunk): slots ``>= S`` do not exist. With ``table``,
+      ``cache_k`` and ``cache_v`` are the pools of pages ``[pages, kv_heads, page_size, head_dim]``, ``page_size`` a
+      multiple of 16, and ``cache_segments`` (dense) gives ``S``.
     table: int32 ``[batch, pages per row >= ceil(S / page_size)]`` or None: row ``b``'s slot ``s`` is slot
       ``s % page_size`` of page ``table[b, s // page_size]`` (:class:`mercury_jax.kvcache.PagedKVCache`); every entry
       must be a page of the pool (nothing checks it on a GPU).
-    mask: ``"causal"``, ``"block_causal"`` or ``"bidirectional"``, applied in slot space.
+    mask: one of ``masks.CACHE_KERNEL_MASKS`` (``bidirectional``, ``causal``, ``block_causal``), in slot space.
     diffusion_block: the block of ``"block_causal"``; must be None for the other masks.
     sm_scale: multiplies the scores; defaults to ``head_dim ** -0.5``.
     block_sizes: tiles; defaults to ``BlockSizes.get_default(head_dim, q.dtype)``, shrunk by ``fit`` to the chunk
@@ -501,7 +422,8 @@ def cached_attention(
   Raises:
     ValueError: for inconsistent shapes or dtypes, an unknown mask, or a ``page_size`` that is not a multiple of 16.
   """
-  _check_args(q, k, v, segments, cache_k, cache_v, cache_segments, starts, mask, diffusion_block, table)
+  _check_args(inputs, mask, diffusion_block, table)
+  q, k, v, segments, cache_k, cache_v, cache_segments, starts = inputs
   batch, chunk, heads, head_dim = q.shape
   kv_heads, slots = k.shape[2], cache_segments.shape[1]
   groups = heads // kv_heads
@@ -512,10 +434,10 @@ def cached_attention(
     blocks = dataclasses.replace(blocks, block_k=page_block_k(blocks.block_k, page_size))
   rows = -(-chunk * groups // blocks.block_q) * blocks.block_q  # Padded query rows.
   padded_chunk = -(-chunk // blocks.block_c) * blocks.block_c
-  padded_dim = max(16, pl.next_power_of_2(head_dim))
+  padded_dim = common.padded_tile(head_dim)
   plan = _Plan(
     mask=mask,
-    diffusion_block=diffusion_block if mask == "block_causal" else 1,
+    diffusion_block=diffusion_block if masks.KINDS[mask].block else 1,
     sm_scale=float(head_dim**-0.5 if sm_scale is None else sm_scale),
     chunk=chunk,
     slots=slots,
@@ -544,41 +466,19 @@ def cached_attention(
   return out.transpose(0, 2, 1, 3, 4).reshape(batch, chunk, heads, head_dim)
 
 
-def visibility(
-  segments: jax.Array,
-  cache_segments: jax.Array,
-  starts: jax.Array,
-  *,
-  mask: str,
-  diffusion_block: int | None = None,
-) -> jax.Array:
-  """``[batch, C, S + C]`` bool: True where chunk query ``i`` sees key ``j`` of ``[cache slots ; chunk keys]``
-  (:func:`mercury_jax.kernels.masks.cached`)."""
-  in_cache, in_chunk = masks.cached(segments, cache_segments, starts, mask, block=diffusion_block, xp=jnp)
-  return jnp.concatenate([in_cache, in_chunk], axis=-1)
-
-
 def reference_cached_attention(
-  q: jax.Array,
-  k: jax.Array,
-  v: jax.Array,
-  segments: jax.Array,
-  cache_k: jax.Array,
-  cache_v: jax.Array,
-  cache_segments: jax.Array,
-  starts: jax.Array,
-  *,
-  mask: str,
-  diffusion_block: int | None = None,
-  sm_scale: float | None = None,
+  inputs: CachedInputs, *, mask: str, diffusion_block: int | None = None, sm_scale: float | None = None
 ) -> jax.Array:
   """The same function as ``cached_attention`` with ``jax.nn.dot_product_attention`` over ``[cache ; chunk]``.
 
-  Builds the dense ``[batch, C, S + C]`` mask (``visibility``) and concatenates the chunk's keys and values after the
-  cache's: O(C * (S + C)) memory, for CPUs and for checking the kernel. Logits and softmax are float32.
+  Builds the dense ``[batch, C, S + C]`` mask (:func:`mercury_jax.kernels.masks.cached`) and concatenates the
+  chunk's keys and values after the cache's: O(C * (S + C)) memory, for CPUs and for checking the kernel. Logits and
+  softmax are float32.
   """
-  _check_args(q, k, v, segments, cache_k, cache_v, cache_segments, starts, mask, diffusion_block)
-  visible = visibility(segments, cache_segments, starts, mask=mask, diffusion_block=diffusion_block)
+  _check_args(inputs, mask, diffusion_block)
+  q, k, v, segments, cache_k, cache_v, cache_segments, starts = inputs
+  in_cache, in_chunk = masks.cached(segments, cache_segments, starts, mask, block=diffusion_block, xp=jnp)
+  visible = jnp.concatenate([in_cache, in_chunk], axis=-1)  # [batch, C, S + C]: over [cache slots ; chunk keys]
   keys = jnp.concatenate([cache_k, k], axis=1)  # [batch, S + C, kv_heads, head_dim]
   values = jnp.concatenate([cache_v, v], axis=1)
   out = jax.nn.dot_product_attention(q, keys, values, mask=visible[:, None], scale=sm_scale, implementation="xla")

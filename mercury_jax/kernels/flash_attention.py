@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -50,16 +49,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from mercury_jax.kernels import masks
-
-MASKS = masks.MASKS
-_BLOCK_MASKS = ("block_causal", "block_diffusion", "verified")  # The masks that take a diffusion_block.
-_TWO_HALVES = ("block_diffusion", "verified")  # The masks over two halves of equal length.
-_LOG2_E = math.log2(math.e)
+from mercury_jax.kernels import common, masks
+from mercury_jax.kernels.common import cdiv, dot
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class BlockSizes:
+class BlockSizes(common.TritonBlockSizes):
   """Tile sizes and Triton launch parameters; every block is a power of two >= 16.
 
   Attributes:
@@ -82,18 +77,12 @@ class BlockSizes:
   num_warps: tuple[int, int, int] = (4, 8, 8)
   num_stages: tuple[int, int, int] = (3, 3, 3)
 
-  def __post_init__(self):
-    for name in ("block_q", "block_k", "block_q_dkv", "block_kv_dkv", "block_q_dq", "block_kv_dq"):
-      value = getattr(self, name)
-      if value < 16 or value & (value - 1):
-        raise ValueError(f"BlockSizes.{name}={value} must be a power of two >= 16 (Triton tiles and tensor cores)")
-
   @classmethod
   def get_default(cls, head_dim: int, dtype=jnp.bfloat16) -> BlockSizes:
     """Tiles for Hopper (H100/H200) chosen so that no kernel spills registers or exceeds 227 KiB shared memory.
 
     Checked by compiling the kernels' Triton IR for sm_90 (Triton 3.9, ``cuobjdump -res-usage``), not yet timed on a
-    GPU: ``launch/gpu_attention_bench.py --sweep`` times alternatives. The forward pass keeps a 128-row query tile;
+    GPU: ``bench gpu-attention --sweep`` times alternatives. The forward pass keeps a 128-row query tile;
     the dk/dv kernel holds a key tile and two f32 accumulators, so its key tile shrinks as head_dim grows and it runs
     8 warps; 4-byte inputs double the bytes per tile, so they get smaller tiles and pipeline 2 deep instead of 3.
 
@@ -101,7 +90,7 @@ class BlockSizes:
       head_dim: the head dimension (padded internally to a power of two >= 16).
       dtype: the input dtype.
     """
-    padded = max(16, pl.next_power_of_2(head_dim))
+    padded = common.padded_tile(head_dim)
     if padded > 128:
       return cls(64, 32, 32, 32, 32, 32, num_warps=(8, 8, 4), num_stages=(2, 2, 2))
     if jnp.dtype(dtype).itemsize > 2:  # Twice the bytes per tile (and no tensor cores): smaller tiles, 2 stages.
@@ -114,14 +103,11 @@ class BlockSizes:
 
   @property
   def largest(self) -> int:
-    return max(self.block_q, self.block_k, self.block_q_dkv, self.block_kv_dkv, self.block_q_dq, self.block_kv_dq)
+    return max(self.tiles().values())
 
   def fit(self, length: int) -> BlockSizes:
     """Shrinks every block to at most the padded ``length`` (a short sequence needs no 128-row tile)."""
-    cap = max(16, pl.next_power_of_2(length))
-    return dataclasses.replace(
-      self, **{f.name: min(getattr(self, f.name), cap) for f in dataclasses.fields(self) if f.name.startswith("block_")}
-    )
+    return self.capped(**dict.fromkeys(self.tiles(), length))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -244,9 +230,9 @@ class _Plan:
       zip(intervals(first), intervals(last), intervals(last_real), strict=True)
     ):
       begin = lax.div(lo, other)
-      end = jnp.where(empty | (lo >= hi), begin, _cdiv(hi, other))  # The intervals' union: [lo, hi), maybe empty.
-      whole_begin = jnp.minimum(jnp.maximum(_cdiv(lo_last, other), begin), end)
-      whole_end = jnp.minimum(jnp.maximum(lax.div(hi_first, other), whole_begin), end)
+      end = jnp.where(empty | (lo >= hi), begin, cdiv(hi, other))  # The intervals' union: [lo, hi), maybe empty.
+      whole_begin = common.clip(cdiv(lo_last, other), begin, end)
+      whole_end = common.clip(lax.div(hi_first, other), whole_begin, end)
       ranges += [(part, begin, whole_begin, True), (part, whole_begin, whole_end, False), (part, whole_end, end, True)]
     return ranges
 
@@ -255,47 +241,9 @@ class _Plan:
     return pltriton.CompilerParams(num_warps=self.blocks.num_warps[kernel], num_stages=self.blocks.num_stages[kernel])
 
 
-def _cdiv(a, b: int):
-  return lax.div(a + b - 1, b)
-
-
 def _query_tile(i, num_tiles: int, plan: _Plan):
   """Grid index -> query tile; with a causal-type mask the most expensive (last) query tiles are launched first."""
   return i if plan.mask == "bidirectional" else num_tiles - 1 - i
-
-
-def _segment_ranges(q_seg, k_seg, block_q: int, block_k: int, per_query_tile: bool, parts: int):
-  """Per part, the tile range that can hold a pair with equal segment ids; int32 ``[batch, tiles, 2 * parts]``.
-
-  Entry ``[b, tile, 2 * part : 2 * part + 2]`` is the ``[first, end)`` of the tiles of the other side, within ``part``
-  of the padded sequence, that share an id with ``tile``. Computed in XLA before the kernels from each tile's smallest
-  and largest id, so that the kernels skip tiles through their loop bounds instead of a branch (which would stop
-  Triton from pipelining the loop). Any id layout is correct (tiles inside a range that match nothing are merely
-  masked); for packed sequences, ids non-decreasing along each part, the ranges are exact.
-
-  Args:
-    q_seg: query ids ``[batch, length]`` with -1 for padding.
-    k_seg: key ids ``[batch, length]`` with 0 for padding.
-    block_q: query tile size.
-    block_k: key tile size.
-    per_query_tile: True: for each query tile the range of key tiles; False: for each key tile the range of query tiles.
-    parts: 1, or 2 for the halves of the two-halves masks (no tile straddles them).
-  """
-  batch, length = q_seg.shape
-  q_tiles = q_seg.reshape(batch, length // block_q, block_q)  # [batch, q tiles, block_q]
-  k_tiles = k_seg.reshape(batch, length // block_k, block_k)  # [batch, k tiles, block_k]
-  q_hi = jnp.max(q_tiles, axis=-1)
-  q_lo = jnp.min(jnp.where(q_tiles < 0, jnp.iinfo(jnp.int32).max, q_tiles), axis=-1)  # Padding queries match nothing.
-  k_lo, k_hi = jnp.min(k_tiles, axis=-1), jnp.max(k_tiles, axis=-1)
-  overlap = (k_lo[:, None, :] <= q_hi[:, :, None]) & (k_hi[:, None, :] >= q_lo[:, :, None])  # [batch, q tiles, k tiles]
-  if not per_query_tile:
-    overlap = jnp.swapaxes(overlap, 1, 2)  # [batch, k tiles, q tiles]
-  tiles, n = overlap.shape[1:]
-  overlap = overlap.reshape(batch, tiles, parts, n // parts)  # [batch, tiles, parts, other tiles per part]
-  index = jnp.arange(n).reshape(parts, n // parts)
-  first = jnp.min(jnp.where(overlap, index, n), axis=-1)  # [batch, tiles, parts]
-  end = jnp.max(jnp.where(overlap, index + 1, 0), axis=-1)
-  return jnp.stack([first, jnp.maximum(first, end)], axis=-1).reshape(batch, tiles, 2 * parts).astype(jnp.int32)
 
 
 def _mask_scores(s, visible, q_seg, k_seg, transposed: bool = False):
@@ -314,19 +262,6 @@ def _mask_scores(s, visible, q_seg, k_seg, transposed: bool = False):
   return s if visible is None else jnp.where(visible, s, -jnp.inf)
 
 
-def _dot(a, b, contract: tuple[int, int]):
-  """2-D matmul contracting ``a``'s dim ``contract[0]`` with ``b``'s dim ``contract[1]``, accumulated in f32.
-
-  float32 inputs ask for ``HIGHEST`` precision, which the Triton lowering turns into IEEE float32. Its default
-  precision is TF32 (10 mantissa bits): on an H200 that put the float32 kernel 1e-3 off its reference, where
-  ``BlockSizes.get_default``'s float32 tiles assume IEEE dots (BUILD_NOTES, "GPU").
-  """
-  exact = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
-  return lax.dot_general(
-    a, b, (((contract[0],), (contract[1],)), ((), ())), precision=exact, preferred_element_type=jnp.float32
-  )
-
-
 def _tile_loops(ranges, seg_range_ref, step, carry):
   """Runs ``step(i, carry, positional)`` over each ``(part, first, end, positional)``, in the part's segment range."""
   for part, first, end, positional in ranges:
@@ -342,7 +277,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_seg_ref, k_seg_ref, seg_range_ref, o_
   rows = i * block_q + lax.iota(jnp.int32, block_q)  # [block_q]
   q = q_ref[...]  # [block_q, head_dim]
   q_seg = None if q_seg_ref is None else q_seg_ref[...]
-  scale = plan.sm_scale * _LOG2_E
+  scale = plan.sm_scale * common.LOG2_E
   # Without segment ids and with a one-part mask every row has seen a key before a tile it sees nothing of (the whole
   # tiles come first, and the first tile holds key 0), so m is finite. With segment ids, or with two halves (a
   # masked range may start with tiles some rows see nothing of), a row may have seen only -inf: shift it by 0 then.
@@ -352,21 +287,17 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_seg_ref, k_seg_ref, seg_range_ref, o_
     m, ell, acc = carry
     keys = pl.ds(pl.multiple_of(t * block_k, block_k), block_k)
     k_seg = None if k_seg_ref is None else k_seg_ref[keys]
-    s = _dot(q, k_ref[keys, :], (1, 1)) * scale  # [block_q, block_k]
+    s = dot(q, k_ref[keys, :], (1, 1)) * scale  # [block_q, block_k]
     visible = plan.visible(rows[:, None], t * block_k + lax.iota(jnp.int32, block_k)[None, :]) if positional else None
     s = _mask_scores(s, visible, q_seg, k_seg)
     m_new = jnp.maximum(m, jnp.max(s, axis=1))
     m_shift = jnp.where(m_new == -jnp.inf, 0.0, m_new) if guard else m_new
     p = jnp.exp2(s - m_shift[:, None])  # [block_q, block_k]
     alpha = jnp.exp2(m - m_shift)
-    acc = acc * alpha[:, None] + _dot(p.astype(v_ref.dtype), v_ref[keys, :], (1, 0))  # [block_q, head_dim]
+    acc = acc * alpha[:, None] + dot(p.astype(v_ref.dtype), v_ref[keys, :], (1, 0))  # [block_q, head_dim]
     return m_new, ell * alpha + jnp.sum(p, axis=1), acc
 
-  carry = (
-    jnp.full((block_q,), -jnp.inf, jnp.float32),
-    jnp.zeros((block_q,), jnp.float32),
-    jnp.zeros((block_q, plan.head_dim), jnp.float32),
-  )
+  carry = common.softmax_start(block_q, plan.head_dim)
   m, ell, acc = _tile_loops(plan.tile_ranges(i, block_q, block_k, by_query=True), seg_range_ref, step, carry)
   empty = ell == 0.0  # Only padding queries (segment 0, or the padding of a two-halves half) see no key.
   o_ref[...] = (acc * (1.0 / jnp.where(empty, 1.0, ell))[:, None]).astype(o_ref.dtype)
@@ -382,7 +313,7 @@ def _dkv_kernel(
   k = k_ref[...]  # [block_k, head_dim]
   v = v_ref[...]
   k_seg = None if k_seg_ref is None else k_seg_ref[...]
-  scale = plan.sm_scale * _LOG2_E
+  scale = plan.sm_scale * common.LOG2_E
   # Query tiles of padding only are in no range; padding rows elsewhere have zero do (and lse +inf or a finite lse
   # over exactly the keys they are masked to here): they add nothing.
   ranges = plan.tile_ranges(t, block_k, block_q, by_query=False)
@@ -395,15 +326,15 @@ def _dkv_kernel(
       q_seg = None if q_seg_ref is None else q_seg_ref[rows]
       q = q_ref[rows, g, :]  # [block_q, head_dim]
       do = do_ref[rows, g, :]
-      s_t = _dot(k, q, (1, 1)) * scale  # [block_k, block_q]
+      s_t = dot(k, q, (1, 1)) * scale  # [block_k, block_q]
       visible = (
         plan.visible(s_idx * block_q + lax.iota(jnp.int32, block_q)[None, :], cols[:, None]) if positional else None
       )
       s_t = _mask_scores(s_t, visible, q_seg, k_seg, transposed=True)
       p_t = jnp.exp2(s_t - lse_ref[g, rows][None, :])
-      dv = dv + _dot(p_t.astype(do.dtype), do, (1, 0))  # [block_k, head_dim]
-      ds_t = p_t * (_dot(v, do, (1, 1)) - delta_ref[g, rows][None, :])  # [block_k, block_q]
-      dk = dk + _dot(ds_t.astype(q.dtype), q, (1, 0))  # [block_k, head_dim]
+      dv = dv + dot(p_t.astype(do.dtype), do, (1, 0))  # [block_k, head_dim]
+      ds_t = p_t * (dot(v, do, (1, 1)) - delta_ref[g, rows][None, :])  # [block_k, block_q]
+      dk = dk + dot(ds_t.astype(q.dtype), q, (1, 0))  # [block_k, head_dim]
       return dk, dv
 
     return _tile_loops(ranges, seg_range_ref, step, carry)
@@ -425,18 +356,18 @@ def _dq_kernel(
   lse = lse_ref[...]
   delta = delta_ref[...]
   q_seg = None if q_seg_ref is None else q_seg_ref[...]
-  scale = plan.sm_scale * _LOG2_E
+  scale = plan.sm_scale * common.LOG2_E
 
   def step(t, dq, positional: bool):
     keys = pl.ds(pl.multiple_of(t * block_k, block_k), block_k)
     k_seg = None if k_seg_ref is None else k_seg_ref[keys]
     k = k_ref[keys, :]  # [block_k, head_dim]
-    s = _dot(q, k, (1, 1)) * scale  # [block_q, block_k]
+    s = dot(q, k, (1, 1)) * scale  # [block_q, block_k]
     visible = plan.visible(rows[:, None], t * block_k + lax.iota(jnp.int32, block_k)[None, :]) if positional else None
     s = _mask_scores(s, visible, q_seg, k_seg)
     p = jnp.exp2(s - lse[:, None])
-    ds = p * (_dot(do, v_ref[keys, :], (1, 1)) - delta[:, None])  # [block_q, block_k]
-    return dq + _dot(ds.astype(k.dtype), k, (1, 0))  # [block_q, head_dim]
+    ds = p * (dot(do, v_ref[keys, :], (1, 1)) - delta[:, None])  # [block_q, block_k]
+    return dq + dot(ds.astype(k.dtype), k, (1, 0))  # [block_q, head_dim]
 
   dq = jnp.zeros((block_q, plan.head_dim), jnp.float32)
   dq = _tile_loops(plan.tile_ranges(i, block_q, block_k, by_query=True), seg_range_ref, step, dq)
@@ -449,7 +380,7 @@ def _forward_call(q, k, v, q_seg, k_seg, plan: _Plan):
   n = length // block_q
   tile = lambda i: _query_tile(i, n, plan)
   segments = q_seg is not None
-  seg_range = _segment_ranges(q_seg, k_seg, block_q, plan.blocks.block_k, True, plan.parts) if segments else None
+  seg_range = common.segment_ranges(q_seg, k_seg, block_q, plan.blocks.block_k, parts=plan.parts) if segments else None
   return pl.pallas_call(
     functools.partial(_forward_kernel, plan=plan),
     grid=(n, batch, heads),
@@ -477,6 +408,7 @@ def _backward_calls(q, k, v, q_seg, k_seg, do, lse, delta, plan: _Plan):
   kv_heads, groups, blocks = k.shape[2], plan.groups, plan.blocks
   segments = q_seg is not None
   bq, bk = blocks.block_q_dkv, blocks.block_kv_dkv
+  seg_range = common.segment_ranges(q_seg, k_seg, bq, bk, per_query_tile=False, parts=plan.parts) if segments else None
   dk, dv = pl.pallas_call(
     functools.partial(_dkv_kernel, plan=plan),
     grid=(length // bk, batch, kv_heads),
@@ -496,21 +428,12 @@ def _backward_calls(q, k, v, q_seg, k_seg, do, lse, delta, plan: _Plan):
     compiler_params=plan.compiler_params(1),
     interpret=plan.interpret,
     name="mercury_flash_dkv",
-  )(
-    q,
-    k,
-    v,
-    do,
-    lse,
-    delta,
-    q_seg,
-    k_seg,
-    _segment_ranges(q_seg, k_seg, bq, bk, False, plan.parts) if segments else None,
-  )
+  )(q, k, v, do, lse, delta, q_seg, k_seg, seg_range)
 
   bq, bk = blocks.block_q_dq, blocks.block_kv_dq
   n = length // bq
   tile = lambda i: _query_tile(i, n, plan)
+  seg_range = common.segment_ranges(q_seg, k_seg, bq, bk, parts=plan.parts) if segments else None
   dq = pl.pallas_call(
     functools.partial(_dq_kernel, plan=plan),
     grid=(n, batch, heads),
@@ -530,9 +453,7 @@ def _backward_calls(q, k, v, q_seg, k_seg, do, lse, delta, plan: _Plan):
     compiler_params=plan.compiler_params(2),
     interpret=plan.interpret,
     name="mercury_flash_dq",
-  )(
-    q, k, v, do, lse, delta, q_seg, k_seg, _segment_ranges(q_seg, k_seg, bq, bk, True, plan.parts) if segments else None
-  )
+  )(q, k, v, do, lse, delta, q_seg, k_seg, seg_range)
   return dq, dk, dv
 
 
@@ -568,14 +489,7 @@ def _check_args(q, k, v, segment_ids, mask, diffusion_block):
     raise ValueError(f"heads={heads} must be a multiple of kv_heads={k.shape[2]}")
   if not (q.dtype == k.dtype == v.dtype) or not jnp.issubdtype(q.dtype, jnp.floating):
     raise ValueError(f"q, k, v must share one floating dtype, got {q.dtype=}, {k.dtype=}, {v.dtype=}")
-  if mask not in MASKS:
-    raise ValueError(f"{mask=} must be one of {MASKS}")
-  if mask in _BLOCK_MASKS and (not isinstance(diffusion_block, int) or diffusion_block < 1):
-    raise ValueError(f"{diffusion_block=} must be a positive int for {mask=}")
-  if mask not in _BLOCK_MASKS and diffusion_block is not None:
-    raise ValueError(f"{diffusion_block=} is only meaningful for the masks {_BLOCK_MASKS}, got {mask=}")
-  if mask in _TWO_HALVES and length % 2:
-    raise ValueError(f"{length=} must be even for {mask=} (drafts ⊕ x_0: two halves of equal length)")
+  masks.check(mask, diffusion_block, length=length)
   if segment_ids is not None and (
     segment_ids.shape != (batch, length) or not jnp.issubdtype(segment_ids.dtype, jnp.integer)
   ):
@@ -626,11 +540,11 @@ def flash_attention(
   """
   _check_args(q, k, v, segment_ids, mask, diffusion_block)
   batch, length, heads, head_dim = q.shape
-  parts = 2 if mask in _TWO_HALVES else 1
+  parts = 2 if mask in masks.TWO_HALVES else 1
   real = length // parts  # Real positions per part.
   blocks = (block_sizes or BlockSizes.get_default(head_dim, q.dtype)).fit(real)
   padded = -(-real // blocks.largest) * blocks.largest  # Padded positions per part.
-  padded_dim = max(16, pl.next_power_of_2(head_dim))
+  padded_dim = common.padded_tile(head_dim)
   q_seg = k_seg = None
   if segment_ids is not None:
     segment_ids = segment_ids.astype(jnp.int32)
@@ -638,7 +552,7 @@ def flash_attention(
     q_seg = _pad_parts(jnp.where(segment_ids == 0, -1, segment_ids), parts, padded, -1)  # which no query matches.
   plan = _Plan(
     mask=mask,
-    diffusion_block=diffusion_block if mask in _BLOCK_MASKS else 1,
+    diffusion_block=diffusion_block if masks.KINDS[mask].block else 1,
     sm_scale=float(head_dim**-0.5 if sm_scale is None else sm_scale),
     q_len=real,
     kv_len=padded if segment_ids is not None and parts == 1 else real,
@@ -655,14 +569,6 @@ def flash_attention(
   out = _flash(q, k, v, q_seg, k_seg, plan)  # [batch, parts * padded, heads, padded_dim]
   out = out.reshape(batch, parts, padded, heads, padded_dim)[:, :, :real, :, :head_dim]
   return out.reshape(batch, length, heads, head_dim)
-
-
-def visibility(length: int, mask: str, diffusion_block: int | None = None) -> jax.Array:
-  """``[length, length]`` bool, True where query ``i`` (row) may see key ``j`` (column) under ``mask``.
-
-  ``masks.dense``; ``block_diffusion`` and ``verified`` run over two halves, so their ``half`` is ``length // 2``.
-  """
-  return masks.dense(length, mask, block=diffusion_block, half=length // 2, xp=jnp)
 
 
 def reference_attention(
@@ -683,7 +589,7 @@ def reference_attention(
   q5 = q.astype(jnp.float32).reshape(batch, length, kv_heads, heads // kv_heads, head_dim)  # [b, q, kv, group, d]
   exact = lax.Precision.HIGHEST  # No TF32 on GPUs: the reference is the float32 truth.
   logits = jnp.einsum("bqkgd,bskd->bkgqs", q5, k.astype(jnp.float32), precision=exact) * scale  # [b, kv, group, q, s]
-  visible = visibility(length, mask, diffusion_block)[None]  # [1, q, s]
+  visible = masks.dense(length, mask, block=diffusion_block, xp=jnp)[None]  # [1, q, s]
   if segment_ids is not None:
     same = segment_ids[:, :, None] == segment_ids[:, None, :]
     visible = visible & same & (segment_ids != 0)[:, :, None]  # [b, q, s]

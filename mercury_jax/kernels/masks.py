@@ -26,15 +26,79 @@ is an autoregressive model's pass and the draft half a one-pass drafter conditio
 ``verify_chunk`` is the inference-time counterpart of ``verified`` (:func:`verify_chunk`): a chunk of ``k`` causal
 tokens followed by ``k`` pre-draft blocks of ``k`` tokens, under the same rule. It is a chunk mask
 (``CHUNK_MASKS``), used over a key-value cache through :func:`cached`, not a training mask.
+
+What each attention path needs to know of a mask besides its visibility (whether it takes a block, runs over two
+halves, works over a cache, has a Pallas kernel there, ...) is one row of :data:`KINDS`; every list of masks that
+the paths check against (``MASKS``, ``CACHE_MASKS``, ``BOUNDED``, ...) is read from it, and :func:`check` is the one
+argument check of a mask and its block.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import numbers
+
 import numpy as np
 
-MASKS = ("bidirectional", "causal", "block_causal", "block_diffusion", "verified")
-# Masks over a key-value cache and a chunk whose layout is not one query per consecutive slot (``cached`` only).
-CHUNK_MASKS = ("verify_chunk",)
+
+@dataclasses.dataclass(frozen=True)
+class Kind:
+  """What the attention paths need to know of one mask besides :func:`visible`.
+
+  Attributes:
+    block: takes a block, a positive int (``diffusion_block``; the draft length ``k`` of ``verify_chunk``).
+    halves: runs over two halves of equal length, ``drafts ⊕ x_0`` (an even length).
+    sequence: a mask over a whole sequence (``attention.attend``); False for a chunk mask, over a cache only.
+    cache: a mask over a key-value cache (``attention.attend_cached``), in slot space.
+    cache_kernel: the cached Pallas kernel (``cached_attention``) implements it over a cache.
+    bounded: over a cache, the slots a chunk sees end with the chunk, so the cache is read in tiles up to there
+      (``blockwise_cached_attention``).
+  """
+
+  block: bool
+  halves: bool = False
+  sequence: bool = True
+  cache: bool = False
+  cache_kernel: bool = False
+  bounded: bool = False
+
+
+KINDS = {
+  "bidirectional": Kind(block=False, cache=True, cache_kernel=True),
+  "causal": Kind(block=False, cache=True, cache_kernel=True, bounded=True),
+  "block_causal": Kind(block=True, cache=True, cache_kernel=True, bounded=True),
+  "block_diffusion": Kind(block=True, halves=True),
+  "verified": Kind(block=True, halves=True),
+  "verify_chunk": Kind(block=True, sequence=False, cache=True, bounded=True),
+}
+
+
+def _masks(prop: str) -> tuple[str, ...]:
+  return tuple(name for name, kind in KINDS.items() if getattr(kind, prop))
+
+
+MASKS = _masks("sequence")  # ``attend``'s masks, over a whole sequence.
+CHUNK_MASKS = tuple(name for name in KINDS if name not in MASKS)  # Over a cache only (``cached``).
+CACHE_MASKS = _masks("cache")  # ``attend_cached``'s masks.
+CACHE_KERNEL_MASKS = _masks("cache_kernel")  # Those the cached Pallas kernel implements.
+BOUNDED = _masks("bounded")  # Over a cache, read in tiles up to the chunk's last visible slot.
+BLOCK_MASKS = _masks("block")  # The masks that take a block.
+TWO_HALVES = _masks("halves")  # Over ``drafts ⊕ x_0``.
+
+
+def check(mask: str, block: int | None, among: tuple[str, ...] = MASKS, *, length: int | None = None) -> None:
+  """Raises a ``ValueError`` that names the value unless ``mask`` is one of ``among``, ``block`` (the
+  ``diffusion_block``) is a positive int exactly when the mask takes one, and ``length`` (when given) is even for the
+  two-halves masks."""
+  if mask not in among:
+    raise ValueError(f"{mask=} must be one of {among}")
+  kind = KINDS[mask]
+  if kind.block and (not isinstance(block, numbers.Integral) or block < 1):
+    raise ValueError(f"diffusion_block={block!r} must be a positive int for {mask=}")
+  if not kind.block and block is not None:
+    raise ValueError(f"diffusion_block={block!r} must be None for {mask=}, which takes no block")
+  if kind.halves and length is not None and length % 2:
+    raise ValueError(f"{length=} must be even for {mask=}: two halves (drafts ⊕ x_0) need an even length")
 
 
 def block_causal(q, k, *, block: int):
@@ -145,7 +209,11 @@ def cached(segments, cache_segments, starts, mask: str, *, block: int | None = N
 
 
 def dense(length: int, mask: str, *, block: int | None = None, half: int | None = None, xp=np):
-  """``[length, length]`` bool, True where query ``i`` (row) may see key ``j`` (column); ``xp`` is numpy or jnp."""
+  """``[length, length]`` bool, True where query ``i`` (row) may see key ``j`` (column); ``xp`` is numpy or jnp.
+
+  ``half`` (the two-halves masks' first half) defaults to ``length // 2``: the sequence is both halves.
+  """
+  half = length // 2 if half is None else half
   rows = xp.arange(length)[:, None]
   cols = xp.arange(length)[None, :]
   return xp.broadcast_to(visible(rows, cols, mask, block=block, half=half), (length, length))

@@ -30,7 +30,7 @@ half, only ``TARGET`` ones in the clean half; ``FIXED`` ones (an SFT prompt) are
 is segment 0 in both halves and never attended to.
 
 **Self-distillation.** A ``DISTILLED`` token is one the network's own next-token head wrote (a self-distillation
-record, :mod:`mercury_jax.data.distill`: a prompt from the training split, ``FIXED``, continued by the head): the
+record, :mod:`mercury_jax.distill`: a prompt from the training split, ``FIXED``, continued by the head): the
 drafter learns what the verifier will accept, while ``L_AR`` never scores the network's own text, so the verifier
 keeps learning from real data only (DistillSpec, Zhou et al. 2023, arXiv 2310.08461; Medusa-2's self-distillation,
 Cai et al. 2024, arXiv 2401.10774). With ``objective.draft_kl_weight = λ > 0`` each masked draft position ``i`` also

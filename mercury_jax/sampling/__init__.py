@@ -1,17 +1,21 @@
 """Sampling: one decoding engine behind every entry point, its parts, and the text-in, text-out ``Sampler``.
 
-- ``engine``: :class:`BlockEngine`, the one refinement loop (a jitted ``lax.while_loop`` over steps): forward,
-  propose, rule, commit, end of sequence, advance.
-- ``plan``: :class:`BlockPlan`, what is static about a run (block, slots, cache).
-- ``caches``: the cache strategies (exact, none, dual, prefix) that give a step its logits.
-- ``hooks``: structured output and token healing as hooks of the step.
-- ``rules``: the step rules (ancestral, confidence, threshold, revision); ``proposal``: the candidate token and
-  confidence at every position (SUBS, temperature, top-k, top-p).
+- ``engine``: :class:`BlockEngine`, the one loop (a jitted ``lax.while_loop`` over steps) and its programs (prefill,
+  insert, release, step, advance): a step is the rule's needs, the cache's pass, the rule's decision, one tail.
+- ``step``: the step rule protocol; ``refine`` (the discrete rules), ``verify`` (verified decoding), ``latents``
+  (the continuous family's ODE) are its rules; ``rules``: which positions a refining step commits (ancestral,
+  confidence, threshold, revision); ``proposal``: the candidate token and confidence at every position.
+- ``plan``: :class:`BlockPlan`, what is static about a run, and ``plan_for``, the one function that chooses it.
+- ``caches``: the cache strategies (exact, none, dual, prefix, verified) that give a step its logits.
+- ``hooks``: structured output and token healing as hooks of the step; ``automata``: the structured-output automaton
+  on the device (the dynamic program over a block, forced tokens).
+- ``state``: the loop state, each field's row axis declared once, and the row moves.
+- ``programs``: the compiled programs of every entry point (one object per network and mesh).
 - ``canvas``: prompts, fill-in-the-middle and ``<mask:N>`` templates as ``(tokens, kinds)`` batches.
-- ``network``: the denoiser as the engine calls it; ``state``: the loop state.
+- ``network``: the denoiser as the engine calls it.
 - ``sampler``: :class:`Sampler`, checkpoint + tokenizer + mesh set up once; ``generate(prompts, steps=...)`` and
-  ``stream(...)``; ``decoders`` (which cache and block a checkpoint runs, the compiled programs), ``placement``
-  (arrays onto a mesh, one process or many), ``text`` (text to canvases and back), ``registry`` (bundled models).
+  ``stream(...)``; ``jobs`` (requests made ready), ``text`` (text to token-level rows and back, the detokeniser),
+  ``placement`` (arrays onto a mesh, one process or many), ``registry`` (bundled models).
 """
 
 from mercury_jax.sampling.canvas import Canvas, Hole, SampleOutput, from_fixed, make_canvas, parse_template, prefix

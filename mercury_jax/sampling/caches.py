@@ -38,7 +38,7 @@ import jax.numpy as jnp
 from mercury_jax.model import KVCache
 from mercury_jax.sampling.network import LatentInputs, Network
 from mercury_jax.sampling.plan import BlockPlan
-from mercury_jax.sampling.state import State, chunk, put, rows
+from mercury_jax.sampling.state import State, chunk, put, rows, select_rows
 
 
 class Needs(NamedTuple):
@@ -63,37 +63,34 @@ def spread(latent: LatentInputs | None, starts: jax.Array, slots: int, offset: i
   return LatentInputs(*(None if a is None else place(a) for a in latent))
 
 
-def per_row(want: jax.Array, new: jax.Array | KVCache, old: jax.Array | KVCache) -> jax.Array | KVCache:
-  """``new`` in the rows ``want`` [b] marks and ``old`` elsewhere: logits ``[b, ...]`` or a chunk's keys and values
-  (``KVCache``, ``[layers, b, ...]``).
+class Forward(NamedTuple):
+  """What a strategy's :meth:`~Strategy.forward` gives the step rule.
 
-  A batched ``lax.cond`` runs a pass when any row wants it; the rows that did not want it keep what they had, so a
-  row's result never depends on what the other rows of its batch do (the server's batch buckets rely on it: a
-  recomputed block rounds otherwise than the prefill that first wrote it).
+  A batched ``lax.cond`` runs a pass when any row wants it; the rows that did not want it keep what they had
+  (:func:`~mercury_jax.sampling.state.select_rows`), so a row's result never depends on what the other rows of its
+  batch do (the server's batch buckets rely on it: a recomputed block rounds otherwise than the prefill that first
+  wrote it).
   """
 
-  def pick(a, b, axis=0):
-    shape = [1] * a.ndim
-    shape[axis] = want.shape[0]
-    return jnp.where(want.reshape(shape), a, b)
-
-  if isinstance(new, KVCache):
-    return KVCache(pick(new.keys, old.keys, 1), pick(new.values, old.values, 1), pick(new.segments, old.segments))
-  return pick(new, old)
-
-
-class Forward(NamedTuple):
-  logits: jax.Array  # [b, B, vocab]
+  logits: jax.Array  # [b, W, vocab] the window's logits (verified: each position's next-token logits)
   cache: object
   ran: jax.Array  # [] bool: a pass that gives logits ran
   committed: jax.Array  # [] bool: a commit pass ran
+  drafts: jax.Array | None = None  # verified: [b, k, k, vocab] the pre-draft blocks' logits
 
 
 class Strategy:
-  """The shared part of the caches: the plan and the network."""
+  """The shared part of the caches: the plan, the network and the mask id.
 
-  def __init__(self, plan: BlockPlan, network: Network):
-    self.plan, self.network = plan, network
+  Attributes:
+    lockstep: The strategy refreshes every row at once, so the rows' blocks move on together (the approximate
+      caches).
+  """
+
+  lockstep = False
+
+  def __init__(self, plan: BlockPlan, network: Network, mask_id: int):
+    self.plan, self.network, self.mask_id = plan, network, mask_id
 
   def empty(self, batch: int):
     """The cache of ``batch`` rows before the prefill (``()`` without one)."""
@@ -110,6 +107,13 @@ class Strategy:
     """``[b, B, vocab]`` the step block's logits with every clean position outside it hidden (classifier-free
     guidance's unconditional pass; the block's own fixed positions stay): the block as the first of a document."""
     raise ValueError(f"the {type(self).__name__} cache has no unconditional pass")
+
+  def over(self, params, st: State, at: jax.Array, size: int, t=None, *, pad: int = 0, **kwargs):
+    """The network over slots ``[at[r], at[r] + size)`` of every row ``r`` (``pad`` padding slots appended first: a
+    chunk may run past the last slot), against ``kwargs["cache"]`` when given (``Network.chunk``'s keywords)."""
+    tokens, positions, segments = chunk(st, at, size, pad=pad)
+    starts = {"starts": at} if kwargs.get("cache") is not None else {}
+    return self.network.chunk(params, tokens, t, segments=segments, positions=positions, **starts, **kwargs)
 
 
 class NoCache(Strategy):
@@ -147,7 +151,7 @@ class NoCache(Strategy):
   def forward(self, params, st: State, needs: Needs) -> Forward:
     run = jnp.any(needs.logits)
     logits = jax.lax.cond(run, lambda: self._full(params, st, needs), lambda: st.logits)
-    return Forward(per_row(needs.logits, logits, st.logits), st.cache, run, jnp.zeros((), bool))
+    return Forward(select_rows(needs.logits, logits, st.logits), st.cache, run, jnp.zeros((), bool))
 
   def unconditional(self, params, st: State, needs: Needs) -> jax.Array:
     inside = (jnp.arange(self.plan.slots)[None, :] - needs.starts[:, None]) // self.plan.block == 0
@@ -202,19 +206,8 @@ class Exact(Strategy):
     mask, diffusion_block = self._mask()
 
     def over_cache(cache, at, size, t=None, mask=mask, **kw):
-      tokens, positions, segments = chunk(st, at, size)
-      return net.chunk(
-        params,
-        tokens,
-        t,
-        segments=segments,
-        positions=positions,
-        mask=mask,
-        diffusion_block=block if mask == "block_causal" else diffusion_block,
-        cache=cache,
-        starts=at,
-        **kw,
-      )
+      block_of = block if mask == "block_causal" else diffusion_block
+      return self.over(params, st, at, size, t, mask=mask, diffusion_block=block_of, cache=cache, **kw)
 
     previous = needs.starts - block
     if self.plan.autoregressive:  # One pass: the last committed token, written, gives the next distribution.
@@ -222,7 +215,7 @@ class Exact(Strategy):
       run = jnp.any(wants)
       kept = (st.logits, st.cache.rows(previous, 1))
       logits, kv = jax.lax.cond(run, lambda: over_cache(st.cache, previous, 1), lambda: kept)
-      logits, kv = per_row(wants, logits, kept[0]), per_row(wants, kv, kept[1])
+      logits, kv = select_rows(wants, logits, kept[0]), select_rows(wants, kv, kept[1])
       return Forward(logits, st.cache.write(kv, previous), run, run)
     commit = jnp.any(needs.commit)
     kept = st.cache.rows(previous, block)  # Writing back what is there: one program either way.
@@ -231,7 +224,7 @@ class Exact(Strategy):
       lambda: over_cache(st.cache, previous, block, logits_length=0)[1],  # the commit pass: the context mask
       lambda: kept,
     )
-    cache = st.cache.write(per_row(needs.commit, kv, kept), previous)
+    cache = st.cache.write(select_rows(needs.commit, kv, kept), previous)
     run = jnp.any(needs.logits)
     shift = net.shift  # A shifted-logits model reads the block's distributions one slot earlier (Network.shift).
     logits = jax.lax.cond(  # the block pass: the block sees itself whole and the cache before it
@@ -248,26 +241,15 @@ class Exact(Strategy):
       ),
       lambda: st.logits,
     )
-    return Forward(per_row(needs.logits, logits, st.logits), cache, run, commit)
+    return Forward(select_rows(needs.logits, logits, st.logits), cache, run, commit)
 
   def unconditional(self, params, st: State, needs: Needs) -> jax.Array:
     block = self.plan.block
-    tokens, positions, segments = chunk(st, needs.starts, block)
     hidden = st.cache._replace(segments=jnp.zeros_like(st.cache.segments))  # no cached key is visible
-    return self.network.chunk(
-      params,
-      tokens,
-      needs.t,
-      segments=segments,
-      positions=positions,
-      mask="block_causal",
-      diffusion_block=block,
-      cache=hidden,
-      starts=needs.starts,
-      logits_length=block,
-      return_kv=False,
-      latent=needs.latent,
-    )
+    return self.over(
+      params, st, needs.starts, block, needs.t, mask="block_causal", diffusion_block=block, cache=hidden,
+      logits_length=block, return_kv=False, latent=needs.latent,
+    )  # fmt: skip
 
 
 class Verified(Exact):
@@ -275,14 +257,14 @@ class Verified(Exact):
   chunk per step, ``k`` causal tokens (the last committed one and ``k - 1`` drafts, whose keys and values are written)
   and ``k`` pre-draft blocks of ``k`` tokens (``masks.verify_chunk``)."""
 
-  def window(self, params, st: State, starts: jax.Array, mask_id: int, active: jax.Array):
-    """``(next-token logits [b, k, vocab], block logits [b, k, k, vocab], cache)`` of the chunk whose causal part
-    starts at slot ``starts - 1`` (the last committed token), laid out by :func:`verify_inputs`. Only the ``active``
-    [b] rows write their keys and values: an inert row's cache stays as it was (a server's row still prefilling in
-    chunks pads a step's bucket with its own pages, where a key written again by another program may round
-    otherwise than its chunk's)."""
-    k = self.plan.draft
-    tokens, positions, segments = verify_inputs(st, starts, k, mask_id)
+  def forward(self, params, st: State, needs: Needs) -> Forward:
+    """The chunk whose causal part starts at slot ``needs.starts - 1`` (the last committed token), laid out by
+    :func:`verify_inputs`: the next-token logits ``[b, k, vocab]`` and the pre-draft blocks' ``[b, k, k, vocab]``.
+    Only the rows ``needs.commit`` marks write their keys and values: an inert row's cache stays as it was (a
+    server's row still prefilling in chunks pads a step's bucket with its own pages, where a key written again by
+    another program may round otherwise than its chunk's)."""
+    k, starts = self.plan.draft, needs.starts
+    tokens, positions, segments = verify_inputs(st, starts, k, self.mask_id)
     logits, kv = self.network.chunk(
       params,
       tokens,
@@ -295,8 +277,10 @@ class Verified(Exact):
     )
     causal = KVCache(kv.keys[:, :, :k], kv.values[:, :, :k], kv.segments[:, :k])
     batch, vocab = logits.shape[0], logits.shape[-1]
-    causal = per_row(active, causal, st.cache.rows(starts - 1, k))
-    return logits[:, :k], logits[:, k:].reshape(batch, k, k, vocab), st.cache.write(causal, starts - 1)
+    causal = select_rows(needs.commit, causal, st.cache.rows(starts - 1, k))
+    ran = jnp.ones((), bool)
+    drafts = logits[:, k:].reshape(batch, k, k, vocab)
+    return Forward(logits[:, :k], st.cache.write(causal, starts - 1), ran, ran, drafts)
 
 
 def verify_inputs(st: State, starts: jax.Array, k: int, mask_id: int) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -320,6 +304,8 @@ def verify_inputs(st: State, starts: jax.Array, k: int, mask_id: int) -> tuple[j
 
 
 class Dual(Strategy):
+  lockstep = True
+
   def empty(self, batch: int):
     return self.network.empty_cache(batch, self.plan.slots)
 
@@ -330,22 +316,17 @@ class Dual(Strategy):
     )
     return rows(logits, needs.starts - self.network.shift, self.plan.block), kv
 
+  def _block(self, params, st: State, needs: Needs, size: int, pad: int = 0) -> jax.Array:
+    """The block's logits from a chunk of ``size`` slots from its start (and the slot before it, for a shifted model)
+    over the cache; ``pad`` padding slots are appended first (a chunk may run past the last slot)."""
+    shift = self.network.shift
+    return self.over(
+      params, st, needs.starts - shift, size + shift, needs.t, pad=pad, mask="bidirectional", cache=st.cache,
+      logits_length=self.plan.block, return_kv=False,
+    )  # fmt: skip
+
   def _later(self, params, st: State, needs: Needs):
-    block, shift = self.plan.block, self.network.shift
-    tokens, positions, segments = chunk(st, needs.starts - shift, block + shift)
-    logits = self.network.chunk(
-      params,
-      tokens,
-      needs.t,
-      segments=segments,
-      positions=positions,
-      mask="bidirectional",
-      cache=st.cache,
-      starts=needs.starts - shift,
-      logits_length=block,
-      return_kv=False,
-    )
-    return logits, st.cache
+    return self._block(params, st, needs, self.plan.block), st.cache
 
   def forward(self, params, st: State, needs: Needs) -> Forward:
     run = jnp.any(needs.logits)
@@ -364,26 +345,10 @@ class Dual(Strategy):
 
 class Prefix(Dual):
   def _later(self, params, st: State, needs: Needs):
-    plan, shift = self.plan, self.network.shift
+    plan = self.plan
 
     def suffix(size: int):
-      def run():
-        tokens, positions, segments = chunk(st, needs.starts - shift, size + shift, pad=plan.tail + shift)
-        logits = self.network.chunk(
-          params,
-          tokens,
-          needs.t,
-          segments=segments,
-          positions=positions,
-          mask="bidirectional",
-          cache=st.cache,
-          starts=needs.starts - shift,
-          logits_length=plan.block,
-          return_kv=False,
-        )
-        return logits
-
-      return run
+      return lambda: self._block(params, st, needs, size, plan.tail + self.network.shift)
 
     sizes = plan.suffix_sizes
     need = jnp.max(plan.slots - needs.starts)
@@ -394,6 +359,6 @@ class Prefix(Dual):
 STRATEGIES = {"exact": Exact, "none": NoCache, "dual": Dual, "prefix": Prefix}
 
 
-def strategy(plan: BlockPlan, network: Network) -> Strategy:
+def strategy(plan: BlockPlan, network: Network, mask_id: int) -> Strategy:
   """The cache strategy of ``plan``."""
-  return Verified(plan, network) if plan.draft else STRATEGIES[plan.cache](plan, network)
+  return (Verified if plan.draft else STRATEGIES[plan.cache])(plan, network, mask_id)

@@ -146,6 +146,18 @@ def from_fixed(tokens, fixed, valid=None, streams=None) -> Canvas:
   return Canvas(tokens, kinds, streams)
 
 
+def pad_length(canvas: Canvas, length: int, pad_id: int = 0) -> Canvas:
+  """Right-pads canvases to ``length`` positions (a plan's)."""
+  extra = length - np.shape(canvas.tokens)[1]
+  if extra <= 0:
+    return canvas
+  return Canvas(
+    np.pad(np.asarray(canvas.tokens), ((0, 0), (0, extra)), constant_values=pad_id),
+    np.pad(np.asarray(canvas.kinds), ((0, 0), (0, extra)), constant_values=PAD),
+    canvas.streams,
+  )
+
+
 def pad_batch(canvas: Canvas, multiple: int, pad_id: int = 0) -> Canvas:
   """Adds all-padding rows (nothing to generate) so the batch divides by ``multiple`` (a mesh's data size)."""
   batch, length = canvas.tokens.shape

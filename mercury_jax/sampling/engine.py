@@ -1,20 +1,22 @@
-"""The decoding engine: left-to-right blocks refined in parallel against a key-value cache, one jitted loop.
+"""The decoding engine: left-to-right windows refined in parallel against a key-value cache, one jitted loop.
 
 Every decoder of the project is this engine with a plan (:mod:`~mercury_jax.sampling.plan`), a cache strategy
-(:mod:`~mercury_jax.sampling.caches`), a step rule (:mod:`~mercury_jax.sampling.rules`) and hooks
+(:mod:`~mercury_jax.sampling.caches`), a step rule (:mod:`~mercury_jax.sampling.step`) and hooks
 (:mod:`~mercury_jax.sampling.hooks`), behind every entry point (``Sampler.generate`` and ``stream``, the command
-line, the server, the benchmarks):
+line, the server, the benchmarks, ahead-of-time compilation):
 
 * block diffusion (BD3-LM, Arriola et al. 2025, arXiv 2503.09573) refines a block of ``B`` tokens at a time over the
-  exact cache of the blocks before it;
+  exact cache of the blocks before it (:mod:`~mercury_jax.sampling.refine`);
 * the autoregressive twin is the engine with blocks of one token and one step per block;
+* verified decoding drafts by diffusion and accepts what the network's own next-token head accepts
+  (:mod:`~mercury_jax.sampling.verify`), over blocks of one token;
 * a whole-sequence checkpoint refines its whole canvas as one block without a cache (MDLM/MD4's refinement), or
-  semi-autoregressive blocks of ``block_length`` tokens, or blocks over Fast-dLLM's approximate caches.
+  semi-autoregressive blocks, or blocks over Fast-dLLM's approximate caches;
+* a continuous checkpoint moves a block's latents along the probability-flow ODE (:mod:`~mercury_jax.sampling.latents`).
 
-A step reads: forward (the cache strategy gives the block's logits) -> propose (a candidate token and a confidence
-at every position, :mod:`~mercury_jax.sampling.proposal`, then the hooks) -> rule (which open positions to commit,
-which committed ones to re-mask) -> commit (the hooks add forced tokens) -> end of sequence -> advance (a finished
-block moves the row to its next one; the hooks enter it).
+A step (:meth:`BlockEngine.step`) reads: the rule says what it needs of the network, the cache strategy runs it,
+the rule decides (commit, re-mask, accept, with its hooks), and one tail writes the window, ends holes at EOS,
+records the trace, counts the passes and moves rows on.
 
 Layout. Canvases (``mercury_jax.sampling.canvas``: prompts, holes, templates; right-padded rows) are laid into
 slots (:class:`~mercury_jax.sampling.plan.BlockPlan`). Each row keeps its own block offset: its ``j``-th step block is
@@ -26,27 +28,20 @@ Rows are independent. Each row has its own block counter, step, step budget (``n
 more in its first ``extra_steps`` [b] blocks) and sampling knobs (``State.knobs``, traced [b] arrays), and moves to
 its next block as soon as its own block is finished; one forward pass serves every row that needs one, and a row
 that did not need it keeps the logits it already had. So a row's tokens depend on its own canvas, key and knobs
-only, and a serving engine (``mercury_jax.serve``) can :meth:`BlockEngine.insert` a request into a free row and
-:meth:`BlockEngine.release` it between steps. The approximate caches refresh every row at once and keep the rows'
-blocks in lockstep.
-
-Steps. Within a block the step rules run on ``[batch, B]`` slices with ``num_steps`` steps per block: the confidence
-schedule commits ``ceil(open / steps_left)``, the ancestral rule walks the block's time grid from 1 to 0, revision
-re-masks only the open block, and the block's last step commits everything. When a step committed and re-masked
-nothing, the next step reuses the last logits instead of running the model (MDLM's caching of unchanged inputs; not
-with time conditioning). A block with nothing to generate in any row costs no step of the model (the exact cache
-still writes the block before it).
+only, and a serving engine (``mercury_jax.serve``) can :meth:`BlockEngine.insert` a request into a free row,
+:meth:`BlockEngine.step_rows` a batch bucket of the rows and :meth:`BlockEngine.release` a row between steps (the
+programs of JetStream's engine API). The approximate caches refresh every row at once and keep the rows' blocks in
+lockstep. A block with nothing to generate in any row costs no step of the model (the exact cache still writes the
+block before it).
 
 End of sequence. With ``settings.eos_to_pad`` (the default), an EOS in a finished block ends its own hole
 (``canvas.after_eos``): the hole's later positions become padding, are never generated and are never attended to,
 and generation stops once no row has a masked position left, so open-ended generation ends at EOS. Without it an EOS
 is a token like any other and the hole is generated to its end.
 
-Randomness. Example ``i`` draws from ``key_i = fold_in(key, streams[i])``; step ``j`` of the block starting at
-canvas position ``p`` uses the key ``k = fold_in(key_i, p)`` (``j = 0``) or ``fold_in(fold_in(key_i, p), j)``: the
-proposals' Gumbel noise is ``B`` rows drawn from ``k`` (only when some row samples: a row at temperature 0 ignores
-it), the ancestral rule's uniforms come from ``fold_in(k, RULE_NOISE)``, a constrained row's class noise from
-``fold_in(k, CLASS_NOISE)``. So a row's draws do not depend on its batch.
+Randomness. Example ``i`` draws from ``key_i = fold_in(key, streams[i])``; a step folds the position its rule names
+(:meth:`~mercury_jax.sampling.step.StepRule.key_position`) into it, then the step within the block when it is not
+the first, so a row's draws do not depend on its batch.
 
 The loop runs in chunks (:meth:`BlockEngine.advance`, a budget of blocks and steps): the state goes in and out of
 each jitted call, so a stream of blocks or of drafts costs no recompilation, and ``generate`` (one chunk to the end)
@@ -55,27 +50,37 @@ and ``stream`` (a chunk per block) run the same two programs, :meth:`init` and :
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from mercury_jax import kinds as K
 from mercury_jax.config import ModelConfig
-from mercury_jax.constrain import device as constrained
-from mercury_jax.kvcache import KVCache, PagedKVCache
-from mercury_jax.sampling.caches import Needs, per_row, strategy
+from mercury_jax.sampling import automata as constrained
+from mercury_jax.sampling.caches import strategy
 from mercury_jax.sampling.canvas import Canvas, SampleOutput, after_eos
-from mercury_jax.sampling.hooks import Structured, View, active_hooks
-from mercury_jax.sampling.latents import LatentRule
+from mercury_jax.sampling.hooks import Hooks, Structured, View
+from mercury_jax.sampling.latents import Flow
 from mercury_jax.sampling.network import Network
 from mercury_jax.sampling.plan import BlockPlan
-from mercury_jax.sampling.proposal import Knobs, clean_logits, noise_width, propose_rows, uniform_noise
-from mercury_jax.sampling.rules import StepInputs, make_rule
+from mercury_jax.sampling.proposal import Knobs
+from mercury_jax.sampling.refine import Refine
 from mercury_jax.sampling.settings import SamplerSettings
-from mercury_jax.sampling.state import BATCH_COUNTERS, Constraint, Healing, State, put, rows
-from mercury_jax.sampling.verify import Verifier, empty_draft
-
-RULE_NOISE = 0x7275  # Folded into a step's key for the step rule's own uniforms (the ancestral rule's).
+from mercury_jax.sampling.state import (
+  Healing,
+  State,
+  constrain_rows,
+  insert_row,
+  put,
+  put_rows,
+  rows,
+  select_rows,
+  take_rows,
+)
+from mercury_jax.sampling.step import Decision, StepRule
+from mercury_jax.sampling.verify import Verify
 
 
 def prefill_slots(kinds, plan: BlockPlan) -> int:
@@ -93,13 +98,36 @@ def prefill_slots(kinds, plan: BlockPlan) -> int:
   return min(plan.block * (1 << (blocks - 1).bit_length()), plan.slots)
 
 
+class Start(NamedTuple):
+  """What a decode starts from: :meth:`BlockEngine.init`'s arguments after the parameters, as one value (a compiled
+  prefill's, :meth:`~mercury_jax.sampling.programs.Programs.prefill`)."""
+
+  canvas: Canvas
+  key: jax.Array
+  num_steps: jax.Array
+  knobs: Knobs | None = None
+  tables: constrained.Tables | None = None
+  healing: Healing | None = None
+  extra_steps: jax.Array | None = None
+
+
+def step_rule(plan: BlockPlan, settings: SamplerSettings, network: Network, cache) -> StepRule:
+  """The rule a plan decodes with: verification for a verified plan, the ODE for ``settings.rule == "ode"``, the
+  discrete refinement otherwise."""
+  if plan.draft:
+    return Verify(plan, settings, network)
+  if settings.rule == "ode":
+    return Flow(plan, settings, network, cache)
+  return Refine(plan, settings, network)
+
+
 class BlockEngine:
-  """The engine for one network, settings and plan: :meth:`init`, :meth:`advance`, :meth:`output` (pure functions).
+  """The engine for one network, settings and plan: its programs are pure functions of the state.
 
   Args:
     network: The denoiser (:class:`~mercury_jax.sampling.network.Network`), or a model config to build it from.
     settings: Step rule, proposals, EOS handling (static).
-    plan: The layout and cache (:func:`~mercury_jax.sampling.plan.plan_blocks`).
+    plan: The layout and cache (:func:`~mercury_jax.sampling.plan.plan_for`).
   """
 
   def __init__(self, network: Network | ModelConfig, settings: SamplerSettings, plan: BlockPlan):
@@ -107,19 +135,13 @@ class BlockEngine:
     if network.causal and not plan.autoregressive:  # A bidirectional network may run its causal head (verified).
       raise ValueError(f"plan.autoregressive={plan.autoregressive} does not fit a causal model")
     self.network, self.settings, self.plan = network, settings, plan
-    self.cache = strategy(plan, network)
-    self.rule = make_rule(settings)
-    self.verifier = Verifier(self) if plan.draft else None
-    self.latents = None  # the continuous family's rule over latents (settings.rule == "ode")
-    if settings.rule == "ode":
-      if plan.cache not in ("exact", "none") or plan.draft or not network.latent_dim:
-        raise ValueError(f"rule 'ode' decodes a continuous checkpoint with cache 'exact' or 'none' (plan: {plan})")
-      self.latents = LatentRule(settings, plan.block, network.latent_dim)
+    self.cache = strategy(plan, network, settings.mask_id)
+    self.rule = step_rule(plan, settings, network, self.cache)
 
   # ------------------------------------------------------------------------------------------------ rows
 
   def starts(self, st: State) -> jax.Array:
-    """[b] the first slot of each row's step block."""
+    """[b] the first slot of each row's step window."""
     return jnp.minimum(st.first + st.block, st.last) * self.plan.block
 
   def unfinished(self, st: State) -> jax.Array:
@@ -130,7 +152,7 @@ class BlockEngine:
     """[] bool: nothing is left to generate."""
     return ~jnp.any(self.unfinished(st) & (st.block < self.plan.blocks))
 
-  # ------------------------------------------------------------------------------------------------ state
+  # ------------------------------------------------------------------------------------------------ programs
 
   def init(
     self,
@@ -145,7 +167,8 @@ class BlockEngine:
     healing: Healing | None = None,
     extra_steps: jax.Array | None = None,
   ) -> State:
-    """Lays the canvases into slots and runs the prefill (exact cache): the state before the first step.
+    """Lays the canvases into slots and runs the prefill (exact cache): the state before the first step (JetStream's
+    prefill).
 
     Args:
       params: The network's parameters.
@@ -154,11 +177,10 @@ class BlockEngine:
       num_steps: Steps per block: one for every row ([]) or one per row ([b]).
       knobs: The sampling knobs (traced), per row ([b] each) or for every row ([] each); default: the settings'
         own, as constants.
-      prefill: How many slots the exact cache's prefill runs over (static; default every slot). The cache must
-        hold every slot before each row's first generated block but one (the first step's commit pass writes that
-        one), so a prompt that lies within its first generated block needs none (0: no prefill at all);
-        :func:`prefill_slots` gives the bucket a batch needs.
-      tables: The rows' automata (:func:`mercury_jax.constrain.device.tables`): a constrained row's hole (it must
+      prefill: How many slots the exact cache's prefill covers (static; default every slot): every slot before each
+        row's first generated block but one (the first step's commit pass writes that one); :func:`prefill_slots`
+        gives the bucket a batch needs (0: no prefill at all).
+      tables: The rows' automata (:func:`mercury_jax.sampling.automata.tables`): a constrained row's hole (it must
         have one) is generated as a valid prefix of its automaton's language, complete when the hole has room; its
         ``min_length`` is ignored (the automaton says where text ends).
       healing: Token healing (:class:`~mercury_jax.sampling.state.Healing` with ``slot`` holding each row's healed
@@ -166,43 +188,49 @@ class BlockEngine:
       extra_steps: The first ``extra_steps`` step blocks of a row take one step more than ``num_steps`` ([] or [b];
         default 0): what is left of a total budget (``settings.steps_per_block``).
     """
+    st = constrain_rows(self._layout(canvas, key, num_steps, knobs, extra_steps))
+    if tables is not None:
+      constraint, z, eos_banned = Structured(self.plan, self.settings).start(
+        tables, st.target, st.eos_banned, st.z, st.first
+      )
+      st = st._replace(constraint=constraint, z=z, eos_banned=eos_banned)
+    if healing is not None:
+      slot = jnp.where(healing.slot >= 0, healing.slot + self.plan.block, -1).astype(jnp.int32)
+      st = st._replace(healing=Healing(jnp.asarray(healing.allowed, bool), slot))
+    size = self.plan.slots if prefill is None else prefill
+    return st._replace(cache=self.cache.prefill(params, st, size)) if size else st
+
+  def _layout(self, canvas: Canvas, key, num_steps, knobs: Knobs | None, extra_steps) -> State:
+    """The state of the canvases laid into slots, before the hooks and the prefill."""
     plan, settings, block = self.plan, self.settings, self.plan.block
     tokens, kinds = jnp.asarray(canvas.tokens, jnp.int32), jnp.asarray(canvas.kinds, jnp.int32)
     batch, length = tokens.shape
     lay = lambda a, fill: jnp.pad(a, ((0, 0), (block, plan.slots - block - length)), constant_values=fill)  # noqa: E731
     kinds = lay(kinds, K.PAD)
     target = kinds == K.TARGET
-    slots = jnp.arange(plan.slots)
     has_target = target.any(axis=1)
     first = jnp.where(has_target, jnp.argmax(target, axis=1) // block, 1).astype(jnp.int32)
     last = jnp.where(has_target, (plan.slots - 1 - jnp.argmax(target[:, ::-1], axis=1)) // block, 1)
     rank = jnp.cumsum(target, axis=-1, dtype=jnp.int32) - 1
-    z = jnp.where(target, settings.mask_id, lay(tokens, settings.pad_id))
-    eos_banned = target & (rank < settings.min_length)
-    constraint = None
-    if tables is not None:
-      constraint, z, eos_banned = Structured(plan, settings).start(tables, target, eos_banned, z, first)
-    if healing is not None:
-      healing = Healing(
-        jnp.asarray(healing.allowed, bool), jnp.where(healing.slot >= 0, healing.slot + block, -1).astype(jnp.int32)
-      )
     trace = ()
     if settings.trace:
+      frames = (settings.trace, batch)
       trace = (
-        jnp.full((settings.trace, batch, plan.slots), settings.pad_id, jnp.int32),
-        jnp.full((settings.trace, batch), -1, jnp.int32),  # -1: no step was recorded in this frame
-        jnp.zeros((settings.trace, batch), jnp.int32),
-      )
+        jnp.full((*frames, plan.slots), settings.pad_id, jnp.int32),
+        jnp.full(frames, -1, jnp.int32),
+        jnp.zeros(frames, jnp.int32),
+      )  # fmt: skip  (-1: no step was recorded in the frame)
     knobs = Knobs.of(settings, batch) if knobs is None else knobs
     per_row = lambda a, dtype: jnp.broadcast_to(jnp.asarray(a, dtype), (batch,))  # noqa: E731
-    no = jnp.zeros((batch,), jnp.int32)
-    st = State(
-      z=z,
+    no, dtypes = jnp.zeros((batch,), jnp.int32), (jnp.float32, jnp.int32, jnp.float32, jnp.float32)
+    zero = jnp.zeros((), jnp.int32)
+    return State(
+      z=jnp.where(target, settings.mask_id, lay(tokens, settings.pad_id)),
       target=target,
       generate=target,
       segments=(kinds != K.PAD).astype(jnp.int32),
-      positions=jnp.broadcast_to(jnp.maximum(slots - block, 0), (batch, plan.slots)).astype(jnp.int32),
-      eos_banned=eos_banned,
+      positions=jnp.broadcast_to(jnp.maximum(jnp.arange(plan.slots) - block, 0), (batch, plan.slots)).astype(jnp.int32),
+      eos_banned=target & (rank < settings.min_length),
       score=jnp.zeros((batch, plan.slots), jnp.float32),
       first=first,
       last=last.astype(jnp.int32),
@@ -212,280 +240,119 @@ class BlockEngine:
       fresh=jnp.ones((batch,), bool),
       changed=jnp.ones((batch,), bool),
       logits=jnp.zeros((batch, block, self.network.vocab_size), jnp.float32),
-      proposal=jnp.zeros((batch, plan.draft - 1 if plan.draft else block), jnp.int32),
       cache=self.cache.empty(batch),
       num_steps=jnp.maximum(per_row(num_steps, jnp.int32), 1),
       extra_steps=per_row(0 if extra_steps is None else extra_steps, jnp.int32),
-      knobs=Knobs(
-        *(per_row(v, d) for v, d in zip(knobs, (jnp.float32, jnp.int32, jnp.float32, jnp.float32), strict=True))
-      ),
+      knobs=Knobs(*(per_row(v, d) for v, d in zip(knobs, dtypes, strict=True))),
       nfe=no,
-      forwards=jnp.zeros((), jnp.int32),
-      commit_passes=jnp.zeros((), jnp.int32),
-      iterations=jnp.zeros((), jnp.int32),
+      forwards=zero,
+      commit_passes=zero,
+      iterations=zero,
       recorded=no,
       trace=trace,
-      constraint=constraint,
-      healing=healing,
-      draft=empty_draft(batch, plan.draft, self.network.vocab_size) if plan.draft else None,
-      latent=self.latents.empty(batch) if self.latents is not None else None,
+      constraint=None,
+      healing=None,
+      **self.rule.empty(batch),
     )
-    size = plan.slots if prefill is None else prefill
-    return st._replace(cache=self.cache.prefill(params, st, size)) if size else st
 
   def insert(self, st: State, row: State, slot: jax.Array, table: jax.Array | None = None) -> State:
-    """``st`` with the one-row state ``row`` (an :meth:`init` of one canvas) in row ``slot``; the batch counters
-    stay ``st``'s. A serving engine's admission: prefill a request alone, then insert it. Into a paged cache
-    (:class:`~mercury_jax.kvcache.PagedKVCache`), the row's keys and values go to the pages ``table``."""
-
-    def put_at(axis):
-      return lambda a, r: jax.lax.dynamic_update_slice_in_dim(a, r.astype(a.dtype), slot, axis=axis)
-
-    fields = {}
-    for name in State._fields:
-      if name in BATCH_COUNTERS:
-        continue
-      mine, theirs = getattr(st, name), getattr(row, name)
-      if name == "cache" and isinstance(mine, PagedKVCache):
-        fields[name] = mine.insert(slot, table, theirs)
-      elif name == "cache" and isinstance(mine, KVCache):  # [layers, b, ...] keys and values, [b, S] segments
-        fields[name] = KVCache(
-          put_at(1)(mine.keys, theirs.keys),
-          put_at(1)(mine.values, theirs.values),
-          put_at(0)(mine.segments, theirs.segments),
-        )
-      elif name == "trace":
-        fields[name] = jax.tree.map(put_at(1), mine, theirs)  # [frames, b, ...]
-      elif name == "constraint" and mine is not None:
-        fields[name] = Constraint(
-          jax.tree.map(put_at(0), mine.tables, theirs.tables),
-          put_at(0)(mine.dfa, theirs.dfa),
-          put_at(0)(mine.end, theirs.end),
-          mine.passes,
-        )
-      else:
-        fields[name] = jax.tree.map(put_at(0), mine, theirs)
-    return st._replace(**fields)
+    """``st`` with the one-row state ``row`` (an :meth:`init` of one canvas) in row ``slot`` (JetStream's insert);
+    a paged cache (:class:`~mercury_jax.kvcache.PagedKVCache`) puts the row's keys and values on the pages ``table``."""
+    return insert_row(st, row, slot, table)
 
   def release(self, st: State, slot: jax.Array) -> State:
-    """``st`` with row ``slot`` given up: it has nothing left to generate, takes no more steps, and its hooks let it
-    go (its constraint no longer runs); a paged cache's row gives up its pages."""
+    """``st`` with row ``slot`` given up: it has nothing left to generate, takes no more steps, its cache holds
+    nothing (a paged cache's pages go back to the pool: the row reads and writes the sink) and its hooks let it go."""
     st = st._replace(generate=st.generate.at[slot].set(False))
-    if isinstance(st.cache, PagedKVCache):  # Its pages go back to the pool: the row reads and writes the sink.
+    if st.cache:
       st = st._replace(cache=st.cache.forget(slot))
-    for hook in active_hooks(st, self.plan, self.settings):
-      st = hook.release(st, slot)
-    return st
+    return Hooks(st, self.plan, self.settings).release(st, slot)
 
-  # ------------------------------------------------------------------------------------------------ the loop
-
-  def _step_keys(self, st: State, position: jax.Array) -> jax.Array:
-    keys = jax.vmap(jax.random.fold_in)(st.example_keys, position)
-    stepped = jax.vmap(jax.random.fold_in)(keys, st.step)
-    data = lambda k: jax.random.key_data(k) if jnp.issubdtype(k.dtype, jax.dtypes.prng_key) else k  # noqa: E731
-    chosen = jnp.where((st.step == 0)[:, None], data(keys), data(stepped))
-    return jax.random.wrap_key_data(chosen) if jnp.issubdtype(keys.dtype, jax.dtypes.prng_key) else chosen
-
-  def _body(self, params, st: State) -> State:
-    if self.verifier is not None:  # Verified decoding's step: verify the drafts, commit, draft the next ones.
-      return self.verifier.step(params, st)
-    plan, settings, block, mask_id = self.plan, self.settings, self.plan.block, self.settings.mask_id
-    hooks = active_hooks(st, plan, settings)
-    starts = self.starts(st)
-    z_b, generate_b = rows(st.z, starts, block), rows(st.generate, starts, block)
-    open_ = generate_b & (z_b == mask_id)  # [b, B]
-    has_open = jnp.any(open_, axis=-1)  # [b]
-    unfinished = self.unfinished(st)
-
-    # Forward: a row wants fresh logits at its block's first step and after a step that changed its block (every
-    # step over latents); at its block's first step it also wants the finished block before it written into the
-    # cache (exact cache).
-    moving = self.network.time_conditioning or self.latents is not None
-    wants_logits = jnp.where(st.fresh, has_open, (st.changed | moving) & has_open)
-    previous_live = jnp.any(rows(st.segments, starts - block, block) != 0, axis=-1)
-    wants_commit = st.fresh & previous_live & unfinished
-    num_steps = st.num_steps + (st.block < st.extra_steps).astype(jnp.int32)  # [b] this block's steps
-    steps_left = num_steps - st.step  # [b]
-    t = (1.0 - st.step / num_steps).astype(jnp.float32)
-    s = (1.0 - (st.step + 1) / num_steps).astype(jnp.float32)
-    keys = self._step_keys(st, starts - block)  # the block's first canvas position
-    latent = None
-    if self.latents is not None:
-      latent, st = self.latents.start(st, keys, open_, num_steps)
-    needs = Needs(starts, t, wants_logits, wants_commit, latent)
+  def step(self, params, st: State) -> State:
+    """One step of every row: the rule's needs, the cache strategy's pass, the rule's decision, the shared tail."""
+    view = self._view(st)
+    hooks = Hooks(st, self.plan, self.settings)
+    needs, st = self.rule.needs(st, view)
     forward = self.cache.forward(params, st, needs)
-    if self.latents is not None:  # classifier-free guidance (when on): the proposals and the ODE both see it
-      forward = forward._replace(logits=self._guided(params, st._replace(cache=forward.cache), needs, forward.logits))
-
-    # Propose. The Gumbel noise is drawn only when some row samples (a row at temperature 0 ignores it), the rule's
-    # own uniforms from a key of their own, so neither depends on the other rows' knobs.
-    sampled = jnp.any((st.knobs.temperature > 0.0) & has_open)
-    width = noise_width(self.network.vocab_size)
-    noise = jax.lax.cond(
-      sampled,
-      lambda: uniform_noise(keys, (block, width)),
-      lambda: jnp.full((z_b.shape[0], block, width), 0.5, jnp.float32),
+    decision = self.rule.decide(params, st, view, needs, forward, hooks)
+    unfinished = self.unfinished(st)
+    needed = ((forward.ran & needs.logits) | (forward.committed & needs.commit)) & unfinished
+    st = self._commit(decision, view, hooks)
+    return st._replace(
+      cache=forward.cache,
+      nfe=st.nfe + needed.astype(jnp.int32) + decision.extra,
+      forwards=st.forwards + (forward.ran | forward.committed).astype(jnp.int32) + jnp.max(decision.extra),
+      commit_passes=st.commit_passes + forward.committed.astype(jnp.int32),
     )
-    u = jnp.zeros(z_b.shape, jnp.float32)
-    if settings.rule == "ancestral":
-      u = uniform_noise(jax.vmap(lambda k: jax.random.fold_in(k, RULE_NOISE))(keys), (block,))
-    view = View(starts, z_b, open_, has_open, keys, noise)
-    logits = forward.logits
-    for hook in hooks:
-      logits = hook.logits(st, view, logits)
-    eos_banned = rows(st.eos_banned, starts, block)
-    x0, confidence = self.network.map_rows(  # row by row where the network is (batch invariance)
-      lambda logits, noise, eos_banned, knobs: propose_rows(logits, noise, eos_banned, settings, knobs),
-      logits,
-      noise,
-      eos_banned,
-      st.knobs,
-    )
-    for hook in hooks:
-      x0, confidence, st = hook.propose(st, view, logits, x0, confidence)
-    heun = jnp.zeros_like(has_open)
-    if self.latents is not None:  # The latents take one solver step towards the restricted distribution.
-      st, heun = self._move_latents(params, st, view, hooks, forward, latent, x0, num_steps, t, wants_logits)
 
-    # Rule and commit.
-    committed = generate_b & ~open_ & has_open[:, None]  # revision: the open block only
-    out = self.rule(
-      StepInputs(
-        x0=x0,
-        confidence=confidence,
-        open=open_,
-        committed=committed,
-        score=rows(st.score, starts, block),
-        k=(open_.sum(axis=-1, dtype=jnp.int32) + steps_left - 1) // steps_left,
-        steps_left=steps_left,
-        block_steps=num_steps,
-        t=t,
-        s=s,
-        u=u,
-        threshold=st.knobs.threshold,
-      )
-    )
-    is_last = (st.step >= num_steps - 1)[:, None]
-    commit = (out.commit | is_last) & open_
-    remask = out.remask & committed & ~is_last
-    z_b = jnp.where(remask, mask_id, jnp.where(commit, x0, z_b))
-    for hook in hooks:
-      z_b, forced, st = hook.after_commit(st, view, z_b)
-      commit |= forced
-      confidence = jnp.where(forced, 1.0, confidence)
-    z = put(st.z, starts, z_b)
-    score = put(st.score, starts, jnp.where(commit, confidence, rows(st.score, starts, block)))
-    finished = ~jnp.any(generate_b & (z_b == mask_id), axis=-1)  # [b] the row's block is done (or had nothing to do)
+  def _view(self, st: State) -> View:
+    """Every row's window as the rule sees it, with the step's keys."""
+    width, mask_id = self.rule.width, self.settings.mask_id
+    starts = self.starts(st)
+    z_w = rows(st.z, starts, width)
+    open_ = rows(st.generate, starts, width) & (z_w == mask_id)
+    keys = jax.vmap(jax.random.fold_in)(st.example_keys, self.rule.key_position(starts))
+    stepped = jax.vmap(jax.random.fold_in)(keys, st.step)
+    typed = jnp.issubdtype(keys.dtype, jax.dtypes.prng_key)
+    data = jax.random.key_data if typed else lambda k: k
+    chosen = jnp.where((st.step == 0)[:, None], data(keys), data(stepped))
+    keys = jax.random.wrap_key_data(chosen) if typed else chosen
+    slots = starts[:, None] + jnp.arange(width)[None, :]
+    return View(starts, slots, z_w, open_, jnp.any(open_, axis=-1), keys)
 
-    # End of sequence: an EOS in a finished block ends its hole; the hole's later positions become dead padding.
+  def _commit(self, d: Decision, view: View, hooks: Hooks) -> State:
+    """The shared tail of every rule: write the window and its scores, end the holes of finished windows at an EOS,
+    record the trace, move rows on (the approximate caches: all together) and let the hooks enter the next block."""
+    plan, settings, st, starts = self.plan, self.settings, d.st, view.starts
+    z = put(st.z, starts, d.z)
+    score = put(st.score, starts, jnp.where(d.commit, d.confidence, rows(st.score, starts, self.rule.width)))
     segments, generate = st.segments, st.generate
     if settings.eos_to_pad:
-      slot_ids = jnp.arange(plan.slots)
-      has_eos = finished & jnp.any(generate_b & (z_b == settings.eos_id), axis=-1)  # [b]
+      final = jnp.arange(self.rule.width)[None, :] < (d.finished * plan.block)[:, None]  # the window's final part
+      has_eos = jnp.any(final & rows(generate, starts, self.rule.width) & (d.z == settings.eos_id), axis=-1)
+      known = jnp.arange(plan.slots)[None, :] < (starts + d.finished * plan.block)[:, None]
 
       def end_holes(z, segments, generate):
-        known = slot_ids[None, :] < (starts + block)[:, None]
         dead = after_eos(z, st.target, settings.eos_id, known=known) & has_eos[:, None]
         return jnp.where(dead, settings.pad_id, z), jnp.where(dead, 0, segments), generate & ~dead
 
       z, segments, generate = jax.lax.cond(jnp.any(has_eos), end_holes, lambda *a: a, z, segments, generate)
-
-    trace = st.trace
-    if trace:
-      canvases, commits, remasks = trace
-      batch_rows = jnp.arange(z.shape[0])
-      frame = jnp.minimum(st.recorded, settings.trace - 1)  # [b]: each row records its own steps
-      keep = (st.recorded < settings.trace) & has_open
-      shown = z
-      if self.latents is not None:  # Nothing is committed before a block's end: a frame shows the step's draft.
-        shown = put(z, starts, jnp.where(open_ & (rows(z, starts, block) == mask_id), x0, rows(z, starts, block)))
-      trace = (
-        canvases.at[frame, batch_rows].set(jnp.where(keep[:, None], shown, canvases[frame, batch_rows])),
-        commits.at[frame, batch_rows].set(
-          jnp.where(keep, commit.sum(axis=-1, dtype=jnp.int32), commits[frame, batch_rows])
-        ),
-        remasks.at[frame, batch_rows].set(
-          jnp.where(keep, remask.sum(axis=-1, dtype=jnp.int32), remasks[frame, batch_rows])
-        ),
-      )
-
-    # Advance: a finished block moves its row on (the approximate caches refresh every row at once: lockstep).
-    advance = finished
-    if plan.cache in ("dual", "prefix"):
-      advance = jnp.broadcast_to(jnp.all(finished), finished.shape)
-    for hook in hooks:
-      z, score, st = hook.enter(st, advance, z, score)
-    needed = ((forward.ran & wants_logits) | (forward.committed & wants_commit)) & unfinished
-    # The ode rule's other passes: guidance's unconditional one, Heun's second (guided: two).
-    guided = self.latents is not None and settings.guidance != 1.0
-    extra = int(guided) * (forward.ran & wants_logits & unfinished).astype(jnp.int32)
-    extra += (1 + int(guided)) * heun.astype(jnp.int32)
+    trace = self._record(st, z, view, d) if st.trace else st.trace
+    advance = d.finished > 0
+    if self.cache.lockstep:
+      advance = jnp.broadcast_to(jnp.all(advance), advance.shape)
+    z, score, st = self.rule.enter(st, hooks, advance, z, score)
     return st._replace(
       z=z,
       generate=generate,
       segments=segments,
       score=score,
-      block=st.block + advance.astype(jnp.int32),
+      block=st.block + jnp.where(advance, d.finished, 0),
       step=jnp.where(advance, 0, st.step + 1),
       fresh=advance,
-      changed=jnp.any(commit | remask, axis=-1),
-      logits=forward.logits,
-      proposal=x0,
-      cache=forward.cache,
-      nfe=st.nfe + needed.astype(jnp.int32) + extra.astype(jnp.int32),
-      forwards=st.forwards + (forward.ran | forward.committed).astype(jnp.int32) + jnp.max(extra).astype(jnp.int32),
-      commit_passes=st.commit_passes + forward.committed.astype(jnp.int32),
+      changed=jnp.any(d.commit | d.remask, axis=-1),
+      proposal=d.proposal,
       iterations=st.iterations + 1,
-      recorded=st.recorded + has_open.astype(jnp.int32),
+      recorded=st.recorded + d.worked.astype(jnp.int32),
       trace=trace,
     )
 
-  def _move_latents(self, params, st: State, view: View, hooks, forward, latent, x0, num_steps, t, wants_logits):
-    """The ``ode`` rule's solver step (:meth:`LatentRule.move`): the denoiser's distribution is the step's logits
-    after the hooks, cleaned as the proposals' are, and restricted along a constrained row's valid proposal."""
-    block, settings = self.plan.block, self.settings
-    eos_banned = rows(st.eos_banned, view.starts, block)
-    allowed = None
-    for hook in hooks:
-      if isinstance(hook, Structured):
-        allowed = hook.allowed_along(st, view, x0)
-
-    table = self.network.latent_table(params)
-
-    def expected(logits, eos_banned, allowed):  # of one group of rows (Network.map_rows)
-      clean = clean_logits(logits, eos_banned, settings)
-      if allowed is not None:
-        restricted = jnp.where(allowed, clean, -jnp.inf)
-        clean = jnp.where(jnp.any(restricted > -jnp.inf, axis=-1, keepdims=True), restricted, clean)
-      return jax.nn.softmax(clean, axis=-1) @ table
-
-    def distribution(logits):  # the expected latent [b, B, d] under the step's distribution
-      for hook in hooks:
-        logits = hook.logits(st, view, logits)
-      return self.network.map_rows(expected, logits, eos_banned, allowed)  # allowed: None, or [b, B, vocab]
-
-    written = st._replace(cache=forward.cache)
-
-    def again(inputs):  # Heun's second pass: the block alone, nothing committed (the cache is not changed).
-      needs = Needs(view.starts, t, wants_logits, jnp.zeros_like(wants_logits), inputs)
-      logits = self._guided(params, written, needs, self.cache.forward(params, written, needs).logits)
-      return distribution(logits)
-
-    return self.latents.move(st, latent, distribution(forward.logits), num_steps, again)
-
-  def _guided(self, params, st: State, needs: Needs, logits: jax.Array) -> jax.Array:
-    """Classifier-free guidance of a continuous checkpoint's block logits (``settings.guidance = w``, 1: off):
-    ``l_u + w (l_c - l_u)``, with ``l_u`` the block's logits with the context hidden
-    (:meth:`~mercury_jax.sampling.caches.Strategy.unconditional`), run only when some row wants logits."""
-    w = self.settings.guidance
-    if w == 1.0:
-      return logits
-
-    def run():
-      unconditional = self.cache.unconditional(params, st, needs)
-      return unconditional + w * (logits - unconditional)
-
-    return per_row(needs.logits, jax.lax.cond(jnp.any(needs.logits), run, lambda: logits), logits)
+  def _record(self, st: State, z: jax.Array, view: View, d: Decision) -> tuple[jax.Array, ...]:
+    """The trace with this step's frame: each row records its own steps (one frame per step it worked)."""
+    canvases, commits, remasks = st.trace
+    batch_rows = jnp.arange(z.shape[0])
+    frame = jnp.minimum(st.recorded, self.settings.trace - 1)  # [b]
+    keep = (st.recorded < self.settings.trace) & d.worked
+    shown = z
+    if d.preview is not None:  # Nothing is committed before a block's end: a frame shows the step's draft.
+      window = rows(z, view.starts, self.rule.width)
+      shown = put(z, view.starts, jnp.where(view.open & (window == self.settings.mask_id), d.preview, window))
+    count = lambda mask: mask.sum(axis=-1, dtype=jnp.int32)  # noqa: E731
+    return (
+      canvases.at[frame, batch_rows].set(jnp.where(keep[:, None], shown, canvases[frame, batch_rows])),
+      commits.at[frame, batch_rows].set(jnp.where(keep, count(d.commit), commits[frame, batch_rows])),
+      remasks.at[frame, batch_rows].set(jnp.where(keep, count(d.remask), remasks[frame, batch_rows])),
+    )
 
   def advance(self, params, st: State, max_blocks: jax.Array | None = None, max_steps: jax.Array | None = None):
     """Runs steps until nothing is masked, or some row that had something left finished ``max_blocks`` more blocks,
@@ -502,7 +369,28 @@ class BlockEngine:
         going &= st.iterations - first_iteration < max_steps
       return going
 
-    return jax.lax.while_loop(cond, lambda st: self._body(params, st), st)
+    return jax.lax.while_loop(cond, lambda st: self.step(params, st), st)
+
+  def step_rows(self, params, st: State, live: jax.Array) -> tuple[State, jax.Array]:
+    """One step of the rows ``live`` [n] alone (a serving engine's batch bucket, JetStream's generate): they are
+    taken out of the batch, stepped and put back. A row with nothing to generate pads the bucket (a free row, or one
+    still prefilling in chunks): it comes out as it went in and writes nothing into a paged pool. Returns the state
+    and the news of the step (:func:`news`), one int32 array for one host copy."""
+    part = take_rows(st, live)
+    worked = self.starts(part)
+    moved = self.advance(params, part, max_steps=jnp.ones((), jnp.int32))
+    moved = select_rows(jnp.any(part.generate, axis=-1), moved, part)
+    return put_rows(st, live, moved), news(self, moved, worked)
+
+  def fill(self, params, st: State, slot: jax.Array, start: jax.Array, size: int) -> State:
+    """Row ``slot`` with one chunk of its chunked prefill written: slots ``[start, start + size)``."""
+    part = take_rows(st, slot[None])
+    part = part._replace(cache=self.cache.fill(params, part, start, size))
+    return put_rows(st, slot[None], part)
+
+  def arm(self, st: State, slot: jax.Array) -> State:
+    """Row ``slot``, inert while its prompt was prefilled in chunks, with its holes to generate again."""
+    return st._replace(generate=st.generate.at[slot].set(st.target[slot]))
 
   def to_canvas(self, slots_array: jax.Array, length: int) -> jax.Array:
     """``[..., S]`` slot values at canvas positions ``[..., length]``."""
@@ -522,18 +410,27 @@ class BlockEngine:
     out = SampleOutput(tokens, st.nfe, st.forwards, *trace)
     return out._replace(accepted=st.draft.accepted) if st.draft is not None else out
 
-  def sample(
-    self,
-    params,
-    canvas: Canvas,
-    key: jax.Array,
-    num_steps: jax.Array,
-    knobs: Knobs | None = None,
-    tables: constrained.Tables | None = None,
-    healing: Healing | None = None,
-    extra_steps: jax.Array | None = None,
-  ) -> SampleOutput:
-    """The whole generation as one function: prefill, every block, output (see :meth:`init`)."""
-    state = self.init(params, canvas, key, num_steps, knobs, tables=tables, healing=healing, extra_steps=extra_steps)
-    st = self.advance(params, state)
+  def sample(self, params, canvas: Canvas, key: jax.Array, num_steps: jax.Array, knobs=None, **options):
+    """The whole generation as one function: prefill, every block, the :class:`SampleOutput` (``options``:
+    :meth:`init`'s keywords)."""
+    st = self.advance(params, self.init(params, canvas, key, num_steps, knobs, **options))
     return self.output(st, jnp.shape(canvas.tokens)[1])
+
+
+def width(plan: BlockPlan) -> int:
+  """The tokens a step can commit in a row from its window's first slot: the block, or verified decoding's draft
+  length."""
+  return max(plan.block, plan.draft)
+
+
+def news(engine: BlockEngine, st: State, worked: jax.Array) -> jax.Array:
+  """int32 [b, 3 W + 4]: what the host reads back after a step that worked from slots ``worked`` [b] (``W``:
+  :func:`width`): the tokens of the worked window and of the next one, the step's proposals, then ``worked``, the
+  next window's first slot, whether the row still has a masked position, and its forward passes
+  (:class:`~mercury_jax.serve.commands.View` unpacks it)."""
+  size, starts = width(engine.plan), engine.starts(st)
+  at = lambda first: jnp.take_along_axis(st.z, first[:, None] + jnp.arange(size)[None, :], axis=1)  # noqa: E731
+  proposal = jnp.pad(st.proposal, ((0, 0), (0, size - st.proposal.shape[1])))  # verified: k - 1 drafts at starts
+  scalars = (worked, starts, engine.unfinished(st), st.nfe)
+  columns = [at(worked), at(starts), proposal, *(jnp.asarray(a)[:, None] for a in scalars)]  # [b, W] and [b, 1]
+  return jnp.concatenate([c.astype(jnp.int32) for c in columns], axis=1)

@@ -20,10 +20,12 @@ and it was never trained to write a prompt token.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 
 import numpy as np
 
 from mercury_jax.data.tokenizer import NUM_SPECIAL, TextTokenizer
+from mercury_jax.sampling.state import Healing
 
 CACHE_SIZE = 1024  # Masks kept per tokenizer: a prompt's last token is one of a few thousand.
 
@@ -96,3 +98,16 @@ def _allowed(tokenizer: TextTokenizer, healed: str) -> np.ndarray:
     raise ValueError(f"no token of the tokenizer starts with {healed!r}")
   mask.flags.writeable = False
   return mask
+
+
+def masks(tokenizer: TextTokenizer, texts: Sequence[str], positions: Sequence[int], vocab_size: int) -> Healing:
+  """The engine's token-healing state of rows (:class:`~mercury_jax.sampling.state.Healing`, numpy): a row with
+  healed characters ``texts[r]`` lets its canvas position ``positions[r]`` take only the tokens whose text starts
+  with them; a row with "" heals nothing (slot -1)."""
+  allowed = np.ones((len(texts), vocab_size), bool)
+  slot = np.full((len(texts),), -1, np.int32)
+  for row, (text, position) in enumerate(zip(texts, positions, strict=True)):
+    if text:
+      allowed[row] = allowed_tokens(tokenizer, text, vocab_size)
+      slot[row] = position
+  return Healing(allowed, slot)

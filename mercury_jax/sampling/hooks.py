@@ -1,15 +1,23 @@
 """What structured output and token healing add to a step, as hooks of the engine with named contracts.
 
-The step body calls every active hook at the same points, in this order:
+Every step rule (:mod:`~mercury_jax.sampling.step`) calls the active hooks at the same points of its step, in this
+order, and no code asks a hook for its type:
 
-* ``logits(st, view, logits) -> logits``: before the proposals (token healing restricts its one position);
-* ``propose(st, view, logits, x0, confidence) -> (x0, confidence, st)``: after the unconstrained proposals
-  (structured output replaces a constrained row's proposals by the best valid string of its block);
-* ``after_commit(st, view, z_b) -> (z_b, forced, st)``: after the rule's commits (forced tokens the commits
+* ``logits(st, view, logits) -> logits``: before anything reads a window's logits (token healing restricts its one
+  position);
+* ``allowed(st, slots, tokens, budget) -> [b, n, vocab] bool | None``: the tokens each of ``slots`` may take after
+  the ``tokens`` before it (structured output walks its automaton along them; with ``budget``, a token must also
+  leave the row's automaton room to accept within its hole); None: no restriction. The verified rule restricts its
+  next-token distributions and its drafts with it, the continuous rule its denoiser;
+* ``propose(st, view, logits, x0, confidence) -> (x0, confidence, st)``: after the refining rules' unconstrained
+  proposals (structured output replaces a constrained row's proposals by the best valid string of its block);
+* ``after_commit(st, view, z_w) -> (z_w, forced, st)``: after a refining rule's commits (forced tokens the commits
   exposed are committed without the model);
-* ``enter(st, advance, z, score) -> (z, score, st)``: when rows move to their next block (its forced tokens go in);
-* ``release(st, slot) -> st``: when a serving engine gives a row up (the row's constraint is cleared, so nothing of
-  it runs again).
+* ``consume(st, view, z_w, count) -> st``: after a verified step committed the first ``count`` [b] tokens of its
+  window (structured output moves its automaton along them);
+* ``enter(st, advance, z, score) -> (z, score, st)``: when a refining rule's rows move to their next block (its
+  forced tokens go in);
+* ``release(st, slot) -> st``: when a serving engine gives a row up (nothing of it runs again).
 
 A hook is active when its part of the state is present (``State.constraint``, ``State.healing``); rows it does not
 concern are untouched, and nothing of it runs when no row needs it (each piece sits behind a ``lax.cond``).
@@ -22,35 +30,67 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from mercury_jax.constrain import device as constrained
+from mercury_jax.sampling import automata as constrained
 from mercury_jax.sampling.plan import BlockPlan
 from mercury_jax.sampling.proposal import clean_logits, uniform_noise
 from mercury_jax.sampling.settings import SamplerSettings
 from mercury_jax.sampling.state import Constraint, State, put, rows
 
-CLASS_NOISE = 0x636C  # Folded into a step's key for a constrained row's class scores (``constrain.device``).
+CLASS_NOISE = 0x636C  # Folded into a step's key for a constrained row's class scores (``sampling.automata``).
 
 
 class View(NamedTuple):
-  """The step block of every row, as the body sees it before the rule."""
+  """A step's window of every row, as the rule sees it before it decides."""
 
-  starts: jax.Array  # [b] first slot of the block
-  z: jax.Array  # [b, B] its tokens
-  open: jax.Array  # [b, B] masked positions still to generate
+  starts: jax.Array  # [b] first slot of the window
+  slots: jax.Array  # [b, W] its slots
+  z: jax.Array  # [b, W] its tokens
+  open: jax.Array  # [b, W] masked positions still to generate
   has_open: jax.Array  # [b]
   keys: jax.Array  # [b] the step's PRNG keys
-  noise: jax.Array  # [b, B, width] the proposals' uniforms
+  noise: jax.Array | None = None  # [b, W, width] the proposals' uniforms (the refining rules)
 
 
-class Structured:
-  """Structured output: each constrained row's automaton state is carried from block to block
-  (``Constraint.dfa``, the state before the row's step block), its proposals are the most probable valid string of
-  its block (a dynamic program over positions x states, :func:`mercury_jax.constrain.device.propose`), and tokens
-  that are the only one their state allows are committed without the model, when the row enters a block and after
-  every commit, so a block of fixed text costs no step of the model."""
+class Hook:
+  """The contract (module docstring), each point a no-op."""
 
   def __init__(self, plan: BlockPlan, settings: SamplerSettings):
     self.plan, self.settings = plan, settings
+
+  def logits(self, st: State, view: View, logits):
+    return logits
+
+  def allowed(self, st: State, slots, tokens, budget: bool):
+    return None
+
+  def propose(self, st: State, view: View, logits, x0, confidence):
+    return x0, confidence, st
+
+  def after_commit(self, st: State, view: View, z_w):
+    return z_w, jnp.zeros(z_w.shape, bool), st
+
+  def consume(self, st: State, view: View, z_w, count) -> State:
+    return st
+
+  def enter(self, st: State, advance, z, score):
+    return z, score, st
+
+  def release(self, st: State, slot) -> State:
+    return st
+
+
+def _remaining(st: State, slots: jax.Array) -> jax.Array:
+  """[b, n] positions of the row's hole after each of ``slots``."""
+  end = st.target.shape[1] - jnp.argmax(st.target[:, ::-1], axis=1)  # [b] one past the hole's last slot
+  return end[:, None] - slots - 1
+
+
+class Structured(Hook):
+  """Structured output: each constrained row's automaton state is carried from block to block
+  (``Constraint.dfa``, the state before the row's step window), a refining rule's proposals are the most probable
+  valid string of its block (a dynamic program over positions x states, :func:`mercury_jax.sampling.automata.propose`),
+  and tokens that are the only one their state allows are committed without the model, when the row enters a block
+  and after every commit, so a block of fixed text costs no step of the model."""
 
   def start(self, tables: constrained.Tables, target, eos_banned, z, first_block):
     """The constraint part of the initial state, and the canvas with the first block's forced tokens:
@@ -72,14 +112,35 @@ class Structured:
     )
     return put(z, starts, z_b), forced, end
 
-  def logits(self, st: State, view: View, logits):
-    return logits
+  def _walk(self, st: State, slots, tokens) -> jax.Array:
+    """[b, n + 1] the automaton states before each of ``slots`` and after the last, along ``tokens`` (positions
+    outside the hole leave the state alone)."""
+    tables, hole = st.constraint.view(), jnp.take_along_axis(st.target, slots, axis=1)
+    states = [st.constraint.dfa]
+    for i in range(slots.shape[1]):
+      states.append(jnp.where(hole[:, i], constrained.step(tables, states[-1], tokens[:, i]), states[-1]))
+    return jnp.stack(states, axis=1)
+
+  def allowed(self, st: State, slots, tokens, budget: bool):
+    tables, c = st.constraint.view(), st.constraint
+    hole = jnp.take_along_axis(st.target, slots, axis=1)
+    states = self._walk(st, slots[:, :-1], tokens[:, :-1])  # [b, n]: the state before each slot
+    remaining = _remaining(st, slots)
+
+    def at(state, hole_i, remaining_i):  # [b] -> [b, vocab]
+      nxt = jnp.take_along_axis(_state_rows(tables.table, jnp.maximum(state, 0)), tables.classes, axis=1)
+      ok = nxt >= 0
+      if budget:
+        far = jnp.take_along_axis(tables.distance, jnp.maximum(nxt, 0), axis=1)
+        ok &= ~tables.budgeted[:, None] | (far <= remaining_i[:, None])
+      return ok | ~(c.on & hole_i & (state >= 0))[:, None]
+
+    return jax.vmap(at, in_axes=1, out_axes=1)(states, hole, remaining)
 
   def propose(self, st: State, view: View, logits, x0, confidence):
     settings, block, c = self.settings, self.plan.block, st.constraint
     hole = rows(st.target, view.starts, block)
-    end = self.plan.slots - jnp.argmax(st.target[:, ::-1], axis=1)  # [b] one past the hole's last slot
-    remaining = end[:, None] - (view.starts[:, None] + jnp.arange(block)[None, :]) - 1
+    remaining = _remaining(st, view.slots)
 
     def run():
       clean = clean_logits(logits, rows(st.eos_banned, view.starts, block), settings)
@@ -87,9 +148,8 @@ class Structured:
       # Drawn [classes, B]: a draw is a prefix of a longer one along its first axis, so a row's noise does not
       # depend on the capacity its batch pads the classes to.
       class_noise = jnp.swapaxes(uniform_noise(class_keys, (c.tables.table.shape[2], block)), 1, 2)
-      y, found = constrained.propose(
-        c.view(), c.dfa, clean, st.knobs, view.z, hole, remaining, view.noise, class_noise, settings.mask_id
-      )
+      walk = constrained.Block(c.dfa, view.z, hole, remaining, settings.mask_id)
+      y, found = constrained.propose(c.view(), walk, clean, st.knobs, view.noise, class_noise)
       use = found[:, None] & hole
       conf = confidence
       if settings.confidence == "prob":
@@ -101,34 +161,22 @@ class Structured:
     x0, confidence = jax.lax.cond(active, run, lambda: (x0, confidence))
     return x0, confidence, st._replace(constraint=c._replace(passes=c.passes + active.astype(jnp.int32)))
 
-  def allowed_along(self, st: State, view: View, x0):
-    """[b, B, vocab] bool: the tokens each position's automaton state allows after the block's earlier tokens and
-    proposals ``x0`` (the continuous rule's restriction of its denoiser, :mod:`~mercury_jax.sampling.latents`); every
-    token where the row is unconstrained, the position lies outside the hole or the path has left the automaton."""
-    tables, block = st.constraint.view(), self.plan.block
-    hole = rows(st.target, view.starts, block)
-    tokens = jnp.where(view.open, x0, view.z)
-
-    def visit(s, inputs):
-      token, hole_i = inputs
-      known = tables.on & hole_i & (s >= 0)
-      after = jnp.take_along_axis(_state_rows(tables.table, jnp.maximum(s, 0)), tables.classes, axis=1)  # [b, V]
-      allowed = (after >= 0) | ~known[:, None]
-      return jnp.where(hole_i, constrained.step(tables, s, token), s), allowed
-
-    _, allowed = jax.lax.scan(visit, st.constraint.dfa, (tokens.T, hole.T))
-    return jnp.swapaxes(allowed, 0, 1)
-
-  def after_commit(self, st: State, view: View, z_b):
+  def after_commit(self, st: State, view: View, z_w):
     c = st.constraint
     active = jnp.any(c.on)
     hole = rows(st.target, view.starts, self.plan.block)
-    z_b, forced, end = jax.lax.cond(
+    z_w, forced, end = jax.lax.cond(
       active,
-      lambda: constrained.force(c.view(), c.dfa, z_b, hole, self.settings.mask_id),
-      lambda: (z_b, jnp.zeros(z_b.shape, bool), c.dfa),
+      lambda: constrained.force(c.view(), c.dfa, z_w, hole, self.settings.mask_id),
+      lambda: (z_w, jnp.zeros(z_w.shape, bool), c.dfa),
     )
-    return z_b, forced, st._replace(constraint=c._replace(end=end, passes=c.passes + active.astype(jnp.int32)))
+    return z_w, forced, st._replace(constraint=c._replace(end=end, passes=c.passes + active.astype(jnp.int32)))
+
+  def consume(self, st: State, view: View, z_w, count) -> State:
+    c = st.constraint
+    after = jnp.take_along_axis(self._walk(st, view.slots, z_w), count[:, None], axis=1)[:, 0]
+    dfa = jnp.where((count > 0) & c.on, after, c.dfa)
+    return st._replace(constraint=c._replace(dfa=dfa, end=dfa, passes=c.passes + 1))
 
   def enter(self, st: State, advance, z, score):
     c = st.constraint
@@ -148,31 +196,19 @@ class Structured:
     )
 
 
-class Healed:
-  """Token healing: the position of a prompt's backed-off last token may only take the tokens whose text starts
-  with that token's characters (``Healing.allowed``, :func:`mercury_jax.sampling.healing.allowed_tokens`); a
+class Healed(Hook):
+  """Token healing: the position of a prompt's backed-off last token may only take the tokens whose text starts with
+  that token's characters (``Healing.allowed``, :func:`mercury_jax.sampling.healing.allowed_tokens`); a
   one-position token mask, no automaton."""
-
-  def __init__(self, plan: BlockPlan, settings: SamplerSettings):
-    self.plan, self.settings = plan, settings
 
   def logits(self, st: State, view: View, logits):
     h = st.healing
-    here = (view.starts[:, None] + jnp.arange(self.plan.block)[None, :]) == h.slot[:, None]  # [b, B]
+    here = view.slots == h.slot[:, None]  # [b, W]
 
     def restrict():
       return jnp.where(here[..., None] & ~h.allowed[:, None, :], -jnp.inf, logits)
 
     return jax.lax.cond(jnp.any(here & view.open), restrict, lambda: logits)
-
-  def propose(self, st: State, view: View, logits, x0, confidence):
-    return x0, confidence, st
-
-  def after_commit(self, st: State, view: View, z_b):
-    return z_b, jnp.zeros(z_b.shape, bool), st
-
-  def enter(self, st: State, advance, z, score):
-    return z, score, st
 
   def release(self, st: State, slot) -> State:
     h = st.healing
@@ -184,11 +220,52 @@ def _state_rows(table: jax.Array, state: jax.Array) -> jax.Array:
   return jnp.take_along_axis(table, state[:, None, None], axis=1)[:, 0]
 
 
-def active_hooks(st: State, plan: BlockPlan, settings: SamplerSettings) -> list:
-  """The hooks whose part of ``st`` is present, in the order the body calls them."""
-  hooks = []
-  if st.healing is not None:
-    hooks.append(Healed(plan, settings))
-  if st.constraint is not None:
-    hooks.append(Structured(plan, settings))
-  return hooks
+class Hooks:
+  """The hooks whose part of ``st`` is present, in the order a step calls them, behind one interface: each point
+  runs every hook in turn (``allowed``: the intersection of what they allow)."""
+
+  def __init__(self, st: State, plan: BlockPlan, settings: SamplerSettings):
+    self.hooks = []
+    if st.healing is not None:
+      self.hooks.append(Healed(plan, settings))
+    if st.constraint is not None:
+      self.hooks.append(Structured(plan, settings))
+
+  def logits(self, st: State, view: View, logits):
+    for hook in self.hooks:
+      logits = hook.logits(st, view, logits)
+    return logits
+
+  def allowed(self, st: State, slots, tokens, budget: bool):
+    allowed = None
+    for hook in self.hooks:
+      mine = hook.allowed(st, slots, tokens, budget)
+      allowed = mine if allowed is None else allowed if mine is None else allowed & mine
+    return allowed
+
+  def propose(self, st: State, view: View, logits, x0, confidence):
+    for hook in self.hooks:
+      x0, confidence, st = hook.propose(st, view, logits, x0, confidence)
+    return x0, confidence, st
+
+  def after_commit(self, st: State, view: View, z_w):
+    forced = jnp.zeros(z_w.shape, bool)
+    for hook in self.hooks:
+      z_w, more, st = hook.after_commit(st, view, z_w)
+      forced |= more
+    return z_w, forced, st
+
+  def consume(self, st: State, view: View, z_w, count) -> State:
+    for hook in self.hooks:
+      st = hook.consume(st, view, z_w, count)
+    return st
+
+  def enter(self, st: State, advance, z, score):
+    for hook in self.hooks:
+      z, score, st = hook.enter(st, advance, z, score)
+    return z, score, st
+
+  def release(self, st: State, slot) -> State:
+    for hook in self.hooks:
+      st = hook.release(st, slot)
+    return st

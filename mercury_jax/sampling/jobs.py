@@ -1,9 +1,10 @@
-"""Requests made ready for the engine: the text, the canvas, the plan and each row's budget of one decode.
+"""Requests made ready for the engine: the rows, the canvas, the plan and each row's budget of one decode.
 
-:class:`Jobs` turns a :class:`~mercury_jax.sampling.text.Request` (or a canvas batch) into a :class:`Job`: the
-settings, the canvas padded to the plan (:func:`~mercury_jax.sampling.decoders.choose` picks the cache and block),
-each row's steps per block (``settings.steps_per_block``: a row's budget depends on its own canvas only), its
-constraint (structured output) and its token-healing mask.
+:class:`Jobs` turns a :class:`~mercury_jax.sampling.text.Request` (text) into token-level rows
+(:class:`~mercury_jax.sampling.text.Row`, the same rows the server builds) and the rows into a :class:`Job`: the
+settings, the canvas padded to the plan (:func:`~mercury_jax.sampling.plan.plan_for`), each row's steps per block
+(``settings.steps_per_block``: a row's budget depends on its own canvas only), its constraint (structured output)
+and its token-healing mask (:func:`~mercury_jax.sampling.healing.masks`).
 """
 
 from __future__ import annotations
@@ -20,9 +21,8 @@ from mercury_jax import kinds as K
 from mercury_jax.config import Config, SamplingConfig
 from mercury_jax.data.tokenizer import Tokenizer
 from mercury_jax.sampling import canvas as cv, healing
-from mercury_jax.sampling.decoders import APPROXIMATE_BLOCK, Decoder, bucketed_length, choose
 from mercury_jax.sampling.placement import BatchLayout, Placement
-from mercury_jax.sampling.plan import BlockPlan, plan_blocks
+from mercury_jax.sampling.plan import BlockPlan, Decoding, plan_for
 from mercury_jax.sampling.settings import (
   SamplerSettings,
   SettingError,
@@ -32,7 +32,7 @@ from mercury_jax.sampling.settings import (
   steps_per_block as per_block_of,
 )
 from mercury_jax.sampling.state import Healing
-from mercury_jax.sampling.text import Request, Rows, build_rows
+from mercury_jax.sampling.text import Request, Row, Rows, build_rows
 
 # The knobs a checkpoint's ``[sampling]`` section may default (its own decoding recipe); steps_per_block is the budget.
 CHECKPOINT_KNOBS = (
@@ -56,6 +56,15 @@ class Job:
   layout: BatchLayout | None = None
   automata: list[Automaton | None] | None = None
   healing: Healing | None = None  # numpy, this process's rows
+
+
+@dataclasses.dataclass(frozen=True)
+class Budget:
+  """A request's step budget: ``steps`` for the generated length or ``steps_per_block`` (at most one; neither: one
+  token per step)."""
+
+  steps: int | None = None
+  steps_per_block: int | None = None
 
 
 class Jobs:
@@ -92,34 +101,12 @@ class Jobs:
       **knobs,
     ).validate()
 
-  def decoder(self, cache: str = "auto", block_length: int = 0, decode: str = "auto", draft_length: int = 0) -> Decoder:
-    """The engine's cache, block and decode mode for this model (:func:`~mercury_jax.sampling.decoders.choose`)."""
-    return choose(self.cfg, cache, block_length, decode, draft_length)
+  def plan(self, decoding: Decoding, length: int | None = None, *, whole_canvas: bool = True) -> BlockPlan:
+    """The plan of this model's canvases of ``length`` positions (default: its context) decoded as ``decoding`` asks
+    (:func:`~mercury_jax.sampling.plan.plan_for`)."""
+    return plan_for(self.cfg, decoding, self.max_length if length is None else length, whole_canvas=whole_canvas)
 
-  def plan(
-    self, canvas: cv.Canvas, decoder: Decoder, length: int | None = None, prefill_chunk: int = 0
-  ) -> tuple[cv.Canvas, BlockPlan]:
-    """``(canvas padded to the plan, plan)``: a whole-canvas decode (``decoder.block`` 0) runs one block of the
-    canvas rounded up to ``LENGTH_BUCKET``; the others the decoder's block. ``length``: the canvas length every row
-    shares (default this canvas's); ``prefill_chunk``: see ``SamplerSettings.prefill_chunk``."""
-    length = np.shape(canvas.tokens)[1] if length is None else length
-    block = decoder.block or bucketed_length(length, self.max_length)
-    canvas = _pad_length(canvas, -(-length // block) * block, self.tokenizer.pad_id)
-    plan = plan_blocks(
-      canvas.kinds,
-      block,
-      cache=decoder.cache,
-      autoregressive=decoder.autoregressive,
-      whole_sequence=not (decoder.autoregressive or self.block_size or decoder.causal_context),
-      draft=decoder.draft,
-      causal_context=decoder.causal_context,
-      prefill_chunk=prefill_chunk if decoder.cache == "exact" else 0,
-    )
-    return canvas, plan
-
-  def steps_per_block(
-    self, steps: int | None, steps_per_block: int | None, kinds, block: int, settings: SamplerSettings
-  ) -> np.ndarray:
+  def steps_per_block(self, budget: Budget, kinds, block: int, settings: SamplerSettings) -> np.ndarray:
     """Each row's budget, int32 [rows, 2]: its steps per block and its first blocks that take one step more, for a
     total budget ``steps`` or an explicit ``steps_per_block`` (``settings.steps_per_block``): a row's budget depends
     on its own canvas only. The twin always takes one step per block.
@@ -127,32 +114,38 @@ class Jobs:
     Raises:
       SettingError: Both given, one below 1, or ``steps`` below the blocks a row's generated positions lie in.
     """
-    rows = np.shape(kinds)[0]
+    rows, steps, per_block = np.shape(kinds)[0], budget.steps, budget.steps_per_block
     if self.autoregressive:
       return np.tile(np.asarray([1, 0], np.int32), (rows, 1))
-    if steps is not None and steps_per_block is not None:
-      raise SettingError("steps_per_block", steps_per_block, "and steps are two budgets; give one of them")
-    if steps_per_block is not None:
-      if steps_per_block < 1:
-        raise SettingError("steps_per_block", steps_per_block, "must be >= 1")
-      return np.tile(np.asarray([steps_per_block, 0], np.int32), (rows, 1))
+    if steps is not None and per_block is not None:
+      raise SettingError("steps_per_block", per_block, "and steps are two budgets; give one of them")
+    if per_block is not None:
+      if per_block < 1:
+        raise SettingError("steps_per_block", per_block, "must be >= 1")
+      return np.tile(np.asarray([per_block, 0], np.int32), (rows, 1))
     capped = commits_every_step(settings)
     budgets = [per_block_of(steps, block_loads(row, block), capped=capped) for row in np.asarray(kinds)]
     return np.asarray(budgets, np.int32).reshape(rows, 2)
 
-  def job(self, canvas, steps, steps_per_block, seed, settings, cache, layout, automata, healing_rows) -> Job:
-    decoder = self.decoder(cache, settings.block_length, settings.decode, settings.draft_length)
-    constrained_rows = automata is not None and any(a is not None for a in automata)
-    if constrained_rows and decoder.block == 0:  # The constrained program walks blocks, not a whole canvas.
-      decoder = Decoder(decoder.cache, APPROXIMATE_BLOCK)
-    if constrained_rows and layout is not None:
+  def job(self, canvas: cv.Canvas, budget: Budget, settings: SamplerSettings, decoding: Decoding, **rows) -> Job:
+    """The job of a canvas batch (numpy): ``rows`` are the optional ``layout`` (per-process rows), ``automata`` (each
+    row's constraint or None) and ``healing`` (token healing's masks)."""
+    layout, automata = rows.get("layout"), rows.get("automata")
+    constrained = automata is not None and any(a is not None for a in automata)
+    if constrained and layout is not None:
       raise SettingError("constraint", "per_process", "is not supported with per-process prompts; pass every prompt")
     length = np.shape(canvas.tokens)[1] if layout is None else layout.length
-    canvas, plan = self.plan(canvas, decoder, length, settings.prefill_chunk)
+    # The constrained program walks blocks, not a whole canvas.
+    plan = self.plan(decoding, length, whole_canvas=not constrained)
+    canvas = cv.pad_length(canvas, plan.length, self.tokenizer.pad_id)
+    if plan.autoregressive:
+      target = np.asarray(canvas.kinds) == K.TARGET
+      if (target.any(axis=1) & (np.argmax(target, axis=1) == 0)).any():
+        raise ValueError("the autoregressive twin needs a known first token in every row (a prompt, or BOS)")
     whole = plan.block if plan.block < plan.length or not plan.whole_sequence else 0
-    per_block = self.steps_per_block(steps, steps_per_block, canvas.kinds, whole, settings)
-    return Job(settings, canvas, plan, per_block, seed, None, layout, list(automata) if constrained_rows else None,
-               healing_rows)  # fmt: skip
+    per_block = self.steps_per_block(budget, canvas.kinds, whole, settings)
+    return Job(settings, canvas, plan, per_block, rows.get("seed", 0), None, layout,
+               list(automata) if constrained else None, rows.get("healing"))  # fmt: skip
 
   def row_constraints(self, constraint, canvas: cv.Canvas, num_samples: int) -> list[Automaton | None] | None:
     """Each row's automaton (a prompt's samples share its own), checked against the tokenizer and the canvas."""
@@ -190,90 +183,91 @@ class Jobs:
     hole = tokens[row, : kinds.shape[1]][kinds[row] == K.TARGET]
     return automaton.accepts([int(t) for t in hole if t != self.tokenizer.pad_id])
 
+  def decoding(self, request: Request) -> Decoding:
+    """What ``request`` asks about the plan."""
+    knobs = request.knobs
+    return Decoding(
+      request.cache, knobs.get("block_length") or 0, knobs.get("decode", "auto"), knobs.get("draft_length") or 0,
+      knobs.get("prefill_chunk") or 0,
+    )  # fmt: skip
+
+  def rows(self, request: Request, decoding: Decoding, constraint) -> Rows:
+    """The request's rows (its knobs checked against the model first).
+
+    Raises:
+      SettingError, ValueError: A knob or mode the model lacks, or a prompt or template the rows cannot hold.
+    """
+    plan = self.plan(decoding)  # A cache or mode the model lacks, at once.
+    budget = {"steps": request.steps, "steps_per_block": request.steps_per_block}
+    check_knobs_for_model({**budget, **request.knobs}, plan.autoregressive)
+    heal = (
+      request.token_healing
+      and constraint is None
+      and not request.per_process
+      and not request.bos
+      and (plan.autoregressive or plan.causal_context or self.block_size > 0)
+    )
+    return build_rows(request, self.tokenizer, max_length=self.max_length, autoregressive=plan.autoregressive,
+                      heal=heal)[0]  # fmt: skip
+
   def prepare(self, request: Request, constraint) -> Job | None:
     """Checks a request and builds its :class:`Job`, or None when no process has a prompt (``per_process``)."""
     spread = request.per_process and jax.process_count() > 1
     request = dataclasses.replace(request, knobs={**self.defaults(), **request.knobs})
     if request.steps is None and request.steps_per_block is None and self.cfg.sampling.steps_per_block:
       request = dataclasses.replace(request, steps_per_block=self.cfg.sampling.steps_per_block)
+    decoding = self.decoding(request)
     try:
-      knobs = request.knobs
-      decoder = self.decoder(  # A cache or mode the model lacks, at once.
-        request.cache, knobs.get("block_length") or 0, knobs.get("decode", "auto"), knobs.get("draft_length") or 0
-      )
-      check_knobs_for_model(
-        {"steps": request.steps, "steps_per_block": request.steps_per_block, **knobs}, decoder.autoregressive
-      )
-      heal = (
-        request.token_healing
-        and constraint is None
-        and not request.per_process
-        and not request.bos
-        and (decoder.autoregressive or decoder.causal_context or self.block_size > 0)
-      )
-      rows, _ = build_rows(
-        request, self.tokenizer, max_length=self.max_length, autoregressive=decoder.autoregressive, heal=heal
-      )
+      rows = self.rows(request, decoding, constraint)
     except ValueError:
       if spread:  # Tell the other processes, which would otherwise wait for this one.
         with contextlib.suppress(ValueError):
           self.placement.agree_on_batch(0, 0, failed=True)
       raise
     offset, layout = 0, None
-    examples = rows.examples
     if spread:
-      width = max((sum(p.length if isinstance(p, cv.Hole) else len(p) for p in e) for e in examples), default=0)
+      width = max((row.positions for row in rows.rows), default=0)
       digest = zlib.crc32(repr((request.knobs, request.steps, request.steps_per_block, request.seed)).encode())
-      layout = self.placement.agree_on_batch(len(examples), width, digest=digest)
+      layout = self.placement.agree_on_batch(len(rows.rows), width, digest=digest)
       offset = int(layout.rows[: jax.process_index()].sum())
-    if not (examples if layout is None else layout.rows.any()):
+    if not (rows.rows if layout is None else layout.rows.any()):
       return None
-    streams = request.streams if request.streams is not None else range(offset, offset + len(examples))
-    pad_id = self.tokenizer.pad_id
-    canvas = cv.make_canvas(examples, streams=streams, pad_id=pad_id) if examples else _empty_canvas(layout.length)
-    automata = self.row_constraints(constraint, canvas, request.num_samples)
-    healing_rows = self.healing(rows)
+    streams = request.streams if request.streams is not None else range(offset, offset + len(rows.rows))
+    canvas = self.canvas(rows.rows, streams, layout)
     settings = self.settings(**request.knobs)
-    job = self.job(
-      canvas, request.steps, request.steps_per_block, request.seed, settings, request.cache, layout, automata,
-      healing_rows,
-    )  # fmt: skip
+    budget = Budget(request.steps, request.steps_per_block)
+    automata = self.row_constraints(constraint, canvas, request.num_samples)
+    heal = self.healing(rows.rows, rows.prompt_lengths)
+    job = self.job(canvas, budget, settings, decoding, layout=layout, automata=automata, healing=heal,
+                   seed=request.seed)  # fmt: skip
     job.rows = rows
-    if request.show_steps and decoder.draft:  # One frame per step: at most one per generated position.
-      most = int((np.asarray(job.canvas.kinds) == K.TARGET).sum(axis=1).max(initial=1))
-      job.settings = dataclasses.replace(settings, trace=max(most, 1))
-    elif request.show_steps and not decoder.autoregressive:  # One frame per step: steps per block times the blocks.
-      blocks = max((len(block_loads(row, job.plan.block)) for row in np.asarray(job.canvas.kinds)), default=1)
-      most = int((job.budgets[:, 0] + (job.budgets[:, 1] > 0)).max(initial=1))  # steps of a row's longest block
-      job.settings = dataclasses.replace(settings, trace=most * max(blocks, 1))
+    if request.show_steps:
+      job.settings = dataclasses.replace(settings, trace=self.frames(job))
     return job
 
-  def healing(self, rows: Rows) -> Healing | None:
-    """Each row's healing mask and position (numpy), or None when no row heals."""
-    if not any(rows.healed):
+  def canvas(self, rows: list[Row], streams, layout: BatchLayout | None) -> cv.Canvas:
+    """The rows' canvas batch (numpy), each row on its random stream; an empty batch of the layout's length for a
+    process without rows."""
+    if not rows:
+      return cv.Canvas(np.zeros((0, layout.length), np.int32), np.zeros((0, layout.length), np.int32),
+                       np.zeros((0,), np.int32))  # fmt: skip
+    return cv.make_canvas([row.pieces for row in rows], streams=streams, pad_id=self.tokenizer.pad_id)
+
+  def frames(self, job: Job) -> int:
+    """The trace's frames of a ``show_steps`` job: one per step, at most one per generated position (verified) or
+    the steps of a row's longest block times its blocks."""
+    kinds = np.asarray(job.canvas.kinds)
+    if job.plan.draft:
+      return max(int((kinds == K.TARGET).sum(axis=1).max(initial=1)), 1)
+    if job.plan.autoregressive:
+      return 0
+    blocks = max((len(block_loads(row, job.plan.block)) for row in kinds), default=1)
+    most = int((job.budgets[:, 0] + (job.budgets[:, 1] > 0)).max(initial=1))  # steps of a row's longest block
+    return most * max(blocks, 1)
+
+  def healing(self, rows: list[Row], prompt_lengths: list[int]) -> Healing | None:
+    """Each row's healing mask and position (numpy, :func:`~mercury_jax.sampling.healing.masks`), or None when no
+    row heals."""
+    if not any(row.heal for row in rows):
       return None
-    vocab = self.cfg.model.vocab_size
-    allowed = np.ones((len(rows.healed), vocab), bool)
-    slot = np.full((len(rows.healed),), -1, np.int32)
-    for row, text in enumerate(rows.healed):
-      if text:
-        allowed[row] = healing.allowed_tokens(self.tokenizer, text, vocab)
-        slot[row] = rows.prompt_lengths[row]
-    return Healing(allowed, slot)
-
-
-def _pad_length(canvas: cv.Canvas, length: int, pad_id: int) -> cv.Canvas:
-  """Right-pads canvases to ``length`` positions."""
-  extra = length - np.shape(canvas.tokens)[1]
-  if extra <= 0:
-    return canvas
-  return cv.Canvas(
-    np.pad(np.asarray(canvas.tokens), ((0, 0), (0, extra)), constant_values=pad_id),
-    np.pad(np.asarray(canvas.kinds), ((0, 0), (0, extra)), constant_values=K.PAD),
-    canvas.streams,
-  )
-
-
-def _empty_canvas(length: int) -> cv.Canvas:
-  """No rows (a process without prompts of a per-process call)."""
-  return cv.Canvas(np.zeros((0, length), np.int32), np.zeros((0, length), np.int32), np.zeros((0,), np.int32))
+    return healing.masks(self.tokenizer, [row.heal for row in rows], prompt_lengths, self.cfg.model.vocab_size)

@@ -31,7 +31,7 @@ Everything else is the engine's: EOS, templates, streaming (the proposals of eac
 buckets, meshes.
 
 **Structured output.** A constrained row's proposals are the most probable valid string of its block (the
-automaton's dynamic program, ``constrain.device.propose``), at every step. The denoiser's distribution at each
+automaton's dynamic program, ``sampling.automata.propose``), at every step. The denoiser's distribution at each
 position is restricted to the tokens the automaton allows after the proposal's earlier tokens
 (:meth:`~mercury_jax.sampling.hooks.Structured.allowed_along`), so the latents move towards valid text; and what the
 last step commits is the dynamic program's string, valid by construction, exactly as in discrete decoding.
@@ -45,12 +45,18 @@ import jax
 import jax.numpy as jnp
 
 from mercury_jax.config import ObjectiveConfig
-from mercury_jax.sampling.network import LatentInputs
+from mercury_jax.limits import SOLVERS
+from mercury_jax.sampling.caches import Forward, Needs, Strategy
+from mercury_jax.sampling.hooks import Hooks, View
+from mercury_jax.sampling.network import LatentInputs, Network
+from mercury_jax.sampling.plan import BlockPlan
+from mercury_jax.sampling.proposal import clean_logits
+from mercury_jax.sampling.refine import Refine
 from mercury_jax.sampling.settings import SamplerSettings
-from mercury_jax.sampling.state import Latents, State
+from mercury_jax.sampling.state import Latents, State, rows, select_rows
+from mercury_jax.sampling.step import Decision
 
 Denoiser = Callable[[jax.Array, jax.Array], jax.Array]  # (z [..., d], sigma []) -> D(z, sigma) [..., d]
-SOLVERS = ("euler", "heun")
 
 
 def sigma_ladder(cfg: ObjectiveConfig, steps: int, rho: float = 7.0) -> jax.Array:
@@ -170,3 +176,78 @@ class LatentRule:
       euler, estimate = jax.lax.cond(jnp.any(second), corrected, lambda: (euler, denoised))
     z = jnp.where((moves[:, None] & open_)[..., None], euler, z)
     return st._replace(latent=Latents(z, estimate)), second
+
+
+class Flow(Refine):
+  """The ``ode`` rule in the engine's step (module docstring): a :class:`~mercury_jax.sampling.refine.Refine` whose
+  proposals commit only at the block's last step, while the block's latents take one solver step towards the
+  (guided, restricted) denoiser's expectation at every step.
+
+  Args:
+    plan, settings, network: As for :class:`~mercury_jax.sampling.refine.Refine`.
+    cache: The cache strategy (classifier-free guidance's unconditional pass and Heun's second pass run through it).
+  """
+
+  def __init__(self, plan: BlockPlan, settings: SamplerSettings, network: Network, cache: Strategy):
+    if plan.cache not in ("exact", "none") or plan.draft or not network.latent_dim:
+      raise ValueError(f"rule 'ode' decodes a continuous checkpoint with cache 'exact' or 'none' (plan: {plan})")
+    super().__init__(plan, settings, network)
+    self.cache, self.moving = cache, True
+    self.latents = LatentRule(settings, plan.block, network.latent_dim)
+
+  def empty(self, batch: int) -> dict:
+    return {**super().empty(batch), "latent": self.latents.empty(batch)}
+
+  def needs(self, st: State, view: View) -> tuple[Needs, State]:
+    needs, st = super().needs(st, view)
+    latent, st = self.latents.start(st, view.keys, view.open, self.block_steps(st))
+    return needs._replace(latent=latent), st
+
+  def decide(self, params, st: State, view: View, needs: Needs, forward: Forward, hooks: Hooks) -> Decision:
+    unfinished = jnp.any(st.generate & (st.z == self.settings.mask_id), axis=-1)
+    st = st._replace(cache=forward.cache)
+    st = st._replace(logits=self._guided(params, st, needs, forward.logits))
+    view, _, x0, confidence, st = self.propose(st, view, st.logits, hooks)
+    st, heun = self._move(params, st, view, needs, hooks, x0)
+    decision = self.settle(st, view, hooks, x0, confidence)
+    guided = int(self.settings.guidance != 1.0)  # guidance's unconditional pass; Heun's second (guided: two)
+    extra = guided * (forward.ran & needs.logits & unfinished).astype(jnp.int32) + (1 + guided) * heun.astype(jnp.int32)
+    return decision._replace(preview=x0, extra=extra)
+
+  def _move(self, params, st: State, view: View, needs: Needs, hooks: Hooks, x0):
+    """The solver step (:meth:`LatentRule.move`): the denoiser's distribution is the step's (guided) logits after
+    the hooks, cleaned as the proposals' are, and restricted along a constrained row's valid proposal ``x0``."""
+    block, settings = self.plan.block, self.settings
+    eos_banned = rows(st.eos_banned, view.starts, block)
+    allowed = hooks.allowed(st, view.slots, jnp.where(view.open, x0, view.z), False)
+    table = self.network.latent_table(params)
+
+    def expected(logits, eos_banned, allowed):  # of one group of rows (Network.map_rows)
+      clean = clean_logits(logits, eos_banned, settings)
+      if allowed is not None:
+        restricted = jnp.where(allowed, clean, -jnp.inf)
+        clean = jnp.where(jnp.any(restricted > -jnp.inf, axis=-1, keepdims=True), restricted, clean)
+      return jax.nn.softmax(clean, axis=-1) @ table
+
+    def distribution(logits):  # the expected latent [b, B, d] under the step's distribution
+      return self.network.map_rows(expected, hooks.logits(st, view, logits), eos_banned, allowed)
+
+    def again(inputs):  # Heun's second pass: the block alone, nothing committed (the cache is not changed).
+      second = Needs(view.starts, needs.t, needs.logits, jnp.zeros_like(needs.logits), inputs)
+      return distribution(self._guided(params, st, second, self.cache.forward(params, st, second).logits))
+
+    return self.latents.move(st, needs.latent, distribution(st.logits), self.block_steps(st), again)
+
+  def _guided(self, params, st: State, needs: Needs, logits: jax.Array) -> jax.Array:
+    """Classifier-free guidance of a continuous checkpoint's block logits (``settings.guidance = w``, 1: off):
+    ``l_u + w (l_c - l_u)``, with ``l_u`` the block's logits with the context hidden
+    (:meth:`~mercury_jax.sampling.caches.Strategy.unconditional`), run only when some row wants logits."""
+    w = self.settings.guidance
+    if w == 1.0:
+      return logits
+
+    def run():
+      unconditional = self.cache.unconditional(params, st, needs)
+      return unconditional + w * (logits - unconditional)
+
+    return select_rows(needs.logits, jax.lax.cond(jnp.any(needs.logits), run, lambda: logits), logits)

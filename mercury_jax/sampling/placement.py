@@ -16,6 +16,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from mercury_jax import kinds as K, sharding as sh
 from mercury_jax.sampling import canvas as cv
+from mercury_jax.sampling.settings import check_seed
 
 
 class BatchLayout(NamedTuple):
@@ -52,6 +53,7 @@ class Placement:
     return jax.tree.map(lambda a: self.put(a, self.batched(np.ndim(a))), tree)
 
   def key(self, seed: int) -> jax.Array:
+    check_seed(seed)
     return self.put(jax.random.key_data(jax.random.key(seed)))
 
   def gather(self, array: jax.Array) -> np.ndarray:

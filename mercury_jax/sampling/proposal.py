@@ -228,7 +228,7 @@ def propose(
     x0 = _gumbel_max(chunks, chunk_max, chunk_lse, None if greedy else uniforms)  # Reuses the normaliser's work.
   else:
     x0 = sample_tokens(filter_logits(logits, settings), uniforms)
-  return x0, _confidence(logits, x0, chunks, chunk_max, log_z, settings, greedy)
+  return x0, _confidence(logits, x0, _Chunked(chunks, chunk_max, log_z), settings, x0 if greedy else None)
 
 
 def propose_rows(
@@ -252,16 +252,26 @@ def propose_rows(
     scaled_chunks = _chunked(tempered(logits, knobs))
     scaled_max, scaled_lse, _ = _chunk_stats(scaled_chunks)
     x0 = jnp.where(sampled[:, None], _gumbel_max(scaled_chunks, scaled_max, scaled_lse, uniforms), greedy_x0)
-  return x0, _confidence(logits, x0, chunks, chunk_max, log_z, settings, False, greedy_x0)
+  return x0, _confidence(logits, x0, _Chunked(chunks, chunk_max, log_z), settings, greedy_x0)
 
 
-def _confidence(logits, x0, chunks, chunk_max, log_z, settings, greedy, top1=None):
-  """The confidence of proposals ``x0`` (``settings.confidence``) under the cleaned distribution ``logits``."""
+class _Chunked(NamedTuple):
+  """Cleaned logits in chunks of the vocabulary (the two-level argmax's), with their statistics."""
+
+  chunks: jax.Array  # [b, l, C, C]
+  max: jax.Array  # [b, l, C] each chunk's maximum
+  log_z: jax.Array  # [b, l] the log-normaliser
+
+
+def _confidence(logits, x0, chunked: _Chunked, settings, top1=None):
+  """The confidence of proposals ``x0`` (``settings.confidence``) under the cleaned distribution ``logits``; ``top1``:
+  the argmax, when known."""
+  chunks, chunk_max, log_z = chunked
   if settings.confidence == "prob":
     confidence = jnp.exp(jnp.take_along_axis(logits, x0[..., None], axis=-1)[..., 0] - log_z)
   elif settings.confidence == "margin":
     if top1 is None:
-      top1 = x0 if greedy else _two_level_argmax(chunks, chunk_max, None)
+      top1 = _two_level_argmax(chunks, chunk_max, None)
     first = jnp.take_along_axis(logits, top1[..., None], axis=-1)[..., 0]
     second = jnp.max(jnp.where(jnp.arange(logits.shape[-1]) == top1[..., None], -jnp.inf, logits), axis=-1)
     confidence = jnp.exp(first - log_z) - jnp.exp(second - log_z)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from mercury_jax.files import TOKENIZER_FILE
+
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 DEFAULT_CHECKPOINT = ASSETS / "default"
 BUNDLED_MODELS = {
@@ -23,4 +25,4 @@ def default_checkpoint(name: str = "default") -> Path | None:
     raise ValueError(f"no bundled model is called {name!r}; the bundled models are {', '.join(BUNDLED_MODELS)}")
   path = DEFAULT_CHECKPOINT if name == "default" else ASSETS / name
   has_steps = path.is_dir() and any(p.name.isdigit() for p in path.iterdir())
-  return path if has_steps and (path / "tokenizer.model").is_file() else None
+  return path if has_steps and (path / TOKENIZER_FILE).is_file() else None

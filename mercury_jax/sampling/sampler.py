@@ -6,7 +6,7 @@ The tokenizer, the params-only restore, the mesh and the compiled engine program
 whole-canvas decode: to a multiple of ``LENGTH_BUCKET`` tokens); padding never changes an example's output.
 
 Every checkpoint decodes through the one engine (:mod:`~mercury_jax.sampling.engine`); which cache and block it runs
-is :func:`~mercury_jax.sampling.decoders.choose`'s answer to ``generate(..., cache=...)``. ``generate`` runs the
+is :func:`~mercury_jax.sampling.plan.plan_for`'s answer to ``generate(..., cache=...)``. ``generate`` runs the
 engine's two programs, ``init`` and ``advance`` to the end; ``stream`` runs the same two, ``advance`` a block (or a
 step) at a time, so both give the same tokens.
 
@@ -26,9 +26,9 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 import numpy as np
@@ -38,32 +38,21 @@ from jax.sharding import Mesh
 from mercury_jax import kinds as K, sharding as sh
 from mercury_jax.checkpoint import restore_params
 from mercury_jax.config import Config, MeshConfig
-from mercury_jax.constrain import device as constrained
 from mercury_jax.data.tokenizer import Tokenizer, load_tokenizer
 from mercury_jax.model import param_shardings
-from mercury_jax.sampling import canvas as cv, healing
+from mercury_jax.sampling import automata as constrained, canvas as cv, healing
 from mercury_jax.sampling.canvas import SampleOutput
-from mercury_jax.sampling.decoders import (
-  APPROXIMATE_BLOCK,
-  CACHE_CHOICES,
-  LENGTH_BUCKET,
-  Decoder,
-  ProgramKey,
-  Programs,
-  without_knobs,
-)
-from mercury_jax.sampling.engine import prefill_slots
-from mercury_jax.sampling.jobs import Job, Jobs
+from mercury_jax.sampling.engine import Start, prefill_slots
+from mercury_jax.sampling.jobs import Budget, Job, Jobs
 from mercury_jax.sampling.network import Network
 from mercury_jax.sampling.placement import BatchLayout, Placement, own_rows, pad_rows
-from mercury_jax.sampling.plan import BlockPlan
+from mercury_jax.sampling.plan import APPROXIMATE_BLOCK, CACHE_CHOICES, LENGTH_BUCKET, BlockPlan, Decoding
+from mercury_jax.sampling.programs import Programs, compilations
 from mercury_jax.sampling.proposal import Knobs
 from mercury_jax.sampling.registry import BUNDLED_MODELS, DEFAULT_CHECKPOINT, default_checkpoint
-from mercury_jax.sampling.settings import (
-  SamplerSettings,
-)
+from mercury_jax.sampling.settings import SamplerSettings
 from mercury_jax.sampling.state import Healing
-from mercury_jax.sampling.text import MASK_TEXT, Request, Sample, StreamEvent, frames
+from mercury_jax.sampling.text import MASK_TEXT, Detokenizer, Request, Sample, StreamEvent, frames
 
 if TYPE_CHECKING:  # The host half of structured output loads on first use (outlines-core, jsonschema).
   from mercury_jax.constrain.automaton import Automaton, Compiler
@@ -164,20 +153,17 @@ class Sampler:
     """Sampler settings with this model's schedule, mask, EOS and padding ids; ``knobs`` as in SamplerSettings."""
     return self.jobs.settings(**knobs)
 
-  def decoder(self, cache: str = "auto", block_length: int = 0, decode: str = "auto", draft_length: int = 0) -> Decoder:
-    """The engine's cache, block and decode mode for this model (:func:`~mercury_jax.sampling.decoders.choose`)."""
-    return self.jobs.decoder(cache, block_length, decode, draft_length)
-
   def plan(
-    self, canvas: cv.Canvas, decoder: Decoder, length: int | None = None, prefill_chunk: int = 0
-  ) -> tuple[cv.Canvas, BlockPlan]:
-    """``(canvas padded to the plan, plan)`` (:meth:`Jobs.plan <mercury_jax.sampling.jobs.Jobs.plan>`)."""
-    return self.jobs.plan(canvas, decoder, length, prefill_chunk)
+    self, decoding: Decoding | None = None, length: int | None = None, *, whole_canvas: bool = True
+  ) -> BlockPlan:
+    """The plan of this model's canvases of ``length`` positions (default: its context) decoded as ``decoding`` asks
+    (:func:`~mercury_jax.sampling.plan.plan_for`); ``.decode`` says how the model decodes by default."""
+    return self.jobs.plan(decoding or Decoding(), length, whole_canvas=whole_canvas)
 
-  def steps_per_block(self, steps, steps_per_block, kinds, block: int, settings: SamplerSettings) -> np.ndarray:
+  def steps_per_block(self, budget: Budget, kinds, block: int, settings: SamplerSettings) -> np.ndarray:
     """Each row's budget, [rows, 2]: steps per block and blocks with one more
     (:meth:`Jobs.steps_per_block <mercury_jax.sampling.jobs.Jobs.steps_per_block>`)."""
-    return self.jobs.steps_per_block(steps, steps_per_block, kinds, block, settings)
+    return self.jobs.steps_per_block(budget, kinds, block, settings)
 
   # ------------------------------------------------------------------------------------------- canvases
 
@@ -199,20 +185,16 @@ class Sampler:
       ``(output as numpy arrays, wall seconds, compile seconds)``; the output's canvases keep the padded length (the
       first ``canvas.tokens.shape[1]`` positions are the given ones) and its rows are the given ones.
     """
-    job = self.jobs.job(canvas, steps, steps_per_block, seed, settings, cache, layout, automata, None)
-    program, state, compile_time, wall = self._start(job)
-    start = time.perf_counter()
-    before = program.compile_time
-    state = jax.block_until_ready(program.advance(self.params, state, *self._budget(_UNBOUNDED, _UNBOUNDED)))
-    compile_time += program.compile_time - before
-    wall += time.perf_counter() - start - (program.compile_time - before)
-    return self._output(job, state, program.engine), wall, compile_time
-
-  def _budget(self, max_blocks: int, max_steps: int):
-    return self.placement.put(np.int32(max_blocks)), self.placement.put(np.int32(max_steps))
+    decoding = Decoding(cache, settings.block_length, settings.decode, settings.draft_length, settings.prefill_chunk)
+    job = self.jobs.job(
+      canvas, Budget(steps, steps_per_block), settings, decoding, layout=layout, automata=automata, seed=seed
+    )
+    engine, state, clock = self._start(job)
+    state = clock.run(lambda: jax.block_until_ready(self._advance(engine, state, _UNBOUNDED, _UNBOUNDED)))
+    return self._output(job, state, engine), clock.wall, clock.compile
 
   def _start(self, job: Job):
-    """Places a job and runs its prefill: ``(program, state, compile seconds, wall seconds)``."""
+    """Places a job and runs its prefill: ``(engine, state, clock)``."""
     settings, layout, place = job.settings, job.layout, self.placement
     canvas = job.canvas
     if layout is not None and layout.own_devices:  # Each process places its rows on its devices.
@@ -239,25 +221,21 @@ class Sampler:
     prefill = None  # Every slot: per-process rows differ, and every process must run the same programs.
     if job.plan.cache == "exact" and job.layout is None:
       prefill = prefill_slots(np.asarray(job.canvas.kinds), job.plan)
-    key = ProgramKey(without_knobs(settings), job.plan, batch, capacity, heal is not None, prefill)
-    program = self.programs.get(key)
-    knobs = Knobs(
-      *(
-        place.put(np.asarray(v, t))
-        for v, t in zip(
-          (settings.temperature, settings.top_k, settings.top_p, settings.threshold),
-          (np.float32, np.int32, np.float32, np.float32),
-          strict=True,
-        )
-      )
-    )
-    before = program.compile_time
-    start = time.perf_counter()
+    engine = self.programs.engine(settings, job.plan)
+    values = (settings.temperature, settings.top_k, settings.top_p, settings.threshold)
+    dtypes = (np.float32, np.int32, np.float32, np.float32)
+    knobs = Knobs(*(place.put(np.asarray(v, t)) for v, t in zip(values, dtypes, strict=True)))
     per_block, extra = self._row_steps(job, batch)
-    state = program.init(self.params, placed, place.key(job.seed), per_block, knobs, tables, heal, extra)
-    state = jax.block_until_ready(state)
-    compile_time = program.compile_time - before
-    return program, state, compile_time, time.perf_counter() - start - compile_time
+    clock = _Clock()
+    init = self.programs.prefill(engine, prefill)
+    start = Start(placed, place.key(job.seed), per_block, knobs, tables, heal, extra)
+    state = clock.run(lambda: jax.block_until_ready(init(self.params, start)))
+    return engine, state, clock
+
+  def _advance(self, engine, state, max_blocks: int, max_steps: int):
+    """The state after a chunk of steps (the engine's ``advance``, the state donated)."""
+    budget = self.placement.put(np.int32(max_blocks)), self.placement.put(np.int32(max_steps))
+    return self.programs.advance(engine)(self.params, state, *budget)
 
   def _row_steps(self, job: Job, batch: int) -> tuple[jax.Array, jax.Array]:
     """Each row's steps per block and blocks with one step more, placed like the canvas rows (padding rows: 1, 0)."""
@@ -348,7 +326,7 @@ class Sampler:
         process must call ``generate`` with the same other arguments (it is collective). The tokens equal those of
         one process given every process's prompts, in process order. Without it, every process passes the same
         prompts and gets every sample.
-      cache: The decoder's key-value cache (:data:`~mercury_jax.sampling.decoders.CACHE_CHOICES`): ``auto`` (the
+      cache: The decoder's key-value cache (:data:`~mercury_jax.sampling.plan.CACHE_CHOICES`): ``auto`` (the
         model's best exact decoder), ``exact``, ``none``, or for whole-sequence checkpoints the approximate ``dual``
         and ``prefix``.
       constraint: Structured output: an :class:`~mercury_jax.constrain.automaton.Automaton` (:meth:`constraint`)
@@ -375,14 +353,9 @@ class Sampler:
     job = self.jobs.prepare(request, constraint)
     if job is None:
       return []
-    program, state, compile_time, wall = self._start(job)
-    before = program.compile_time
-    start = time.perf_counter()
-    state = jax.block_until_ready(program.advance(self.params, state, *self._budget(_UNBOUNDED, _UNBOUNDED)))
-    compile_time += program.compile_time - before
-    wall += time.perf_counter() - start - (program.compile_time - before)
-    out = self._output(job, state, program.engine)
-    return self._samples(job, out, wall, compile_time, show_steps)
+    engine, state, clock = self._start(job)
+    state = clock.run(lambda: jax.block_until_ready(self._advance(engine, state, _UNBOUNDED, _UNBOUNDED)))
+    return self._samples(job, self._output(job, state, engine), clock.wall, clock.compile, show_steps)
 
   def _samples(self, job: Job, out: SampleOutput, wall: float, compile_time: float, show_steps: bool) -> list[Sample]:
     rows, settings = job.rows, job.settings
@@ -395,7 +368,7 @@ class Sampler:
       tokens = [int(t) for t in region if t != settings.pad_id]
       trace = None
       if show_steps:
-        trace = frames(self.tokenizer, out, kinds, row, end, settings, job.plan.autoregressive and not job.plan.draft)
+        trace = frames(self.tokenizer, out, kinds, row, settings, job.plan.autoregressive and not job.plan.draft)
       samples.append(
         Sample(
           prompt=prompt,
@@ -429,87 +402,119 @@ class Sampler:
       self._compiler = Compiler(self.tokenizer)
     return self._compiler.regex(regex) if regex is not None else self._compiler.json_schema(json_schema)
 
-  def stream(
-    self,
-    prompts: str | Sequence[str] | None = None,
-    *,
-    template: str | None = None,
-    length: int = 64,
-    steps: int | None = None,
-    steps_per_block: int | None = None,
-    seed: int = 0,
-    num_samples: int = 1,
-    streams: Sequence[int] | None = None,
-    bos: bool = False,
-    drafts: bool = False,
-    cache: str = "auto",
-    constraint: Automaton | Sequence[Automaton | None] | None = None,
-    token_healing: bool = True,
-    **knobs,
-  ) -> Iterator[StreamEvent]:
-    """Generates like :meth:`generate` (same arguments, same tokens) and yields text as blocks are committed.
+  def stream(self, prompts: str | Sequence[str] | None = None, *, drafts: bool = False, **kwargs):
+    """Generates like :meth:`generate` and yields text as blocks are committed: the same arguments (but
+    ``show_steps`` and ``per_process``), the same tokens.
 
     The engine's ``advance`` runs a block at a time (with ``drafts``, a step at a time): rows with nothing left never
     end a chunk, so a batch of mixed lengths syncs with the host once per block.
 
     Args:
+      prompts: See :meth:`generate`.
       drafts: Also yield, after every step, each unfinished sample's draft: its committed tokens with the step's
         proposals at the positions still undecided in the current block (later blocks as ``MASK_TEXT``).
-      See :meth:`generate` for the others.
+      **kwargs: :meth:`generate`'s other arguments.
 
     Yields:
       :class:`StreamEvent` per sample and chunk that has news: the newly committed text, the draft, and a last event
       with ``done=True``. Concatenating a sample's ``text`` gives its ``generate`` text.
     """
-    request = Request(
-      prompts, template, length, steps, steps_per_block, seed, num_samples, streams, False, bos, False, cache,
-      token_healing, knobs,
-    )  # fmt: skip
+    for name in ("show_steps", "per_process"):
+      if name in kwargs:
+        raise TypeError(f"stream() takes no {name} argument (generate() does)")
+    constraint = kwargs.pop("constraint", None)
+    fields = {f.name for f in dataclasses.fields(Request)} - {"prompts", "knobs"}
+    request = Request(prompts, **{k: v for k, v in kwargs.items() if k in fields},
+                      knobs={k: v for k, v in kwargs.items() if k not in fields})  # fmt: skip
     job = self.jobs.prepare(request, constraint)
-    program, state, _, _ = self._start(job)
-    block, settings, rows = job.plan.block, job.settings, job.rows
-    budget = self._budget(_UNBOUNDED, 1) if drafts else self._budget(1, _UNBOUNDED)
-    batch, length = len(rows.prompts), np.shape(job.canvas.tokens)[1]
-    kinds = np.asarray(job.canvas.kinds)
-    ends = [int((kinds[row] != K.PAD).sum()) for row in range(batch)]
-    sent, finished = [""] * batch, [False] * batch
-    decode = lambda ids: self.tokenizer.decode(ids, mask_text=MASK_TEXT)  # noqa: E731
-    gather = self.placement.gather
-    while not all(finished):
-      state = program.advance(self.params, state, *budget)
-      z, generate, first, last, current, fresh, proposal, nfe = (
-        gather(x)
-        for x in (state.z, state.generate, state.first, state.last, state.block, state.fresh, state.proposal, state.nfe)
-      )
-      pending = (generate & (z == settings.mask_id)).any(axis=1)
-      draft_count = gather(state.draft.count) if state.draft is not None else None
-      for row in range(batch):
-        if finished[row]:
-          continue
-        row_block = min(int(first[row]) + int(current[row]), int(last[row]))  # the row's next (or open) block
-        open_block = row_block - 1 if bool(fresh[row]) else row_block  # the block the last step worked on
-        tokens = z[row, block : block + length]
-        row_done = not bool(pending[row])
-        committed = row_block * block - block  # the canvas positions before the row's block are final
-        final_end = ends[row] if row_done else max(committed, rows.prompt_lengths[row])
-        text = self.tokenizer.decode(tokens[rows.prompt_lengths[row] : min(final_end, ends[row])])
-        text = healing.strip(text, rows.healed[row])
-        if not row_done:  # A character split between blocks waits for its bytes (each missing one decodes as U+FFFD).
-          text = text.rstrip("\ufffd")
-        delta = text[len(sent[row]) :] if text.startswith(sent[row]) else ""
-        draft = None
-        if drafts and not row_done:
-          slots = np.arange(length) + block
-          guess = tokens.copy()
-          if job.plan.draft:  # The drafts the next step verifies, at the row's next positions.
-            ahead = slots - row_block
-            undecided = (tokens == settings.mask_id) & (ahead >= 0) & (ahead < int(draft_count[row]))
-            guess[undecided] = proposal[row, ahead[undecided]]
-          else:
-            undecided = (tokens == settings.mask_id) & ((slots // block) == open_block)
-            guess[undecided] = proposal[row, (slots[undecided] % block)]
-          draft = decode(guess[rows.prompt_lengths[row] : ends[row]])
-        if delta or draft is not None or row_done:
-          sent[row] += delta
-          finished[row] = row_done
-          yield StreamEvent(index=row, text=delta, draft=draft, done=row_done, nfe=int(nfe[row]))
+    engine, state, _ = self._start(job)
+    rows, kinds = job.rows, np.asarray(job.canvas.kinds)
+    news = [_RowNews(self.tokenizer, rows.prompt_lengths[row], int((kinds[row] != K.PAD).sum()), rows.healed[row])
+            for row in range(len(rows.prompts))]  # fmt: skip
+    while not all(n.done for n in news):
+      state = self._advance(engine, state, _UNBOUNDED if drafts else 1, 1 if drafts else _UNBOUNDED)
+      view = _StreamView(job.plan, *(self.placement.gather(x) for x in _stream_fields(state)))
+      for row, row_news in enumerate(news):
+        if not row_news.done:
+          event = row_news.event(row, view, job.settings.mask_id, drafts)
+          if event is not None:
+            yield event
+
+
+class _Clock:
+  """The wall and compile seconds of a decode's program calls (compile seconds: this thread's tracing, lowering and
+  compiling, as ``jax.monitoring`` reports them)."""
+
+  def __init__(self):
+    self.wall = self.compile = 0.0
+
+  def run(self, fn):
+    start, compiled = time.perf_counter(), compilations.seconds()
+    out = fn()
+    spent = compilations.seconds() - compiled
+    self.compile += spent
+    self.wall += time.perf_counter() - start - spent
+    return out
+
+
+def _stream_fields(st) -> tuple:
+  """What a stream reads of the state after a chunk (one gather each)."""
+  count = st.draft.count if st.draft is not None else st.nfe
+  return st.z, st.generate, st.first, st.last, st.block, st.fresh, st.proposal, st.nfe, count
+
+
+class _StreamView(NamedTuple):
+  """The state as a stream reads it (numpy, every row)."""
+
+  plan: BlockPlan
+  z: np.ndarray
+  generate: np.ndarray
+  first: np.ndarray
+  last: np.ndarray
+  block: np.ndarray
+  fresh: np.ndarray
+  proposal: np.ndarray
+  nfe: np.ndarray
+  draft_count: np.ndarray  # verified decoding's drafts after the row's next position
+
+
+class _RowNews:
+  """One sample of a stream: its final text as blocks are committed (the shared incremental
+  :class:`~mercury_jax.sampling.text.Detokenizer`), and its draft."""
+
+  def __init__(self, tokenizer, prompt_length: int, end: int, healed: str):
+    self.tokenizer, self.start, self.end, self.healed = tokenizer, prompt_length, end, healed
+    self.detokenizer, self.upto, self.skip, self.done = Detokenizer(tokenizer), prompt_length, len(healed), False
+
+  def event(self, row: int, view: _StreamView, mask_id: int, drafts: bool) -> StreamEvent | None:
+    plan = view.plan
+    block = plan.block
+    tokens = view.z[row, block : block + self.end]  # canvas positions
+    pending = bool((view.generate[row] & (view.z[row] == mask_id)).any())
+    row_block = min(int(view.first[row]) + int(view.block[row]), int(view.last[row]))  # the row's next block
+    final = self.end if not pending else max(row_block * block - block, self.start)  # positions before it are final
+    text = self.detokenizer.add(tokens[self.upto : min(final, self.end)].tolist(), final=not pending)
+    self.upto = max(self.upto, min(final, self.end))
+    if self.skip:  # token healing: the prompt's backed-off characters come first, and are not the completion's
+      cut = min(self.skip, len(text))
+      text, self.skip = text[cut:], self.skip - cut
+    draft = self._draft(row, view, tokens, row_block, mask_id) if drafts and pending else None
+    self.done = not pending
+    if text or draft is not None or self.done:
+      return StreamEvent(index=row, text=text, draft=draft, done=self.done, nfe=int(view.nfe[row]))
+    return None
+
+  def _draft(self, row: int, view: _StreamView, tokens: np.ndarray, row_block: int, mask_id: int) -> str:
+    """The committed tokens with the step's proposals at the positions still undecided (later ones masked)."""
+    plan, block = view.plan, view.plan.block
+    slots = np.arange(len(tokens)) + block
+    guess = tokens.copy()
+    if plan.draft:  # The drafts the next step verifies, at the row's next positions.
+      ahead = slots - row_block
+      undecided = (tokens == mask_id) & (ahead >= 0) & (ahead < int(view.draft_count[row]))
+      guess[undecided] = view.proposal[row, ahead[undecided]]
+    else:
+      open_block = row_block - 1 if bool(view.fresh[row]) else row_block  # the block the last step worked on
+      undecided = (tokens == mask_id) & ((slots // block) == open_block)
+      guess[undecided] = view.proposal[row, (slots[undecided] % block)]
+    return self.tokenizer.decode(guess[self.start :], mask_text=MASK_TEXT)

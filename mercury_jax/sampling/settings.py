@@ -13,10 +13,9 @@ import dataclasses
 from typing import Literal, NamedTuple
 
 from mercury_jax.config import ObjectiveConfig
+from mercury_jax.limits import MAX_GUIDANCE, MAX_SEED, SOLVERS
 
 SAMPLERS = ("ancestral", "confidence", "threshold", "ode")
-SOLVERS = ("euler", "heun")
-MAX_GUIDANCE = 16.0  # The largest classifier-free guidance scale accepted.
 CONFIDENCES = ("prob", "margin", "entropy")
 COMMIT_COUNTS = ("even", "timesteps")
 # ``generate`` arguments that only the refinement loop has; an autoregressive model rejects them.
@@ -68,7 +67,7 @@ class SamplerSettings:
     unk_id: The unknown token (never proposed, unless it is also ``eos_id``).
     num_tokens: The tokenizer's size: ids at or above it (a padded vocabulary) are never proposed; 0: no limit.
     decode: ``auto`` (the checkpoint's best), ``ar``, ``diffusion`` or ``verified``
-      (:func:`~mercury_jax.sampling.decoders.choose`: which modes a checkpoint has).
+      (:func:`~mercury_jax.sampling.plan.plan_for`: which modes a checkpoint has).
     commit_counts: How many positions the ``confidence`` rule commits at a step (the ``threshold`` rule's minimum):
       ``even`` spreads a block's open positions evenly over its steps left, ``ceil(open / steps_left)`` (LLaDA's
       ``get_num_transfer_tokens``: the same counts); ``timesteps`` takes ``floor(open * (1 - s / t))`` on Dream's
@@ -193,6 +192,12 @@ class SettingError(ValueError):
 
   def named(self, name: str) -> str:
     return f"{name}={self.value!r} {self.requirement}"
+
+
+def check_seed(seed: int) -> None:
+  """Raises :class:`SettingError` for a seed out of ``[0, limits.MAX_SEED]`` (two such seeds could share a key)."""
+  if not 0 <= seed <= MAX_SEED:
+    raise SettingError("seed", seed, f"must lie in [0, {MAX_SEED}]")
 
 
 def check_knobs_for_model(knobs: dict, autoregressive: bool) -> None:

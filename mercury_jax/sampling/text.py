@@ -1,17 +1,24 @@
-"""Text to canvases and back: what ``Sampler.generate`` and ``stream`` are asked (:class:`Request`), the rows they
-build from it (:func:`build_rows`), and what they give back (:class:`Sample`, :class:`StreamEvent`, :func:`frames`).
+"""Text to canvases and back: what ``Sampler.generate`` and ``stream`` are asked (:class:`Request`), the token-level
+rows they build from it (:class:`Row`, :func:`build_rows`; the server builds the same rows), what they give back
+(:class:`Sample`, :class:`StreamEvent`, :func:`frames`), and the one incremental detokeniser of the library's streams
+and the server's answers (:class:`Detokenizer`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from mercury_jax import kinds as K
 from mercury_jax.data.tokenizer import Tokenizer
 from mercury_jax.sampling import canvas as cv, healing
+from mercury_jax.sampling.proposal import Knobs
+
+if TYPE_CHECKING:  # The host half of structured output loads on first use (outlines-core, jsonschema).
+  from mercury_jax.constrain.automaton import Automaton
 
 MASK_TEXT = "░"  # How an undecided position looks in a step-by-step trace and in a draft.
 
@@ -40,14 +47,73 @@ class Request:
   knobs: dict = dataclasses.field(default_factory=dict)  # ``SamplerSettings`` fields
 
 
+@dataclasses.dataclass(frozen=True)
+class Row:
+  """One completion to generate, in tokens: what the library and the server both hand the engine.
+
+  Attributes:
+    pieces: The canvas: token ids (tuples, fixed text) and :class:`~mercury_jax.sampling.canvas.Hole` s (positions
+      to generate), in order; a completion is ``(prompt, Hole(max_tokens), suffix)``.
+    knobs: Temperature, top-k, top-p and the threshold rule's bar (traced per row, so no value recompiles); None:
+      the engine's defaults.
+    steps_per_block: Refinement steps each block of the holes gets (>= 1); None: the engine's default.
+    extra_steps: The first ``extra_steps`` blocks take one step more (the rest of a total budget).
+    seed: The PRNG seed.
+    stream: The random stream within the seed: the row draws from ``fold_in(key(seed), stream)``.
+    constraint: The hole's text must be accepted by it (structured output; the canvas has one hole).
+    heal: Token healing: the first hole's first token starts with these characters (the prompt's backed-off end).
+  """
+
+  pieces: tuple
+  knobs: Knobs | None = None
+  steps_per_block: int | None = None
+  extra_steps: int = 0
+  seed: int = 0
+  stream: int = 0
+  constraint: Automaton | None = None
+  heal: str = ""
+
+  @classmethod
+  def completion(cls, prompt, max_tokens: int, suffix=(), knobs=None, steps_per_block=None, **fields) -> Row:
+    """``prompt``, a hole of ``max_tokens`` positions, then ``suffix`` (token ids): an HTTP completion's row."""
+    pieces = (tuple(prompt), cv.Hole(max_tokens)) + ((tuple(suffix),) if len(suffix) else ())
+    return cls(pieces, knobs, steps_per_block, **fields)
+
+  @property
+  def prompt(self) -> tuple[int, ...]:
+    """The tokens before the first hole."""
+    return tuple(self.pieces[0]) if self.pieces and not isinstance(self.pieces[0], cv.Hole) else ()
+
+  @property
+  def max_tokens(self) -> int:
+    """The positions of the first hole (a completion's generated tokens)."""
+    return next((p.length for p in self.pieces if isinstance(p, cv.Hole)), 0)
+
+  @property
+  def suffix(self) -> tuple[int, ...]:
+    """The tokens after the first hole (a completion's suffix; fill in the middle)."""
+    holes = [i for i, p in enumerate(self.pieces) if isinstance(p, cv.Hole)]
+    after = self.pieces[holes[0] + 1 :] if holes else ()
+    return tuple(t for piece in after if not isinstance(piece, cv.Hole) for t in piece)
+
+  @property
+  def positions(self) -> int:
+    """The canvas's positions: its tokens and its holes."""
+    return sum(p.length if isinstance(p, cv.Hole) else len(p) for p in self.pieces)
+
+
 @dataclasses.dataclass
 class Rows:
-  """The canvas rows of a request, before padding and placement."""
+  """The rows of a library request (one per sample), with what its answer shows of each."""
 
-  examples: list  # each row's pieces (``canvas.Piece``)
+  rows: list[Row]
   prompts: list[str]  # the prompt of each row
   prompt_lengths: list[int]  # its tokens (after token healing's back-off)
-  healed: list[str]  # the characters token healing backed off each row's prompt ("" for none)
+
+  @property
+  def healed(self) -> list[str]:
+    """The characters token healing backed off each row's prompt ("" for none)."""
+    return [row.heal for row in self.rows]
 
 
 @dataclasses.dataclass
@@ -134,7 +200,7 @@ def build_rows(
     raise ValueError(f"length={request.length} must be >= 1")
   tail = cv.parse_template(request.template, tokenizer.encode) if request.template is not None else None
   heal = heal and tail is None
-  rows = Rows([], [], [], [])
+  rows = Rows([], [], [])
   for i, prompt in enumerate(prompts):
     if not prompt and tail is None:
       raise ValueError(f"prompt {i} is empty; give text to continue, or a template with <mask:N> holes")
@@ -156,15 +222,15 @@ def build_rows(
         kept, removed = ids, ""
       if removed:  # The same positions, one more of them generated.
         ids, pieces = kept, cv.prefix(kept, request.length + 1)
-    rows.examples += [pieces] * request.num_samples
+    rows.rows += [Row(tuple(pieces), heal=removed, seed=request.seed)] * request.num_samples
     rows.prompts += [prompt] * request.num_samples
     rows.prompt_lengths += [len(ids)] * request.num_samples
-    rows.healed += [removed] * request.num_samples
   return rows, tail
 
 
-def frames(tokenizer: Tokenizer, out, kinds: np.ndarray, row: int, end: int, settings, autoregressive: bool):
+def frames(tokenizer: Tokenizer, out, kinds: np.ndarray, row: int, settings, autoregressive: bool):
   """The canvas text of one row after each step (diffusion) or each generated token (autoregressive)."""
+  end = int((kinds[row] != K.PAD).sum())
   decode = lambda ids: tokenizer.decode(ids, mask_text=MASK_TEXT)  # noqa: E731
   if not autoregressive:
     count = int((out.commits[:, row] >= 0).sum())  # The engine marks frames past its last step with -1.
@@ -181,3 +247,32 @@ def frames(tokenizer: Tokenizer, out, kinds: np.ndarray, row: int, end: int, set
     canvas[positions[k:]] = settings.mask_id
     shown.append(decode(canvas))
   return [*shown, decode(final)]
+
+
+class Detokenizer:
+  """The text of a growing list of token ids, one delta per :meth:`add`.
+
+  Only a small window of ids is decoded per update, the way vLLM's incremental detokenizer keeps a prefix and a read
+  offset: the text of ``ids[prefix:]`` minus the text of ``ids[prefix:read]`` is what the new ids add, in context (a
+  piece's leading space, a character split over byte pieces); text that ends in the replacement character
+  ``\\ufffd`` waits for the bytes that complete it.
+  """
+
+  def __init__(self, tokenizer):
+    self.tokenizer = tokenizer
+    self._ids: list[int] = []  # the ids from the prefix offset on
+    self._read = 0  # ids before this one (in ``_ids``) are decoded
+
+  def add(self, ids, final: bool = False) -> str:
+    """The text ``ids`` add (empty while it ends inside a character); ``final`` flushes whatever is left."""
+    self._ids.extend(ids)
+    if self._read == len(self._ids):
+      return ""
+    decode = self.tokenizer.decode
+    before = decode(self._ids[: self._read]) if self._read else ""
+    after = decode(self._ids)
+    if not final and (len(after) <= len(before) or after.endswith("\ufffd")):
+      return ""
+    prefix = self._read  # The next window starts at the ids decoded now, for their context.
+    self._ids, self._read = self._ids[prefix:], len(self._ids) - prefix
+    return after[len(before) :]

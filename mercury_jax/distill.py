@@ -1,6 +1,6 @@
 """Self-distillation sets: prompts of the training split continued by a model's own next-token head.
 
-``python -m mercury_jax.data.distill --checkpoint CKPT --data DATA_DIR[@W] [--data ...] --out DIR --temperature T``
+``python -m mercury_jax.distill --checkpoint CKPT --data DATA_DIR[@W] [--data ...] --out DIR --temperature T``
 
 A verified model's drafter should predict what its verifier will accept: the network's own outputs, not the data's
 (DistillSpec, Zhou et al. 2023, arXiv 2310.08461; Medusa-2's self-distillation, Cai et al. 2024, arXiv 2401.10774).
@@ -40,7 +40,7 @@ from typing import Any
 import grain
 import numpy as np
 
-from mercury_jax import kinds as K
+from mercury_jax import files, kinds as K
 from mercury_jax.data import pipeline, records
 
 SPLITS = ("train", "validation")
@@ -173,7 +173,7 @@ def build(
     if pipeline.read_metadata(data_dir)["seq_len"] != seq_len:
       raise ValueError(f"{data_dir!r} has another seq_len than {sources[0][0]!r} ({seq_len})")
   sampler = Sampler.from_checkpoint(checkpoint)
-  tokenizer_path = Path(sources[0][0]) / pipeline.TOKENIZER_FILE
+  tokenizer_path = Path(sources[0][0]) / files.TOKENIZER_FILE
   if hashlib.sha256(tokenizer_path.read_bytes()).hexdigest() != first["tokenizer"]["sha256"]:
     raise ValueError(f"{str(tokenizer_path)!r} is not the tokenizer its metadata names")
   tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
@@ -204,7 +204,7 @@ def build(
         {"source": p["source"], "record": p["record"], "prompt_tokens": len(p["ids"]), "stream": first_stream + i}
         for i, p in enumerate(picked)
       ]
-    shutil.copyfile(tokenizer_path, tmp / pipeline.TOKENIZER_FILE)
+    shutil.copyfile(tokenizer_path, tmp / files.TOKENIZER_FILE)
     manifest = {
       "kind": "self-distillation",
       "command": command,
@@ -230,7 +230,7 @@ def build(
       "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
       "prompts": chosen,
     }
-    (tmp / pipeline.MANIFEST_FILE).write_text(json.dumps(manifest, indent=1) + "\n")
+    (tmp / files.MANIFEST_FILE).write_text(json.dumps(manifest, indent=1) + "\n")
     metadata = {
       "format_version": pipeline.FORMAT_VERSION,
       "mode": "distill",
@@ -243,7 +243,7 @@ def build(
       "tokenizer": first["tokenizer"],
       "splits": split_meta,
     }
-    (tmp / pipeline.METADATA_FILE).write_text(json.dumps(metadata, indent=2) + "\n")
+    (tmp / files.METADATA_FILE).write_text(json.dumps(metadata, indent=2) + "\n")
     if out.exists():
       out.rmdir()  # Empty (checked above).
     os.rename(tmp, out)
@@ -264,7 +264,7 @@ def _pair(text: str) -> tuple[int, int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-  parser = argparse.ArgumentParser(prog="python -m mercury_jax.data.distill", description=__doc__.split("\n")[0])
+  parser = argparse.ArgumentParser(prog="python -m mercury_jax.distill", description=__doc__.split("\n")[0])
   parser.add_argument("--checkpoint", required=True, help="the model whose next-token head writes the continuations")
   parser.add_argument(
     "--data", action="append", required=True, metavar="DIR[@W]", help="prepared directories the prompts come from"
@@ -295,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
       batch=args.batch,
       prompt_tokens=args.prompt_tokens,
       decode=args.decode,
-      command="python -m mercury_jax.data.distill " + " ".join(argv if argv is not None else sys.argv[1:]),
+      command="python -m mercury_jax.distill " + " ".join(argv if argv is not None else sys.argv[1:]),
     )
   except (ValueError, OSError) as e:
     print(f"error: {' '.join(str(e).split())}", file=sys.stderr)

@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mercury_jax.limits import Capacity
 from mercury_jax.sampling.proposal import Knobs, filter_rows, sample_tokens
 
 if TYPE_CHECKING:
@@ -44,14 +45,6 @@ if TYPE_CHECKING:
 UNKNOWN = -2  # A walk's state after a masked position (-1 is a forbidden token's).
 FAR = 2**30  # The distance of padding states: never within a budget.
 MIN_CAPACITY = (16, 16, 256)  # The smallest (states, classes, edges) a batch is padded to.
-
-
-class Capacity(NamedTuple):
-  """The padded sizes of a batch's automata (static: one compilation per capacity)."""
-
-  states: int
-  classes: int
-  edges: int
 
 
 class Tables(NamedTuple):
@@ -188,24 +181,29 @@ def force(tables: Tables, state: jax.Array, z: jax.Array, hole: jax.Array, mask_
   return z_t.T, taken.T, jnp.where(tables.on, end, UNKNOWN)
 
 
-def best_classes(
-  tables: Tables, state: jax.Array, scores: jax.Array, z: jax.Array, hole: jax.Array, remaining: jax.Array, mask_id
-):
+class Block(NamedTuple):
+  """The block a constrained program runs over, every row's."""
+
+  state: jax.Array  # [b] the automaton state before the block
+  z: jax.Array  # [b, B] the block's tokens (``mask_id`` where masked)
+  hole: jax.Array  # [b, B] bool: the constrained positions
+  remaining: jax.Array  # [b, B] int32: hole positions after each position (the budget)
+  mask_id: int  # the mask token
+
+
+def best_classes(tables: Tables, block: Block, scores: jax.Array):
   """The max-product program over one block: each position's class on the best valid path, and whether one exists.
 
   Args:
     tables: The batch's automata.
-    state: [b] the state before the block.
+    block: The block.
     scores: [b, B, C] float32 class scores of the masked positions.
-    z: [b, B] the block's tokens (``mask_id`` where masked).
-    hole: [b, B] bool: the constrained positions.
-    remaining: [b, B] int32: hole positions after each position (the budget).
-    mask_id: The mask token.
 
   Returns:
     ``(classes, found)``: int32 [b, B] (-1 outside the hole and before the batch's first masked position) and
     bool [b].
   """
+  state, z, hole, remaining, mask_id = block
   b, length = z.shape
   S, C, E = tables.table.shape[1], tables.table.shape[2], tables.src.shape[1]
   # Per row: the edges' best score into each state (``dst`` is sorted), and the first edge that reaches it.
@@ -270,22 +268,13 @@ def _class_scores(logits: jax.Array, classes: jax.Array, num_classes: int, lse: 
 
 
 def propose(
-  tables: Tables,
-  state: jax.Array,
-  clean: jax.Array,
-  knobs: Knobs,
-  z: jax.Array,
-  hole: jax.Array,
-  remaining: jax.Array,
-  noise: jax.Array,
-  class_noise: jax.Array,
-  mask_id: int,
+  tables: Tables, block: Block, clean: jax.Array, knobs: Knobs, noise: jax.Array, class_noise: jax.Array
 ) -> tuple[jax.Array, jax.Array]:
   """Constrained proposals for a block: ``(x0, found)``, tokens [b, B] on the best valid path, and [b] whether the
   row has one (rows without a constraint or a path keep their unconstrained proposals).
 
   Args:
-    tables, state, z, hole, remaining, mask_id: See :func:`best_classes`.
+    tables, block: See :func:`best_classes`.
     clean: [b, B, V] float32, the cleaned logits (``proposal.clean_logits``).
     knobs: The rows' sampling knobs; a row at temperature 0 takes the best path, a sampling row perturbs the class
       scores with Gumbel noise and draws its token inside the chosen class, honouring top-k/top-p where some of
@@ -303,7 +292,7 @@ def propose(
     return jnp.where(sampled[:, None, None], mass - jnp.log(-jnp.log(class_noise)), top)
 
   scores = jax.lax.cond(anyone, sampled_scores, lambda: _class_scores(clean, tables.classes, C)[0])
-  classes, found = best_classes(tables, state, scores, z, hole, remaining, mask_id)
+  classes, found = best_classes(tables, block, scores)
   inside = tables.classes[:, None, :] == classes[:, :, None]  # [b, B, V]
   best = jnp.argmax(jnp.where(inside, clean, -jnp.inf), axis=-1).astype(jnp.int32)
 
