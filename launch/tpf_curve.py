@@ -6,7 +6,7 @@
 For each checkpoint step (``--checkpoint`` for exported models instead) it decodes exactly what
 ``python -m mercury_jax.bench --verified ... --length L --prompts N`` decodes for its verified rows: the same
 documented-function prompts of the validation split (``bench.prompts.select_prompts``, the same context rule), the
-same canvases (``bench.cli.make_batches``), the same seed and random streams, at T = 1 and greedy, and reports what
+same canvases (``bench.rounds.make_batches``), the same seed and random streams, at T = 1 and greedy, and reports what
 the bench reports for them: tokens per forward and acceptance by draft position (``bench.verified.acceptance``).
 Tokens per forward do not depend on the batch (each row draws from its own stream), so one batch size, and none of
 the bench's timing rounds, is needed: the figures equal the bench's, at a fraction of its time.
@@ -22,7 +22,7 @@ import numpy as np
 
 from mercury_jax import kinds as K
 from mercury_jax.bench import prompts as bench_prompts, verified as bench_verified
-from mercury_jax.bench.cli import make_batches
+from mercury_jax.bench.rounds import make_batches
 from mercury_jax.data import pipeline
 from mercury_jax.sampling.sampler import Sampler
 
