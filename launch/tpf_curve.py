@@ -63,7 +63,7 @@ def main() -> None:
   args = parser.parse_args()
   targets = [(f"{args.workdir}@{s}", args.workdir, int(s)) for s in args.steps.split(",") if s]
   targets += [(c, c, None) for c in args.checkpoint]
-  tokenizer = pipeline.load_tokenizer(args.data)
+  tokenizer = pipeline.load_data_tokenizer(args.data)
   drafter = {}
   if args.tokens:
     drafter = {r["step"]: r["drafter"] for r in json.loads(Path(args.tokens).read_text())["rows"]}
