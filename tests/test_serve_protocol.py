@@ -12,13 +12,13 @@ from fastapi.testclient import TestClient
 from mercury_jax.config import Config, DataConfig, ObjectiveConfig
 from mercury_jax.constrain.automaton import ConstraintError
 from mercury_jax.constrain.schema import tool_call_schema
+from mercury_jax.data.chat_template import ChatTemplate, TemplateError
 from mercury_jax.sampling.proposal import Knobs
 from mercury_jax.sampling.sampler import MASK_TEXT
 from mercury_jax.sampling.settings import SettingError
 from mercury_jax.sampling.text import Detokenizer
 from mercury_jax.serve import protocol as api, structured
 from mercury_jax.serve.answers import Choice, Shape, events
-from mercury_jax.serve.chat import ChatTemplate, TemplateError
 from mercury_jax.serve.routes import Options, create_app
 from mercury_jax.serve.scheduler import EngineDown, QueueFull, StepStats, Update
 

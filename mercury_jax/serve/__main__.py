@@ -356,7 +356,7 @@ def main(argv: list[str] | None = None, *, compile_cache: bool = False) -> int:
 
   import uvicorn
 
-  from mercury_jax.serve.chat import TemplateError
+  from mercury_jax.data.chat_template import TemplateError
   from mercury_jax.serve.routes import Options, create_app
 
   # Every option but the name is the flag of the same name.
