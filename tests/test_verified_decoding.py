@@ -111,16 +111,17 @@ class MarkovNetwork:
     kv = KVCache(jnp.zeros((1, batch, length, 1, 1)), jnp.zeros((1, batch, length, 1, 1)), segments)
     logits = self.log_t[jnp.clip(tokens, 0, SMALL - 1)]  # next-token logits of each token
     if mask == "verify_chunk":
-      k = diffusion_block
-      last = tokens[:, :k]  # block a's last clean token is the causal part's token a
+      tree = diffusion_block  # a masks.Tree: its nodes, then a pre-draft block after each outcome node
+      k, n, outcomes = tree.block, tree.nodes, len(tree.outcomes)
+      last = tokens[:, list(tree.outcomes)]  # a block's last clean token is its outcome node's
       powers = [self.log_t]
       for _ in range(k - 1):
         powers.append(jnp.log(jnp.exp(powers[-1]) @ jnp.exp(self.log_t)))
       if self.drafter == "good":
-        blocks = jnp.stack([powers[u][last] for u in range(k)], axis=2)  # [b, a, u, vocab]
+        blocks = jnp.stack([powers[u][last] for u in range(k)], axis=2)  # [b, outcome, u, vocab]
       else:
-        blocks = jnp.broadcast_to(self.noise, (batch, k, k, SMALL))
-      logits = jnp.concatenate([logits[:, :k], blocks.reshape(batch, k * k, SMALL)], axis=1)
+        blocks = jnp.broadcast_to(self.noise, (batch, outcomes, k, SMALL))
+      logits = jnp.concatenate([logits[:, :n], blocks.reshape(batch, outcomes * k, SMALL)], axis=1)
     if logits_length is not None:
       logits = logits[:, :logits_length]
     return (logits, kv) if return_kv else logits

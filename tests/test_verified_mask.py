@@ -255,5 +255,5 @@ def test_errors_name_the_value():
       interpret=True,
     )
   seg = jnp.ones((1, 5), jnp.int32)
-  with pytest.raises(ValueError, match="chunk of k \\+ k\\*k"):
+  with pytest.raises(ValueError, match="chunk of its tree's size"):
     masks.cached(seg, jnp.ones((1, 8), jnp.int32), jnp.zeros((1,), jnp.int32), "verify_chunk", block=2)

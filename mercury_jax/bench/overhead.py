@@ -21,6 +21,7 @@ import numpy as np
 from mercury_jax.bench.throughput import time_call
 from mercury_jax.sampling import canvas as cv
 from mercury_jax.sampling.caches import Needs
+from mercury_jax.sampling.drafts import Candidates
 from mercury_jax.sampling.engine import BlockEngine
 from mercury_jax.sampling.jobs import Budget
 from mercury_jax.sampling.plan import Decoding
@@ -44,7 +45,7 @@ def engine_overhead(
   passes: int = 32,
 ) -> dict[str, Any]:
   """The overhead ratio (module docstring) of ``sampler``'s engine on one canvas batch (one device)."""
-  decoding = Decoding(cache, settings.block_length, settings.decode, settings.draft_length)
+  decoding = Decoding.of(settings, cache)
   canvas = cv.Canvas(*(np.asarray(a) for a in canvas))
   plan = sampler.plan(decoding, np.shape(canvas.tokens)[1])
   canvas = cv.pad_length(canvas, plan.length, sampler.tokenizer.pad_id)
@@ -75,6 +76,9 @@ def engine_overhead(
         starts = engine.starts(moved)
         ones = jnp.ones((batch,), bool)
         needs = Needs(starts, jnp.ones((batch,), jnp.float32), ones, ones if plan.draft else moved.fresh)
+        if plan.draft:  # The whole tree: every node live (the chunk a step with every candidate runs).
+          nodes = jnp.ones((batch, plan.tree.nodes), bool)
+          needs = needs._replace(nodes=Candidates(jnp.where(nodes, 5, 0).astype(jnp.int32), nodes))
         out = engine.cache.forward(p, moved, needs)
         return total + out.logits[0, 0, 0], out.cache
 

@@ -185,7 +185,7 @@ class Sampler:
       ``(output as numpy arrays, wall seconds, compile seconds)``; the output's canvases keep the padded length (the
       first ``canvas.tokens.shape[1]`` positions are the given ones) and its rows are the given ones.
     """
-    decoding = Decoding(cache, settings.block_length, settings.decode, settings.draft_length, settings.prefill_chunk)
+    decoding = Decoding.of(settings, cache)
     job = self.jobs.job(
       canvas, Budget(steps, steps_per_block), settings, decoding, layout=layout, automata=automata, seed=seed
     )

@@ -37,6 +37,7 @@ import numpy as np
 
 from mercury_jax.limits import MAX_SEED
 from mercury_jax.sampling import automata as constrained
+from mercury_jax.sampling.drafts import DEVICE_DEFAULT, Drafting
 from mercury_jax.sampling.proposal import Knobs
 from mercury_jax.sampling.sampler import Sampler
 from mercury_jax.sampling.settings import SettingError
@@ -208,6 +209,8 @@ class Scheduler:
       block-diffusion checkpoints use their trained block and the twin blocks of one token.
     decode: How every request decodes (``auto``: the model's best; see ``sampling.plan.plan_for``).
     draft_length: Verified decoding's draft length (0: the checkpoint's).
+    drafting: Verified decoding's draft tree, lookup chain and pre-draft blocks (``SlotEngine``).
+    draft_confidence: Verified decoding's adaptive draft length (``SamplerSettings.draft_confidence``).
     default_steps: Steps per block when a request gives none; default the block (one token per step).
     capacity: The automaton sizes each slot holds for structured output (``slots.DEFAULT_CAPACITY``); None turns
       structured output off.
@@ -236,6 +239,8 @@ class Scheduler:
     block_length: int = 0,
     decode: str = "auto",
     draft_length: int = 0,
+    drafting: Drafting = DEVICE_DEFAULT,
+    draft_confidence: float = 0.0,
     default_steps: int | None = None,
     capacity: constrained.Capacity | None = DEFAULT_CAPACITY,
     page_size: int = DEFAULT_PAGE_SIZE,
@@ -258,6 +263,8 @@ class Scheduler:
       block_length=block_length,
       decode=decode,
       draft_length=draft_length,
+      drafting=drafting,
+      draft_confidence=draft_confidence,
       default_steps=default_steps,
       capacity=capacity,
       page_size=page_size,

@@ -59,6 +59,7 @@ from mercury_jax.kvcache import SINK, PagedKVCache
 from mercury_jax.limits import MAX_TILE
 from mercury_jax.sampling import automata as constrained, healing
 from mercury_jax.sampling.canvas import Canvas
+from mercury_jax.sampling.drafts import DEVICE_DEFAULT, Drafting
 from mercury_jax.sampling.engine import Start, width
 from mercury_jax.sampling.plan import BlockPlan, Decoding
 from mercury_jax.sampling.proposal import Knobs
@@ -163,9 +164,10 @@ class View(NamedTuple):
 
 def invariant_tile_of(plan: BlockPlan) -> int:
   """Positions per matmul tile of a batch-invariant step: four rows' positions (a step's block, a verified step's
-  ``k + k * k`` chunk, a whole-sequence canvas), a multiple of 8 in [8, 64]. A full bucket's products then run four
-  rows at a time, and a lone row pays a four-row product, whose weights it reads once (BUILD_NOTES.md, issue 28)."""
-  positions = plan.length if plan.whole_sequence else plan.draft + plan.draft**2 if plan.draft else plan.block
+  chunk: its draft tree's nodes and pre-draft blocks, ``k + k * k`` for the chain; a whole-sequence canvas), a
+  multiple of 8 in [8, 64]. A full bucket's products then run four rows at a time, and a lone row pays a four-row
+  product, whose weights it reads once (BUILD_NOTES.md, issue 28)."""
+  positions = plan.length if plan.whole_sequence else plan.tree.mask.size if plan.draft else plan.block
   return min(64, max(8, -(-4 * positions // 8) * 8))
 
 
@@ -180,6 +182,9 @@ class SlotEngine:
     decode: ``auto``, ``ar``, ``diffusion`` or ``verified`` (:func:`~mercury_jax.sampling.plan.plan_for`): every
       request of the engine decodes so (the plan is static).
     draft_length: Verified decoding's draft length (0: the checkpoint's).
+    drafting: Verified decoding's draft tree, lookup chain and pre-draft blocks (``auto``: the device's); one plan
+      for every request, compiled at start.
+    draft_confidence: Verified decoding's adaptive draft length (``SamplerSettings.draft_confidence``; 0: off).
     default_steps: Steps per block when a request gives none; default the block (one token per step).
     capacity: The automaton sizes each slot holds for structured output (:data:`DEFAULT_CAPACITY`); None: no
       structured output (a request with a constraint fails).
@@ -208,6 +213,8 @@ class SlotEngine:
     block_length: int = 0,
     decode: str = "auto",
     draft_length: int = 0,
+    drafting: Drafting = DEVICE_DEFAULT,
+    draft_confidence: float = 0.0,
     default_steps: int | None = None,
     capacity: constrained.Capacity | None = DEFAULT_CAPACITY,
     page_size: int = DEFAULT_PAGE_SIZE,
@@ -246,7 +253,8 @@ class SlotEngine:
     if prefill_chunk < 0:
       raise ValueError(f"prefill_chunk={prefill_chunk} must be >= 0 (0: every prompt in one pass)")
     # Fixed slots hold no whole canvas: a whole-sequence checkpoint decodes blocks without a cache.
-    self.plan = plan = sampler.plan(Decoding("auto", block_length, decode, draft_length), context, whole_canvas=False)
+    decoding = Decoding("auto", block_length, decode, draft_length, drafting=drafting)
+    self.plan = plan = sampler.plan(decoding, context, whole_canvas=False)
     self.autoregressive, self.whole_sequence = plan.autoregressive, plan.whole_sequence
     if self.whole_sequence and sampler.cfg.objective.continuous:
       raise ValueError(
@@ -267,6 +275,8 @@ class SlotEngine:
     self.width = width(self.plan)
     continuous = sampler.cfg.objective.continuous
     latent = {name: value for name, value in (("solver", solver), ("guidance", guidance)) if value is not None}
+    if draft_confidence:
+      latent["draft_confidence"] = draft_confidence
     self.settings = sampler.settings(rule="ode" if continuous else "threshold", **latent)
     self.default_steps = 1 if self.autoregressive else (default_steps or block)
     settings = self.settings
