@@ -84,12 +84,14 @@ class Setting:
   temperature: float = 1.0
   cache: str = "auto"  # The Sampler's cache (``none``: the uncached reference; ``dual``/``prefix``: approximate).
   draft: int = 0  # verified: the draft length (0: the checkpoint's)
+  lever: str = "auto"  # verified: the draft tree, lookups, pre-draft blocks and length (``bench.verified.LEVERS``)
 
   @property
   def name(self) -> str:
     if self.model == "verified":
       how = "greedy" if self.temperature == 0 else f"T={self.temperature:g}"
-      return f"verified{f' k={self.draft}' if self.draft else ''} {how}"
+      lever = "" if self.lever == "auto" else f" {self.lever}"
+      return f"verified{f' k={self.draft}' if self.draft else ''}{lever} {how}"
     if self.model == "autoregressive":
       return f"AR {'greedy' if self.temperature == 0 else f'T={self.temperature:g}'}"
     name = f"{self.rule} steps={self.steps}" if self.tau is None else f"threshold tau={self.tau:g}"
@@ -98,13 +100,23 @@ class Setting:
 
 
 def grid(
-  length: int, steps, taus, temperatures, ar_temperatures, caches=(), drafts=None, continuous: bool = False
+  length: int,
+  steps,
+  taus,
+  temperatures,
+  ar_temperatures,
+  caches=(),
+  drafts=None,
+  continuous: bool = False,
+  *,
+  levers=("auto",),
 ) -> list[Setting]:
   """The settings measured: at each diffusion temperature, confidence at each step budget and threshold at each tau
   (budget ``length``; a ``continuous`` checkpoint: its ODE rule at each step budget); each of those at the first
   temperature again with every cache of ``caches``; then the twin at each of its temperatures; then, with ``drafts``
-  (draft lengths, 0: the checkpoint's), verified decoding at each draft length and each of the twin's temperatures
-  (no diffusion rows when ``temperatures`` is empty)."""
+  (draft lengths, 0: the checkpoint's), verified decoding at each draft length, each of ``levers``
+  (``bench.verified.LEVERS``) and each of the twin's temperatures (no diffusion rows when ``temperatures`` is
+  empty)."""
   settings = []
   for temperature in temperatures:
     if continuous:
@@ -115,7 +127,12 @@ def grid(
   first = [s for s in settings if s.temperature == temperatures[0]]
   settings += [dataclasses.replace(s, cache=cache) for cache in caches for s in first]
   settings += [Setting("autoregressive", "kv-cache", 0, None, t) for t in ar_temperatures]
-  verified = [Setting("verified", "verified", 0, None, t, draft=d) for d in drafts or () for t in ar_temperatures]
+  verified = [
+    Setting("verified", "verified", 0, None, t, draft=d, lever=lever)
+    for d in drafts or ()
+    for lever in levers
+    for t in ar_temperatures
+  ]
   return settings + verified
 
 
@@ -148,7 +165,7 @@ class Runner:
     tempered distribution (no top-p or top-k, whatever a checkpoint's ``[sampling]`` defaults say)."""
     knobs = {"rule": setting.rule, "threshold": setting.tau} if setting.model == "diffusion" else {}
     if setting.model == "verified":
-      knobs = {"decode": "verified", "draft_length": setting.draft}
+      knobs = {"decode": "verified", "draft_length": setting.draft, **bench_verified.LEVERS[setting.lever]}
     knobs = {k: v for k, v in knobs.items() if v is not None}
     return self.samplers[setting.model].settings(temperature=setting.temperature, top_p=1.0, top_k=0, **knobs)
 
@@ -281,7 +298,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
   drafts = args.draft_lengths if "verified" in samplers else None
   continuous = "diffusion" in samplers and samplers["diffusion"].cfg.objective.continuous
   settings = grid(
-    args.length, args.steps, args.taus, temperatures, args.ar_temperatures, args.caches, drafts, continuous
+    args.length,
+    args.steps,
+    args.taus,
+    temperatures,
+    args.ar_temperatures,
+    args.caches,
+    drafts,
+    continuous,
+    levers=args.levers,
   )
   for cache in args.caches:  # Reject a cache the diffusion model does not have before anything is timed.
     samplers["diffusion"].plan(Decoding(cache))
@@ -320,15 +345,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
   verified = None
   if verified_rows:
-    setting = next(s for s in settings if s.model == "verified")
     twin = next(s for s in settings if s.model == "autoregressive")
-    verified = {
-      "rows": verified_rows,
-      "costs": [
-        bench_verified.costs(samplers["verified"], ar, batches[b][0], runner.settings(setting), runner.settings(twin))
-        for b in args.batch_sizes
-      ],
-    }
+    by_lever = {s.lever: s for s in settings if s.model == "verified"}  # one cost per lever (T does not change it)
+    memo: dict = {}  # the twin's and the chunks' figures, once per batch
+    cost = lambda b, s: bench_verified.costs(  # noqa: E731
+      samplers["verified"], ar, batches[b][0], runner.settings(s), runner.settings(twin), memo
+    )
+    costs = [{"lever": lever, **cost(b, s)} for b in args.batch_sizes for lever, s in by_lever.items()]
+    verified = {"rows": verified_rows, "costs": costs}
   tol = bench_report.Tolerances(args.ppl_tolerance, args.entropy_tolerance, args.parse_tolerance)
   result = {
     "machine": machine,
@@ -429,6 +453,14 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument(
     "--draft-lengths", type=_ints, default=(0,), help="verified draft lengths, comma-separated (0: the trained one)"
   )
+  p.add_argument(
+    "--levers",
+    type=lambda text: tuple(v for v in text.split(",") if v),
+    default=("auto",),
+    help="verified decoding's levers, each alone or together, comma-separated: "
+    + ", ".join(bench_verified.LEVERS)
+    + " (default auto: the device's draft tree, lookups and pre-draft blocks)",
+  )
   p.add_argument("--no-diffusion", action="store_true", help="leave the diffusion model's rows out")
   p.add_argument(
     "--data",
@@ -510,6 +542,9 @@ def main(argv: list[str] | None = None) -> None:
     args.ar_temperatures = (1.0,)
   if 1.0 not in args.ar_temperatures:
     _fail("--ar-temperatures must include 1 (the reference for matched quality)")
+  unknown = [lever for lever in args.levers if lever not in bench_verified.LEVERS]
+  if unknown or not args.levers:
+    _fail(f"--levers {','.join(args.levers)!r} must name some of {', '.join(bench_verified.LEVERS)}")
   if not args.temperatures or min(args.temperatures + args.ar_temperatures) < 0:
     _fail(f"--temperatures {args.temperatures} and --ar-temperatures {args.ar_temperatures} must be >= 0 (0: greedy)")
   for flag, values in (

@@ -43,8 +43,11 @@ def engine_overhead(
   cache: str = "auto",
   repeats: int = 5,
   passes: int = 32,
+  timer: bool = False,
 ) -> dict[str, Any]:
-  """The overhead ratio (module docstring) of ``sampler``'s engine on one canvas batch (one device)."""
+  """The overhead ratio (module docstring) of ``sampler``'s engine on one canvas batch (one device); with ``timer``,
+  also ``"timer"``: a function that times one more run of the later passes (seconds a pass), so that two engines'
+  passes can be timed interleaved."""
   decoding = Decoding.of(settings, cache)
   canvas = cv.Canvas(*(np.asarray(a) for a in canvas))
   plan = sampler.plan(decoding, np.shape(canvas.tokens)[1])
@@ -84,13 +87,16 @@ def engine_overhead(
 
       return jax.lax.fori_loop(0, passes, body, (jnp.zeros((), jnp.float32), st.cache))
 
-    return median_seconds(jax.jit(run), params, final, repeats=repeats) / passes
+    return jax.jit(run)
 
-  first_cost, later_cost = probe(True), probe(False)
+  first_fn, later_fn = probe(True), probe(False)
+  first_cost, later_cost = (median_seconds(f, params, final, repeats=repeats) / passes for f in (first_fn, later_fn))
   forwards, first = int(final.forwards), int(final.commit_passes)
   later = forwards - first
   predicted = prefill + first * first_cost + later * later_cost
+  timed = {"timer": lambda: time_call(later_fn, params, final) / passes} if timer else {}
   return {
+    **timed,
     "cache": plan.cache,
     "block": plan.block,
     "steps_per_block": int(np.max(per_block)),

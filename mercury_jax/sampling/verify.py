@@ -157,7 +157,7 @@ class Verify(StepRule):
     # Walk the tree against p; the position after the accepted path takes a token of the residual.
     p = self._node_probs(st, view, forward.logits, needs.nodes, hooks)  # [b, N, vocab]
     u = jax.vmap(lambda key: jax.random.uniform(key, (tree.nodes,), jnp.float32))(fold(ACCEPT_NOISE))
-    walk = accept(tree, p, d.probs, needs.nodes, ~view.open[:, : tree.depth], u, active)
+    walk = accept(tree, p, d.probs, needs.nodes, fixed=~view.open[:, : tree.depth], u=u, active=active)
     noise = uniform_noise(fold(RESIDUAL_NOISE), (1, noise_width(p.shape[-1])))
     own = self.network.map_rows(draw, walk.residual[:, None], noise)[:, 0]
     a = walk.accepted

@@ -36,7 +36,7 @@ def _pick(a: jax.Array, index: jax.Array) -> jax.Array:
   return jnp.take_along_axis(a, index.reshape(-1, *(1,) * (a.ndim - 1)), axis=1)[:, 0]
 
 
-def _level(tree: Topology, level: int, state, p_chain, nodes: Candidates, fixed, u):
+def _level(tree: Topology, level: int, state, q_chain, nodes: Candidates, *, fixed, u):
   """Tries the children of the walk's set at depth ``level``, in the tree's order: ``(taken [b], token [b], r)``."""
   cur, alive, r = state
   taken = jnp.zeros_like(alive)
@@ -49,7 +49,7 @@ def _level(tree: Topology, level: int, state, p_chain, nodes: Candidates, fixed,
     if tree.sources[n] == CHAIN:  # the drawn draft of this depth: tried once, with the q it was drawn from
       candidate &= ~chain_tried
       chain_tried |= candidate
-      q = p_chain[:, level - 1]
+      q = q_chain[:, level - 1]
     else:  # a deterministic candidate
       q = jax.nn.one_hot(t, vocab, dtype=r.dtype)
     q_t = jnp.take_along_axis(q, t[:, None], axis=1)[:, 0]
@@ -62,7 +62,7 @@ def _level(tree: Topology, level: int, state, p_chain, nodes: Candidates, fixed,
   return taken, token, r
 
 
-def accept(tree: Topology, p, q_chain, nodes: Candidates, fixed, u, active) -> Walk:
+def accept(tree: Topology, p, q_chain, nodes: Candidates, *, fixed, u, active) -> Walk:
   """The walk (:mod:`~mercury_jax.sampling.verify`).
 
   Args:
@@ -81,7 +81,7 @@ def accept(tree: Topology, p, q_chain, nodes: Candidates, fixed, u, active) -> W
   alive, r, accepted = active, p[:, 0], jnp.zeros((batch,), jnp.int32)
   tokens, path, sources = [], [rep], []
   for level in range(1, tree.depth + 1):
-    taken, token, r = _level(tree, level, (cur, alive, r), q_chain, nodes, fixed, u)
+    taken, token, r = _level(tree, level, (cur, alive, r), q_chain, nodes, fixed=fixed, u=u)
     members = [taken & cur[:, tree.parents[n]] & nodes.live[:, n] & (nodes.tokens[:, n] == token)
                for n in tree.levels[level - 1]]  # fmt: skip
     here = jnp.stack(members, axis=1)  # [b, nodes of this depth]: the new set

@@ -135,6 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument(
     "--draft-length", type=int, default=0, help="verified decoding's draft length (default 0: the checkpoint's)"
   )
+  usage.add_draft_flags(p)  # every request decodes with one draft tree, compiled at start
   p.add_argument("--model-name", help="the name clients see (default: the checkpoint folder's name)")
   p.add_argument(
     "--grace", type=float, default=30.0, help="seconds running requests get to finish on shutdown (default 30)"
@@ -247,8 +248,9 @@ def _load(args: argparse.Namespace):
 
   from mercury_jax.config import ConfigError
   from mercury_jax.sample import bundled_model
+  from mercury_jax.sampling.drafts import Drafting
   from mercury_jax.sampling.sampler import Sampler
-  from mercury_jax.sampling.settings import SettingError
+  from mercury_jax.sampling.settings import AUTO, SettingError
   from mercury_jax.serve.scheduler import Scheduler
 
   path = args.checkpoint if args.checkpoint is not None else bundled_model(args.model, _fail)
@@ -283,6 +285,10 @@ def _load(args: argparse.Namespace):
       block_length=args.block_length,
       decode=args.decode,
       draft_length=args.draft_length,
+      drafting=Drafting(
+        args.draft_tree or AUTO, -1 if args.draft_lookup is None else args.draft_lookup, args.draft_blocks or AUTO
+      ),
+      draft_confidence=args.draft_confidence or 0.0,
       capacity=args.capacity,
       page_size=args.page_size,
       kv_pages=args.kv_pages,
