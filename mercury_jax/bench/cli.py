@@ -213,6 +213,7 @@ def measure(runner: Runner, settings: list[Setting], batches: dict[int, list[cv.
               "nfe": out.nfe[:real],
               "generated": generated.sum(axis=-1),
               "accepted": None if out.accepted is None else np.asarray(out.accepted)[:real],
+              "sources": None if out.sources is None else np.asarray(out.sources)[:real],
             }
           )
         gflops.append(2 * PROBE_SIZE**3 / time_call(probe, probe_input) / 1e9)

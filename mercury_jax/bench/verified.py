@@ -8,10 +8,11 @@ measures is speed:
 * acceptance by draft position: the share of steps whose ``i``-th draft was accepted (a step commits its accepted
   drafts and one token of the network's own, none past the hole's end or an EOS, so TPF is at most 1 + the sum of
   these shares);
-* the cost of one verify+draft forward (``k + k²`` tokens over the cache) ÷ one twin step (one token), each timed
-  alone on the final state of a generation (:func:`~mercury_jax.bench.overhead.engine_overhead`). That ratio times
-  TPF is the speed-up any hardware can give; on a GPU, where a 20-token forward costs what a 1-token one does, the
-  ratio approaches 1;
+* the cost of one verify+draft forward (the draft tree's whole chunk over the cache, ``k + k²`` tokens for TiDAR's
+  chain) ÷ one twin step (one token), each on the final state of a generation
+  (:func:`~mercury_jax.bench.overhead.engine_overhead`), timed in interleaved pairs (the median of their ratios).
+  TPF ÷ that ratio is the speed-up any hardware can give; on a GPU, where a 20-token forward costs what a 1-token
+  one does, the ratio approaches 1;
 * the loop overhead: wall time ÷ (prefill + forward passes × that forward's cost).
 
 The levers of issue 45 (``--levers``, :data:`LEVERS`) run as separate verified settings on the same prompts, lengths
@@ -34,6 +35,7 @@ from mercury_jax.sampling import canvas as cv
 from mercury_jax.sampling.plan import Decoding
 from mercury_jax.sampling.sampler import Sampler
 
+SOURCES = ("chain", "alternatives", "lookup")  # where accepted candidates come from (``SampleOutput.sources``)
 _OFF = {"draft_tree": "chain", "draft_lookup": 0, "draft_blocks": "all", "draft_confidence": 0.0}
 # Each lever's verified-decoding knobs (``SamplerSettings``' draft fields), alone and together; ``auto`` is the
 # device's default (``sampling.drafts.DEFAULTS``).
@@ -52,7 +54,11 @@ LEVERS = {
 def acceptance(calls: list[dict[str, Any]]) -> dict[str, Any]:
   """Acceptance figures of one verified setting's calls (each carries ``accepted`` [rows, k], the steps that
   accepted 0 .. k - 1 drafts)."""
-  histogram = np.sum([np.asarray(c["accepted"]).sum(axis=0) for c in calls], axis=0).astype(np.float64)  # [k]
+  histogram = np.sum([np.asarray(c["accepted"]).sum(axis=0) for c in calls], axis=0).astype(np.float64)  # [W]
+  sources = np.zeros(3)
+  for c in calls:
+    if c.get("sources") is not None:
+      sources += np.asarray(c["sources"]).sum(axis=0)
   steps = histogram.sum()
   at_least = histogram[::-1].cumsum()[::-1]  # steps that accepted >= i drafts, i = 0 .. k - 1
   by_position = (at_least[1:] / max(steps, 1.0)).tolist()  # draft i (1-based) accepted
@@ -62,6 +68,8 @@ def acceptance(calls: list[dict[str, Any]]) -> dict[str, Any]:
     "accepted_by_position": by_position,  # = by depth of the draft tree
     "mean_accepted_per_step": float((histogram * np.arange(len(histogram))).sum() / max(steps, 1.0)),
     "one_outcome_tpf_estimate": one_outcome_tpf(histogram),
+    # accepted candidates per step, by where they came from
+    "accepted_by_source": dict(zip(SOURCES, (sources / max(steps, 1.0)).tolist(), strict=True)),
   }
 
 
@@ -187,18 +195,23 @@ def levers_table(summary: dict[str, Any]) -> list[str]:
   rows: dict[tuple[str, int], dict[float, dict]] = {}
   for row in summary["rows"]:
     rows.setdefault((row.get("lever", "auto"), row["batch"]), {})[row["temperature"]] = row
-  lines = ["", "| lever | knobs | batch | TPF greedy / T=1 | × twin greedy / T=1 | accepted by depth (T=1) | chunk | "
-           "chunk ÷ AR step |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+  lines = ["", "| lever | knobs | batch | TPF greedy / T=1 | × twin greedy / T=1 | accepted by depth (T=1) | accepted "
+           "per step from chain / alternatives / lookups (greedy; T=1) | chunk | chunk ÷ AR step |",
+           "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
   for (lever, batch), by_t in rows.items():
     pair = lambda key, by_t=by_t: " / ".join(f"{by_t[t][key]:.2f}" if t in by_t else "–" for t in (0.0, 1.0))  # noqa: E731
     sampled = by_t.get(1.0, next(iter(by_t.values())))
     depth = ", ".join(f"{a:.2f}" for a in sampled["accepted_by_position"])
     knobs = ", ".join(f"{k.removeprefix('draft_')}={v}" for k, v in LEVERS.get(lever, {}).items()) or "device default"
+    source = lambda t, by_t=by_t: (
+      "/".join(f"{v:.2f}" for v in by_t[t]["accepted_by_source"].values()) if t in by_t else "–"
+    )  # noqa: E731
+    sources = f"{source(0.0)}; {source(1.0)}"
     c = cost.get((lever, batch))
     chunk, ratio = (c["chunk_positions"], f"{c['cost_ratio']:.2f}") if c else ("–", "–")
     lines.append(
-      f"| {lever} | {knobs} | {batch} | {pair('tokens_per_forward')} | {pair('speedup_vs_ar')} | {depth} | {chunk} | "
-      f"{ratio} |"
+      f"| {lever} | {knobs} | {batch} | {pair('tokens_per_forward')} | {pair('speedup_vs_ar')} | {depth} | {sources} | "
+      f"{chunk} | {ratio} |"
     )
   return lines
 

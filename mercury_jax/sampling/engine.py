@@ -398,7 +398,7 @@ class BlockEngine:
       canvases, commits, remasks = st.trace
       trace = (self.to_canvas(canvases, length), commits, remasks)
     out = SampleOutput(tokens, st.nfe, st.forwards, *trace)
-    return out._replace(accepted=st.draft.accepted) if st.draft is not None else out
+    return out._replace(accepted=st.draft.accepted, sources=st.draft.sources) if st.draft is not None else out
 
   def sample(self, params, canvas: Canvas, key: jax.Array, num_steps: jax.Array, knobs=None, **options):
     """The whole generation as one function: prefill, every block, the :class:`SampleOutput` (``options``:

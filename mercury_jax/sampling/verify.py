@@ -181,7 +181,10 @@ class Verify(StepRule):
     keep = active & ~ended & (count == a + 1) & walk.predrafted
     draft = self._next(written, forward.drafts, walk, view.starts + count, fold(DRAFT_NOISE), hooks)
     draft = _tally(draft, d, walk, view.open & committed & (index < a[:, None]), active, keep)
-    p_new = jnp.take_along_axis(p[:, 0], new[:, :1], axis=-1)  # the confidence shown: p of the first token
+    # Each committed token's score: its probability under p after the path before it.
+    after = jnp.take_along_axis(p, walk.path[:, :, None], axis=1)  # [b, D + 1, vocab]
+    after = jnp.pad(after, ((0, 0), (0, self.width - after.shape[1]), (0, 0)))
+    p_new = jnp.take_along_axis(after, new[..., None], axis=-1)[..., 0]  # [b, W]
     return Decision(
       st=st._replace(draft=draft),
       z=z_w,
