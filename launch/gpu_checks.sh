@@ -3,8 +3,11 @@
 #   correctness  the `gpu` tests: the flash-attention, cached-attention (dense and paged) and verified-mask kernels
 #                compiled for the device against their references, and attend()'s pallas / cudnn paths
 #   train        bf16 training steps/s and MFU of the default shape and of gpu8_125m's per-GPU shard
+#                (python -m mercury_jax.bench train)
 #   sample       the bundled models' sampling tokens/s by batch size, dtype and attention implementation
+#                (python -m mercury_jax.bench gpu-sampling)
 #   attention    flash attention TFLOP/s against XLA, cuDNN and JAX's bundled Pallas kernel, and the cache reads
+#                (python -m mercury_jax.bench gpu-attention)
 #
 #   launch/gpu_checks.sh [OUT_DIR] [PART ...]     # default: every part, logs and JSON into OUT_DIR (default gpu_out)
 #
@@ -53,21 +56,22 @@ for part in "${parts[@]}"; do
       # bf16: the default shape with the Pallas kernel and with XLA's attention; gpu8_125m's per-GPU shard (its batch
       # of 128 over 8 GPUs) with the Pallas kernel and with cuDNN.
       run_part train "${TRAIN_S:-200}" bash -c "
-        $PYTHON launch/bench_train.py --config default --steps 20 --set model.dtype=bfloat16 --json $out/train.jsonl
-        $PYTHON launch/bench_train.py --config default --steps 20 --set model.dtype=bfloat16 --set model.attention=xla \\
+        $PYTHON -m mercury_jax.bench train --config default --steps 20 --set model.dtype=bfloat16 \\
           --json $out/train.jsonl
-        $PYTHON launch/bench_train.py --config gpu8_125m --steps 10 --set mesh.fsdp=1 --set data.batch_size=16 \\
+        $PYTHON -m mercury_jax.bench train --config default --steps 20 --set model.dtype=bfloat16 \\
+          --set model.attention=xla --json $out/train.jsonl
+        $PYTHON -m mercury_jax.bench train --config gpu8_125m --steps 10 --set mesh.fsdp=1 --set data.batch_size=16 \\
           --json $out/train.jsonl
-        $PYTHON launch/bench_train.py --config gpu8_125m --steps 10 --set mesh.fsdp=1 --set data.batch_size=16 \\
+        $PYTHON -m mercury_jax.bench train --config gpu8_125m --steps 10 --set mesh.fsdp=1 --set data.batch_size=16 \\
           --set model.attention=cudnn --json $out/train.jsonl"
       ;;
     sample)
-      run_part sample "${SAMPLE_S:-200}" "$PYTHON" launch/gpu_sampling_bench.py --dtypes bfloat16 \
+      run_part sample "${SAMPLE_S:-200}" "$PYTHON" -m mercury_jax.bench gpu-sampling --dtypes bfloat16 \
         --attention pallas,xla --batch-sizes 1,256 --length 128 --repeats 2 --json "$out/sample.json"
       ;;
     attention)
-      run_part attention "${ATTENTION_S:-200}" "$PYTHON" launch/gpu_attention_bench.py --quick --skip-correctness \
-        --cached --budget-s 60 --json "$out/attention.json"
+      run_part attention "${ATTENTION_S:-200}" "$PYTHON" -m mercury_jax.bench gpu-attention --quick \
+        --skip-correctness --cached --budget-s 60 --json "$out/attention.json"
       ;;
     *)
       echo "unknown part $part: choose from correctness train sample attention" >&2

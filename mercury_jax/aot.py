@@ -289,7 +289,9 @@ def sample_report(
   Returns:
     A dict: ``params`` (count), ``param_bytes`` (all of them), ``param_bytes_per_device`` (the largest device's share
     by the shardings), ``rows`` (the batch padded to the data-parallel size), ``length`` (the planned canvas),
-    ``decoder`` (cache and block), and ``argument``, ``temp``, ``output``, ``alias`` and ``total`` bytes per device.
+    ``decoder`` (cache and block), ``state_bytes`` and ``state_bytes_per_device`` (the loop state the prefill hands
+    the loop; 0 with ``prefill``), and ``argument``, ``temp``, ``output``, ``alias`` and ``total`` bytes per device
+    (of the larger program).
 
   Raises:
     AotError: a mesh that does not fit the devices or the parameters, a length the model cannot take, or a cache
@@ -359,6 +361,7 @@ def sample_report(
     )
     compiled.append(programs.advance(engine).lower(params, state, scalar(jnp.int32), scalar(jnp.int32)).compile())
   leaves = jax.tree.leaves(params)
+  states = jax.tree.leaves(state) if not prefill else []
   report = {
     "params": sum(math.prod(p.shape) for p in leaves),
     "param_bytes": sum(math.prod(p.shape) * p.dtype.itemsize for p in leaves),
@@ -367,6 +370,8 @@ def sample_report(
     "length": int(np.shape(canvas.tokens)[1]),
     "decoder": f"cache={plan.cache} block={plan.block}" + (" (prefill)" if prefill else ""),
     "devices": mesh.size,
+    "state_bytes": sum(math.prod(a.shape) * a.dtype.itemsize for a in states),
+    "state_bytes_per_device": sum(math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize for a in states),
   }
   return report | _memory(compiled)
 

@@ -37,7 +37,7 @@ from mercury_jax.kernels.common import CachedInputs
 from mercury_jax.kvcache import read_pages
 
 # From this length on, ``xla`` runs blockwise. Measured on this CPU (2 cores, AMD EPYC; batch 1, 4 heads, head_dim 64,
-# float32, 512 x 512 chunks; launch/bench_long_attention.py, BUILD_NOTES "Issue 26"): at 1024 tokens blockwise took
+# float32, 512 x 512 chunks; `bench long-attention`, BUILD_NOTES "Issue 26"): at 1024 tokens blockwise took
 # half the dense path's compiled temp memory (forward 12.8 vs 32 MiB, forward + backward 25 vs 50 MiB) at 1.0-3.6x its
 # speed over the bidirectional, causal and block_diffusion masks; at 256-512 tokens both need 2-22 MiB and blockwise
 # forward + backward ran at 0.88-2.3x the dense speed, so short sequences keep the dense path's numerics.
@@ -241,7 +241,7 @@ def _cached_xla(inputs: CachedInputs, mask: str, diffusion_block: int | None, *,
   The products are plain matmuls batched over ``[batch, kv_heads]``, the query rows of a key/value head's group laid
   out as one ``[groups * chunk, head_dim]`` matrix (on XLA:CPU the einsum that kept the head axes between the query
   and slot axes made this attention 1.8-3.4x slower for a prefill chunk of 512 tokens over 4 K and 16 K slots:
-  ``launch/bench_long_context.py cached``, ``BUILD_NOTES.md``). The scores are laid out slots-major, ``keys @
+  ``bench long-context cached``, ``BUILD_NOTES.md``). The scores are laid out slots-major, ``keys @
   queries^T`` ``[batch, kv_heads, keys, rows]``: the keys, the large operand, are read as they lie, ``[slots,
   head_dim]`` row-major, and only the queries are transposed; the softmax reduces over the keys' axis and the
   weighted values' product contracts it (``scores^T`` against ``[slots, head_dim]``). The usual ``queries @ keys^T``

@@ -20,10 +20,8 @@ on the NLL of the model that decodes a block by iterative unmasking).
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +29,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from mercury_jax import distributed, kinds as K, sharding as sh
+from mercury_jax import distributed, kinds as K, sharding as sh, usage
 from mercury_jax.checkpoint import restore_params
 from mercury_jax.config import Config
 from mercury_jax.data import pipeline
@@ -72,7 +70,9 @@ def evaluate_params(
   tokenizer = pipeline.load_data_tokenizer(data_dir)
   covered = min(meta["splits"][split]["records"], len(batches) * batch_size)
   if cfg.objective.verified:
-    return _evaluate_verified(trainer, params, batches, local[:max_batches], tokenizer, t_samples, seed) | {
+    return _evaluate_verified(
+      trainer, params, batches, local[:max_batches], tokenizer, t_samples=t_samples, seed=seed
+    ) | {
       "split": split,
       "records": covered,
     }
@@ -101,7 +101,7 @@ def evaluate_params(
   }
 
 
-def _evaluate_verified(trainer: Trainer, params, batches, local_batches, tokenizer, t_samples: int, seed: int):
+def _evaluate_verified(trainer: Trainer, params, batches, local_batches, tokenizer, *, t_samples: int, seed: int):
   """A verified model's verifier (top level, as the twin's) and drafter (``draft``) figures (module docstring)."""
   key = jax.random.key(seed)
   one_pass = trainer.eval_sums(params, batches, key, draft="all_mask")  # The verifier and the one-step drafter.
@@ -158,7 +158,7 @@ def _scored_counts(local_batches, tokenizer, autoregressive: bool) -> tuple[int,
 
 
 def main(argv: list[str] | None = None) -> None:
-  parser = argparse.ArgumentParser(prog="python -m mercury_jax.evaluate", description=__doc__.split("\n")[0])
+  parser = usage.Parser(prog="python -m mercury_jax.evaluate", description=__doc__.split("\n")[0], command="evaluate")
   parser.add_argument("--checkpoint", required=True, help="a train workdir, checkpoint folder or exported model")
   parser.add_argument("--data", required=True, help="a directory written by `python -m mercury_jax.prepare`")
   parser.add_argument("--split", default="validation")
@@ -189,8 +189,7 @@ def main(argv: list[str] | None = None) -> None:
       max_batches=args.max_batches,
     )
   except (ValueError, FileNotFoundError) as e:
-    print(f"error: {e}", file=sys.stderr)
-    raise SystemExit(2) from None
+    usage.fail("evaluate", e)
   result["checkpoint"] = str(args.checkpoint)
   text = json.dumps(result, indent=2)
   if args.json and distributed.is_primary():

@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from mercury_jax import kinds
-from mercury_jax.data import corpus as corpus_lib, mixture as mixture_lib, pipeline, records, retrieval
+from mercury_jax.data import corpus as corpus_lib, mixture as mixture_lib, pipeline, records, retrieval, sources
 from mercury_jax.data.tokenizer import MIN_VOCAB_SIZE, Tokenizer, train_tokenizer
 from mercury_jax.files import MANIFEST_FILE, METADATA_FILE, TOKENIZER_FILE
 
@@ -136,7 +136,7 @@ class Source:
 
 def _read_source(specs: list[str]) -> Source:
   """The corpora of ``specs`` (one, or a mixture), packed by ``pack_lm`` or ``pack_sft``."""
-  source = mixture_lib.load_mixture(specs)
+  source = sources.load_mixture(specs)
   single = source.parts[0].corpus if source.single else None
   parts = () if single else tuple({"spec": p.spec, "kind": p.corpus.kind, "weight": p.weight} for p in source.parts)
   if not source.packed(corpus_lib.TRAIN):

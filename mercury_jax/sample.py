@@ -54,7 +54,7 @@ from jax.experimental import multihost_utils
 from mercury_jax import distributed, usage
 from mercury_jax.config import ObjectiveConfig
 from mercury_jax.sampling import canvas as cv
-from mercury_jax.sampling.settings import CONFIDENCES, SAMPLERS, SOLVERS, SamplerSettings, SettingError
+from mercury_jax.sampling.settings import CONFIDENCES, SAMPLERS, SamplerSettings, SettingError
 
 FRAME_SECONDS = 0.08  # Pause between frames of --show-steps on a terminal.
 PROCESS_PLACEHOLDER = "{process}"  # In a --prompts-file path: each process reads its own file.
@@ -95,6 +95,26 @@ def bundled_model(name: str, fail) -> Path:
   if path is None:
     fail(NO_DEFAULT_MODEL.format(name=name))
   return path
+
+
+def load_sampler(checkpoint: str | None, model: str, mesh: str | None, fail):
+  """The :class:`~mercury_jax.sampling.sampler.Sampler` of ``--checkpoint`` (or the bundled ``--model``) on the
+  ``--mesh`` the flags name; ``fail`` gets the one-line error of a flag that cannot be honoured."""
+  from mercury_jax import sharding as sh
+  from mercury_jax.config import ConfigError
+  from mercury_jax.sampling.sampler import Sampler
+
+  path = bundled_model(model, fail) if checkpoint is None else checkpoint
+  if not Path(path).exists():
+    fail(f"--checkpoint {str(path)!r} does not exist")
+  try:
+    placed = sh.mesh_from_flag(mesh)
+  except ConfigError as e:
+    fail(str(e) if str(e).startswith("--mesh") else f"--mesh {mesh!r}: {e}")
+  try:
+    return Sampler.from_checkpoint(path, mesh=placed)
+  except (FileNotFoundError, ConfigError, ValueError) as e:
+    fail(f"--checkpoint {str(path)!r}: {e}")
 
 
 _Parser = functools.partial(usage.Parser, command="mercury_jax.sample")  # usage errors: one line, exit code 2
@@ -179,17 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
     metavar="SAMPLER",
     help=f"step rule: {', '.join(SAMPLERS)} (default threshold; ode, the only one, for a continuous checkpoint)",
   )
-  p.add_argument(
-    "--solver",
-    metavar="SOLVER",
-    help=f"a continuous checkpoint's ODE solver: {', '.join(SOLVERS)} (default euler; heun: two passes a step)",
-  )
-  p.add_argument(
-    "--guidance",
-    type=float,
-    metavar="W",
-    help="a continuous checkpoint's classifier-free guidance scale (default 1: off; two passes a step otherwise)",
-  )
+  usage.add_latent_flags(p)
   p.add_argument(
     "--no-self-conditioning",
     dest="self_conditioning",
@@ -394,43 +404,13 @@ def main(argv: list[str] | None = None, *, compile_cache: bool = False) -> int:
   if per_process:
     prompts = _own_prompts(args)
 
-  from mercury_jax.config import ConfigError
-  from mercury_jax.sampling.sampler import Sampler
-
-  path = args.checkpoint
-  if path is None:
-    path = bundled_model(args.model, _fail)
-  elif not Path(path).exists():
-    _fail(f"--checkpoint {path!r} does not exist")
-  from mercury_jax import sharding as sh
-
-  try:
-    mesh = sh.mesh_from_flag(args.mesh)
-  except ConfigError as e:
-    _fail(str(e) if str(e).startswith("--mesh") else f"--mesh: {e}")
-  try:
-    sampler = Sampler.from_checkpoint(path, mesh=mesh)
-  except (FileNotFoundError, ConfigError, ValueError) as e:
-    _fail(f"--checkpoint {str(path)!r}: {e}")
-  constraint = _constraint(sampler, args)
+  sampler = load_sampler(args.checkpoint, args.model, args.mesh, _fail)
+  request = _request(args, knobs, _constraint(sampler, args))
   if args.stream:
-    return _stream(sampler, prompts, args, knobs, flags, constraint)
+    return _stream(sampler, prompts, args, request, flags)
   try:  # Refinement flags for an autoregressive checkpoint are a SettingError too.
     samples = sampler.generate(
-      prompts if prompts is not None else args.prompt,
-      template=args.template,
-      length=64 if args.length is None else args.length,
-      steps=args.steps,
-      steps_per_block=args.steps_per_block,
-      seed=args.seed,
-      num_samples=args.num_samples,
-      show_steps=args.show_steps,
-      bos=args.bos,
-      per_process=per_process,
-      cache=args.cache,
-      constraint=constraint,
-      token_healing=args.token_healing,
-      **knobs,
+      prompts if prompts is not None else args.prompt, show_steps=args.show_steps, per_process=per_process, **request
     )
   except SettingError as e:
     _fail_setting(e, flags)
@@ -507,13 +487,9 @@ def _constraint(sampler, args: argparse.Namespace):
     _fail(f"--{'regex' if args.regex is not None else 'json-schema'}{where}: {e}")
 
 
-def _stream(sampler, prompts, args: argparse.Namespace, knobs: dict, flags: dict[str, str], constraint=None) -> int:
-  """``--stream``: sample 0's text as its blocks commit, each later sample once those before it are done (``--json``:
-  one line per event)."""
-  given = prompts if prompts is not None else [args.prompt if args.prompt is not None else ""]
-  heads = [p for p in given for _ in range(args.num_samples)]  # What each sample's text follows.
-  events = sampler.stream(
-    given,
+def _request(args: argparse.Namespace, knobs: dict, constraint) -> dict:
+  """The arguments ``generate`` and ``stream`` share, from the flags."""
+  return dict(
     template=args.template,
     length=64 if args.length is None else args.length,
     steps=args.steps,
@@ -526,6 +502,14 @@ def _stream(sampler, prompts, args: argparse.Namespace, knobs: dict, flags: dict
     token_healing=args.token_healing,
     **knobs,
   )
+
+
+def _stream(sampler, prompts, args: argparse.Namespace, request: dict, flags: dict[str, str]) -> int:
+  """``--stream``: sample 0's text as its blocks commit, each later sample once those before it are done (``--json``:
+  one line per event)."""
+  given = prompts if prompts is not None else [args.prompt if args.prompt is not None else ""]
+  heads = [p for p in given for _ in range(args.num_samples)]  # What each sample's text follows.
+  events = sampler.stream(given, **request)
   texts, done, nfe = [[] for _ in heads], [False] * len(heads), [0] * len(heads)
   shown, on_screen = 0, False  # The sample being printed, and whether its prompt is out.
   start = time.perf_counter()

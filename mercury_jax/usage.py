@@ -6,6 +6,8 @@ import argparse
 import sys
 from typing import NoReturn
 
+from mercury_jax.limits import MAX_GUIDANCE, SOLVERS
+
 
 def fail(command: str, message) -> NoReturn:
   """Writes ``COMMAND: error: FIRST LINE OF MESSAGE`` to stderr and exits with code 2."""
@@ -23,6 +25,22 @@ class Parser(argparse.ArgumentParser):
 
   def error(self, message: str) -> NoReturn:
     fail(self.command, message)
+
+
+def add_latent_flags(p: argparse.ArgumentParser) -> None:
+  """A continuous checkpoint's ``--solver`` and ``--guidance`` (the sample and serve command lines)."""
+  p.add_argument(
+    "--solver",
+    metavar="SOLVER",
+    help=f"a continuous checkpoint's ODE solver: {', '.join(SOLVERS)} (default euler; heun: two passes a step)",
+  )
+  p.add_argument(
+    "--guidance",
+    type=float,
+    metavar="W",
+    help=f"a continuous checkpoint's classifier-free guidance scale in [0, {MAX_GUIDANCE:g}] (default 1: off; two "
+    "passes a step otherwise)",
+  )
 
 
 def add_draft_flags(p: argparse.ArgumentParser) -> None:

@@ -1,5 +1,6 @@
-"""The speed/quality benchmark: its prompt set, its speed-up and verdict arithmetic on hand-made records, and
-``--smoke`` end to end on tiny random-weight models."""
+"""The benchmarks' command line (``python -m mercury_jax.bench``: its commands, its usage errors), and the speed/quality
+benchmark ``compare``: its prompt set, its speed-up and verdict arithmetic on hand-made records, and ``--smoke`` end
+to end on tiny random-weight models (through the command line without a command, as before the bench had commands)."""
 
 import dataclasses
 import importlib.util
@@ -13,7 +14,7 @@ import numpy as np
 import pytest
 from random_models import random_checkpoint
 
-from mercury_jax.bench import cli as bench, prompts as bench_prompts, report as bench_report
+from mercury_jax.bench import cli as bench, prompts as bench_prompts, report as bench_report, rounds
 from mercury_jax.checkpoint import export_params, restore_params
 from mercury_jax.data.corpus import VALIDATION, split_of
 from mercury_jax.export import export
@@ -59,6 +60,40 @@ SOURCE = textwrap.dedent(
 )
 
 
+def test_help_lists_every_command_by_group_and_names_its_module(capsys):
+  with pytest.raises(SystemExit) as exit_info:
+    bench.main(["--help"])
+  out = capsys.readouterr().out
+  assert exit_info.value.code == 0
+  names = [name for module in bench.MODULES for name in module.COMMANDS]
+  assert len(names) == len(set(names)) >= 20
+  for title, group in bench.GROUPS:
+    assert f"{title}:" in out and all(f"\n  {name} " in out for name in group)
+  with pytest.raises(SystemExit):
+    bench.main(["needle", "--help"])
+  assert "mercury_jax.bench.needle" in capsys.readouterr().out  # where the command's code and details are
+
+
+@pytest.mark.parametrize(
+  ("argv", "message"),
+  [
+    (["nonsense"], "mercury_jax.bench: error: argument COMMAND: invalid choice: 'nonsense'"),
+    (["sampler", "--random", "tiny", "--bogus"], "mercury_jax.bench: error: unrecognized arguments: --bogus"),
+    (["serve"], "mercury_jax.bench serve: error: the following arguments are required: --model"),
+    (
+      ["long-context", "prefill", "--lengths", "x"],
+      "mercury_jax.bench long-context prefill: error: argument --lengths",
+    ),
+    (["needle-recipe", "--scalings", "none,warp"], "mercury_jax.bench needle-recipe: error: argument --scalings"),
+  ],
+)
+def test_a_bad_command_or_flag_is_one_line_and_exit_2(argv, message, capsys):
+  with pytest.raises(SystemExit) as exit_info:
+    bench.main(argv)
+  err = capsys.readouterr().err
+  assert exit_info.value.code == 2 and len(err.strip().splitlines()) == 1 and err.startswith(message), err
+
+
 def test_function_prompts_run_from_def_line_through_docstring_in_source_order():
   prompts = bench_prompts.function_prompts(SOURCE, "m.py")
   assert [(p.key, p.line) for p in prompts] == [("m.py", 9), ("m.py", 21), ("m.py", 25)]
@@ -70,7 +105,7 @@ def test_function_prompts_run_from_def_line_through_docstring_in_source_order():
 
 
 def test_grid_names_every_diffusion_temperature_and_keeps_the_reference():
-  settings = bench.grid(16, (4, 8), (0.9,), (1.0, 0.7), (1.0, 0.0))
+  settings = rounds.grid(16, (4, 8), (0.9,), (1.0, 0.7), (1.0, 0.0))
   assert [s.name for s in settings] == [
     "confidence steps=4",
     "confidence steps=8",
@@ -95,12 +130,12 @@ def _call(round_index: int, wall: float, generated: list[int], nfe: list[int]) -
 
 
 def test_speedup_is_the_median_over_rounds_of_the_per_round_tokens_per_s_ratio():
-  setting = bench.Setting("diffusion", "confidence", 8)
+  setting = rounds.Setting("diffusion", "confidence", 8)
   # Three rounds, two examples each: 20, 60 and 4 tokens/s.
   calls = [_call(0, 1.0, [12, 8], [8, 6]), _call(1, 0.5, [20, 10], [8, 8]), _call(2, 2.0, [5, 3], [4, 2])]
   # The reference's calls of the same rounds, out of order: 10, 20 and 8 tokens/s.
   reference = [_call(2, 2.0, [16], [17]), _call(0, 1.0, [10], [11]), _call(1, 0.5, [10], [11])]
-  row = bench.summarise(setting, 2, calls, reference, compile_s=1.5)
+  row = rounds.summarise(setting, 2, calls, reference, compile_s=1.5)
   # Per-round ratios 20/10 = 2, 60/20 = 3, 4/8 = 0.5: the median is 2, whereas pooled tokens/s would give
   # (58 / 3.5) / (36 / 3.5) = 1.61.
   assert row["speedup_vs_ar"] == pytest.approx(2.0)

@@ -135,7 +135,7 @@ def test_tokenizers_that_differ_or_flags_that_do_not_fit_are_one_line_and_exit_2
     bench.main(argv)
   err = capsys.readouterr().err
   assert exit_info.value.code == 2 and len(err.strip().splitlines()) == 1, err
-  assert err.startswith("mercury_jax.bench: error: ") and words in err, err
+  assert err.startswith("mercury_jax.bench compare: error: ") and words in err, err
   if which in ("reordered", "bundled"):
     assert repr(str(diffusion)) in err and repr(str(ar)) in err  # Both paths named.
   assert not (root / "bad").exists()

@@ -27,7 +27,9 @@ from mercury_jax.kvcache import read_pages
 from mercury_jax.sampling.proposal import Knobs
 from mercury_jax.sampling.sampler import Sampler
 from mercury_jax.sampling.settings import SettingError
-from mercury_jax.serve.scheduler import Request, Scheduler
+from mercury_jax.sampling.text import Row
+from mercury_jax.serve.config import ServeConfig
+from mercury_jax.serve.scheduler import Scheduler
 from mercury_jax.serve.slots import SlotEngine
 
 KINDS = ("block_diffusion", "autoregressive", "verified")
@@ -41,7 +43,7 @@ def checkpoints(tmp_path_factory, data_dir):
   return {kind: random_checkpoint(root, kind, data_dir / "tokenizer.model") for kind in KINDS}
 
 
-async def _updates(scheduler: Scheduler, request: Request) -> list:
+async def _updates(scheduler: Scheduler, request: Row) -> list:
   return [u async for u in scheduler.submit(request, asyncio.get_running_loop()).updates()]
 
 
@@ -56,24 +58,26 @@ def test_a_prompt_prefilled_in_chunks_holds_the_one_pass_cache_and_decodes_its_t
   which no free row is left to pad, so a row still filling pads it and must come out of each step as it went in
   (stepped before its last chunk, its request failed on "skipped slots")."""
   sampler = Sampler.from_checkpoint(checkpoints[kind])
-  one_pass = Scheduler(sampler, slots=5, page_size=3)
-  chunked = Scheduler(sampler, slots=5, page_size=3, prefill_chunk=16)
+  one_pass = Scheduler(sampler, ServeConfig(slots=5, page_size=3))
+  chunked = Scheduler(sampler, ServeConfig(slots=5, page_size=3, prefill_chunk=16))
   engine = chunked.engine
   rng = np.random.default_rng(0)
   lengths = (90, 45, 5, 6, 7)
-  requests = [Request(tuple(rng.integers(5, 400, n).tolist()), 20, knobs=GREEDY, seed=n) for n in lengths]
-  chunks = [len(engine.chunk_starts(len(r.prompt))) for r in requests[:2]]
-  assert min(chunks) >= 3 and engine.bucket(requests[2]) == 0 and one_pass.engine.bucket(requests[0]) > 0
-  command, reference = engine.command(), one_pass.engine.command()
+  requests = [Row.completion(tuple(rng.integers(5, 400, n).tolist()), 20, knobs=GREEDY, seed=n) for n in lengths]
+  chunks = [len(engine.admission.chunk_starts(len(r.prompt))) for r in requests[:2]]
+  assert (
+    min(chunks) >= 3 and engine.admission.bucket(requests[2]) == 0 and one_pass.engine.admission.bucket(requests[0]) > 0
+  )
+  command, reference = engine.admission.command(), one_pass.engine.admission.command()
   for slot, request in enumerate(requests):
-    engine.admit(command, slot, request)
-    one_pass.engine.admit(reference, slot, request, pages=False)
+    engine.admission.admit(command, slot, request)
+    one_pass.engine.admission.admit(reference, slot, request, pages=False)
   engine.run(command._replace(chunks=np.int32(1)))  # the admissions, the first chunk of the 90-token prompt
   iterations, padded, ran = 1, 0, [engine.timing.chunks]
   while engine.filling:
     assert not engine.busy & set(engine.filling)  # a row steps only once its prefill is whole
     padded += bool(set(engine.live_rows().tolist()) & set(engine.filling))
-    engine.run(engine.command()._replace(chunks=np.int32(1 + iterations % 2)))  # 2, 1, 2, ... chunks
+    engine.run(engine.admission.command()._replace(chunks=np.int32(1 + iterations % 2)))  # 2, 1, 2, ... chunks
     ran.append(engine.timing.chunks)
     iterations += 1
   assert sum(ran) == sum(chunks) and ran[1] == 2 and ran[-1] in (1, 2) and engine.busy == set(range(5))
@@ -113,11 +117,11 @@ def test_streams_keep_flowing_while_a_16k_prompt_is_prefilled(checkpoints, tmp_p
   params, cfg = restore_params(checkpoints["autoregressive"])
   cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, max_length=LONG + 64))  # RoPE: no new weights
   path = export_params(tmp_path / "long", params, cfg, find_tokenizer(checkpoints["autoregressive"])).parent
-  scheduler = Scheduler(Sampler.from_checkpoint(path), slots=5, prefill_chunk=512)
+  scheduler = Scheduler(Sampler.from_checkpoint(path), ServeConfig(slots=5, prefill_chunk=512))
   engine = scheduler.engine
-  long = Request(tuple(np.random.default_rng(1).integers(5, 400, LONG).tolist()), 8, knobs=GREEDY)
-  chunks = len(engine.chunk_starts(len(long.prompt)))
-  assert chunks == LONG // 512 + 1 and max(engine.buckets) == 512 and scheduler.pacer.share == 0.5
+  long = Row.completion(tuple(np.random.default_rng(1).integers(5, 400, LONG).tolist()), 8, knobs=GREEDY)
+  chunks = len(engine.admission.chunk_starts(len(long.prompt)))
+  assert chunks == LONG // 512 + 1 and max(engine.admission.buckets) == 512 and scheduler.pacer.share == 0.5
   scheduler.start()
 
   async def main():
@@ -127,7 +131,7 @@ def test_streams_keep_flowing_while_a_16k_prompt_is_prefilled(checkpoints, tmp_p
     async def lane(i):
       for k in itertools.count():
         starts[i].append(time.perf_counter())
-        handle = scheduler.submit(Request((7 + i, 9 + k), 4096, knobs=GREEDY), loop)
+        handle = scheduler.submit(Row.completion((7 + i, 9 + k), 4096, knobs=GREEDY), loop)
         async for update in handle.updates():
           if update.tokens:
             times[i].append(time.perf_counter())
@@ -164,10 +168,10 @@ def test_a_request_over_max_model_len_gets_400_with_its_count(checkpoints, monke
   path = checkpoints["block_diffusion"]
   sampler = Sampler.from_checkpoint(path)
   monkeypatch.setattr(SlotEngine, "warm_up", lambda self: None)  # The check and the sizes need no program.
-  scheduler = Scheduler(sampler, slots=1, max_model_len=48)
+  scheduler = Scheduler(sampler, ServeConfig(slots=1, max_model_len=48))
   with pytest.raises(SettingError, match="together 50 positions, but the model's context is 48 tokens"):
-    scheduler.check(Request(tuple(range(5, 45)), 10))
-  assert scheduler.engine.plan.slots <= 4 + 48 and scheduler.engine.pages_per_row == -(-(4 + 48) // 16)
+    scheduler.check(Row.completion(tuple(range(5, 45)), 10))
+  assert scheduler.engine.plan.slots <= 4 + 48 and scheduler.engine.admission.pages_per_row == -(-(4 + 48) // 16)
   srv = Server(path, "--slots", "1", "--max-model-len", "48", "--prefill-chunk", "16", quick=True)
   try:
     assert any("requests of up to 48 tokens, prompts prefilled in chunks of 16 tokens" in line for line in srv.log)
@@ -192,19 +196,19 @@ def test_an_iteration_admits_one_pass_prefills_within_the_chunk_budget(checkpoin
   prompts of a few tokens several at once, and a long prompt's admission (its first chunk) spends the whole budget;
   the first waiting request is always admitted. (Admission is the host's: no program runs, none is compiled.)"""
   monkeypatch.setattr(SlotEngine, "warm_up", lambda self: None)
-  scheduler = Scheduler(Sampler.from_checkpoint(checkpoints["block_diffusion"]), slots=6, prefill_chunk=32)
-  engine = scheduler.engine
-  medium = Request(tuple(range(5, 25)), 4)  # its prefill covers 28 slots
-  short = Request((5, 6), 4)  # 8 slots
-  long = Request(tuple(range(5, 69)), 4)  # 72 slots: chunked
-  assert engine.bucket(long) == len(engine.buckets) and engine.bucket(medium) < len(engine.buckets)
+  scheduler = Scheduler(Sampler.from_checkpoint(checkpoints["block_diffusion"]), ServeConfig(slots=6, prefill_chunk=32))
+  engine, admission = scheduler.engine, scheduler.engine.admission
+  medium = Row.completion(tuple(range(5, 25)), 4)  # its prefill covers 28 slots
+  short = Row.completion((5, 6), 4)  # 8 slots
+  long = Row.completion(tuple(range(5, 69)), 4)  # 72 slots: chunked
+  assert admission.bucket(long) == len(admission.buckets) and admission.bucket(medium) < len(admission.buckets)
   loop = asyncio.new_event_loop()
   try:
     for request in (medium, medium, short, short, long, short):
       scheduler.submit(request, loop)
     counts = []
     while scheduler.queue_depth:
-      admitted = scheduler._admit(engine.command())
+      admitted = scheduler._admit(engine.admission.command())
       counts.append(len(admitted))
       for slot in admitted:  # The slot stays taken, as the engine thread keeps it after running the command.
         scheduler._active[slot] = types.SimpleNamespace(handle=types.SimpleNamespace(cancelled=False))

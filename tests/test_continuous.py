@@ -6,8 +6,6 @@ solvers against a source whose distribution is known."""
 import dataclasses
 import json
 import math
-import runpy
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +14,7 @@ import pytest
 from flax import linen as nn
 
 from mercury_jax import kinds as K
+from mercury_jax.bench.cli import main as bench_main
 from mercury_jax.checkpoint import restore_params
 from mercury_jax.config import ConfigError, ModelConfig, ObjectiveConfig, load_config
 from mercury_jax.evaluate import evaluate_params
@@ -234,10 +233,9 @@ def test_training_lowers_the_held_out_bound_fits_the_schedule_and_keeps_latents_
   assert exit_info.value.code == 2
   err = capsys.readouterr().err
   assert "--sampler='confidence' does not apply to a continuous checkpoint" in err and err.count("\n") == 1, err
-  # launch/continuous_noise_profile.py: the denoiser reads a nearly clean block far better than pure noise.
-  profile = runpy.run_path(str(Path(__file__).parents[1] / "launch" / "continuous_noise_profile.py"))["main"]
+  # python -m mercury_jax.bench noise-profile: the denoiser reads a nearly clean block far better than pure noise.
   data = ["--checkpoint", str(tmp_path / "run"), "--data", str(data_dir), "--batches", "1", "--batch-size", "8"]
-  assert profile([*data, "--sigmas", "1,100"]) == 0
+  bench_main(["noise-profile", *data, "--sigmas", "1,100"])
   lines = capsys.readouterr().out.splitlines()
   ce = [float(line.split("cross-entropy ")[1].split()[0]) for line in lines if line.startswith("sigma")]
   assert len(ce) == 2 and ce[0] < ce[1] - 1.0, lines

@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 from mercury_jax import prepare as prepare_lib, sharding
 from mercury_jax.config import MeshConfig
-from mercury_jax.data import corpus, pipeline, records
+from mercury_jax.data import corpus, pipeline, records, sources
 from mercury_jax.data.tokenizer import Tokenizer, train_tokenizer
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -125,7 +125,7 @@ def test_real_stdlib_corpus_is_filtered_and_split_by_path_hash():
 
 
 def test_text_glob_keys_are_relative_to_the_glob_root():
-  result = corpus.load_corpus(CORPUS_GLOB)
+  result = sources.load_corpus(CORPUS_GLOB)
   assert result.kind == "text" and result.mode == "lm"
   assert [d.key for d in result.documents] == [
     "calc.py",
@@ -143,7 +143,7 @@ def test_text_glob_keys_are_relative_to_the_glob_root():
 
 
 def test_jsonl_sft_corpus_splits_by_line_index():
-  result = corpus.load_corpus(SFT_JSONL)
+  result = sources.load_corpus(SFT_JSONL)
   assert result.kind == "jsonl" and result.mode == "sft" and len(result.documents) == 60
   (held_out,) = result.split("validation")
   assert held_out.key == "sft.jsonl:54" and _sha1_split("53") == "validation"
@@ -165,14 +165,14 @@ def test_bad_jsonl_lines_name_file_and_line(tmp_path, line, message):
   path = tmp_path / "data.jsonl"
   path.write_text('{"text": "fine"}\n\n' + line + "\n")
   with pytest.raises(ValueError, match=message) as info:
-    corpus.load_corpus(str(path))
+    sources.load_corpus(str(path))
   assert f"{path}:3" in str(info.value)
 
 
 def test_jsonl_text_lines_are_language_modelling(tmp_path):
   path = tmp_path / "lm.jsonl"
   path.write_text("".join(json.dumps({"text": f"doc {i}"}) + "\n" for i in range(25)))
-  result = corpus.load_corpus(str(path))
+  result = sources.load_corpus(str(path))
   assert result.mode == "lm" and [d.prompt for d in result.documents] == [None] * 25
   assert [d.split for d in result.documents] == [_sha1_split(str(i)) for i in range(25)]
 
@@ -284,7 +284,7 @@ def test_prepare_lm_end_to_end(lm_dir, tokenizer):
   assert metadata["mode"] == "lm" and metadata["seq_len"] == SEQ_LEN and metadata["format_version"] == 1
   assert metadata["vocab_size"] == tokenizer.vocab_size
   assert [metadata[f"{k}_id"] for k in ("pad", "bos", "eos", "mask")] == [0, 2, 3, 4]
-  source = corpus.load_corpus(CORPUS_GLOB)
+  source = sources.load_corpus(CORPUS_GLOB)
   for split in ("train", "validation"):
     meta = metadata["splits"][split]
     assert meta["shards"] and all((lm_dir / name).is_file() for name in meta["shards"])
@@ -310,7 +310,7 @@ def test_prepare_sft_end_to_end(sft_dir, tokenizer):
   train = metadata["splits"]["train"]
   assert train["skipped_documents"] == 1 and train["documents"] == 58 and train["records"] == 58
   packed = records.read_shards([sft_dir / name for name in train["shards"]])
-  docs = [d for d in corpus.load_corpus(SFT_JSONL).split("train") if d.key != "sft.jsonl:11"]
+  docs = [d for d in sources.load_corpus(SFT_JSONL).split("train") if d.key != "sft.jsonl:11"]
   eos_padding = 0
   for (ids, kinds), doc in zip(packed, docs, strict=True):
     prompt, response = [tokenizer.bos_id, *tokenizer.encode(doc.prompt)], tokenizer.encode(doc.text)
@@ -530,3 +530,34 @@ def test_to_global_assembles_a_batch_sharded_over_the_data_axes():
   if sharding.data_parallel_size(mesh, rules) > 1:
     with pytest.raises(ValueError, match="must be a multiple of"):
       pipeline.to_global({"tokens": local["tokens"][:1]}, mesh, rules)
+
+
+def test_data_modules_import_no_cycle():
+  """The data package's modules import each other along a DAG: ``sources`` dispatches above the source modules."""
+  import ast
+
+  package = Path(pipeline.__file__).parent
+  graph = {}
+  for path in package.glob("*.py"):
+    deps = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+      if isinstance(node, ast.ImportFrom) and node.module == "mercury_jax.data":
+        deps |= {alias.name for alias in node.names}
+      elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("mercury_jax.data."):
+        deps.add(node.module.split(".")[2])
+    graph[path.stem] = deps
+  assert graph["sources"] >= {"corpus", "mixture", "site_packages"}
+  done, visiting = set(), []
+
+  def visit(module):
+    assert module not in visiting, f"import cycle: {' -> '.join([*visiting, module])}"
+    if module in done or module not in graph:
+      return
+    visiting.append(module)
+    for dep in sorted(graph[module]):
+      visit(dep)
+    visiting.pop()
+    done.add(module)
+
+  for module in sorted(graph):
+    visit(module)

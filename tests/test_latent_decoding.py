@@ -28,7 +28,9 @@ from mercury_jax.sampling.plan import plan_blocks
 from mercury_jax.sampling.proposal import Knobs
 from mercury_jax.sampling.sampler import MASK_TEXT, Sampler
 from mercury_jax.sampling.settings import SamplerSettings, SettingError, block_loads
-from mercury_jax.serve.scheduler import Request, Scheduler
+from mercury_jax.sampling.text import Row
+from mercury_jax.serve.config import ServeConfig
+from mercury_jax.serve.scheduler import Scheduler
 
 BLOCK = 4
 EOS = 3
@@ -208,11 +210,11 @@ def test_the_knobs_are_checked_with_one_line(samplers):
 
 
 def test_serving_buckets_give_a_request_the_same_tokens_and_compile_nothing(samplers):
-  scheduler = Scheduler(samplers["continuous_block"], slots=4, max_queue=16)
+  scheduler = Scheduler(samplers["continuous_block"], ServeConfig(slots=4, max_queue=16))
   scheduler.start()
   try:
     compiled = scheduler.compilations
-    target = Request((9, 17, 33), 14, knobs=Knobs(1.0, 0, 1.0, 0.9), seed=7)
+    target = Row.completion((9, 17, 33), 14, knobs=Knobs(1.0, 0, 1.0, 0.9), seed=7)
     others = _requests(3, seed=2)
     alone = _together(scheduler, [target])[0]
     among_4 = _together(scheduler, [target, *others])[0]
@@ -224,7 +226,7 @@ def test_serving_buckets_give_a_request_the_same_tokens_and_compile_nothing(samp
   finally:
     scheduler.shutdown(0)
   with pytest.raises(ValueError, match="whole-sequence continuous checkpoint"):
-    Scheduler(samplers["continuous"], slots=2)
+    Scheduler(samplers["continuous"], ServeConfig(slots=2))
 
 
 @pytest.mark.parametrize(

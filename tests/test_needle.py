@@ -1,9 +1,10 @@
-"""Needle in a haystack at 8 K tokens (issue 26): the shipped retrieval model (``launch/needle.py``: trained at 2 K on
-the ``kv-retrieval`` corpus, extended to 8 K with YaRN and a short run at 8 K, exported in bfloat16) answers queries
-whose needle lies at a random depth of an 8 K-token prompt, through the engine with the prefill in chunks of 512
-tokens; and without its RoPE scaling it loses the needles that lie beyond the 2 K it was trained on.
+"""Needle in a haystack at 8 K tokens (issue 26): the shipped retrieval model (``python -m mercury_jax.bench
+needle-recipe``: trained at 2 K on the ``kv-retrieval`` corpus, extended to 8 K with YaRN and a short run at 8 K,
+exported in bfloat16) answers queries whose needle lies at a random depth of an 8 K-token prompt, through the engine
+with the prefill in chunks of 512 tokens; and without its RoPE scaling it loses the needles that lie beyond the 2 K it
+was trained on.
 
-The measurements run ``python -m mercury_jax.bench.needle`` in a subprocess with XLA's default optimisation: the
+The measurements run ``python -m mercury_jax.bench needle`` in a subprocess with XLA's default optimisation: the
 test processes compile at ``-O0`` (conftest), under which these 8 K-token prefills run 7x slower."""
 
 import json
@@ -25,10 +26,10 @@ BATCH = 16
 
 
 def _needle(tmp_path: Path, *flags: str) -> dict:
-  """``python -m mercury_jax.bench.needle`` on the fixture; its ``--json`` result."""
+  """``python -m mercury_jax.bench needle`` on the fixture; its ``--json`` result."""
   out = tmp_path / "trials.json"
   env = {**os.environ, "XLA_FLAGS": "--xla_cpu_parallel_codegen_split_count=1", "JAX_PLATFORMS": "cpu"}
-  command = [sys.executable, "-m", "mercury_jax.bench.needle", "--checkpoint", str(FIXTURE), "--json", str(out)]
+  command = [sys.executable, "-m", "mercury_jax.bench", "needle", "--checkpoint", str(FIXTURE), "--json", str(out)]
   done = subprocess.run([*command, *flags], env=env, capture_output=True, text=True, timeout=280)
   assert done.returncode == 0, done.stderr[-3000:]
   assert "retrieved" in done.stdout and "| depth | needles | retrieved |" in done.stdout
@@ -78,9 +79,9 @@ def test_without_rope_scaling_the_needles_beyond_the_trained_context_are_lost(tm
   ],
 )
 def test_bad_knobs_are_one_line_and_exit_code_2(flags, message, capsys):
-  from mercury_jax.bench.needle import main
+  from mercury_jax.bench.cli import main
 
   with pytest.raises(SystemExit) as exit_info:
-    main(["--checkpoint", str(FIXTURE), *flags])
+    main(["needle", "--checkpoint", str(FIXTURE), *flags])
   err = capsys.readouterr().err
   assert exit_info.value.code == 2 and message in err and len(err.strip().splitlines()) == 1

@@ -27,8 +27,10 @@ from mercury_jax.sampling.proposal import Knobs
 from mercury_jax.sampling.sampler import Sampler
 from mercury_jax.sampling.settings import SettingError
 from mercury_jax.sampling.state import Constraint, State, put_rows, take_rows
+from mercury_jax.sampling.text import Row
+from mercury_jax.serve.config import ServeConfig
 from mercury_jax.serve.pages import NoPages, PagePool
-from mercury_jax.serve.scheduler import QueueFull, Request, Scheduler
+from mercury_jax.serve.scheduler import QueueFull, Scheduler
 
 PAGED_KINDS = ("block_diffusion", "autoregressive", "verified")
 
@@ -40,17 +42,17 @@ def samplers(tmp_path_factory, data_dir):
   return {kind: Sampler.from_checkpoint(random_checkpoint(root, kind, tokenizer)) for kind in PAGED_KINDS}
 
 
-def _requests(count: int, seed: int, prompt_lengths=(1, 3, 7, 13, 25), max_tokens=(4, 24)) -> list[Request]:
+def _requests(count: int, seed: int, prompt_lengths=(1, 3, 7, 13, 25), max_tokens=(4, 24)) -> list[Row]:
   rng = random.Random(seed)
   out = []
   for i in range(count):
     prompt = tuple(rng.randrange(5, 400) for _ in range(rng.choice(prompt_lengths)))
     knobs = Knobs(rng.choice([0.0, 1.0]), rng.choice([0, 10]), rng.choice([1.0, 0.9]), rng.choice([0.6, 1.0]))
-    out.append(Request(prompt, rng.randint(*max_tokens), (), knobs, rng.choice([None, 2]), seed=i))
+    out.append(Row.completion(prompt, rng.randint(*max_tokens), (), knobs, rng.choice([None, 2]), seed=i))
   return out
 
 
-async def _tokens(scheduler: Scheduler, request: Request) -> tuple[tuple[int, ...], str]:
+async def _tokens(scheduler: Scheduler, request: Row) -> tuple[tuple[int, ...], str]:
   tokens, reason = (), None
   async for update in scheduler.submit(request, asyncio.get_running_loop()).updates():
     tokens += update.tokens
@@ -63,13 +65,13 @@ def _settled(scheduler: Scheduler, timeout: float = 30.0) -> bool:
   next iteration, just after its last update)."""
   deadline = time.monotonic() + timeout
   while time.monotonic() < deadline:
-    if scheduler.free_pages == scheduler.engine.pool.capacity and not scheduler.engine.busy:
+    if scheduler.free_pages == scheduler.engine.admission.pool.capacity and not scheduler.engine.busy:
       return True
     time.sleep(0.01)
   return False
 
 
-def _together(scheduler: Scheduler, requests: list[Request]) -> list[tuple[tuple[int, ...], str]]:
+def _together(scheduler: Scheduler, requests: list[Row]) -> list[tuple[tuple[int, ...], str]]:
   async def main():
     return await asyncio.gather(*(_tokens(scheduler, r) for r in requests))
 
@@ -138,13 +140,13 @@ def test_page_pool_hands_out_each_page_once_and_takes_them_back():
 def test_paged_rows_equal_the_dense_engine_cache_and_tokens(samplers, kind):
   """Pages of 3 slots (boundaries inside blocks of 4), prompts of 25 and 7 tokens (up to 18 pages): after admission a
   row's pages hold its dense prefill's keys and values, and it decodes the dense engine's tokens."""
-  scheduler = Scheduler(samplers[kind], slots=2, page_size=3)
+  scheduler = Scheduler(samplers[kind], ServeConfig(slots=2, page_size=3))
   engine = scheduler.engine
   requests = _requests(2, seed=1, prompt_lengths=(25, 7))
-  command = engine.command()
+  command = engine.admission.command()
   dense_rows = []
   for slot, request in enumerate(requests):
-    engine.admit(command, slot, request)
+    engine.admission.admit(command, slot, request)
     dense_rows.append(engine.prefill(command, slot))
   engine.run(command)  # admissions only
   st = engine.state
@@ -158,7 +160,7 @@ def test_paged_rows_equal_the_dense_engine_cache_and_tokens(samplers, kind):
       np.testing.assert_array_equal(np.asarray(got)[:, 0, live], np.asarray(want)[:, 0, live])
   finish = jax.jit(lambda p, s: engine.engine.advance(p, s))
   want = [np.asarray(finish(engine.sampler.params, row).z[0]) for row in dense_rows]
-  stepper = engine.command()._replace(step=np.ones((), bool))
+  stepper = engine.admission.command()._replace(step=np.ones((), bool))
   for _ in range(200):
     view, _ = engine.run(stepper)
     if not view.unfinished.any():
@@ -176,7 +178,7 @@ def sixteen(samplers):
 
   def get(kind: str) -> Scheduler:
     if kind not in started:
-      started[kind] = Scheduler(samplers[kind], slots=16, max_queue=64)
+      started[kind] = Scheduler(samplers[kind], ServeConfig(slots=16, max_queue=64))
       started[kind].start()
     return started[kind]
 
@@ -202,9 +204,9 @@ def test_a_request_decodes_the_same_in_bucket_1_4_and_16_and_no_load_compiles(si
   scheduler = sixteen("block_diffusion" if kind == "structured" else kind)
   sizes = _record_buckets(scheduler, monkeypatch)
   others = _requests(15, seed=2)
-  target = Request((9, 17, 33), 20, knobs=Knobs(1.0, 0, 1.0, 0.8), seed=7)
+  target = Row.completion((9, 17, 33), 20, knobs=Knobs(1.0, 0, 1.0, 0.8), seed=7)
   if kind == "structured":
-    target = Request(
+    target = Row.completion(
       (9, 17, 33), 20, knobs=Knobs(1.0, 0, 1.0, 0.8), seed=7, constraint=scheduler.compiler.regex("[a-z]{3,9}")
     )
   compiled = scheduler.compilations
@@ -259,7 +261,7 @@ def test_a_bucket_reads_its_rows_automata_in_place_and_writes_back_only_their_st
 
 
 def test_pages_come_back_after_200_requests_with_cancellations_and_failures(samplers, monkeypatch):
-  scheduler = Scheduler(samplers["block_diffusion"], slots=4, max_queue=256, kv_pages=1 + 12)
+  scheduler = Scheduler(samplers["block_diffusion"], ServeConfig(slots=4, max_queue=256, kv_pages=1 + 12))
   engine = scheduler.engine
   original = engine.prefill
   failing = {13, 77, 150}  # seeds whose prefill fails: their pages must come back too
@@ -275,7 +277,7 @@ def test_pages_come_back_after_200_requests_with_cancellations_and_failures(samp
   requests = _requests(200, seed=3, max_tokens=(1, 40))
   waited = []
 
-  async def one(request: Request, cancel_after: float | None):
+  async def one(request: Row, cancel_after: float | None):
     handle = scheduler.submit(request, asyncio.get_running_loop())
     if cancel_after is not None:
       asyncio.get_running_loop().call_later(cancel_after, handle.cancel)
@@ -308,21 +310,24 @@ def test_pages_come_back_after_200_requests_with_cancellations_and_failures(samp
 
 def test_a_small_pool_makes_long_prompts_wait_then_serves_them_and_refuses_what_never_fits(samplers):
   """Pages for one long request at a time: a queue of long prompts is served one after another, each with its solo
-  tokens; beyond the queue, 429; a request that needs more pages than the pool has is refused up front."""
+  tokens; beyond the queue (3 waiting besides the one the pages take), 429, though rows are free; a request that
+  needs more pages than the pool has is refused up front."""
   sampler = samplers["autoregressive"]
-  scheduler = Scheduler(sampler, slots=4, max_queue=3, kv_pages=1 + 8, page_size=8)
+  scheduler = Scheduler(sampler, ServeConfig(slots=4, max_queue=3, kv_pages=1 + 8, page_size=8))
   scheduler.start()
   try:
-    long = [Request(tuple(range(10 + i, 50 + i)), 16, knobs=Knobs(1.0, 0, 1.0, 1.0), seed=i) for i in range(4)]
-    assert scheduler.engine.pages_needed(long[0]) == 8  # a padding slot, 40 and 16 positions: 57 slots, 8 pages
-    solo = [_together(scheduler, [r])[0] for r in long[:3]]
+    long = [Row.completion(tuple(range(10 + i, 50 + i)), 16, knobs=Knobs(1.0, 0, 1.0, 1.0), seed=i) for i in range(5)]
+    assert (
+      scheduler.engine.admission.pages_needed(long[0]) == 8
+    )  # a padding slot, 40 and 16 positions: 57 slots, 8 pages
+    solo = [_together(scheduler, [r])[0] for r in long[:4]]
 
     async def main():
       loop = asyncio.get_running_loop()
       with scheduler._lock:  # The engine thread admits nothing meanwhile: the queue fills, then refuses.
-        handles = [scheduler.submit(r, loop) for r in long[:3]]
+        handles = [scheduler.submit(r, loop) for r in long[:4]]
         with pytest.raises(QueueFull):
-          scheduler.submit(long[3], loop)
+          scheduler.submit(long[4], loop)
       seen = [scheduler.busy_slots]
       outs = []
       for handle in handles:
@@ -336,7 +341,7 @@ def test_a_small_pool_makes_long_prompts_wait_then_serves_them_and_refuses_what_
     together, most_busy = asyncio.run(main())
     assert together == solo and most_busy == 1  # one at a time: each takes all 8 pages
     with pytest.raises(SettingError, match="kv-pages"):
-      scheduler.check(Request(tuple(range(10, 70)), 60))
-    assert _together(scheduler, [Request((5, 6), 4, seed=1)])[0][0]  # later requests are served
+      scheduler.check(Row.completion(tuple(range(10, 70)), 60))
+    assert _together(scheduler, [Row.completion((5, 6), 4, seed=1)])[0][0]  # later requests are served
   finally:
     scheduler.shutdown(0)

@@ -16,6 +16,7 @@ from hf_reference import build  # noqa: E402
 
 from mercury_jax.convert import convert  # noqa: E402
 from mercury_jax.sampling.sampler import Sampler  # noqa: E402
+from mercury_jax.serve.config import ServeConfig  # noqa: E402
 from mercury_jax.serve.routes import Options, create_app  # noqa: E402
 from mercury_jax.serve.scheduler import Scheduler  # noqa: E402
 
@@ -44,7 +45,9 @@ def test_the_sampler_reads_the_checkpoints_tokenizer_and_decoding_defaults(conve
 def test_the_server_starts_with_blocks_of_32_and_chats_with_the_checkpoints_template(converted):
   """Prefill buckets start at two blocks (a block of 32 once left the smallest bucket unusable and start-up failed);
   a chat request renders the checkpoint's template into one prompt."""
-  scheduler = Scheduler(Sampler.from_checkpoint(converted), slots=1, max_queue=8)  # start-up is under test, not batches
+  scheduler = Scheduler(
+    Sampler.from_checkpoint(converted), ServeConfig(slots=1, max_queue=8)
+  )  # start-up is under test, not batches
   scheduler.start()
   try:
     client = TestClient(create_app(scheduler, None, Options("fast", token_healing=False)))

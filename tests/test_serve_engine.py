@@ -12,6 +12,7 @@ from pathlib import Path
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
@@ -21,8 +22,11 @@ from mercury_jax.model import Transformer
 from mercury_jax.sampling.proposal import Knobs
 from mercury_jax.sampling.sampler import Sampler
 from mercury_jax.sampling.settings import SettingError
+from mercury_jax.sampling.text import Row
+from mercury_jax.serve.commands import key_data
+from mercury_jax.serve.config import ServeConfig
 from mercury_jax.serve.routes import Options, create_app
-from mercury_jax.serve.scheduler import QueueFull, Request, Scheduler, Update
+from mercury_jax.serve.scheduler import QueueFull, Scheduler, Update
 
 KINDS = {
   "block_diffusion": (ModelConfig(causal=False), ObjectiveConfig(block_size=4)),
@@ -48,13 +52,13 @@ def _checkpoint(root: Path, kind: str, tokenizer: Path) -> Path:
 def scheduler(request, tmp_path_factory, data_dir):
   path = _checkpoint(tmp_path_factory.mktemp("engine"), request.param, data_dir / "tokenizer.model")
   block_length = 8 if request.param == "whole_sequence" else 0  # The others have their trained block.
-  sched = Scheduler(Sampler.from_checkpoint(path), slots=4, max_queue=64, block_length=block_length)
+  sched = Scheduler(Sampler.from_checkpoint(path), ServeConfig(slots=4, max_queue=64, block_length=block_length))
   sched.start()
   yield sched
   sched.shutdown(0)
 
 
-def _requests(scheduler: Scheduler, count: int) -> list[Request]:
+def _requests(scheduler: Scheduler, count: int) -> list[Row]:
   rng = random.Random(0)
   encode = scheduler.tokenizer.encode
   out = []
@@ -68,7 +72,7 @@ def _requests(scheduler: Scheduler, count: int) -> list[Request]:
     )
     suffix = tuple(encode(" return")) if rng.random() < 0.3 else ()
     per_block = rng.choice([None, 1, 2])
-    out.append(Request(prompt, rng.randint(1, 20), suffix, knobs, per_block, seed=i, stream=rng.randint(0, 3)))
+    out.append(Row.completion(prompt, rng.randint(1, 20), suffix, knobs, per_block, seed=i, stream=rng.randint(0, 3)))
   return out
 
 
@@ -78,8 +82,8 @@ def _whole(updates: list[Update]) -> Update:
   return Update(sum((u.tokens for u in updates), ()), last.draft, last.done, last.finish_reason, last.nfe, last.error)
 
 
-async def _run(scheduler: Scheduler, request: Request):
-  updates = [u async for u in scheduler.submit(request, asyncio.get_running_loop()).updates()]
+async def _run(scheduler: Scheduler, request: Row, diffusing: bool = False):
+  updates = [u async for u in scheduler.submit(request, asyncio.get_running_loop(), diffusing=diffusing).updates()]
   return updates
 
 
@@ -103,18 +107,43 @@ def test_every_request_equals_its_solo_run_whatever_runs_beside_it(scheduler):
   assert scheduler.busy_slots == 0 and scheduler.queue_depth == 0
 
 
+def test_overlapping_the_host_with_the_step_changes_no_token(scheduler, monkeypatch):
+  """The engine thread dispatches a step before it reads the previous one's view (a finished row then takes one more
+  step before its release): every request gets the tokens, end and forward passes it gets one step at a time."""
+  requests = _requests(scheduler, 12)
+  original, overlapped = scheduler.engine.dispatch, []
+
+  def dispatch(command, **kwargs):
+    overlapped.append(scheduler._pending is not None)
+    return original(command, **kwargs)
+
+  monkeypatch.setattr(scheduler.engine, "dispatch", dispatch)
+
+  async def together():
+    return [_whole(u) for u in await asyncio.gather(*(_run(scheduler, r) for r in requests))]
+
+  with_overlap = asyncio.run(together())
+  assert scheduler.overlap and sum(overlapped) > len(overlapped) // 2  # most steps went out with one still running
+  monkeypatch.setattr(scheduler, "overlap", False)
+  overlapped.clear()
+  one_at_a_time = asyncio.run(together())
+  assert not any(overlapped)
+  same = lambda u: (u.tokens, u.finish_reason, u.nfe)  # noqa: E731
+  assert [same(u) for u in with_overlap] == [same(u) for u in one_at_a_time]
+
+
 def test_updates_hand_out_new_tokens_and_drafts_cover_the_hole(scheduler):
   """Each update carries the tokens that became final with it; a draft is the whole hole: the final tokens so far,
   then the open block's proposals, then masks. The tokens equal the canvas the engine would have read back whole."""
-  request = Request(tuple(scheduler.tokenizer.encode("def f(x):")), 16, steps_per_block=2, diffusing=True)
-  updates = asyncio.run(_run(scheduler, request))
+  request = Row.completion(tuple(scheduler.tokenizer.encode("def f(x):")), 16, steps_per_block=2)
+  updates = asyncio.run(_run(scheduler, request, diffusing=True))
   so_far = ()
   for update in updates:
     so_far += update.tokens
     if update.draft is not None:
       assert len(update.draft) == 16 and update.draft[: len(so_far)] == so_far
   assert so_far == _whole(updates).tokens and len(so_far) <= 16
-  plain = _whole(asyncio.run(_run(scheduler, Request(request.prompt, 16, steps_per_block=2))))
+  plain = _whole(asyncio.run(_run(scheduler, Row.completion(request.prompt, 16, steps_per_block=2))))
   assert plain.tokens == so_far
   if not scheduler.autoregressive:
     assert sum(u.draft is not None for u in updates) >= 2
@@ -122,7 +151,7 @@ def test_updates_hand_out_new_tokens_and_drafts_cover_the_hole(scheduler):
 
 def test_cancelled_and_failing_requests_leave_alone_and_the_others_finish(scheduler, monkeypatch):
   good = _requests(scheduler, 6)
-  bad = Request((7, 7, 7), 5, seed=99)
+  bad = Row.completion((7, 7, 7), 5, seed=99)
   original = scheduler.engine.prefill
 
   def prefill(command, slot):  # A fault inside the engine, for the bad request only.
@@ -135,7 +164,7 @@ def test_cancelled_and_failing_requests_leave_alone_and_the_others_finish(schedu
   async def main():
     loop = asyncio.get_running_loop()
     solo = [_whole(await _run(scheduler, r)) for r in good]
-    long = scheduler.submit(Request((5, 6), 30, knobs=Knobs(1.0, 0, 1.0, 1.0), steps_per_block=8), loop)
+    long = scheduler.submit(Row.completion((5, 6), 30, knobs=Knobs(1.0, 0, 1.0, 1.0), steps_per_block=8), loop)
     failing = _run(scheduler, bad)
     tasks = [asyncio.ensure_future(_run(scheduler, r)) for r in good]
     long.cancel()
@@ -152,29 +181,42 @@ def test_cancelled_and_failing_requests_leave_alone_and_the_others_finish(schedu
 
 def test_bad_requests_and_a_full_queue(scheduler, monkeypatch):
   with pytest.raises(ValueError, match="context is 40 tokens"):
-    scheduler.check(Request((5,) * 30, 20))
+    scheduler.check(Row.completion((5,) * 30, 20))
   with pytest.raises(ValueError, match="top_p=0.0 must lie in"):
-    scheduler.check(Request((5,), 4, knobs=Knobs(1.0, 0, 0.0, 0.9)))
+    scheduler.check(Row.completion((5,), 4, knobs=Knobs(1.0, 0, 0.0, 0.9)))
   # Every number that reaches the engine's int32 and float32 arrays is bounded, so admission cannot overflow.
   for request, field in [
-    (Request((5,), 4, knobs=Knobs(1.0, 2**31, 1.0, 0.9)), "top_k"),
-    (Request((5,), 4, knobs=Knobs(1.0, 2**63, 1.0, 0.9)), "top_k"),
-    (Request((5,), 4, knobs=Knobs(float("inf"), 0, 1.0, 0.9)), "temperature"),
-    (Request((5,), 4, knobs=Knobs(1.0, 0, 1.0, float("nan"))), "threshold"),
-    (Request((5,), 4, steps_per_block=2**31), "steps_per_block"),
-    (Request((5,), 4, seed=2**63), "seed"),
-    (Request((5,), 4, stream=-1), "stream"),
+    (Row.completion((5,), 4, knobs=Knobs(1.0, 2**31, 1.0, 0.9)), "top_k"),
+    (Row.completion((5,), 4, knobs=Knobs(1.0, 2**63, 1.0, 0.9)), "top_k"),
+    (Row.completion((5,), 4, knobs=Knobs(float("inf"), 0, 1.0, 0.9)), "temperature"),
+    (Row.completion((5,), 4, knobs=Knobs(1.0, 0, 1.0, float("nan"))), "threshold"),
+    (Row.completion((5,), 4, steps_per_block=2**31), "steps_per_block"),
+    (Row.completion((5,), 4, seed=2**63), "seed"),
+    (Row.completion((5,), 4, stream=-1), "stream"),
   ]:
     with pytest.raises(SettingError) as error:
       scheduler.check(request)
     assert error.value.field == field
-  monkeypatch.setattr(scheduler, "max_queue", 0)
+  monkeypatch.setattr(scheduler, "max_queue", 1)
 
-  async def submit():
-    scheduler.submit(Request((5,), 4), asyncio.get_running_loop())
+  async def fill():
+    """With the engine thread held off (the lock is re-entrant for this thread), an idle scheduler takes a request
+    per free slot plus max_queue, and refuses the next; then the ones it took run to their end."""
+    loop, small = asyncio.get_running_loop(), Row.completion((5,), 4)
+    with scheduler._lock:
+      handles = [scheduler.submit(small, loop) for _ in range(scheduler.slots + 1)]
+      with pytest.raises(QueueFull, match="at capacity"):
+        scheduler.submit(small, loop)
+    return [[u async for u in handle.updates()][-1].finish_reason for handle in handles]
 
-  with pytest.raises(QueueFull, match="at capacity"):
-    asyncio.run(submit())
+  assert set(asyncio.run(fill())) <= {"stop", "length"}
+
+
+def test_an_admission_derives_the_seeds_key_on_the_host_as_jax_does():
+  """The engine thread admits while a step runs, so a request's key is not asked of the device (it would wait)."""
+  for seed in (0, 1, 12345, 2**31 - 1, 2**31, 2**32 - 1):
+    expected = np.asarray(jax.random.key_data(jax.random.key(seed)))
+    assert key_data(seed).dtype == np.uint32 and (key_data(seed) == expected).all(), seed
 
 
 # ------------------------------------------------------------------------------------------- failures over HTTP
@@ -207,14 +249,14 @@ def test_a_failing_step_answers_500_and_the_engine_serves_the_next_request(sched
 
 
 def test_a_failing_admission_fails_that_request_alone(scheduler, monkeypatch):
-  original = scheduler.engine.admit
+  original = scheduler.engine.admission.admit
 
   def admit(command, slot, request):
     if request.seed == 13:
       raise OverflowError("Python int too large to convert to C int")
     return original(command, slot, request)
 
-  monkeypatch.setattr(scheduler.engine, "admit", admit)
+  monkeypatch.setattr(scheduler.engine.admission, "admit", admit)
   client = _client(scheduler)
   assert client.post("/v1/completions", json={"prompt": "x = 1", "max_tokens": 4, "seed": 13}).status_code == 500
   assert client.post("/v1/completions", json={"prompt": "x = 1", "max_tokens": 4, "seed": 14}).status_code == 200

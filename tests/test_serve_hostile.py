@@ -1,6 +1,7 @@
 """A live server under hostile requests: huge knobs, a megabyte stop string, schemas whose automaton explodes, a 50 MB
-body, missing and wrong API keys, and SIGTERM with 8 requests in flight. Real sockets, the official ``openai``
-client where it can send the request, a tiny random-weights checkpoint (what it writes does not matter here).
+body, a body slower than its Content-Length, missing and wrong API keys, SIGTERM with 8 requests in flight, and
+SIGTERM with requests that outlast the grace period. Real sockets, the official ``openai`` client where it can send
+the request, a tiny random-weights checkpoint (what it writes does not matter here).
 """
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import signal
+import socket
 import time
 from pathlib import Path
 
@@ -48,8 +50,10 @@ def checkpoint(tmp_path_factory, data_dir) -> Path:
 
 @pytest.fixture(scope="module")
 def server(checkpoint):
-  """Compile jobs stop after 0.5 s, so a schema that slips past the compiler's own size checks answers in time."""
-  srv = Server(checkpoint, "--slots", "4", "--api-key", KEY, "--compile-timeout", "0.5", quick=True)
+  """Compile jobs stop after 0.5 s, so a schema that slips past the compiler's own size checks answers in time; a
+  body must arrive within 1 s."""
+  flags = ("--slots", "4", "--api-key", KEY, "--compile-timeout", "0.5", "--body-timeout", "1")
+  srv = Server(checkpoint, *flags, quick=True)
   yield srv
   assert srv.stop() == 0, "".join(srv.log)
 
@@ -151,7 +155,27 @@ def test_a_missing_or_bad_api_key_answers_401_and_health_and_metrics_stay_open(s
   assert response.status_code == 401 and set(response.json()["error"]) == {"message", "type", "param", "code"}
   assert httpx.get(f"{server.url}/health").status_code == 200
   assert httpx.get(f"{server.url}/metrics").status_code == 200
+  assert httpx.get(f"{server.url}/openapi.json").status_code == 401  # The API's description is for its clients.
+  assert "/v1/completions" in httpx.get(f"{server.url}/openapi.json", headers=AUTH).json()["paths"]
   assert [m.id for m in _client(server).models.list().data]
+
+
+def test_a_body_slower_than_its_content_length_answers_408_and_closes_the_connection(server):
+  body = json.dumps({"prompt": PROMPT, "max_tokens": 4}).encode()
+  head = (
+    f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+    f"Content-Type: application/json\r\nContent-Length: {len(body) + 100}\r\n\r\n"
+  ).encode()
+  with socket.create_connection(("127.0.0.1", server.port), timeout=30) as conn:
+    conn.sendall(head + body)  # 100 bytes short, and nothing more comes
+    answer = b""
+    while chunk := conn.recv(65536):  # The server answers, then closes: recv returns b"".
+      answer += chunk
+  status, _, rest = answer.partition(b"\r\n")
+  assert status.startswith(b"HTTP/1.1 408"), answer
+  error = json.loads(rest.split(b"\r\n\r\n", 1)[1])["error"]
+  assert error["code"] == "body_timeout" and "1 s" in error["message"] and f"{len(body)} bytes" in error["message"]
+  _served(server)
 
 
 def _complete(url: str, body: dict) -> tuple[int, dict | None]:
@@ -224,3 +248,82 @@ def _sample(metrics: str, name: str, labels: str = "") -> float:
     if line.startswith(name) and labels in line and not line.startswith("#"):
       return float(line.rsplit(" ", 1)[1])
   return 0.0
+
+
+def _outcome(url: str, body: dict) -> dict:
+  """What one request got, however it ended: its status, ``Retry-After``, the error (a plain body's, or a stream's
+  error event), whether a stream ended with ``[DONE]`` right after its last event, and a transport error (a body cut
+  short) as text."""
+  out = {"status": None, "retry_after": None, "error": None, "done": False, "finished": False, "transport": None}
+  try:
+    if not body.get("stream"):
+      response = httpx.post(url, json=body, timeout=120)
+      out["status"], out["retry_after"] = response.status_code, response.headers.get("retry-after")
+      payload = response.json()
+      out["error"], out["finished"] = payload.get("error"), "choices" in payload
+      return out
+    with httpx.stream("POST", url, json=body, timeout=120) as response:
+      out["status"] = response.status_code
+      events = [line[len("data: ") :] for line in response.iter_lines() if line.startswith("data: ")]
+    out["done"] = events[-1:] == ["[DONE]"]
+    last = json.loads(events[-2]) if len(events) >= 2 else {}
+    out["error"] = last.get("error")
+    out["finished"] = bool(last.get("choices") and last["choices"][0]["finish_reason"])
+  except httpx.HTTPError as error:
+    out["transport"] = f"{type(error).__name__}: {error}"
+  return out
+
+
+def test_at_the_grace_limit_requests_in_flight_end_with_503_or_an_error_event_then_done(tmp_path, data_dir):
+  """2 slots, --max-queue 14, --grace 1: 16 requests of 400 tokens at a token per step (8 rounds of about 0.5 s on
+  2 cores) arrive at once (all taken: 2 run, 14 wait), a 17th is refused with 429, then SIGTERM. While the server
+  drains, /health answers 503 and a new request 503 (the port still listens); at the grace limit every request
+  still in flight ends properly: a plain one with 503 (OpenAI's error object, code "shutdown", its request id,
+  Retry-After), a stream with that error as an event, then [DONE]; no body is cut short, and the process exits 0
+  without a traceback."""
+  path = flat_checkpoint(tmp_path, data_dir / "tokenizer.model", 512)
+  flags = ("--slots", "2", "--max-queue", "14", "--grace", "1", "--constraint-capacity", "0")
+  srv = Server(path, *flags, quick=True)
+  url = f"{srv.url}/v1/completions"
+  try:
+    bodies = [
+      {"prompt": PROMPT, "max_tokens": 400, "steps_per_block": 4, "seed": i, "stream": i >= 4} for i in range(16)
+    ]
+    with concurrent.futures.ThreadPoolExecutor(len(bodies)) as pool:
+      futures = [pool.submit(_outcome, url, body) for body in bodies]
+      deadline = time.monotonic() + 60
+      while True:  # until the 16 are held (or one ended: refused)
+        metrics = httpx.get(f"{srv.url}/metrics").text
+        held = _sample(metrics, "mercury_busy_slots") + _sample(metrics, "mercury_queue_depth")
+        if held >= len(bodies) or any(f.done() for f in futures):
+          break
+        assert time.monotonic() < deadline, "the server never took the 16 requests"
+        time.sleep(0.02)
+      full = httpx.post(url, json=bodies[0], timeout=60)  # 2 busy slots, 14 waiting: no room
+      srv.process.send_signal(signal.SIGTERM)
+      time.sleep(0.2)
+      health = httpx.get(f"{srv.url}/health", timeout=10)
+      late = httpx.post(url, json=bodies[0], timeout=10)
+      outcomes = [f.result() for f in futures]
+    code = srv.stop()
+    log = "".join(srv.log)
+  except Exception as error:
+    raise AssertionError(f"{error}\n{srv.kill()}") from error
+  finally:
+    srv.kill()
+  assert held == len(bodies), f"{held:.0f} of {len(bodies)} requests held: 429 while slots were free?"
+  assert full.status_code == 429 and float(full.headers["retry-after"]) > 0, full.text
+  assert full.json()["error"]["type"] == "rate_limit_error" and full.json()["error"]["code"] == "queue_full"
+  assert health.status_code == 503 and health.json() == {"status": "draining"}
+  assert late.status_code == 503 and late.json()["error"]["code"] == "draining" and late.headers["retry-after"]
+  assert code == 0, log
+  assert not [o for o in outcomes if o["transport"]], outcomes  # nothing cut mid-body
+  plain, streams = outcomes[:4], outcomes[4:]
+  for o in plain:
+    assert o["finished"] or (o["status"] == 503 and o["retry_after"] and o["error"]["code"] == "shutdown"), o
+  for o in streams:
+    assert o["status"] == 200 and o["done"] and (o["finished"] or o["error"]["code"] == "shutdown"), o
+  ended = [o for o in outcomes if o["error"]]
+  assert sum(o in ended for o in plain) and sum(o in ended for o in streams), (outcomes, log)
+  assert all("request id cmpl-" in o["error"]["message"] for o in ended)
+  assert "Traceback" not in log and "Cancel" not in log and "ASGI" not in log, log

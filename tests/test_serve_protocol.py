@@ -15,8 +15,9 @@ from mercury_jax.constrain.schema import tool_call_schema
 from mercury_jax.sampling.proposal import Knobs
 from mercury_jax.sampling.sampler import MASK_TEXT
 from mercury_jax.sampling.settings import SettingError
+from mercury_jax.sampling.text import Detokenizer
 from mercury_jax.serve import protocol as api, structured
-from mercury_jax.serve.answers import Choice, Detokenizer, Shape, events
+from mercury_jax.serve.answers import Choice, Shape, events
 from mercury_jax.serve.chat import ChatTemplate, TemplateError
 from mercury_jax.serve.routes import Options, create_app
 from mercury_jax.serve.scheduler import EngineDown, QueueFull, StepStats, Update
@@ -122,20 +123,24 @@ class FakeScheduler:
     self.reply, self.block, self.autoregressive, self.max_length = reply, block, autoregressive, context
     self.block_length_fixed, self.slots, self.mask_id, self.default_steps = True, 4, MASK, block
     self.vocab_size, self.default_knobs = self.tokenizer.vocab_size, Knobs(1.0, 0, 1.0, 0.9)
-    self.queue_depth, self.busy_slots, self.compilations, self.stats = 1, 2, 7, StepStats(5, 2.0, 0.25, 3, 0.5)
+    self.queue_depth, self.busy_slots, self.compilations = 1, 2, 7
+    phases = {"admit": 0.125, "dispatch": 0.5, "wait": 1.5, "report": 0.0625, "post": 0.0625}
+    self.stats = StepStats(5, **phases, chunks=3, chunk_seconds=0.5)
+    self.stats.steps.update({4: 3, 2: 2})
+    self.stats.prefills.update({32: 4, 0: 1})
     self.kv_pages, self.free_pages = 40, 31
     self.error, self.queue_full_after, self.wait, self.per_stream = None, None, False, False
     self.refuse, self.down, self.healthy = None, False, True
     self.decode, self.draft = ("ar" if autoregressive else "diffusion"), 0  # the served mode (verified: draft > 0)
     self.compiler = FakeCompiler()
     self.__dict__.update(options)
-    self.requests, self.handles = [], []
+    self.requests, self.handles, self.diffusing = [], [], []
 
   def check(self, request) -> None:
     if self.refuse is not None:
       raise self.refuse
 
-  def script(self, request) -> list[Update]:
+  def script(self, request, diffusing: bool) -> list[Update]:
     """One update per block: the block's tokens (the engine hands out what is new), the whole draft."""
     if self.error:
       return [Update((), None, True, "error", 0, error=self.error)]
@@ -147,18 +152,19 @@ class FakeScheduler:
     updates = []
     for end in range(self.block, len(ids) + self.block, self.block):
       done = end >= len(ids)
-      draft = None if done or not request.diffusing else (*ids[:end], *[MASK] * (request.max_tokens - end))
+      draft = None if done or not diffusing else (*ids[:end], *[MASK] * (request.max_tokens - end))
       new = tuple(ids[end - self.block : end])
       updates.append(Update(new, draft, done, reason if done else None, end // self.block, time=0.5))
     return updates
 
-  def submit(self, request, loop):
+  def submit(self, request, loop, *, diffusing=False):
     if self.down:
       raise EngineDown("the engine failed and cannot serve; the server needs a restart")
     if self.queue_full_after is not None and len(self.handles) >= self.queue_full_after:
       raise QueueFull(3, retry_after=2.5)
     self.requests.append(request)
-    self.handles.append(FakeHandle(len(self.handles), [] if self.wait else self.script(request), self.wait))
+    self.diffusing.append(diffusing)
+    self.handles.append(FakeHandle(len(self.handles), [] if self.wait else self.script(request, diffusing), self.wait))
     return self.handles[-1]
 
 
@@ -277,6 +283,31 @@ def test_every_integer_field_has_an_upper_bound_named_in_its_400(field, value):
     assert client_for(scheduler).post("/v1/completions", json={"prompt": "xy", field: bounds[field]}).status_code == 200
 
 
+def _typed_fields(model, kind: type) -> list[str]:
+  """The fields of a request model whose type is ``kind`` or ``kind | None`` (bool is not an int here)."""
+  return [name for name, f in model.model_fields.items() if f.annotation in (kind, kind | None)]
+
+
+def test_every_integer_number_and_boolean_field_takes_its_own_type_only():
+  integers = _typed_fields(api.ChatRequest, int)
+  assert {"max_tokens", "seed", "n", "top_k", "max_completion_tokens", "steps", "draft_length"} <= set(integers)
+  numbers, booleans = _typed_fields(api.ChatRequest, float), _typed_fields(api.ChatRequest, bool)
+  assert {"temperature", "top_p", "threshold"} <= set(numbers) and {"stream", "diffusing"} <= set(booleans)
+  scheduler = FakeScheduler(template=TEMPLATE)
+  client = client_for(scheduler)
+  wrong = [(f, v) for f in integers for v in (True, False, 4.0, "4")] + [(f, v) for f in numbers for v in (True, "0.5")]
+  wrong += [(f, v) for f in booleans for v in (1, 0, "true")] + [("stream_options", {"include_usage": 1})]
+  for field, value in wrong:
+    body = {"messages": [{"role": "user", "content": "x"}], field: value}
+    error = error_of(client.post("/v1/chat/completions", json=body))
+    assert error["param"].startswith(field) and "valid" in error["message"], (field, value, error)
+  assert not scheduler.requests
+  for field, value in (("best_of", True), ("presence_penalty", False), ("top_logprobs", False)):  # not 1, nor 0
+    assert error_of(client.post("/v1/completions", json={"prompt": "x", field: value}))["param"] == field
+  ok = {"prompt": "x", "max_tokens": 4, "seed": 1, "n": 1, "top_k": 0, "temperature": 1, "stream": False}
+  assert client.post("/v1/completions", json={**ok, "presence_penalty": 0.0, "best_of": 1}).status_code == 200
+
+
 @pytest.mark.parametrize("field", ["temperature", "top_p", "threshold"])
 @pytest.mark.parametrize("value", [b"NaN", b"Infinity", b"-Infinity", b"1e400"])
 def test_floats_must_be_finite(field, value):
@@ -366,8 +397,12 @@ def test_diffusion_knobs_for_an_autoregressive_model_and_a_foreign_block_length_
   cases = [("steps", 4), ("steps_per_block", 1), ("threshold", 0.5), ("diffusing", True), ("reasoning_effort", "low")]
   for field, value in cases:
     error = error_of(client.post("/v1/completions", json={"prompt": "x", field: value}))
-    assert error["param"] == field and "diffusion models only" in error["message"]
+    assert error["param"] == field and "diffusion decoding only; this model is autoregressive" in error["message"]
   assert client.post("/v1/completions", json={"prompt": "x", "temperature": 0.5}).status_code == 200
+  verified = client_for(FakeScheduler(block=1, autoregressive=True, decode="verified", draft=4))
+  error = error_of(verified.post("/v1/completions", json={"prompt": "x", "steps": 4}))
+  assert error["param"] == "steps" and "verified decoding" in error["message"]
+  assert "autoregressive" not in error["message"]
   error = error_of(client_for(FakeScheduler(block=4)).post("/v1/completions", json={"prompt": "x", "block_length": 8}))
   assert error["param"] == "block_length" and "block_length=8" in error["message"] and " 4 " in error["message"]
 
@@ -475,7 +510,7 @@ def test_diffusing_asks_the_engine_for_drafts_only_when_streaming():
   client = client_for(scheduler)
   assert "diffusing" not in client.post("/v1/completions", json={"prompt": "x", "diffusing": True}).text
   sse(client.post("/v1/completions", json={"prompt": "x", "diffusing": True, "stream": True}))
-  assert [r.diffusing for r in scheduler.requests] == [False, True]
+  assert scheduler.diffusing == [False, True]
 
 
 def test_n_choices_use_streams_of_one_seed_and_interleave_by_index():
@@ -499,7 +534,7 @@ def test_closing_a_stream_cancels_the_running_handles():
     handles = [scheduler.submit(None, None), scheduler.submit(None, None)]
     app = create_app(scheduler, None, Options("m"))
     choices = [Choice(i, h, scheduler.tokenizer, (), app.state.metrics) for i, h in enumerate(handles)]
-    stream = events(choices, Shape("cmpl-1", "m", chat=False), None, app.state.metrics, "/v1/completions", None, None)
+    stream = events(choices, Shape("cmpl-1", "m", chat=False), None, app.state.metrics, "/v1/completions")
     task = asyncio.ensure_future(stream.__anext__())
     await asyncio.sleep(0.01)
     task.cancel()  # As sse-starlette does when the client goes away.
@@ -680,10 +715,33 @@ def test_health_models_and_draining():
   (card,) = client.get("/v1/models").json()["data"]
   assert (card["id"], card["owned_by"], card["context_length"]) == ("fake-model", "mercury_jax", 64)
   assert (card["block_length"], card["objective"]) == (4, "block_diffusion")
-  app.state.draining = True
+  app.state.drain.draining = True
   response = client.get("/health")
   assert response.status_code == 503 and response.json() == {"status": "draining"}
-  assert error_of(client.post("/v1/completions", json={"prompt": "x"}), 503)["code"] == "draining"
+  response = client.post("/v1/completions", json={"prompt": "x"})
+  assert error_of(response, 503)["code"] == "draining"
+  assert response.headers["retry-after"] == "1" and response.headers["connection"] == "close"
+
+
+def test_at_the_grace_limit_plain_requests_answer_503_and_streams_an_error_event_then_done():
+  scheduler = FakeScheduler(wait=True)  # Every request runs until it is cancelled.
+  slow = FakeScheduler(compiler=FakeCompiler(wait=True))  # A compile that never ends.
+  for fake, body in (
+    (scheduler, {"prompt": "x", "n": 2}),
+    (slow, {"prompt": "x", "response_format": {"type": "json_object"}}),
+  ):
+    app = create_app(fake, fake.compiler, Options("m", grace=3))
+    with TestClient(app) as client:
+      client.portal.call(app.state.drain.closing.set)  # The grace limit, as the drain sets it.
+      response = client.post("/v1/completions", json=body)
+      error = error_of(response, 503)
+      assert error["code"] == "shutdown" and "request id " in error["message"] and "3 s" in error["message"]
+      assert response.headers["retry-after"] == "1"
+      stream = sse(client.post("/v1/completions", json={**body, "stream": True}))
+      if fake is scheduler:
+        assert stream[-2]["error"]["code"] == "shutdown" and stream[-1] == "[DONE]"
+  assert len(scheduler.handles) == 4 and all(h.cancelled for h in scheduler.handles)
+  assert slow.compiler.cancelled == 2 and not slow.requests
 
 
 def test_metrics_read_the_scheduler_and_count_requests_tokens_and_forward_passes():
@@ -703,6 +761,11 @@ def test_metrics_read_the_scheduler_and_count_requests_tokens_and_forward_passes
     "mercury_engine_iterations_total 5.0",
     "mercury_engine_seconds_total 2.0",
     "mercury_engine_host_seconds_total 0.25",
+    'mercury_engine_phase_seconds_total{phase="admit"} 0.125',
+    'mercury_engine_phase_seconds_total{phase="wait"} 1.5',
+    'mercury_engine_phase_seconds_total{phase="post"} 0.0625',
+    'mercury_engine_steps_total{rows="4"} 3.0',
+    'mercury_prefills_total{slots="0"} 1.0',
     "mercury_prefill_chunks_total 3.0",
     "mercury_prefill_chunk_seconds_total 0.5",
     "mercury_generated_tokens_total 11.0",
@@ -714,6 +777,8 @@ def test_metrics_read_the_scheduler_and_count_requests_tokens_and_forward_passes
     "mercury_tokens_per_forward_count 1.0",
   ):
     assert line in text, line
+  answering = float(text.split("\nmercury_answer_seconds_total ")[1].split()[0])
+  assert 0 < answering < 1  # the reply's detokenising and encoding, timed
   scheduler.compilations = 9
   assert "mercury_compilations_total 9.0" in client.get("/metrics").text
 
@@ -805,6 +870,31 @@ def test_a_schema_the_compiler_refuses_answers_400_with_its_keyword_path():
     error["code"] == "invalid_schema" and error["message"] == "multipleOf is not enforced by the automaton; drop it"
   )
   assert not scheduler.requests
+
+
+def test_nan_and_infinity_in_a_schema_answer_400_naming_their_path_without_a_log_line(caplog):
+  deep = {"type": "number", "minimum": float("nan")}
+  for _ in range(300):
+    deep = {"type": "array", "items": deep}
+  cases = [
+    ({"type": "number", "minimum": float("nan")}, "response_format.json_schema.schema.minimum"),
+    ({"enum": [1, float("inf")]}, "response_format.json_schema.schema.enum[1]"),
+    (deep, "response_format.json_schema.schema" + ".items" * 300 + ".minimum"),
+  ]
+  scheduler = FakeScheduler(template=TEMPLATE)
+  client = client_for(scheduler)
+  for schema, param in cases:
+    response_format = {"type": "json_schema", "json_schema": {"name": "p", "schema": schema}}
+    body = json.dumps({"prompt": "x", "response_format": response_format}).encode()  # NaN, as Python writes it
+    error = error_of(post_raw(client, body))
+    assert error["param"] == param and "finite" in error["message"], error
+  tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "maximum": float("-inf")}}}
+  body = {"messages": [{"role": "user", "content": "x"}], "tools": [tool], "tool_choice": "required"}
+  response = client.post("/v1/chat/completions", content=json.dumps(body), headers={"content-type": "application/json"})
+  assert error_of(response)["param"] == "tools[0].function.parameters.maximum"
+  assert not scheduler.compiler.compiled and not scheduler.requests
+  assert not [r for r in caplog.records if r.levelno >= 30], caplog.records  # no warning, no error, no traceback
+  assert client.post("/v1/completions", json={"prompt": "x"}).status_code == 200
 
 
 def test_structured_output_off_answers_400():

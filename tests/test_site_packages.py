@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from mercury_jax import prepare as prepare_lib
-from mercury_jax.data import corpus, mixture, pipeline, records, site_packages
+from mercury_jax.data import mixture, pipeline, records, site_packages, sources
 
 FIXTURES = Path(__file__).parent / "fixtures"
 CORPUS_GLOB = str(FIXTURES / "corpus" / "**" / "*")
@@ -164,7 +164,7 @@ def test_normalize_name_follows_pep_503():
 
 
 def test_every_permissive_distribution_filtered_and_deduplicated(site):
-  result = corpus.load_corpus("site-packages")
+  result = sources.load_corpus("site-packages")
   assert result.kind == "site-packages" and result.mode == "lm"
   # aaa/core_copy.py (copier) and pkg/core.py (fancy-pkg) are one text: the first in key order is kept.
   assert [d.key for d in result.documents] == ["aaa/calc.py", "aaa/core_copy.py", "pkg/testing/helpers.py"]
@@ -202,7 +202,7 @@ def test_every_permissive_distribution_filtered_and_deduplicated(site):
 
 
 def test_explicit_names_are_normalised_and_read_alone(site):
-  result = corpus.load_corpus("site-packages:FANCY.pkg")
+  result = sources.load_corpus("site-packages:FANCY.pkg")
   assert [d.key for d in result.documents] == ["pkg/core.py", "pkg/testing/helpers.py"]
   assert result.manifest()["duplicates"] == []
 
@@ -222,7 +222,7 @@ def test_explicit_names_are_normalised_and_read_alone(site):
 )
 def test_explicit_names_must_be_installed_and_permissive(site, spec, message):
   with pytest.raises(ValueError) as info:
-    corpus.load_corpus(spec)
+    sources.load_corpus(spec)
   assert message in str(info.value) and "\n" not in str(info.value)
 
 
@@ -249,9 +249,9 @@ def test_parse_weight(spec, expected):
 
 
 def test_mixture_deduplicates_across_corpora_in_the_order_given(site):
-  mixed = mixture.load_mixture([CORPUS_GLOB, "site-packages:copier@2"])
+  mixed = sources.load_mixture([CORPUS_GLOB, "site-packages:copier@2"])
   text, packages = (p.corpus for p in mixed.parts)
-  assert [d.key for d in text.documents] == [d.key for d in corpus.load_corpus(CORPUS_GLOB).documents]
+  assert [d.key for d in text.documents] == [d.key for d in sources.load_corpus(CORPUS_GLOB).documents]
   assert [d.key for d in packages.documents] == ["aaa/core_copy.py"]  # aaa/calc.py is the glob's calc.py.
   assert mixed.duplicates == (
     {
@@ -268,7 +268,7 @@ def test_mixture_deduplicates_across_corpora_in_the_order_given(site):
     (CORPUS_GLOB, 1, "text", "corpus"),  # Roots are cut to their names: no machine's paths.
     ("site-packages:copier@2", 2, "site-packages", "site-packages"),
   ]
-  reversed_order = mixture.load_mixture(["site-packages:copier", CORPUS_GLOB])
+  reversed_order = sources.load_mixture(["site-packages:copier", CORPUS_GLOB])
   assert reversed_order.duplicates[0]["key"] == "calc.py" and reversed_order.duplicates[0]["kept_key"] == "aaa/calc.py"
 
 
@@ -286,8 +286,8 @@ def test_weights_repeat_train_documents_only(tmp_path):
   metadata = prepare_lib.prepare(
     specs, tmp_path / "mix", tokenizer_path=str(tmp_path / "once" / "tokenizer.model"), **quiet
   )
-  texts = corpus.load_corpus(TEXT_GLOB)
-  rest = [d for d in corpus.load_corpus(CORPUS_GLOB).documents if not d.key.endswith(".txt")]  # .txt: duplicates.
+  texts = sources.load_corpus(TEXT_GLOB)
+  rest = [d for d in sources.load_corpus(CORPUS_GLOB).documents if not d.key.endswith(".txt")]  # .txt: duplicates.
   train = [[d.text for d in texts.split("train")], [d.text for d in rest if d.split == "train"]]
   assert all(train)
   tokenizer = pipeline.load_data_tokenizer(tmp_path / "mix")
@@ -305,7 +305,7 @@ def test_weights_repeat_train_documents_only(tmp_path):
       assert sum(p["splits"][split][key] for p in parts) == metadata["splits"][split][key]
   assert metadata["corpus"] == specs
   assert [
-    d.text for d in corpus.load_corpus(metadata["corpus"]).split("validation")
+    d.text for d in sources.load_corpus(metadata["corpus"]).split("validation")
   ] == validation  # As bench reads it.
   manifest = json.loads((tmp_path / "mix" / "manifest.json").read_text())
   assert manifest["splits"]["train"]["documents"] == metadata["splits"]["train"]["documents"]

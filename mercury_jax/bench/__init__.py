@@ -1,9 +1,15 @@
-"""Measuring the models: speed against quality, both models on one machine in one run.
+"""Every benchmark and measurement of the project: ``python -m mercury_jax.bench COMMAND`` (``--help`` lists them).
 
-- ``cli``: ``python -m mercury_jax.bench``, the interleaved speed/quality benchmark of a diffusion model and its twin.
-- ``needle``: needle-in-a-haystack retrieval through the engine (the ``kv-retrieval`` corpus), by depth.
-- ``prompts``: the prompt set (documented functions of the held-out split).
-- ``quality``: generative perplexity, unigram entropy, distinct-n and the parse rate.
-- ``report``: the matched-quality verdict, the Markdown table and the plots.
-- ``throughput``: the FLOP/s peak MFU is quoted against (datasheet on accelerators, measured on CPU) and a timer.
+- ``cli``: the command line, the commands grouped by what they are for (``GROUPS``).
+- ``compare`` (with ``rounds``, ``models``, ``prompts``, ``quality``, ``report``, ``overhead``, ``verified``): the
+  interleaved speed/quality benchmark of a diffusion (or verified) model and its autoregressive twin.
+- ``serve`` (with ``serving``: the server process, the client's loads, the table): a server under load.
+- ``slot_step``, ``sampler``, ``caches``, ``structured``, ``training``: the engine's parts and the training step.
+- ``long_context``, ``long_attention`` (and context parallelism), ``needle``: long prompts and long sequences.
+- ``families`` (with ``families_torch``), ``convert``: converted public checkpoints and the converter.
+- ``gpu_attention``, ``gpu_sampling``: the accelerator benchmarks ``launch/gpu_checks.sh`` runs.
+- ``recipes``, ``objectives``: the experiments whose numbers BUILD_NOTES quotes (targets, first text, the block-size
+  sweep; the noise schedules, the noise profile, draft masking, the diffusion heads).
+- ``throughput``: the one wall-clock timer every command uses, the FLOP/s peak MFU is quoted against (datasheet on
+  accelerators, measured on CPU), and the machine a result was measured on.
 """

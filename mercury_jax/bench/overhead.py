@@ -11,14 +11,13 @@ nothing next to the model.
 
 from __future__ import annotations
 
-import statistics
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mercury_jax.bench.throughput import time_call
+from mercury_jax.bench.throughput import median_seconds, time_call
 from mercury_jax.sampling import canvas as cv
 from mercury_jax.sampling.caches import Needs
 from mercury_jax.sampling.drafts import Candidates
@@ -27,11 +26,6 @@ from mercury_jax.sampling.jobs import Budget
 from mercury_jax.sampling.plan import Decoding
 from mercury_jax.sampling.sampler import Sampler
 from mercury_jax.sampling.settings import SamplerSettings
-
-
-def median_seconds(fn, *args, repeats: int) -> float:
-  jax.block_until_ready(fn(*args))  # compile and warm up
-  return statistics.median(time_call(fn, *args) for _ in range(repeats))
 
 
 def engine_overhead(

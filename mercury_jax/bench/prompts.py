@@ -15,7 +15,27 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
-from mercury_jax.data import corpus as corpus_lib, pipeline
+from mercury_jax.data import corpus as corpus_lib, pipeline, sources
+
+# Short code prompts of the serving and accelerator benchmarks (``bench serve``'s default, ``bench gpu-sampling``).
+CODE_PROMPTS = (
+  "def fibonacci(n):",
+  "import os\n",
+  "class Stack:\n    def push(self, item):",
+  "def is_prime(n):",
+  "def read_config(path):",
+  "import json\n\ndef load(path):",
+  "def merge_sorted(a, b):",
+  "for i in range(10):",
+  "class Node:\n    def __init__(self, value):",
+  "def binary_search(items, target):",
+  "def parse_args():",
+  "import numpy as np\n\ndef normalize(x):",
+  "def flatten(nested):",
+  "with open('data.txt') as f:",
+  "def quicksort(items):",
+  "class Counter:\n    def increment(self):",
+)
 
 
 class Prompt(NamedTuple):
@@ -59,7 +79,7 @@ def spread(items: Sequence, n: int) -> list:
 
 def corpus_prompts(spec: str, split: str = corpus_lib.VALIDATION) -> list[Prompt]:
   """Every documented-function prompt of one split of a corpus (``python-stdlib``, a glob, ...), in stable order."""
-  documents = corpus_lib.load_corpus(spec).split(split)
+  documents = sources.load_corpus(spec).split(split)
   return [p for d in documents for p in function_prompts(d.text, d.key)]
 
 

@@ -206,3 +206,12 @@ def plots(rows: list[dict[str, Any]], out_dir: Path) -> list[str] | str:
     plt.close(fig)
     names.append(file)
   return names
+
+
+def finite(value: Any) -> Any:
+  """``value`` with NaN and infinities replaced by None, so the JSON is strict."""
+  if isinstance(value, dict):
+    return {k: finite(v) for k, v in value.items()}
+  if isinstance(value, list | tuple):
+    return [finite(v) for v in value]
+  return None if isinstance(value, float) and not math.isfinite(value) else value

@@ -30,7 +30,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mercury_jax.bench.overhead import engine_overhead, median_seconds
+from mercury_jax.bench.overhead import engine_overhead
+from mercury_jax.bench.throughput import median_seconds
 from mercury_jax.sampling import canvas as cv
 from mercury_jax.sampling.plan import Decoding
 from mercury_jax.sampling.sampler import Sampler

@@ -1,7 +1,7 @@
 """The host half of structured output: a constraint compiled into a token-level automaton of plain arrays.
 
 outlines-core's ``Index`` turns a regular expression and the tokenizer's vocabulary into token transitions; this module
-renumbers them into the dense int32 arrays that :mod:`mercury_jax.constrain.device` runs over inside the jitted loop:
+renumbers them into the dense int32 arrays that :mod:`mercury_jax.sampling.automata` runs over inside the jitted loop:
 
 * State 0 is ``DONE`` (after EOS), where every token goes to ``DONE``. EOS is allowed exactly in accepting states.
 * Equivalent states (the same token sequences lead from them to acceptance) are merged: outlines-core does not
@@ -406,7 +406,9 @@ def _canonicalize(table: np.ndarray, accepting: np.ndarray, vocab: _Vocab) -> np
   return table
 
 
-def build(kind: str, source: str, regex: str, key: str, vocab: _Vocab, limits: _Limits, canonical: bool) -> Automaton:
+def build(
+  kind: str, source: str, regex: str, key: str, vocab: _Vocab, limits: _Limits, *, canonical: bool
+) -> Automaton:
   """Compiles ``regex`` into an :class:`Automaton` (see the module docstring for the construction)."""
   what, param = ("the regex", "regex") if kind == "regex" else ("the constraint", None)
   if vocab.spells_ascii:
@@ -579,7 +581,7 @@ class Compiler:
         candidates = regex_of()
         for regex in [candidates] if isinstance(candidates, str) else candidates:
           try:
-            found = build(kind, source, regex, key, self._vocab, self._limits, canonical)
+            found = build(kind, source, regex, key, self._vocab, self._limits, canonical=canonical)
             break
           except ConstraintError as e:
             found = e

@@ -1,4 +1,4 @@
-"""Document sources: the Python standard library, installed packages, a glob of text files, JSONL, and mixtures.
+"""Documents and corpora: the Python standard library, a glob of text files, JSONL, and deduplication across corpora.
 
 Every source yields ``Document``s already assigned to the ``train`` or ``validation`` split by a stable hash, so the
 split never depends on file order, the machine, or how many files there are:
@@ -12,7 +12,8 @@ A corpus also describes itself in a manifest (source, Python version for the std
 count, per-split document and character counts), because the stdlib corpus drifts with the interpreter. The
 ``site-packages`` corpus lives in ``site_packages``.
 
-Several corpora read together, each with a weight, are a ``mixture.Mixture``.
+Several corpora read together, each with a weight, are a ``mixture.Mixture``. This module is the base the sources
+build on and imports none of them; ``sources.load_corpus`` reads a ``--corpus`` spec.
 """
 
 from __future__ import annotations
@@ -28,10 +29,7 @@ import sysconfig
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
-
-if TYPE_CHECKING:
-  from mercury_jax.data import mixture
+from typing import Any, Literal
 
 TRAIN = "train"
 VALIDATION = "validation"
@@ -145,31 +143,6 @@ def split_of(key: str) -> str:
 def is_jsonl_spec(spec: str) -> bool:
   """Whether a ``--corpus`` value names JSONL (a path or glob ending in ``.jsonl``)."""
   return spec.endswith(".jsonl")
-
-
-def load_corpus(spec: str | Sequence[str]) -> Corpus | mixture.Mixture:
-  """Loads ``python-stdlib``, ``site-packages[:NAME,...]``, a ``*.jsonl`` path or glob, or another glob of text files.
-
-  A list of specs (as a mixture's ``metadata.json`` names its corpora) loads their ``Mixture``.
-
-  Raises:
-    ValueError: No file matches, a file is unreadable or not UTF-8, a JSONL line is malformed, or a distribution is
-      not installed or not permissively licensed.
-  """
-  # Both modules build on this one, so they are imported on use.
-  if not isinstance(spec, str):
-    from mercury_jax.data import mixture
-
-    return mixture.load_mixture(spec)
-  if spec == STDLIB:
-    return stdlib_corpus()
-  if spec.split(":", 1)[0] == SITE_PACKAGES:
-    from mercury_jax.data import site_packages
-
-    return site_packages.site_packages_corpus(spec)
-  if is_jsonl_spec(spec):
-    return jsonl_corpus(spec)
-  return text_corpus(spec)
 
 
 # ----------------------------------------------------------------------------------------------- python-stdlib

@@ -1,10 +1,11 @@
 """Several corpora read together: ``--corpus A --corpus B@2``.
 
-Each ``SPEC[@WEIGHT]`` names a corpus (``corpus.load_corpus``) and how many times each of its train documents is
-repeated in the train split (an integer >= 1; validation documents are never repeated). The documents of all the
-corpora are deduplicated by content (``corpus.deduplicate``): the first copy, in the order the corpora are given and
-then in each corpus's key order, is kept, and the manifest lists every copy dropped. One corpus of weight 1 is read,
-packed and described exactly as on its own (no deduplication, its own manifest).
+Each ``SPEC[@WEIGHT]`` names a corpus and how many times each of its train documents is repeated in the train split
+(an integer >= 1; validation documents are never repeated). The documents of all the corpora are deduplicated by
+content (``corpus.deduplicate``): the first copy, in the order the corpora are given and then in each corpus's key
+order, is kept, and the manifest lists every copy dropped. One corpus of weight 1 is read, packed and described
+exactly as on its own (no deduplication, its own manifest). ``sources.load_mixture`` reads the corpora
+(:func:`parse_specs`, then :func:`mix`); this module reads none.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from mercury_jax.data.corpus import SPLITS, TRAIN, Corpus, Document, deduplicate, load_corpus
+from mercury_jax.data.corpus import SPLITS, TRAIN, Corpus, Document, deduplicate
 
 
 def parse_weight(spec: str) -> tuple[str, int]:
@@ -105,29 +106,35 @@ class Mixture:
     return manifest
 
 
-def load_mixture(specs: Sequence[str]) -> Mixture:
-  """Loads ``SPEC[@WEIGHT]`` corpora and removes duplicates across them (none for a single corpus).
+def parse_specs(specs: Sequence[str]) -> list[tuple[str, str, int]]:
+  """``(spec, base, weight)`` of each ``SPEC[@WEIGHT]``, checked before any corpus is read.
 
   Raises:
-    ValueError: A bad weight, a corpus given twice, corpora of different modes, or what ``load_corpus`` raises.
+    ValueError: No spec, a bad weight, or a corpus given twice.
   """
   if not specs:
     raise ValueError("give at least one --corpus")
-  weighted, seen = [parse_weight(spec) for spec in specs], {}  # Every spec is checked before any corpus is read.
+  weighted, seen = [parse_weight(spec) for spec in specs], {}
   for spec, (base, _) in zip(specs, weighted, strict=True):
     if base in seen:
       raise ValueError(f"--corpus {base!r} is given twice ({seen[base]!r}, {spec!r}); give it once, weighted with @W")
     seen[base] = spec
-  parts = []
-  for spec, (base, weight) in zip(specs, weighted, strict=True):
-    corpus = load_corpus(base)
-    if parts and corpus.mode != parts[0].corpus.mode:
+  return [(spec, base, weight) for spec, (base, weight) in zip(specs, weighted, strict=True)]
+
+
+def mix(parts: Sequence[Part]) -> Mixture:
+  """The mixture of loaded corpora, in the order given, with duplicates across them removed (none for one corpus).
+
+  Raises:
+    ValueError: Corpora of different modes.
+  """
+  for part in parts[1:]:
+    if part.corpus.mode != parts[0].corpus.mode:
       first = parts[0]
       raise ValueError(
-        f"--corpus {spec!r} is {corpus.mode!r} but --corpus {first.spec!r} is {first.corpus.mode!r}; "
+        f"--corpus {part.spec!r} is {part.corpus.mode!r} but --corpus {first.spec!r} is {first.corpus.mode!r}; "
         "mix corpora of one mode"
       )
-    parts.append(Part(spec, weight, corpus))
   if len(parts) == 1:
     return Mixture(tuple(parts), ())
   kept, duplicates = deduplicate([(p.spec, p.corpus.documents) for p in parts])

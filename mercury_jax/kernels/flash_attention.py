@@ -82,7 +82,7 @@ class BlockSizes(common.TritonBlockSizes):
     """Tiles for Hopper (H100/H200) chosen so that no kernel spills registers or exceeds 227 KiB shared memory.
 
     Checked by compiling the kernels' Triton IR for sm_90 (Triton 3.9, ``cuobjdump -res-usage``), not yet timed on a
-    GPU: ``launch/gpu_attention_bench.py --sweep`` times alternatives. The forward pass keeps a 128-row query tile;
+    GPU: ``bench gpu-attention --sweep`` times alternatives. The forward pass keeps a 128-row query tile;
     the dk/dv kernel holds a key tile and two f32 accumulators, so its key tile shrinks as head_dim grows and it runs
     8 warps; 4-byte inputs double the bytes per tile, so they get smaller tiles and pipeline 2 deep instead of 3.
 

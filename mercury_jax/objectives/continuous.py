@@ -216,7 +216,7 @@ def loss(
 
   def denoised_logits(noise_level: jax.Array, eps: jax.Array) -> jax.Array:
     z = e + noise_level[..., None] * eps
-    forward = _forward(logits_fn, x, z, noise_level, diffusion_block, segment_ids, kinds)
+    forward = _forward(logits_fn, x, z, noise_level, block=diffusion_block, segment_ids=segment_ids, kinds=kinds)
     if training and cfg.self_conditioning > 0:
       use = jax.random.bernoulli(sc_key, cfg.self_conditioning)
       sc = jax.lax.cond(use, lambda: jax.lax.stop_gradient(estimate(forward(None), table)), lambda: jnp.zeros_like(z))
@@ -250,7 +250,7 @@ def loss(
   return {"loss_sum": jnp.where(target, per_token, 0.0).sum(), "tokens": tokens, "masked": tokens}
 
 
-def _forward(logits_fn, x, z, noise_level, block: int, segment_ids, kinds):
+def _forward(logits_fn, x, z, noise_level, *, block: int, segment_ids, kinds):
   """``self_cond -> logits [batch, length, vocab]`` of the noisy latents: one pass over them (whole sequence) or
   over ``z ⊕ x_0`` under the ``block_diffusion`` mask (block-causal)."""
   if not block:

@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mercury_jax.limits import Capacity
 from mercury_jax.sampling.proposal import Knobs, filter_rows, sample_tokens
 
 if TYPE_CHECKING:
@@ -44,14 +45,6 @@ if TYPE_CHECKING:
 UNKNOWN = -2  # A walk's state after a masked position (-1 is a forbidden token's).
 FAR = 2**30  # The distance of padding states: never within a budget.
 MIN_CAPACITY = (16, 16, 256)  # The smallest (states, classes, edges) a batch is padded to.
-
-
-class Capacity(NamedTuple):
-  """The padded sizes of a batch's automata (static: one compilation per capacity)."""
-
-  states: int
-  classes: int
-  edges: int
 
 
 class Tables(NamedTuple):

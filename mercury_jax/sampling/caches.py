@@ -112,6 +112,13 @@ class Strategy:
     guidance's unconditional pass; the block's own fixed positions stay): the block as the first of a document."""
     raise ValueError(f"the {type(self).__name__} cache has no unconditional pass")
 
+  def over(self, params, st: State, at: jax.Array, size: int, t=None, *, pad: int = 0, **kwargs):
+    """The network over slots ``[at[r], at[r] + size)`` of every row ``r`` (``pad`` padding slots appended first: a
+    chunk may run past the last slot), against ``kwargs["cache"]`` when given (``Network.chunk``'s keywords)."""
+    tokens, positions, segments = chunk(st, at, size, pad=pad)
+    starts = {"starts": at} if kwargs.get("cache") is not None else {}
+    return self.network.chunk(params, tokens, t, segments=segments, positions=positions, **starts, **kwargs)
+
 
 class NoCache(Strategy):
   def _full(self, params, st: State, needs: Needs) -> jax.Array:
@@ -203,19 +210,8 @@ class Exact(Strategy):
     mask, diffusion_block = self._mask()
 
     def over_cache(cache, at, size, t=None, mask=mask, **kw):
-      tokens, positions, segments = chunk(st, at, size)
-      return net.chunk(
-        params,
-        tokens,
-        t,
-        segments=segments,
-        positions=positions,
-        mask=mask,
-        diffusion_block=block if mask == "block_causal" else diffusion_block,
-        cache=cache,
-        starts=at,
-        **kw,
-      )
+      block_of = block if mask == "block_causal" else diffusion_block
+      return self.over(params, st, at, size, t, mask=mask, diffusion_block=block_of, cache=cache, **kw)
 
     previous = needs.starts - block
     if self.plan.autoregressive:  # One pass: the last committed token, written, gives the next distribution.
@@ -253,22 +249,11 @@ class Exact(Strategy):
 
   def unconditional(self, params, st: State, needs: Needs) -> jax.Array:
     block = self.plan.block
-    tokens, positions, segments = chunk(st, needs.starts, block)
     hidden = st.cache._replace(segments=jnp.zeros_like(st.cache.segments))  # no cached key is visible
-    return self.network.chunk(
-      params,
-      tokens,
-      needs.t,
-      segments=segments,
-      positions=positions,
-      mask="block_causal",
-      diffusion_block=block,
-      cache=hidden,
-      starts=needs.starts,
-      logits_length=block,
-      return_kv=False,
-      latent=needs.latent,
-    )
+    return self.over(
+      params, st, needs.starts, block, needs.t, mask="block_causal", diffusion_block=block, cache=hidden,
+      logits_length=block, return_kv=False, latent=needs.latent,
+    )  # fmt: skip
 
 
 class Verified(Exact):
@@ -330,22 +315,17 @@ class Dual(Strategy):
     )
     return rows(logits, needs.starts - self.network.shift, self.plan.block), kv
 
+  def _block(self, params, st: State, needs: Needs, size: int, pad: int = 0) -> jax.Array:
+    """The block's logits from a chunk of ``size`` slots from its start (and the slot before it, for a shifted model)
+    over the cache; ``pad`` padding slots are appended first (a chunk may run past the last slot)."""
+    shift = self.network.shift
+    return self.over(
+      params, st, needs.starts - shift, size + shift, needs.t, pad=pad, mask="bidirectional", cache=st.cache,
+      logits_length=self.plan.block, return_kv=False,
+    )  # fmt: skip
+
   def _later(self, params, st: State, needs: Needs):
-    block, shift = self.plan.block, self.network.shift
-    tokens, positions, segments = chunk(st, needs.starts - shift, block + shift)
-    logits = self.network.chunk(
-      params,
-      tokens,
-      needs.t,
-      segments=segments,
-      positions=positions,
-      mask="bidirectional",
-      cache=st.cache,
-      starts=needs.starts - shift,
-      logits_length=block,
-      return_kv=False,
-    )
-    return logits, st.cache
+    return self._block(params, st, needs, self.plan.block), st.cache
 
   def forward(self, params, st: State, needs: Needs) -> Forward:
     run = jnp.any(needs.logits)
@@ -364,26 +344,10 @@ class Dual(Strategy):
 
 class Prefix(Dual):
   def _later(self, params, st: State, needs: Needs):
-    plan, shift = self.plan, self.network.shift
+    plan = self.plan
 
     def suffix(size: int):
-      def run():
-        tokens, positions, segments = chunk(st, needs.starts - shift, size + shift, pad=plan.tail + shift)
-        logits = self.network.chunk(
-          params,
-          tokens,
-          needs.t,
-          segments=segments,
-          positions=positions,
-          mask="bidirectional",
-          cache=st.cache,
-          starts=needs.starts - shift,
-          logits_length=plan.block,
-          return_kv=False,
-        )
-        return logits
-
-      return run
+      return lambda: self._block(params, st, needs, size, plan.tail + self.network.shift)
 
     sizes = plan.suffix_sizes
     need = jnp.max(plan.slots - needs.starts)

@@ -68,7 +68,17 @@ from mercury_jax.sampling.plan import BlockPlan
 from mercury_jax.sampling.proposal import Knobs
 from mercury_jax.sampling.refine import Refine
 from mercury_jax.sampling.settings import SamplerSettings
-from mercury_jax.sampling.state import Healing, State, insert_row, put, put_rows, rows, select_rows, take_rows
+from mercury_jax.sampling.state import (
+  Healing,
+  State,
+  constrain_rows,
+  insert_row,
+  put,
+  put_rows,
+  rows,
+  select_rows,
+  take_rows,
+)
 from mercury_jax.sampling.step import Decision, StepRule
 from mercury_jax.sampling.verify import Verify
 
@@ -178,7 +188,7 @@ class BlockEngine:
       extra_steps: The first ``extra_steps`` step blocks of a row take one step more than ``num_steps`` ([] or [b];
         default 0): what is left of a total budget (``settings.steps_per_block``).
     """
-    st = self._layout(canvas, key, num_steps, knobs, extra_steps)
+    st = constrain_rows(self._layout(canvas, key, num_steps, knobs, extra_steps))
     if tables is not None:
       constraint, z, eos_banned = Structured(self.plan, self.settings).start(
         tables, st.target, st.eos_banned, st.z, st.first
@@ -417,7 +427,7 @@ def news(engine: BlockEngine, st: State, worked: jax.Array) -> jax.Array:
   """int32 [b, 3 W + 4]: what the host reads back after a step that worked from slots ``worked`` [b] (``W``:
   :func:`width`): the tokens of the worked window and of the next one, the step's proposals, then ``worked``, the
   next window's first slot, whether the row still has a masked position, and its forward passes
-  (:class:`~mercury_jax.serve.slots.View` unpacks it)."""
+  (:class:`~mercury_jax.serve.commands.View` unpacks it)."""
   size, starts = width(engine.plan), engine.starts(st)
   at = lambda first: jnp.take_along_axis(st.z, first[:, None] + jnp.arange(size)[None, :], axis=1)  # noqa: E731
   proposal = jnp.pad(st.proposal, ((0, 0), (0, size - st.proposal.shape[1])))  # verified: k - 1 drafts at starts

@@ -194,13 +194,13 @@ class Jobs:
       knobs.get("prefill_chunk") or 0, drafting,
     )  # fmt: skip
 
-  def rows(self, request: Request, constraint) -> Rows:
+  def rows(self, request: Request, decoding: Decoding, constraint) -> Rows:
     """The request's rows (its knobs checked against the model first).
 
     Raises:
       SettingError, ValueError: A knob or mode the model lacks, or a prompt or template the rows cannot hold.
     """
-    plan = self.plan(self.decoding(request))  # A cache or mode the model lacks, at once.
+    plan = self.plan(decoding)  # A cache or mode the model lacks, at once.
     budget = {"steps": request.steps, "steps_per_block": request.steps_per_block}
     check_knobs_for_model({**budget, **request.knobs}, plan.autoregressive)
     heal = (
@@ -219,8 +219,9 @@ class Jobs:
     request = dataclasses.replace(request, knobs={**self.defaults(), **request.knobs})
     if request.steps is None and request.steps_per_block is None and self.cfg.sampling.steps_per_block:
       request = dataclasses.replace(request, steps_per_block=self.cfg.sampling.steps_per_block)
+    decoding = self.decoding(request)
     try:
-      rows = self.rows(request, constraint)
+      rows = self.rows(request, decoding, constraint)
     except ValueError:
       if spread:  # Tell the other processes, which would otherwise wait for this one.
         with contextlib.suppress(ValueError):
@@ -240,7 +241,7 @@ class Jobs:
     budget = Budget(request.steps, request.steps_per_block)
     automata = self.row_constraints(constraint, canvas, request.num_samples)
     heal = self.healing(rows.rows, rows.prompt_lengths)
-    job = self.job(canvas, budget, settings, self.decoding(request), layout=layout, automata=automata, healing=heal,
+    job = self.job(canvas, budget, settings, decoding, layout=layout, automata=automata, healing=heal,
                    seed=request.seed)  # fmt: skip
     job.rows = rows
     if request.show_steps:

@@ -45,6 +45,7 @@ import jax
 import jax.numpy as jnp
 
 from mercury_jax.config import ObjectiveConfig
+from mercury_jax.limits import SOLVERS
 from mercury_jax.sampling.caches import Forward, Needs, Strategy
 from mercury_jax.sampling.hooks import Hooks, View
 from mercury_jax.sampling.network import LatentInputs, Network
@@ -56,7 +57,6 @@ from mercury_jax.sampling.state import Latents, State, rows, select_rows
 from mercury_jax.sampling.step import Decision
 
 Denoiser = Callable[[jax.Array, jax.Array], jax.Array]  # (z [..., d], sigma []) -> D(z, sigma) [..., d]
-SOLVERS = ("euler", "heun")
 
 
 def sigma_ladder(cfg: ObjectiveConfig, steps: int, rho: float = 7.0) -> jax.Array:

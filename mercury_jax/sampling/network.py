@@ -70,31 +70,10 @@ class Network:
       return None
     return jnp.zeros((batch,), jnp.float32) if t is None else t
 
-  def logits(
-    self,
-    params,
-    tokens,
-    t=None,
-    *,
-    segments,
-    positions,
-    mask=None,
-    diffusion_block=None,
-    logits_length=None,
-    latent: LatentInputs | None = None,
-  ):
-    """``[b, l or logits_length, vocab]`` logits of a whole context (no cache), each position's own distribution."""
-    logits = self.model.apply(
-      {"params": params},
-      tokens,
-      self._t(t, tokens.shape[0]),
-      segment_ids=segments,
-      positions=positions,
-      mask=mask,
-      diffusion_block=diffusion_block,
-      logits_length=logits_length,
-      **_latent_kwargs(latent),
-    )
+  def logits(self, params, tokens, t=None, **kwargs):
+    """``[b, l or logits_length, vocab]`` logits of a whole context (no cache; :meth:`chunk`'s other keywords), each
+    position's own distribution."""
+    logits = self.chunk(params, tokens, t, return_kv=False, **kwargs)
     return unshift(logits) if self.shift else logits
 
   def chunk(
@@ -105,7 +84,7 @@ class Network:
     *,
     segments,
     positions,
-    mask: str,
+    mask: str | None = None,
     diffusion_block: int | None = None,
     cache: KVCache | None = None,
     starts: jax.Array | None = None,
@@ -192,20 +171,9 @@ class FunctionNetwork:
   def __init__(self, denoise_fn: DenoiseFn, vocab_size: int):
     self.denoise_fn, self.vocab_size = denoise_fn, vocab_size
 
-  def logits(
-    self,
-    params,
-    tokens,
-    t=None,
-    *,
-    segments,
-    positions,
-    mask=None,
-    diffusion_block=None,
-    logits_length=None,
-    latent: LatentInputs | None = None,
-  ):
-    del params, segments, positions, diffusion_block
+  def logits(self, params, tokens, t=None, *, mask=None, logits_length=None, latent=None, **positions):
+    """``denoise_fn(tokens, t)`` (``positions``: the segments, rotary positions and block a network would read)."""
+    del params, positions
     if latent is not None:
       raise ValueError("a FunctionNetwork denoises tokens, not latents")
     if mask not in (None, "bidirectional"):

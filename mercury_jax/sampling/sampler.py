@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -405,42 +405,30 @@ class Sampler:
       self._compiler = Compiler(self.tokenizer)
     return self._compiler.regex(regex) if regex is not None else self._compiler.json_schema(json_schema)
 
-  def stream(
-    self,
-    prompts: str | Sequence[str] | None = None,
-    *,
-    template: str | None = None,
-    length: int = 64,
-    steps: int | None = None,
-    steps_per_block: int | None = None,
-    seed: int = 0,
-    num_samples: int = 1,
-    streams: Sequence[int] | None = None,
-    bos: bool = False,
-    drafts: bool = False,
-    cache: str = "auto",
-    constraint: Automaton | Sequence[Automaton | None] | None = None,
-    token_healing: bool = True,
-    **knobs,
-  ) -> Iterator[StreamEvent]:
-    """Generates like :meth:`generate` (same arguments, same tokens) and yields text as blocks are committed.
+  def stream(self, prompts: str | Sequence[str] | None = None, *, drafts: bool = False, **kwargs):
+    """Generates like :meth:`generate` and yields text as blocks are committed: the same arguments (but
+    ``show_steps`` and ``per_process``), the same tokens.
 
     The engine's ``advance`` runs a block at a time (with ``drafts``, a step at a time): rows with nothing left never
     end a chunk, so a batch of mixed lengths syncs with the host once per block.
 
     Args:
+      prompts: See :meth:`generate`.
       drafts: Also yield, after every step, each unfinished sample's draft: its committed tokens with the step's
         proposals at the positions still undecided in the current block (later blocks as ``MASK_TEXT``).
-      See :meth:`generate` for the others.
+      **kwargs: :meth:`generate`'s other arguments.
 
     Yields:
       :class:`StreamEvent` per sample and chunk that has news: the newly committed text, the draft, and a last event
       with ``done=True``. Concatenating a sample's ``text`` gives its ``generate`` text.
     """
-    request = Request(
-      prompts, template, length, steps, steps_per_block, seed, num_samples, streams, False, bos, False, cache,
-      token_healing, knobs,
-    )  # fmt: skip
+    for name in ("show_steps", "per_process"):
+      if name in kwargs:
+        raise TypeError(f"stream() takes no {name} argument (generate() does)")
+    constraint = kwargs.pop("constraint", None)
+    fields = {f.name for f in dataclasses.fields(Request)} - {"prompts", "knobs"}
+    request = Request(prompts, **{k: v for k, v in kwargs.items() if k in fields},
+                      knobs={k: v for k, v in kwargs.items() if k not in fields})  # fmt: skip
     job = self.jobs.prepare(request, constraint)
     engine, state, _ = self._start(job)
     rows, kinds = job.rows, np.asarray(job.canvas.kinds)

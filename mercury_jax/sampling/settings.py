@@ -13,11 +13,9 @@ import dataclasses
 from typing import Literal, NamedTuple
 
 from mercury_jax.config import ObjectiveConfig
-from mercury_jax.limits import MAX_SEED
+from mercury_jax.limits import MAX_GUIDANCE, MAX_SEED, SOLVERS
 
 SAMPLERS = ("ancestral", "confidence", "threshold", "ode")
-SOLVERS = ("euler", "heun")
-MAX_GUIDANCE = 16.0  # The largest classifier-free guidance scale accepted.
 CONFIDENCES = ("prob", "margin", "entropy")
 COMMIT_COUNTS = ("even", "timesteps")
 # Verified decoding's draft trees by name: the rank paths each adds to the drafter's chain (``parse_tree``;

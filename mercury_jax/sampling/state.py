@@ -1,6 +1,6 @@
 """The decoding engine's loop state (:class:`State`), each field's batch axis declared once (:data:`AXES`), and the
-row moves every program shares: :func:`take_rows`, :func:`put_rows`, :func:`select_rows`, :func:`insert_row` and
-:func:`repeat_rows`, one ``tree_map`` over :data:`AXES` each.
+row moves every program shares: :func:`take_rows`, :func:`put_rows`, :func:`select_rows`, :func:`insert_row`,
+:func:`repeat_rows` and :func:`constrain_rows`, one ``tree_map`` over :data:`AXES` each.
 
 A field is a plain array (or a pytree of them) with its rows on one axis, or an object that moves its own rows
 (the key-value caches, structured output's automata): it has the methods ``take_rows``, ``put_rows``,
@@ -15,6 +15,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from mercury_jax import sharding as sh
 from mercury_jax.sampling.automata import Tables
 from mercury_jax.sampling.proposal import Knobs
 
@@ -173,6 +174,22 @@ def _each(axis: Axis, value, objects, arrays):
   if hasattr(value, "AXES"):
     return jax.tree.map(lambda a, v: _each(a, v, objects, arrays), value.AXES, value)
   return jax.tree.map(lambda a: arrays(a, axis.index), value)
+
+
+def constrain_rows(st: State) -> State:
+  """``st`` with every array's row axis split over the mesh's data axes (:func:`mercury_jax.sharding.constrain`; a
+  no-op outside a mesh). A state laid out from constants (``jnp.zeros``) has nothing that ties it to the rows' devices,
+  and GSPMD would replicate it: every device holding the whole batch's logits."""
+
+  def rows(a: jax.Array, axis: int) -> jax.Array:
+    if a.ndim <= axis:
+      return a
+    return sh.constrain(a, (None,) * axis + (sh.BATCH,) + (None,) * (a.ndim - axis - 1))
+
+  def one(axis: Axis, value):
+    return value if axis is COUNTER else _each(axis, value, lambda o: o, rows)
+
+  return jax.tree.map(one, AXES, st)
 
 
 def take_rows(st: State, rows: jax.Array) -> State:

@@ -74,15 +74,27 @@ class Row:
   heal: str = ""
 
   @classmethod
-  def completion(cls, prompt, max_tokens: int, suffix=(), **fields) -> Row:
-    """``prompt``, a hole of ``max_tokens`` positions, then ``suffix`` (token ids)."""
+  def completion(cls, prompt, max_tokens: int, suffix=(), knobs=None, steps_per_block=None, **fields) -> Row:
+    """``prompt``, a hole of ``max_tokens`` positions, then ``suffix`` (token ids): an HTTP completion's row."""
     pieces = (tuple(prompt), cv.Hole(max_tokens)) + ((tuple(suffix),) if len(suffix) else ())
-    return cls(pieces, **fields)
+    return cls(pieces, knobs, steps_per_block, **fields)
 
   @property
   def prompt(self) -> tuple[int, ...]:
     """The tokens before the first hole."""
     return tuple(self.pieces[0]) if self.pieces and not isinstance(self.pieces[0], cv.Hole) else ()
+
+  @property
+  def max_tokens(self) -> int:
+    """The positions of the first hole (a completion's generated tokens)."""
+    return next((p.length for p in self.pieces if isinstance(p, cv.Hole)), 0)
+
+  @property
+  def suffix(self) -> tuple[int, ...]:
+    """The tokens after the first hole (a completion's suffix; fill in the middle)."""
+    holes = [i for i, p in enumerate(self.pieces) if isinstance(p, cv.Hole)]
+    after = self.pieces[holes[0] + 1 :] if holes else ()
+    return tuple(t for piece in after if not isinstance(piece, cv.Hole) for t in piece)
 
   @property
   def positions(self) -> int:

@@ -8,15 +8,17 @@ Examples::
     -d '{"prompt": "def fibonacci(n):", "max_tokens": 64, "stream": true}'
 
 The endpoints and the streaming format are described in :mod:`mercury_jax.serve.routes`. The server prints
-``serving MODEL on http://HOST:PORT`` once it listens (``--port 0`` picks a free port). On SIGTERM or Ctrl-C it stops
-accepting connections, ``/health`` turns 503, running requests get ``--grace`` seconds to finish, then the engine
-stops and the process exits 0. Bad flags get one line on stderr and exit code 2. Compiled programs are kept in
-``~/.cache/mercury_jax/xla`` as for ``python -m mercury_jax.sample``.
+``serving MODEL on http://HOST:PORT`` once it listens (``--port 0`` picks a free port). On SIGTERM or Ctrl-C it keeps
+listening but ``/health`` answers 503 and new requests 503, running requests get ``--grace`` seconds to finish, those
+still running then end with a 503 (a stream: an error event, then ``[DONE]``), and the process exits 0
+(:mod:`mercury_jax.serve.draining`; a second signal ends the grace at once). Bad flags get one line on stderr and
+exit code 2. Compiled programs are kept in ``~/.cache/mercury_jax/xla`` as for ``python -m mercury_jax.sample``.
 
 Exposed servers: ``--host 0.0.0.0`` without ``--api-key`` (or ``MERCURY_API_KEY``) lets anyone on the network use
-the model. With a key, ``/v1/...`` needs ``Authorization: Bearer KEY``; ``/health`` and ``/metrics`` stay open.
-``--max-body-bytes``, ``--request-timeout``, ``--compile-workers`` and ``--compile-timeout`` bound what one request
-can cost (see :mod:`mercury_jax.serve.guard` and :mod:`mercury_jax.serve.compiling`). Errors and their details go
+the model. With a key, ``/v1/...`` and ``/openapi.json`` need ``Authorization: Bearer KEY``; ``/health`` and
+``/metrics`` stay open. ``--max-body-bytes``, ``--body-timeout``, ``--request-timeout``, ``--compile-workers`` and
+``--compile-timeout`` bound what one request can cost (see :mod:`mercury_jax.serve.guard` and
+:mod:`mercury_jax.serve.compiling`). Errors and their details go
 to stderr (logger ``mercury_jax.serve``); clients see a fixed message and a request id.
 
 Multi-host: start the same command on every host with ``--coordinator HOST:PORT --num-processes N --process-id I``
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import functools
 import logging
 import os
@@ -36,12 +39,13 @@ import sys
 from pathlib import Path
 
 from mercury_jax import usage
-from mercury_jax.limits import MAX_TILE
+from mercury_jax.limits import MAX_TILE, Capacity
+from mercury_jax.serve.config import ServeConfig
+from mercury_jax.serve.guard import MAX_BODY_TIMEOUT
 from mercury_jax.serve.pacing import DEFAULT_SHARE, MAX_SHARE, MIN_SHARE
 
 BUNDLED_NAME = "mercury_jax-{model}"  # The model name of a bundled checkpoint (--model).
 DEFAULT_PREFILL_CHUNK = 512  # Prompt tokens an engine iteration prefills at most (--prefill-chunk).
-MAX_PREFILL_CHUNK = 1 << 20  # The largest --prefill-chunk accepted (a bound on the flag, far above any context).
 
 
 _Parser = functools.partial(usage.Parser, command="mercury_jax.serve")  # usage errors: one line, exit code 2
@@ -50,6 +54,16 @@ _fail = functools.partial(usage.fail, "mercury_jax.serve")
 
 def build_parser() -> argparse.ArgumentParser:
   p = _Parser(prog="python -m mercury_jax.serve", description=__doc__.splitlines()[0])
+  for flags in (_model_flags, _engine_flags, _http_flags, _structured_flags):
+    flags(p)
+  from mercury_jax import distributed
+
+  distributed.add_arguments(p)
+  return p
+
+
+def _model_flags(p: argparse.ArgumentParser) -> None:
+  """Which model, and how it decodes."""
   which = p.add_mutually_exclusive_group()
   which.add_argument(
     "--checkpoint", help="train workdir, checkpoints folder, step folder or exported checkpoint (default: bundled)"
@@ -60,8 +74,32 @@ def build_parser() -> argparse.ArgumentParser:
     help="a bundled model, without --checkpoint: default (verified decoding), default_bd (block diffusion) or "
     "default_ar (the autoregressive twin)",
   )
-  p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0: every one)")
-  p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000; 0: a free one)")
+  p.add_argument(
+    "--mesh", help="DATA,FSDP,TENSOR or DATA,FSDP,SEQUENCE,TENSOR sizes (default: every device on the data axis)"
+  )
+  usage.add_latent_flags(p)
+  p.add_argument(
+    "--block-length",
+    type=int,
+    default=0,
+    help="block of a whole-sequence checkpoint (default 32); block-diffusion checkpoints use their trained block",
+  )
+  p.add_argument(
+    "--decode",
+    default="auto",
+    choices=("auto", "ar", "diffusion", "verified"),
+    help="how every request decodes (default auto: the model's best; a verified checkpoint: verified)",
+  )
+  p.add_argument(
+    "--draft-length", type=int, default=0, help="verified decoding's draft length (default 0: the checkpoint's)"
+  )
+  usage.add_draft_flags(p)  # every request decodes with one draft tree, compiled at start
+  p.set_defaults(draft_tree="auto", draft_lookup=-1, draft_blocks="auto", draft_confidence=0.0)
+  p.add_argument("--model-name", help="the name clients see (default: the checkpoint folder's name)")
+
+
+def _engine_flags(p: argparse.ArgumentParser) -> None:
+  """The engine's slots, pages and prefills (:class:`~mercury_jax.serve.config.ServeConfig`)."""
   p.add_argument("--slots", type=int, default=16, help="requests generated at once, the engine's batch (default 16)")
   p.add_argument("--max-queue", type=int, default=256, help="requests that may wait for a slot; more get 429")
   p.add_argument(
@@ -101,50 +139,30 @@ def build_parser() -> argparse.ArgumentParser:
     "request's tokens are the same whatever runs beside it)",
   )
   p.add_argument(
+    "--no-overlap",
+    dest="overlap",
+    action="store_false",
+    help="run the engine one step at a time: the host reads each step's view before it dispatches the next (default: "
+    "it reads a step's view while the next step runs; the same tokens, see serve/scheduler.py)",
+  )
+  p.add_argument(
     "--invariant-tile",
     type=int,
     default=0,
     help="positions per matmul tile of a batch-invariant step: a lone request pays for one tile, a full step runs "
     f"its positions a tile at a time (default 0: four rows' positions of a step, in [8, 64]; at most {MAX_TILE})",
   )
+
+
+def _http_flags(p: argparse.ArgumentParser) -> None:
+  """Where and how the server answers."""
+  p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0: every one)")
+  p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000; 0: a free one)")
   p.add_argument(
-    "--mesh", help="DATA,FSDP,TENSOR or DATA,FSDP,SEQUENCE,TENSOR sizes (default: every device on the data axis)"
-  )
-  p.add_argument(
-    "--solver",
-    help="a continuous checkpoint's ODE solver: euler or heun (default euler; heun: two passes a step)",
-  )
-  p.add_argument(
-    "--guidance",
+    "--grace",
     type=float,
-    metavar="W",
-    help="a continuous checkpoint's classifier-free guidance scale (default 1: off; two passes a step otherwise)",
-  )
-  p.add_argument(
-    "--block-length",
-    type=int,
-    default=0,
-    help="block of a whole-sequence checkpoint (default 32); block-diffusion checkpoints use their trained block",
-  )
-  p.add_argument(
-    "--decode",
-    default="auto",
-    choices=("auto", "ar", "diffusion", "verified"),
-    help="how every request decodes (default auto: the model's best; a verified checkpoint: verified)",
-  )
-  p.add_argument(
-    "--draft-length", type=int, default=0, help="verified decoding's draft length (default 0: the checkpoint's)"
-  )
-  usage.add_draft_flags(p)  # every request decodes with one draft tree, compiled at start
-  p.add_argument("--model-name", help="the name clients see (default: the checkpoint folder's name)")
-  p.add_argument(
-    "--grace", type=float, default=30.0, help="seconds running requests get to finish on shutdown (default 30)"
-  )
-  p.add_argument(
-    "--constraint-capacity",
-    default="512,256,16384",
-    help="STATES,CLASSES,EDGES of the largest automaton a slot holds for structured output (response_format, "
-    "tools); larger schemas get 400 (default 512,256,16384); 0: structured output off",
+    default=30.0,
+    help="seconds running requests get to finish after SIGTERM; those still running then end with 503 (default 30)",
   )
   p.add_argument(
     "--api-key",
@@ -155,22 +173,16 @@ def build_parser() -> argparse.ArgumentParser:
     "--max-body-bytes", type=int, default=4 << 20, help="largest request body; larger ones get 413 (default 4 MiB)"
   )
   p.add_argument(
+    "--body-timeout",
+    type=float,
+    default=10.0,
+    help=f"seconds a request's body may take to arrive; slower ones get 408 (default 10, at most {MAX_BODY_TIMEOUT:g})",
+  )
+  p.add_argument(
     "--request-timeout",
     type=float,
     default=600.0,
     help="seconds a request may take from arrival to its last token; then 504 and its slots are freed (default 600)",
-  )
-  p.add_argument(
-    "--compile-workers",
-    type=int,
-    default=2,
-    help="processes that compile structured-output constraints, each job under a time and memory limit (default 2)",
-  )
-  p.add_argument(
-    "--compile-timeout",
-    type=float,
-    default=5.0,
-    help="seconds one constraint may take to compile; longer ones are stopped and get 400 (default 5)",
   )
   p.add_argument(
     "--no-token-healing",
@@ -179,60 +191,64 @@ def build_parser() -> argparse.ArgumentParser:
     help="keep a completion prompt's last token as tokenised (default: re-generate it as a token whose text starts "
     "with its characters; plain-text /v1/completions only)",
   )
-  from mercury_jax import distributed
 
-  distributed.add_arguments(p)
-  return p
+
+def _structured_flags(p: argparse.ArgumentParser) -> None:
+  """Structured output's constraints and their compile pool."""
+  p.add_argument(
+    "--constraint-capacity",
+    default="512,256,16384",
+    help="STATES,CLASSES,EDGES of the largest automaton a slot holds for structured output (response_format, "
+    "tools); larger schemas get 400 (default 512,256,16384); 0: structured output off",
+  )
+  p.add_argument(
+    "--compile-workers",
+    type=int,
+    default=2,
+    help="structured-output constraints that may compile at once past their first second (each job under a time "
+    "and memory limit; newer ones get their first second at once beside them, see serve/compiling.py; default 2)",
+  )
+  p.add_argument(
+    "--compile-timeout",
+    type=float,
+    default=5.0,
+    help="seconds one constraint may take to compile; longer ones are stopped and get 400 (default 5)",
+  )
 
 
 def _check_args(args: argparse.Namespace) -> None:
-  if not 0 <= args.port <= 65535:
-    _fail(f"--port={args.port} must lie in [0, 65535]")
-  if args.slots < 1:
-    _fail(f"--slots={args.slots} must be >= 1")
-  if args.max_queue < 0:
-    _fail(f"--max-queue={args.max_queue} must be >= 0")
-  if args.kv_pages is not None and args.kv_pages < 2:
-    _fail(f"--kv-pages={args.kv_pages} must be >= 2 (page 0 is the sink; each request needs at least one more)")
-  if not 1 <= args.page_size <= 4096:
-    _fail(f"--page-size={args.page_size} must lie in [1, 4096]")
-  if args.max_model_len is not None and args.max_model_len < 1:
-    _fail(f"--max-model-len={args.max_model_len} must be >= 1")
-  if not MIN_SHARE <= args.prefill_share <= MAX_SHARE:  # also NaN
-    _fail(f"--prefill-share={args.prefill_share} must lie in [{MIN_SHARE}, {MAX_SHARE}]")
-  if not 0 <= args.prefill_chunk <= MAX_PREFILL_CHUNK:
-    _fail(f"--prefill-chunk={args.prefill_chunk} must lie in [0, {MAX_PREFILL_CHUNK}] (0: one pass)")
-  if not 0 <= args.invariant_tile <= MAX_TILE:
-    _fail(f"--invariant-tile={args.invariant_tile} must lie in [0, {MAX_TILE}] (0: four rows' positions of a step)")
-  if args.block_length < 0:
-    _fail(f"--block-length={args.block_length} must be >= 0 (0: the model's own)")
-  if args.solver not in (None, "euler", "heun"):
-    _fail(f"--solver={args.solver!r} is unknown; choose one of euler, heun")
-  if args.guidance is not None and not 0.0 <= args.guidance <= 16.0:
-    _fail(f"--guidance={args.guidance!r} must lie in [0, 16] (1: off)")
-  if not args.grace >= 0:
-    _fail(f"--grace={args.grace} must be >= 0 seconds")
+  """Every flag checked before anything is loaded; ``args.config``: the engine's :class:`ServeConfig`."""
+  http = (
+    (not 0 <= args.port <= 65535, f"--port={args.port} must lie in [0, 65535]"),
+    (not args.grace >= 0, f"--grace={args.grace} must be >= 0 seconds"),
+    (args.max_body_bytes < 1024, f"--max-body-bytes={args.max_body_bytes} must be >= 1024"),
+    (not 0 < args.body_timeout <= MAX_BODY_TIMEOUT, f"--body-timeout={args.body_timeout} must lie in (0, "
+     f"{MAX_BODY_TIMEOUT:g}] seconds"),
+    (not args.request_timeout > 0, f"--request-timeout={args.request_timeout} must be > 0 seconds"),
+    (args.compile_workers < 1, f"--compile-workers={args.compile_workers} must be >= 1"),
+    (not args.compile_timeout > 0, f"--compile-timeout={args.compile_timeout} must be > 0 seconds"),
+  )  # fmt: skip
+  for wrong, message in http:
+    if wrong:
+      _fail(message)
   if args.api_key is not None and not args.api_key.strip():
     _fail("--api-key is empty; give the key clients must send, or leave the flag (and MERCURY_API_KEY) out")
-  if args.max_body_bytes < 1024:
-    _fail(f"--max-body-bytes={args.max_body_bytes} must be >= 1024")
-  if not args.request_timeout > 0:
-    _fail(f"--request-timeout={args.request_timeout} must be > 0 seconds")
-  if args.compile_workers < 1:
-    _fail(f"--compile-workers={args.compile_workers} must be >= 1")
-  if not args.compile_timeout > 0:
-    _fail(f"--compile-timeout={args.compile_timeout} must be > 0 seconds")
   if args.model_name is not None and not args.model_name.strip():
     _fail("--model-name is empty; give the name clients should send, or leave the flag out")
   if args.checkpoint is not None and not Path(args.checkpoint).exists():
     _fail(f"--checkpoint {args.checkpoint!r} does not exist")
-  args.capacity = _capacity(args.constraint_capacity)
+  fields = {f.name for f in dataclasses.fields(ServeConfig)} - {"capacity"}
+  try:
+    given = {name: getattr(args, name) for name in fields if hasattr(args, name)}
+    args.config = ServeConfig(**given, capacity=_capacity(args))
+    args.config.validate()
+  except ValueError as e:
+    _fail(str(e))
 
 
-def _capacity(flag: str):
+def _capacity(args: argparse.Namespace):
   """``--constraint-capacity``: a ``Capacity``, or None for 0."""
-  from mercury_jax.sampling.automata import Capacity
-
+  flag = args.constraint_capacity
   if flag.strip() == "0":
     return None
   parts = flag.split(",")
@@ -246,66 +262,33 @@ def _load(args: argparse.Namespace):
   and the model's name; every failure is one line and exit code 2."""
   import jax
 
-  from mercury_jax.config import ConfigError
-  from mercury_jax.sample import bundled_model
-  from mercury_jax.sampling.drafts import Drafting
-  from mercury_jax.sampling.sampler import Sampler
-  from mercury_jax.sampling.settings import AUTO, SettingError
+  from mercury_jax.sample import load_sampler
+  from mercury_jax.sampling.settings import SettingError
   from mercury_jax.serve.scheduler import Scheduler
 
-  path = args.checkpoint if args.checkpoint is not None else bundled_model(args.model, _fail)
-  from mercury_jax import sharding as sh
-
-  try:
-    mesh = sh.mesh_from_flag(args.mesh)
-  except ConfigError as e:
-    _fail(str(e) if str(e).startswith("--mesh") else f"--mesh {args.mesh!r}: {e}")
-  try:
-    sampler = Sampler.from_checkpoint(path, mesh=mesh)
-  except (FileNotFoundError, ConfigError, ValueError) as e:
-    _fail(f"--checkpoint {str(path)!r}: {e}")
+  sampler = load_sampler(args.checkpoint, args.model, args.mesh, _fail)
   if args.max_model_len is not None and args.max_model_len > sampler.max_length:
     _fail(
       f"--max-model-len={args.max_model_len} exceeds the model's context of {sampler.max_length} tokens (a longer "
       "context needs a model trained or extended to it, e.g. with RoPE scaling)"
     )
   pool = None
-  if args.capacity is not None and jax.process_index() == 0:  # Its processes start while the engine compiles.
+  capacity = args.config.capacity
+  if capacity is not None and jax.process_index() == 0:  # Its processes start while the engine compiles.
     from mercury_jax.serve.compiling import CompilePool, CompilerSpec
-    from mercury_jax.serve.slots import CAPACITY_REMEDY
+    from mercury_jax.serve.config import CAPACITY_REMEDY
 
-    spec = CompilerSpec(sampler.tokenizer.to_bytes(), *args.capacity, remedy=CAPACITY_REMEDY)
+    spec = CompilerSpec(sampler.tokenizer.to_bytes(), *capacity, remedy=CAPACITY_REMEDY)
     pool = CompilePool(spec, workers=args.compile_workers, timeout=args.compile_timeout)
     pool.start()
   try:
-    scheduler = Scheduler(
-      sampler,
-      slots=args.slots,
-      max_queue=args.max_queue,
-      block_length=args.block_length,
-      decode=args.decode,
-      draft_length=args.draft_length,
-      drafting=Drafting(
-        args.draft_tree or AUTO, -1 if args.draft_lookup is None else args.draft_lookup, args.draft_blocks or AUTO
-      ),
-      draft_confidence=args.draft_confidence or 0.0,
-      capacity=args.capacity,
-      page_size=args.page_size,
-      kv_pages=args.kv_pages,
-      batch_invariant=args.batch_invariant,
-      invariant_tile=args.invariant_tile,
-      max_model_len=args.max_model_len,
-      prefill_chunk=args.prefill_chunk,
-      prefill_share=args.prefill_share,
-      solver=args.solver,
-      guidance=args.guidance,
-    )
+    scheduler = Scheduler(sampler, args.config)
   except (SettingError, ValueError) as e:
     if pool is not None:  # Its processes are not left to find the server gone.
       pool.close()
     _fail(e.named("--" + e.field.replace("_", "-")) if isinstance(e, SettingError) else str(e))
   name = args.model_name or (
-    BUNDLED_NAME.format(model=args.model) if args.checkpoint is None else Path(path).resolve().name
+    BUNDLED_NAME.format(model=args.model) if args.checkpoint is None else Path(args.checkpoint).resolve().name
   )
   _print_memory(scheduler.engine)
   return scheduler, pool, name
@@ -321,7 +304,7 @@ def _print_memory(engine) -> None:
   dense = engine.slots * memory["dense_row"]
   print(
     f"kv cache: {memory['pages'] - 1} pages of {memory['page_size']} slots ({mib(memory['page'])} each), "
-    f"{mib(memory['pool'])} in all; a whole context takes {engine.pages_per_row} pages; a dense cache of "
+    f"{mib(memory['pool'])} in all; a whole context takes {engine.admission.pages_per_row} pages; a dense cache of "
     f"{engine.slots} slots would take {mib(dense)}; requests of up to {engine.max_model_len} tokens"
     + (f", prompts prefilled in chunks of {engine.prefill_chunk} tokens" if engine.prefill_chunk else ""),
     flush=True,
@@ -332,6 +315,8 @@ async def _serve(server, name: str, host: str, pool) -> None:
   """Runs ``server`` and prints the line that says it listens (tests wait for it), once the compile pool is ready."""
   if pool is not None:
     await pool.ready()
+  server.loop = asyncio.get_running_loop()
+  watch = asyncio.create_task(server.config.app.state.metrics.watch_loop())  # mercury_event_loop_lag_seconds
 
   async def announce():
     while not server.started:
@@ -344,6 +329,7 @@ async def _serve(server, name: str, host: str, pool) -> None:
     await server.serve()
   finally:
     announcer.cancel()
+    watch.cancel()
 
 
 def main(argv: list[str] | None = None, *, compile_cache: bool = False) -> int:
@@ -375,25 +361,31 @@ def main(argv: list[str] | None = None, *, compile_cache: bool = False) -> int:
   from mercury_jax.serve.chat import TemplateError
   from mercury_jax.serve.routes import Options, create_app
 
-  options = Options(
-    model_name=name,
-    grace=args.grace,
-    token_healing=args.token_healing,
-    api_key=args.api_key,
-    max_body_bytes=args.max_body_bytes,
-    request_timeout=args.request_timeout,
-  )
+  # Every option but the name is the flag of the same name.
+  options = Options(name, **{f.name: getattr(args, f.name) for f in dataclasses.fields(Options)[1:]})
   try:
     app = create_app(scheduler, pool, options)
   except TemplateError as e:
     _fail(f"--checkpoint: {e}")
 
-  class Server(uvicorn.Server):
-    def handle_exit(self, sig, frame):
-      app.state.draining = True  # /health answers 503 while running requests finish.
-      super().handle_exit(sig, frame)
+  from sse_starlette.sse import AppStatus
 
-  config = uvicorn.Config(app, host=args.host, port=args.port, timeout_graceful_shutdown=args.grace, lifespan="off")
+  from mercury_jax.serve.draining import MARGIN
+
+  AppStatus.disable_automatic_graceful_drain()  # Streams end through the drain (an error event, [DONE]), not cut.
+  drain = app.state.drain
+
+  class Server(uvicorn.Server):
+    loop: asyncio.AbstractEventLoop | None = None  # set by _serve
+
+    def handle_exit(self, sig, frame):  # A signal handler: it only schedules the drain on the loop.
+      if self.loop is None:
+        self.should_exit = True
+      else:
+        self.loop.call_soon_threadsafe(drain.signal, lambda: setattr(self, "should_exit", True))
+
+  # Uvicorn's own graceful shutdown starts once the drain is over: every request has answered by then.
+  config = uvicorn.Config(app, host=args.host, port=args.port, timeout_graceful_shutdown=MARGIN, lifespan="off")
   server = Server(config)
   for sig in (signal.SIGINT, signal.SIGTERM):  # uvicorn raises the signal that stopped it again: drain instead.
     signal.signal(sig, lambda *_: None)
@@ -409,7 +401,7 @@ def main(argv: list[str] | None = None, *, compile_cache: bool = False) -> int:
   finally:
     if pool is not None:
       pool.close()
-  scheduler.shutdown(args.grace)
+  scheduler.shutdown(MARGIN)  # Every request has ended; their slots are freed at the engine's next iteration.
   return 0
 
 

@@ -4,10 +4,8 @@ event stream (:class:`Shape`, :func:`collect`, :func:`events`). The formats are 
 
 The text is built incrementally, so the work per update is proportional to the update, never to the text so far:
 
-* :class:`Detokenizer` decodes only a small window of token ids per update, the way vLLM's incremental detokenizer
-  keeps a prefix and a read offset: the text of ``ids[prefix:]`` minus the text of ``ids[prefix:read]`` is what the
-  new ids add, in context (a piece's leading space, a character split over byte pieces); text that ends in the
-  replacement character ``\\ufffd`` waits for the bytes that complete it.
+* :class:`~mercury_jax.sampling.text.Detokenizer` (the library's streams use it too) decodes only a small window of
+  token ids per update, the way vLLM's incremental detokenizer keeps a prefix and a read offset.
 * :class:`Choice` keeps the decoded text that could still begin a stop string (at most the longest stop's length,
   :func:`~mercury_jax.serve.protocol.held_back`) and releases the rest; stop strings are searched in that held-back
   tail plus the new text only.
@@ -17,39 +15,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
+import time
 from collections.abc import AsyncIterator
 
-from mercury_jax.sampling.sampler import MASK_TEXT
+from mercury_jax.sampling.text import MASK_TEXT, Detokenizer
 from mercury_jax.serve import protocol as api, structured
 from mercury_jax.serve.metrics import Metrics
 
 logger = logging.getLogger("mercury_jax.serve")
 DISCONNECTED = 499  # The status counted for a request whose client went away (nginx's convention).
-
-
-class Detokenizer:
-  """The text of a growing list of token ids, one delta per :meth:`add` (module docstring)."""
-
-  def __init__(self, tokenizer):
-    self.tokenizer = tokenizer
-    self._ids: list[int] = []  # the ids from the prefix offset on
-    self._read = 0  # ids before this one (in ``_ids``) are decoded
-
-  def add(self, ids, final: bool = False) -> str:
-    """The text ``ids`` add (empty while it ends inside a character); ``final`` flushes whatever is left."""
-    self._ids.extend(ids)
-    if self._read == len(self._ids):
-      return ""
-    decode = self.tokenizer.decode
-    before = decode(self._ids[: self._read]) if self._read else ""
-    after = decode(self._ids)
-    if not final and (len(after) <= len(before) or after.endswith("\ufffd")):
-      return ""
-    prefix = self._read  # The next window starts at the ids decoded now, for their context.
-    self._ids, self._read = self._ids[prefix:], len(self._ids) - prefix
-    return after[len(before) :]
 
 
 class Choice:
@@ -100,11 +77,19 @@ class Choice:
     return self._parts[0] if self._parts else ""
 
   def advance(self, update) -> tuple[str, str | None]:
-    """Takes an update; returns the text released by it and the choice's new draft (None without one).
+    """Takes an update; returns the text released by it and the choice's new draft (None without one). Its time
+    counts in ``mercury_answer_seconds_total``.
 
     Raises:
       APIError: 500 when the engine failed on the request (the details go to the log), 503 when it was cancelled.
     """
+    began = time.perf_counter()
+    try:
+      return self._advance(update)
+    finally:
+      self.metrics.answer_seconds.inc(time.perf_counter() - began)
+
+  def _advance(self, update) -> tuple[str, str | None]:
     if update.finish_reason == "error":
       logger.error("request %s: the engine failed on choice %d: %s", self.request_id, self.index, update.error)
       raise api.APIError.internal(self.request_id)
@@ -162,14 +147,38 @@ class TimedOut(Exception):
   """The request ran past its deadline (the routes answer it; the choices are cancelled)."""
 
 
-async def run(choices: list[Choice], deadline: float | None = None) -> AsyncIterator[tuple[Choice, str, str | None]]:
+class ShutDown(Exception):
+  """The server's grace period ended before the request did (the routes answer it; the choices are cancelled)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Ends:
+  """How a stream ends early, and what it says then.
+
+  Attributes:
+    deadline: The request's deadline on the loop's clock (None: none).
+    timeout: The :class:`~mercury_jax.serve.protocol.APIError` sent when ``deadline`` passes.
+    closing: Set when the server's grace period ends (None: never).
+    shutdown: The :class:`~mercury_jax.serve.protocol.APIError` sent when ``closing`` is set.
+  """
+
+  deadline: float | None = None
+  timeout: api.APIError | None = None
+  closing: asyncio.Event | None = None
+  shutdown: api.APIError | None = None
+
+
+async def run(
+  choices: list[Choice], deadline: float | None = None, closing: asyncio.Event | None = None
+) -> AsyncIterator[tuple[Choice, str, str | None]]:
   """``(choice, released text, draft)`` as the choices' updates arrive, until every choice has finished.
 
-  However it ends (finished, failed, timed out at ``deadline`` on the loop's clock, or closed because the client
-  left), the choices still running are cancelled, which frees their slots.
+  However it ends (finished, failed, timed out at ``deadline`` on the loop's clock, stopped by ``closing``, or closed
+  because the client left), the choices still running are cancelled, which frees their slots.
 
   Raises:
     TimedOut: ``deadline`` passed first.
+    ShutDown: ``closing`` was set first.
   """
   queue: asyncio.Queue = asyncio.Queue()
   loop = asyncio.get_running_loop()
@@ -181,12 +190,18 @@ async def run(choices: list[Choice], deadline: float | None = None) -> AsyncIter
     except Exception as error:  # noqa: BLE001  Handed to the consumer, which answers 500.
       queue.put_nowait((choice, error))
 
+  async def close():
+    await closing.wait()
+    queue.put_nowait((None, ShutDown()))
+
   tasks = [asyncio.create_task(pump(choice)) for choice in choices]
+  if closing is not None:
+    tasks.append(asyncio.create_task(close()))
   timer = loop.call_at(deadline, queue.put_nowait, (None, TimedOut())) if deadline is not None else None
   try:
     while any(choice.finish_reason is None for choice in choices):
       choice, update = await queue.get()
-      if isinstance(update, TimedOut):
+      if isinstance(update, TimedOut | ShutDown):
         raise update
       if isinstance(update, Exception):
         request_id = choice.request_id
@@ -233,45 +248,52 @@ class Shape:
     return api.Completion(id=self.id, model=self.model, choices=items, usage=usage)
 
 
-async def collect(choices: list[Choice], deadline: float | None = None) -> None:
+async def collect(choices: list[Choice], deadline: float | None = None, closing: asyncio.Event | None = None) -> None:
   """Runs the choices to their end (:func:`run`), for a whole answer."""
-  async with contextlib.aclosing(run(choices, deadline)) as updates:
+  async with contextlib.aclosing(run(choices, deadline, closing)) as updates:
     async for _ in updates:
       pass
 
 
 async def events(
-  choices: list[Choice], shape: Shape, usage, metrics: Metrics, path: str, deadline: float | None, timeout_error
+  choices: list[Choice], shape: Shape, usage, metrics: Metrics, path: str, ends: Ends = Ends()
 ) -> AsyncIterator[dict]:
   """The SSE events of a streamed answer (:mod:`~mercury_jax.serve.routes`' docstring).
 
   Args:
     usage: A callable for the usage event, or None.
-    deadline: The request's deadline on the loop's clock (None: none); past it the stream ends with
-      ``timeout_error``'s body, then ``[DONE]``.
-    timeout_error: The :class:`~mercury_jax.serve.protocol.APIError` of a timed-out request.
+    ends: The request's deadline and the server's grace limit: past either the stream ends with the error's body as
+      an event, then ``[DONE]``.
   """
   status = DISCONNECTED
+
+  def chunk(choices: list, usage_: api.Usage | None = None) -> dict:
+    began = time.perf_counter()
+    data = shape.chunk(choices, usage_)
+    metrics.answer_seconds.inc(time.perf_counter() - began)
+    return {"data": data}
+
   try:
     if shape.chat:
       for choice in choices:
-        yield {"data": shape.chunk([shape.delta(choice.index, None, role="assistant")])}
+        yield chunk([shape.delta(choice.index, None, role="assistant")])
     try:
-      async with contextlib.aclosing(run(choices, deadline)) as updates:
+      async with contextlib.aclosing(run(choices, ends.deadline, ends.closing)) as updates:
         async for choice, released, draft in updates:
           if choice.tool_call is not None:
-            yield {"data": shape.chunk([shape.delta(choice.index, None, call=choice.tool_call)])}
-            yield {"data": shape.chunk([shape.delta(choice.index, None, choice.finish_reason)])}
+            yield chunk([shape.delta(choice.index, None, call=choice.tool_call)])
+            yield chunk([shape.delta(choice.index, None, choice.finish_reason)])
           elif released or choice.finish_reason is not None:
-            yield {"data": shape.chunk([shape.delta(choice.index, released or None, choice.finish_reason)])}
+            yield chunk([shape.delta(choice.index, released or None, choice.finish_reason)])
           if draft is not None:
-            yield {"data": shape.chunk([shape.delta(choice.index, None, draft=draft)])}
+            yield chunk([shape.delta(choice.index, None, draft=draft)])
       if usage is not None:
-        yield {"data": shape.chunk([], usage())}
+        yield chunk([], usage())
       status = 200
-    except TimedOut:
-      status = timeout_error.status
-      yield {"data": json.dumps(timeout_error.body())}
+    except (TimedOut, ShutDown) as stopped:
+      error = ends.timeout if isinstance(stopped, TimedOut) else ends.shutdown
+      status = error.status
+      yield {"data": json.dumps(error.body())}
     except api.APIError as error:
       status = error.status
       yield {"data": json.dumps(error.body())}

@@ -22,7 +22,8 @@ The step budgets, named for what they are (the same words as ``python -m mercury
 
 Every number has bounds (:class:`Limits` holds the ones the model and the server's flags set): a value outside them
 answers 400 naming the field, before anything reaches the engine. Floats must be finite (``NaN`` and ``Infinity``
-are refused).
+are refused). Types are strict: an integer field takes an integer only (``true``, ``4.0`` and ``"4"`` answer 400
+naming it), a number field a number, a boolean field ``true`` or ``false``.
 
 ``stop`` strings (at most :data:`MAX_STOPS`, each at most :data:`MAX_STOP_LENGTH` characters) end a choice where the
 first of them begins (:func:`find_stop`); a stream holds back the text that could still become one
@@ -160,7 +161,7 @@ def new_id(prefix: str) -> str:
 
 class StreamOptions(BaseModel):
   model_config = ConfigDict(extra="ignore")
-  include_usage: bool = False
+  include_usage: bool = Field(False, strict=True)
 
 
 class JSONSchemaFormat(BaseModel):
@@ -170,7 +171,7 @@ class JSONSchemaFormat(BaseModel):
   name: str = Field(pattern=NAME_PATTERN)
   description: str | None = None
   schema_: dict[str, Any] = Field(alias="schema")
-  strict: bool | None = None
+  strict: bool | None = Field(None, strict=True)
 
 
 class ResponseFormat(BaseModel):
@@ -186,28 +187,28 @@ class GenerationRequest(BaseModel):
   refused: ClassVar[dict[str, tuple[tuple, str]]] = UNSUPPORTED  # Fields accepted with their neutral values only.
 
   model: str | None = None  # Any name is accepted; responses carry the server's model name.
-  max_tokens: int | None = Field(None, ge=1)  # At most the context left after the prompt (Limits.context).
-  temperature: float | None = Field(None, ge=0, le=MAX_TEMPERATURE, allow_inf_nan=False)
-  top_p: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
-  n: int | None = Field(None, ge=1, le=MAX_CHOICES)
-  seed: int | None = Field(None, ge=0, le=MAX_SEED)
+  max_tokens: int | None = Field(None, ge=1, strict=True)  # At most the context left after the prompt.
+  temperature: float | None = Field(None, ge=0, le=MAX_TEMPERATURE, allow_inf_nan=False, strict=True)
+  top_p: float | None = Field(None, gt=0, le=1, allow_inf_nan=False, strict=True)
+  n: int | None = Field(None, ge=1, le=MAX_CHOICES, strict=True)
+  seed: int | None = Field(None, ge=0, le=MAX_SEED, strict=True)
   stop: str | list[str] | None = None
-  stream: bool | None = None
+  stream: bool | None = Field(None, strict=True)
   stream_options: StreamOptions | None = None
   user: str | None = None
   response_format: ResponseFormat | None = None
   # Diffusion knobs (the module docstring says what the step budgets mean).
-  steps: int | None = Field(None, ge=1)  # Total, for the generated length; at most Limits.context.
-  steps_per_block: int | None = Field(None, ge=1)  # Per block; at most Limits.block.
+  steps: int | None = Field(None, ge=1, strict=True)  # Total, for the generated length; at most Limits.context.
+  steps_per_block: int | None = Field(None, ge=1, strict=True)  # Per block; at most Limits.block.
   reasoning_effort: Literal["instant", "low", "medium", "high"] | None = None
-  block_length: int | None = Field(None, ge=1)
-  threshold: float | None = Field(None, ge=0, le=1, allow_inf_nan=False)
-  top_k: int | None = Field(None, ge=0)  # At most Limits.vocab; 0 keeps every token.
-  diffusing: bool | None = None
+  block_length: int | None = Field(None, ge=1, strict=True)
+  threshold: float | None = Field(None, ge=0, le=1, allow_inf_nan=False, strict=True)
+  top_k: int | None = Field(None, ge=0, strict=True)  # At most Limits.vocab; 0 keeps every token.
+  diffusing: bool | None = Field(None, strict=True)
   # Verified decoding: the served mode and draft length (set at start, --decode / --draft-length; a request may only
   # restate them).
   decode: Literal["auto", "ar", "diffusion", "verified"] | None = None
-  draft_length: int | None = Field(None, ge=1, le=MAX_DRAFT)
+  draft_length: int | None = Field(None, ge=1, le=MAX_DRAFT, strict=True)
   # Known, not implemented (UNSUPPORTED).
   logprobs: Any = None
   top_logprobs: Any = None
@@ -268,7 +269,7 @@ class FunctionSpec(BaseModel):
   name: str = Field(pattern=NAME_PATTERN)
   description: str | None = None
   parameters: dict[str, Any] | None = None
-  strict: bool | None = None
+  strict: bool | None = Field(None, strict=True)
 
 
 class Tool(BaseModel):
@@ -355,10 +356,10 @@ class ChatRequest(GenerationRequest):
   """``POST /v1/chat/completions``."""
 
   messages: list[ChatMessage] = Field(min_length=1)
-  max_completion_tokens: int | None = Field(None, ge=1)
+  max_completion_tokens: int | None = Field(None, ge=1, strict=True)
   tools: list[Tool] | None = None
   tool_choice: Any = None  # None, one of TOOL_CHOICES, or a NamedToolChoice.
-  parallel_tool_calls: bool | None = None  # Accepted; a reply holds at most one call either way.
+  parallel_tool_calls: bool | None = Field(None, strict=True)  # Accepted; a reply holds at most one call either way.
 
   @field_validator("tool_choice")
   @classmethod
@@ -382,7 +383,7 @@ def check_supported(request: GenerationRequest) -> None:
   value that is not "off"."""
   for field, (neutral, why) in request.refused.items():
     value = getattr(request, field)
-    if value not in neutral:
+    if not any(value == v and isinstance(value, bool) == isinstance(v, bool) for v in neutral):  # true is not 1
       allowed = " or ".join(repr(v) for v in neutral if v is not None)
       raise APIError(400, f"{field}={shown(value)} {why}; omit it (or send {allowed})", param=field, code="unsupported")
 
@@ -519,11 +520,14 @@ class ChatMessageOut(BaseModel):
   tool_calls: list[ToolCall] | None = Field(None, exclude_if=_absent_if_none)
 
 
-class ChatChoice(BaseModel):
+class _Choice(BaseModel):
   index: int
-  message: ChatMessageOut
   logprobs: None = None
   finish_reason: str | None = None
+
+
+class ChatChoice(_Choice):
+  message: ChatMessageOut
 
 
 class ToolCallDelta(BaseModel):
@@ -542,11 +546,8 @@ class ChatDelta(BaseModel):
   diffusing: Diffusing | None = Field(None, exclude_if=_absent_if_none)
 
 
-class ChatChunkChoice(BaseModel):
-  index: int
+class ChatChunkChoice(_Choice):
   delta: ChatDelta
-  logprobs: None = None
-  finish_reason: str | None = None
 
 
 class _Response(BaseModel):

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 import uuid
 
@@ -144,6 +145,10 @@ def structure(body: GenerationRequest) -> Structure:
       "response_format",
       param="response_format",
     )
+  if schema is not None:
+    _check_finite(schema, "response_format.json_schema.schema")
+  for i, given_tool in enumerate(getattr(body, "tools", None) or ()):
+    _check_finite(given_tool.function.parameters, f"tools[{i}].function.parameters")
   shape = Structure(kind, schema, calls, tool)
   if body.stops and shape.whole:
     what = f"response_format {kind}" if kind != "text" else "a required tool call"
@@ -154,6 +159,26 @@ def structure(body: GenerationRequest) -> Structure:
       param="stop",
     )
   return shape
+
+
+def _check_finite(value, param: str) -> None:
+  """400 naming the path of the first ``NaN`` or infinity in a schema: JSON has neither, but the body's parser takes
+  them, and no bound or enum of a schema means anything with one. Iterative, each path a linked list of its parts (a
+  schema may nest far deeper than Python's recursion limit, and a copied path would cost its depth per node)."""
+  stack = [(value, None)]  # (item, its path: (key, the parent's path) or None at the top)
+  while stack:
+    item, path = stack.pop()
+    if isinstance(item, float) and not math.isfinite(item):
+      parts = []
+      while path is not None:
+        key, path = path
+        parts.append(f"[{key}]" if isinstance(key, int) else f".{key}")
+      where = param + "".join(reversed(parts))
+      raise APIError(400, f"{where}={item!r} must be a finite number (JSON has no NaN or Infinity)", param=where)
+    if isinstance(item, dict):
+      stack.extend((v, (k, path)) for k, v in reversed(item.items()))
+    elif isinstance(item, list):
+      stack.extend((v, (i, path)) for i, v in reversed(list(enumerate(item))))
 
 
 def _schema_param(shape: Structure, tools: list[dict], where: str | None) -> str:

@@ -1,16 +1,17 @@
 """Sampling throughput of the bundled models on an accelerator: tokens/s by batch size, compute dtype and attention.
 
-    JAX_PLATFORMS=cuda python launch/gpu_sampling_bench.py --json OUT.json
-    python launch/gpu_sampling_bench.py --models default_ar --batch-sizes 1,2 --length 16 --repeats 1   # any host
+    JAX_PLATFORMS=cuda python -m mercury_jax.bench gpu-sampling --json OUT.json
+    python -m mercury_jax.bench gpu-sampling --models default_ar --batch-sizes 1,2 --length 16 --repeats 1  # any host
 
 For each bundled model (``default_bd``: block diffusion, blocks of 8 refined one token a step against the exact
 cache; ``default_ar``: its autoregressive twin; ``default``: verified decoding), each compute dtype and each attention
 implementation, the model's parameters are restored once and its config's ``model.dtype`` / ``model.attention``
 replaced (the weights are the same; bfloat16 computes in bfloat16 with float32 accumulation where XLA chooses it).
 Every batch size is generated once untimed (its programs compile), then ``--repeats`` times timed through
-``Sampler.generate``, the path of ``python -m mercury_jax.sample``: the built-in code prompts of ``launch/bench_serve``
-repeated to fill the batch, ``--length`` new tokens each, temperature 1, one seed per repeat. Token healing is off (its
-automaton needs outlines-core, which accelerator images may lack; it adds one generated position).
+``Sampler.generate``, the path of ``python -m mercury_jax.sample``: the short code prompts of ``bench serve``
+(``prompts.CODE_PROMPTS``) repeated to fill the batch, ``--length`` new tokens each, temperature 1, one seed per
+repeat. Token healing is off (its automaton needs outlines-core, which accelerator images may lack; it adds one
+generated position).
 
 Printed per row: generated tokens/s (median over repeats of generated tokens / wall, compile excluded), the mean NFE
 of a row, tokens per forward pass and milliseconds per forward pass (wall / the largest row NFE).
@@ -22,21 +23,17 @@ import argparse
 import dataclasses
 import json
 import statistics
-import sys
 from pathlib import Path
 
 import jax
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench_serve import PROMPTS  # noqa: E402  (launch/, this script's folder)
-
-from mercury_jax import sharding as sh  # noqa: E402
-from mercury_jax.checkpoint import restore_params  # noqa: E402
-from mercury_jax.config import MeshConfig  # noqa: E402
-from mercury_jax.data.tokenizer import load_tokenizer  # noqa: E402
-from mercury_jax.sampling.registry import BUNDLED_MODELS, default_checkpoint  # noqa: E402
-from mercury_jax.sampling.sampler import Sampler  # noqa: E402
+from mercury_jax import sharding as sh, usage
+from mercury_jax.bench.prompts import CODE_PROMPTS
+from mercury_jax.checkpoint import restore_params
+from mercury_jax.config import MeshConfig
+from mercury_jax.data.tokenizer import load_tokenizer
+from mercury_jax.sampling.registry import BUNDLED_MODELS, default_checkpoint
+from mercury_jax.sampling.sampler import Sampler
 
 
 def _csv(kind):
@@ -51,7 +48,7 @@ def bench_model(name: str, dtype: str, attention: str, args) -> list[dict]:
   sampler = Sampler(params, cfg, load_tokenizer(path), mesh=mesh)
   rows = []
   for batch in args.batch_sizes:
-    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(batch)]
+    prompts = [CODE_PROMPTS[i % len(CODE_PROMPTS)] for i in range(batch)]
     generate = lambda seed, prompts=prompts: sampler.generate(  # noqa: E731
       prompts, length=args.length, seed=seed, token_healing=False, temperature=1.0
     )
@@ -83,8 +80,7 @@ def bench_model(name: str, dtype: str, attention: str, args) -> list[dict]:
   return rows
 
 
-def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--models", type=_csv(str), default=["default_bd", "default_ar", "default"])
   parser.add_argument("--dtypes", type=_csv(str), default=["bfloat16", "float32"])
   parser.add_argument("--attention", type=_csv(str), default=["pallas", "xla"])
@@ -92,10 +88,21 @@ def main(argv=None) -> int:
   parser.add_argument("--length", type=int, default=128)
   parser.add_argument("--repeats", type=int, default=3)
   parser.add_argument("--json", type=Path)
-  args = parser.parse_args(argv)
+
+
+def run_gpu_sampling(args: argparse.Namespace) -> None:
+  """GPU: the bundled models' tokens/s by batch size, dtype and attention.
+
+  Each bundled model, dtype and attention implementation generates --length tokens per row through
+  Sampler.generate at each batch size (compiled once, then --repeats timed runs); prints tokens/s, NFE and ms per
+  forward pass.
+  """
   unknown = sorted(set(args.models) - set(BUNDLED_MODELS))
   if unknown:
-    parser.error(f"--models {','.join(unknown)}: not bundled; choose from {', '.join(BUNDLED_MODELS)}")
+    usage.fail(
+      "mercury_jax.bench gpu-sampling",
+      f"--models {','.join(unknown)}: not bundled; choose from {', '.join(BUNDLED_MODELS)}",
+    )
   device = jax.devices()[0]
   print(f"{device.platform} {device.device_kind}, jax {jax.__version__}")
   print("| model | dtype | attention | batch | tokens/s | NFE | tokens/forward | ms/forward | compile s |")
@@ -111,8 +118,6 @@ def main(argv=None) -> int:
           rows.append({"model": name, "dtype": dtype, "attention": attention, "error": repr(e)[:2000]})
   if args.json:
     args.json.write_text(json.dumps({"device": device.device_kind, "jax": jax.__version__, "rows": rows}, indent=1))
-  return 0
 
 
-if __name__ == "__main__":
-  sys.exit(main())
+COMMANDS = {"gpu-sampling": (add_arguments, run_gpu_sampling)}

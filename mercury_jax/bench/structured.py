@@ -1,6 +1,6 @@
 """Structured output: the constrained engine's cost per step, and block diffusion vs its AR twin on one schema.
 
-    python launch/bench_structured.py --model diffusion=RUNS/bd --model twin=RUNS/ar [--rounds 3] [--out DIR]
+    python -m mercury_jax.bench structured --model diffusion=RUNS/bd --model twin=RUNS/ar [--rounds 3] [--out DIR]
 
 Part 1, for each model: the time per step (one iteration of the engine's loop) of a constrained batch divided by
 that of the same batch unconstrained: the same prefilled canvas, greedy, threshold rule, ``--iterations`` steps
@@ -21,13 +21,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import jsonschema
 
+from mercury_jax.bench.throughput import time_call, timed
 from mercury_jax.constrain.suite import SCHEMAS
 from mercury_jax.sampling import automata as constrained, canvas as cv
 from mercury_jax.sampling.engine import BlockEngine
@@ -65,11 +64,9 @@ def _per_step(sampler: Sampler, names: list[str], rounds: int, iterations: int, 
     runs[label] = (advance, state, int(after.iterations), int(after.forwards - state.forwards))
   ratios = []
   for _ in range(rounds):
-    seconds = {}
-    for label, (advance, state, done, _) in runs.items():
-      start = time.perf_counter()
-      jax.block_until_ready(advance(sampler.params, state))
-      seconds[label] = (time.perf_counter() - start) / done
+    seconds = {
+      label: time_call(advance, sampler.params, state) / done for label, (advance, state, done, _) in runs.items()
+    }
     ratios.append(seconds["constrained"] / seconds["free"])
   return {
     "ratio": statistics.median(ratios),
@@ -79,15 +76,23 @@ def _per_step(sampler: Sampler, names: list[str], rounds: int, iterations: int, 
   }
 
 
-def main() -> None:
-  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(p: argparse.ArgumentParser) -> None:
   p.add_argument("--model", action="append", required=True, help="NAME=CHECKPOINT (repeat)")
   p.add_argument("--rounds", type=int, default=5)
   p.add_argument("--iterations", type=int, default=32, help="loop iterations timed per run in part 1")
   p.add_argument("--samples", type=int, default=8, help="outputs per model in part 2")
   p.add_argument("--block-length", type=int, default=0, help="block of whole-sequence checkpoints (uncached)")
   p.add_argument("--out", help="folder for results.json")
-  args = p.parse_args()
+
+
+def run_structured(args: argparse.Namespace) -> None:
+  """Structured output: a constrained step's cost, and valid JSON per model.
+
+  Part 1: time per engine step constrained / free, at batch 1 per bench schema and at batch 16; part 2: output
+  tokens/s, forward passes and the share of valid outputs of every --model on one JSON schema.
+  """
+  import jsonschema
+
   models = {}
   for spec in args.model:
     name, _, path = spec.partition("=")
@@ -95,14 +100,13 @@ def main() -> None:
   results = {"sizes": {}, "per_step": {}, "invoice": {}}
   first = next(iter(models.values()))
   for name, schema in SCHEMAS.items():
-    start = time.perf_counter()
-    a = first.constraint(json_schema=schema)
+    a, seconds = timed(first.constraint, json_schema=schema)
     results["sizes"][name] = {
       "states": a.num_states,
       "classes": a.num_classes,
       "edges": a.num_edges,
       "bytes": a.nbytes,
-      "compile_ms": round(1e3 * (time.perf_counter() - start), 1),
+      "compile_ms": round(1e3 * seconds, 1),
     }
   print("| schema | states | classes | edges | bytes | compile ms |\n|---|---|---|---|---|---|")
   for name, r in results["sizes"].items():
@@ -129,9 +133,10 @@ def main() -> None:
     sampler.generate(PROMPT, length=LENGTH, constraint=automaton, temperature=1.0, seed=0, **kw)  # compile
     tokens = walls = forwards = valid = 0
     for i in range(args.samples):
-      start = time.perf_counter()
-      sample = sampler.generate(PROMPT, length=LENGTH, constraint=automaton, temperature=1.0, seed=i, **kw)[0]
-      walls += time.perf_counter() - start
+      samples, seconds = timed(
+        sampler.generate, PROMPT, length=LENGTH, constraint=automaton, temperature=1.0, seed=i, **kw
+      )
+      sample, walls = samples[0], walls + seconds
       tokens, forwards = tokens + len(sample.tokens), forwards + sample.nfe
       try:
         jsonschema.validate(json.loads(sample.text), schema)
@@ -154,5 +159,4 @@ def main() -> None:
     Path(args.out, "results.json").write_text(json.dumps(results, indent=2))
 
 
-if __name__ == "__main__":
-  main()
+COMMANDS = {"structured": (add_arguments, run_structured)}

@@ -1,9 +1,9 @@
 """Long prompts through the engine and the server: chunked prefill against one pass, and the streams it interrupts.
 
-    python launch/bench_long_context.py prefill --model default_ar --lengths 4096,16384,32768 --chunks 0,512,2048
-    python launch/bench_long_context.py gaps --model default_ar --long 16384 --chunk 512
-    python launch/bench_long_context.py cached --slots 4096,16384 --chunk 512
-    python launch/bench_long_context.py tiles --slots 4096,16384 --chunk 512 --positions 0.125,0.5,1
+    python -m mercury_jax.bench long-context prefill --model default_ar --lengths 4096,16384 --chunks 0,512,2048
+    python -m mercury_jax.bench long-context gaps --model default_ar --long 16384 --chunk 512
+    python -m mercury_jax.bench long-context cached --slots 4096,16384 --chunk 512
+    python -m mercury_jax.bench long-context tiles --slots 4096,16384 --chunk 512 --positions 0.125,0.5,1
 
 Both extend a bundled model's context with YaRN RoPE scaling (``model.rope_scaling``; the weights are unchanged, so
 text past the trained context is poor: these are speed and memory figures, not quality ones) into a temporary export.
@@ -15,11 +15,13 @@ memory (``ru_maxrss``), one markdown row each.
 
 ``gaps``: ``--streams`` short greedy requests stream from a server engine (``Scheduler``); they run once alone, then
 again (the same prompts and seeds, so the same tokens in the same updates) with a ``--long``-token prompt arriving
-after ``--warm-tokens`` and prefilled in chunks of ``--chunk`` at ``--prefill-share`` ``--share``. Each update that
+after ``--warm-tokens`` and prefilled in chunks of ``--chunk`` at ``--prefill-share`` ``--share`` (streams that
+outlast the long prefill, ``--stream-tokens``, measure all of it). Each update that
 arrived during the long prefill is compared with the same update of the run alone, at the same stream lengths (a
 stream's own step grows with its length, prefill or not). Prints both sides' gap median, mean, 90th percentile and
 maximum, their ratios, the long request's time to first token and its chunks' share of that time, and the median
-time of the engine's step and prefill-chunk programs in the second run (each call timed to its end).
+time of the engine's step and prefill-chunk programs in the second run (from ``SlotEngine.timing`` after each
+iteration: a step to the copy of its view, an iteration's chunks together, divided by their count).
 ``--one-softmax`` reads the cache in one softmax over every slot, as before the tiles.
 
 ``cached``: the XLA attention of a prefill chunk over a cache (``attention.attend_cached``, batched matmuls over
@@ -46,6 +48,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+from mercury_jax.bench.throughput import interleaved, timed
 
 
 def extended(model: str, context: int, out: Path) -> Path:
@@ -81,20 +85,15 @@ def prefill_once(path: str, length: int, chunk: int, generate: int) -> dict:
   engine = BlockEngine(sampler.network, settings, plan)
   init = jax.jit(lambda p, c: engine.init(p, c, jax.random.key(0), jnp.int32(1)))
   advance = jax.jit(engine.advance)
-  compiled = time.perf_counter()
-  jax.block_until_ready(advance(sampler.params, init(sampler.params, canvas)))  # compile both, and a first run
-  compiled = time.perf_counter() - compiled
-  start = time.perf_counter()
-  state = jax.block_until_ready(init(sampler.params, canvas))
-  filled = time.perf_counter()
-  jax.block_until_ready(advance(sampler.params, state))
-  done = time.perf_counter()
+  _, compiled = timed(lambda p, c: advance(p, init(p, c)), sampler.params, canvas)  # compile both, and a first run
+  state, prefill_s = timed(init, sampler.params, canvas)
+  _, generate_s = timed(advance, sampler.params, state)
   return {
     "length": length,
     "chunk": chunk,
-    "prefill_tokens_per_s": length / (filled - start),
-    "generate_s": done - filled,
-    "total_s": done - start,
+    "prefill_tokens_per_s": length / prefill_s,
+    "generate_s": generate_s,
+    "total_s": prefill_s + generate_s,
     "compile_and_first_run_s": compiled,
     "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
   }
@@ -108,7 +107,8 @@ def prefill(args) -> None:
     print("|---|---|---|---|---|---|")
     for length in args.lengths:
       for chunk in args.chunks:
-        command = [sys.executable, __file__, "_prefill_once", str(path), str(length), str(chunk), str(args.generate)]
+        child = [sys.executable, "-m", "mercury_jax.bench.long_context"]  # a fresh process: its own peak memory
+        command = [*child, str(path), str(length), str(chunk), str(args.generate)]
         done = subprocess.run(command, capture_output=True, text=True)
         if done.returncode:
           print(f"| {length} | {chunk} | failed: {done.stderr.strip().splitlines()[-1]} | | | |")
@@ -132,46 +132,49 @@ def _pairs(alone: list[list[float]], beside: list[list[float]], start: float, en
   return pairs
 
 
-def _timed(fn, times: list[float]):
-  """``fn`` that appends each call's time to ``times``, its result computed (``block_until_ready``)."""
-  import jax
-
-  def timed(*args):
-    start = time.perf_counter()
-    out = jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - start)
-    return out
-
-  return timed
-
-
 def gaps(args) -> None:
   from mercury_jax import attention
   from mercury_jax.sampling.proposal import Knobs
   from mercury_jax.sampling.sampler import Sampler
-  from mercury_jax.serve.scheduler import Request, Scheduler
+  from mercury_jax.sampling.text import Row
+  from mercury_jax.serve.config import ServeConfig
+  from mercury_jax.serve.scheduler import Scheduler
 
   if args.one_softmax:  # The cache read in one softmax over every slot, as before the tiles.
     attention.CACHED_BLOCKWISE_MIN_SLOTS = sys.maxsize
   with tempfile.TemporaryDirectory() as tmp:  # the weights and tokenizer are in memory once loaded
     path = extended(args.model, args.long + 256, Path(tmp) / "long")
     sampler = Sampler.from_checkpoint(path)
-  scheduler = Scheduler(sampler, slots=args.streams + 1, prefill_chunk=args.chunk, prefill_share=args.share)
-  programs = {"step": [], "chunk": []}  # the engine's step and prefill-chunk programs, each call timed
-  engine = scheduler.engine
-  engine._step, engine._fill = _timed(engine._step, programs["step"]), _timed(engine._fill, programs["chunk"])
+  config = ServeConfig(slots=args.streams + 1, prefill_chunk=args.chunk, prefill_share=args.share)
+  scheduler = Scheduler(sampler, config)
+  programs = {"step": [], "chunk": []}  # the engine's step and prefill-chunk programs, each call's seconds
+  engine, dispatch, collect = scheduler.engine, scheduler.engine.dispatch, scheduler.engine.collect
+
+  def timed_dispatch(command, **kwargs):  # an iteration's admissions and chunks, as ``SlotEngine.timing`` says
+    out = dispatch(command, **kwargs)
+    if engine.timing.chunks:
+      programs["chunk"] += [engine.timing.chunk_seconds / engine.timing.chunks] * engine.timing.chunks
+    return out
+
+  def timed_collect(dispatched):  # its step, to the copy of its view
+    out = collect(dispatched)
+    if engine.timing.step_seconds is not None and dispatched.packed is not None:
+      programs["step"].append(engine.timing.step_seconds)
+    return out
+
+  engine.dispatch, engine.collect = timed_dispatch, timed_collect
   greedy = Knobs(0.0, 0, 1.0, 0.9)
   vocab = scheduler.vocab_size
   rng = np.random.default_rng(0)
   prompts = [tuple(rng.integers(5, vocab, 16).tolist()) for _ in range(args.streams)]
-  long = Request(tuple(rng.integers(5, vocab, args.long).tolist()), 8, knobs=greedy)
+  long = Row.completion(tuple(rng.integers(5, vocab, args.long).tolist()), 8, knobs=greedy)
   scheduler.start()
 
   async def run(with_long: bool):
     """The streams' update times, and (with the long prompt) when it arrived and when its first token came."""
     loop = asyncio.get_running_loop()
     shorts = [
-      scheduler.submit(Request(prompt, args.stream_tokens, knobs=greedy, seed=i), loop)
+      scheduler.submit(Row.completion(prompt, args.stream_tokens, knobs=greedy, seed=i), loop)
       for i, prompt in enumerate(prompts)
     ]
     times = [[] for _ in shorts]
@@ -226,12 +229,12 @@ def gaps(args) -> None:
       print(f"{name} program: {len(times)} calls, median {1e3 * statistics.median(times):.1f} ms")
 
 
-def _einsum_cached(q, k, v, in_cache, in_chunk, cache_k, cache_v):
+def _einsum_cached(q, k, v, visible, cache_k, cache_v):
   """The replaced formulation of ``attention._cached_xla`` (scores ``[b, kv, groups, chunk, slots]``)."""
   import jax.numpy as jnp
 
   batch, chunk, heads, head_dim = q.shape
-  kv_heads = k.shape[2]
+  kv_heads, (in_cache, in_chunk) = k.shape[2], visible
   q = q.reshape(batch, chunk, kv_heads, heads // kv_heads, head_dim) * head_dim**-0.5
   cached = jnp.where(in_cache[:, None, None], jnp.einsum("bqkgd,bskd->bkgqs", q, cache_k), -jnp.inf)
   own = jnp.where(in_chunk[:, None, None], jnp.einsum("bqkgd,bjkd->bkgqj", q, k), -jnp.inf)
@@ -256,15 +259,18 @@ def _chunk_inputs(chunk: int, slots: int, heads: int, kv_heads: int, dim: int):
 
 def _interleaved_ms(fns, inputs, repeats: int) -> list[float]:
   """Each function's median milliseconds on ``inputs``, the functions run in turn ``repeats`` times."""
-  import jax
+  seconds = interleaved({i: (fn, inputs) for i, fn in enumerate(fns)}, repeats, order="same")
+  return [1e3 * statistics.median(t) for t in seconds.values()]
 
-  times = [[] for _ in fns]
-  for _ in range(repeats):
-    for fn, spent in zip(fns, times, strict=True):
-      start = time.perf_counter()
-      jax.block_until_ready(fn(*inputs))
-      spent.append(time.perf_counter() - start)
-  return [1e3 * statistics.median(t) for t in times]
+
+def _cases(args):
+  """``(slots, "heads / kv heads x dim", chunk inputs, segments)`` of every cache length and shape of the flags, the
+  markdown table's header printed first."""
+  print("| slots | chunk | heads / kv heads x dim | " + " | ".join(args.columns) + " |")
+  print("|---|---|---|" + "---|" * len(args.columns))
+  for slots in args.slots:
+    for heads, kv_heads, dim in args.shapes:
+      yield slots, f"{heads} / {kv_heads} x {dim}", *_chunk_inputs(args.chunk, slots, heads, kv_heads, dim)
 
 
 def cached(args) -> None:
@@ -274,23 +280,19 @@ def cached(args) -> None:
   from mercury_jax.attention import CachedInputs, attend_cached
   from mercury_jax.kernels import masks
 
-  print("| slots | chunk | heads / kv heads x dim | einsum ms | batched matmuls ms | speed-up |")
-  print("|---|---|---|---|---|---|")
-  for slots in args.slots:
-    for heads, kv_heads, dim in args.shapes:
-      (q, k, v, cache_k, cache_v), (segments, cache_segments) = _chunk_inputs(args.chunk, slots, heads, kv_heads, dim)
-      starts = jnp.asarray([slots - args.chunk], jnp.int32)
-      visible = masks.cached(segments, cache_segments, starts, "causal", block=None, xp=jnp)
-      old = jax.jit(lambda q, k, v, ck, cv, vis=visible: _einsum_cached(q, k, v, *vis, ck, cv))
-      new = jax.jit(
-        lambda q, k, v, ck, cv, s=segments, cs=cache_segments, st=starts: attend_cached(
-          CachedInputs(q, k, v, s, ck, cv, cs, st), mask="causal", implementation="xla"
-        )
+  args.columns = ("einsum ms", "batched matmuls ms", "speed-up")
+  for slots, shape, inputs, (segments, cache_segments) in _cases(args):
+    starts = jnp.asarray([slots - args.chunk], jnp.int32)
+    visible = masks.cached(segments, cache_segments, starts, "causal", block=None, xp=jnp)
+    old = jax.jit(lambda q, k, v, ck, cv, vis=visible: _einsum_cached(q, k, v, vis, ck, cv))
+    new = jax.jit(
+      lambda q, k, v, ck, cv, s=segments, cs=cache_segments, st=starts: attend_cached(
+        CachedInputs(q, k, v, s, ck, cv, cs, st), mask="causal", implementation="xla"
       )
-      inputs = (q, k, v, cache_k, cache_v)
-      np.testing.assert_allclose(np.asarray(old(*inputs)), np.asarray(new(*inputs)), atol=1e-4, rtol=1e-4)
-      a, b = _interleaved_ms((old, new), inputs, args.repeats)
-      print(f"| {slots} | {args.chunk} | {heads} / {kv_heads} x {dim} | {a:.1f} | {b:.1f} | {a / b:.1f}x |", flush=True)
+    )
+    np.testing.assert_allclose(np.asarray(old(*inputs)), np.asarray(new(*inputs)), atol=1e-4, rtol=1e-4)
+    a, b = _interleaved_ms((old, new), inputs, args.repeats)
+    print(f"| {slots} | {args.chunk} | {shape} | {a:.1f} | {b:.1f} | {a / b:.1f}x |", flush=True)
 
 
 def _tiles_program(blockwise: bool, segments, cache_segments):
@@ -309,52 +311,35 @@ def _tiles_program(blockwise: bool, segments, cache_segments):
 def tiles(args) -> None:
   import jax.numpy as jnp
 
-  print("| slots | chunk | heads / kv heads x dim | chunk starts at | one softmax ms | tiles ms | speed-up |")
-  print("|---|---|---|---|---|---|---|")
-  for slots in args.slots:
-    for heads, kv_heads, dim in args.shapes:
-      (q, k, v, cache_k, cache_v), (segments, cache_segments) = _chunk_inputs(args.chunk, slots, heads, kv_heads, dim)
-
-      one, tiled = (_tiles_program(blockwise, segments, cache_segments) for blockwise in (False, True))
-      for fraction in args.positions:
-        starts = jnp.asarray([max(int(fraction * slots) - args.chunk, 0)], jnp.int32)
-        inputs = (q, k, v, cache_k, cache_v, starts)
-        np.testing.assert_allclose(np.asarray(one(*inputs)), np.asarray(tiled(*inputs)), atol=1e-4, rtol=1e-4)
-        a, b = _interleaved_ms((one, tiled), inputs, args.repeats)
-        print(
-          f"| {slots} | {args.chunk} | {heads} / {kv_heads} x {dim} | {int(starts[0])} | {a:.1f} | {b:.1f} | "
-          f"{a / b:.1f}x |",
-          flush=True,
-        )
+  args.columns = ("chunk starts at", "one softmax ms", "tiles ms", "speed-up")
+  for slots, shape, inputs, (segments, cache_segments) in _cases(args):
+    one, tiled = (_tiles_program(blockwise, segments, cache_segments) for blockwise in (False, True))
+    for fraction in args.positions:
+      starts = jnp.asarray([max(int(fraction * slots) - args.chunk, 0)], jnp.int32)
+      expected, got = (np.asarray(fn(*inputs, starts)) for fn in (one, tiled))
+      np.testing.assert_allclose(got, expected, atol=1e-4, rtol=1e-4)
+      a, b = _interleaved_ms((one, tiled), (*inputs, starts), args.repeats)
+      print(f"| {slots} | {args.chunk} | {shape} | {int(starts[0])} | {a:.1f} | {b:.1f} | {a / b:.1f}x |", flush=True)
 
 
-def main(argv=None) -> None:
-  if argv is None and len(sys.argv) > 1 and sys.argv[1] == "_prefill_once":  # a child of ``prefill``
-    path, length, chunk, generate = sys.argv[2:6]
-    print(json.dumps(prefill_once(path, int(length), int(chunk), int(generate))))
-    return
-  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  sub = p.add_subparsers(dest="what", required=True)
-  a = sub.add_parser("prefill", help="chunked prefill against one pass: speed and peak memory")
+def add_arguments(p: argparse.ArgumentParser) -> None:
+  sub = p.add_subparsers(dest="what", metavar="WHAT", required=True)
+  part = lambda name, help: sub.add_parser(name, help=help, command=f"mercury_jax.bench long-context {name}")  # noqa: E731
+  a = part("prefill", "chunked prefill against one pass: speed and peak memory")
   a.add_argument("--model", default="default_ar", help="a bundled model (default default_ar)")
   a.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")], default=[4096, 16384, 32768])
   a.add_argument("--chunks", type=lambda s: [int(x) for x in s.split(",")], default=[0, 512, 2048])
   a.add_argument("--generate", type=int, default=64, help="tokens generated after the prompt (default 64)")
-  b = sub.add_parser("gaps", help="short streams' inter-token gaps with and without a long prefill beside them")
+  b = part("gaps", "short streams' inter-token gaps with and without a long prefill beside them")
   b.add_argument("--model", default="default_ar", help="a bundled model (default default_ar)")
   b.add_argument("--long", type=int, default=16384, help="the long prompt's tokens (default 16384)")
   b.add_argument("--chunk", type=int, default=512, help="--prefill-chunk of the server (default 512)")
   b.add_argument("--share", type=float, default=0.5, help="--prefill-share of the server (default 0.5)")
   b.add_argument("--streams", type=int, default=4, help="short streams (default 4)")
   b.add_argument("--warm-tokens", type=int, default=40, help="tokens each stream gets before the long prompt")
-  b.add_argument(
-    "--stream-tokens",
-    type=int,
-    default=200,
-    help="tokens each stream asks for (default 200; streams that outlast the long prefill measure all of it)",
-  )
+  b.add_argument("--stream-tokens", type=int, default=200, help="tokens each stream asks for (default 200)")
   b.add_argument("--one-softmax", action="store_true", help="read the cache in one softmax (no tiles), as before")
-  c = sub.add_parser("cached", help="the cached attention's XLA path against the einsum it replaced")
+  c = part("cached", "the cached attention's XLA path against the einsum it replaced")
   c.add_argument("--slots", type=lambda s: [int(x) for x in s.split(",")], default=[4096, 16384])
   c.add_argument("--chunk", type=int, default=512, help="query tokens of the chunk (default 512)")
   c.add_argument(
@@ -364,7 +349,7 @@ def main(argv=None) -> None:
     help="HEADS/KV_HEADS/HEAD_DIM,... (default 2/1/16,4/4/64: the tests' random model, the bundled models)",
   )
   c.add_argument("--repeats", type=int, default=7)
-  t = sub.add_parser("tiles", help="the cache read in tiles up to the chunk against one softmax over every slot")
+  t = part("tiles", "the cache read in tiles up to the chunk against one softmax over every slot")
   t.add_argument("--slots", type=lambda s: [int(x) for x in s.split(",")], default=[4096, 16384])
   t.add_argument("--chunk", type=int, default=512, help="query tokens of the chunk (default 512)")
   t.add_argument("--positions", type=lambda s: [float(x) for x in s.split(",")], default=[0.125, 0.5, 1.0],
@@ -376,9 +361,20 @@ def main(argv=None) -> None:
     help="HEADS/KV_HEADS/HEAD_DIM,... (default 4/4/64: the bundled models)",
   )
   t.add_argument("--repeats", type=int, default=7)
-  args = p.parse_args(argv)
+
+
+def run_long_context(args: argparse.Namespace) -> None:
+  """Long prompts: chunked prefill, the streams beside it, the cache reads.
+
+  prefill: speed and peak memory of each prompt length and --chunks; gaps: short streams' update gaps beside a long
+  chunked prefill; cached: the XLA cached attention against its einsum formulation; tiles: the cache read in tiles
+  against one softmax. A bundled model is extended with YaRN RoPE scaling (speed figures, not quality ones).
+  """
   {"prefill": prefill, "gaps": gaps, "cached": cached, "tiles": tiles}[args.what](args)
 
 
-if __name__ == "__main__":
-  main()
+COMMANDS = {"long-context": (add_arguments, run_long_context)}
+
+if __name__ == "__main__":  # a child of ``prefill``: one measurement in a fresh process
+  path, length, chunk, generate = sys.argv[1:5]
+  print(json.dumps(prefill_once(path, int(length), int(chunk), int(generate))))

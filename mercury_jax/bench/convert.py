@@ -5,8 +5,8 @@ sharded safetensors streamed one tensor at a time, converts each with ``python -
 process, and prints a markdown table: source GB, seconds, GB/s, the child's peak RSS and its ratio to the converted
 parameters' size (the target is <= 1.3). The work folder (default: a new temporary folder) is deleted afterwards::
 
-  python launch/bench_convert.py                 # about 2.3 GB per layout
-  python launch/bench_convert.py --gb 4 --keep --workdir runs/bench_convert
+  python -m mercury_jax.bench convert                 # about 2.3 GB per layout
+  python -m mercury_jax.bench convert --gb 4 --keep --workdir runs/bench_convert
 """
 
 from __future__ import annotations
@@ -18,11 +18,12 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import ml_dtypes
 import numpy as np
+
+from mercury_jax.bench.throughput import timed
 
 D, MLP, HEADS, VOCAB = 2048, 5632, 16, 32000
 SHARD_BYTES = 1 << 30
@@ -112,35 +113,38 @@ def write_checkpoint(folder: Path, layout: str, layers: int) -> int:
 
 
 def measure(src: str, out: str) -> None:
-  """Runs the converter as a child and prints ``{"seconds", "max_rss"}`` (bytes) as JSON: the mode this script
-  calls itself in, so each conversion's peak RSS is its own."""
-  start = time.perf_counter()
-  subprocess.run([sys.executable, "-m", "mercury_jax.convert", "--from", src, "--out", out], check=True)
-  seconds = time.perf_counter() - start
+  """Runs the converter as a child and prints ``{"seconds", "max_rss"}`` (bytes) as JSON: what this module does run
+  as ``python -m mercury_jax.bench.convert SRC OUT``, so each conversion's peak RSS is its own."""
+  command = [sys.executable, "-m", "mercury_jax.convert", "--from", src, "--out", out]
+  _, seconds = timed(subprocess.run, command, check=True)
   print(json.dumps({"seconds": seconds, "max_rss": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024}))
 
 
-def main() -> None:
-  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(p: argparse.ArgumentParser) -> None:
   p.add_argument("--gb", type=float, default=2.0, help="least source size per layout, in GB")
   p.add_argument("--workdir", default=None, help="default: a new temporary folder")
   p.add_argument("--keep", action="store_true", help="keep the work folder")
-  p.add_argument("--measure", nargs=2, metavar=("SRC", "OUT"), help=argparse.SUPPRESS)
-  args = p.parse_args()
-  if args.measure:
-    measure(*args.measure)
-    return
+
+
+def run_convert(args: argparse.Namespace) -> None:
+  """The converter's speed and peak memory on multi-GB checkpoints.
+
+  Writes a random bfloat16 checkpoint of at least --gb GB in each layout, converts it in a child process and prints
+  seconds, GB/s and the child's peak RSS against the parameters' size.
+  """
   work = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="bench_convert."))
   layers = max(1, -(-int(args.gb * 1e9 - 4 * VOCAB * D) // layer_bytes()))
   rows = []
   try:
     for layout in ("llada", "qwen2"):
       src, out = work / f"{layout}-hf", work / f"{layout}-out"
-      start = time.perf_counter()
-      total = write_checkpoint(src, layout, layers)
-      sys.stderr.write(f"{layout}: wrote {total / 1e9:.2f} GB in {time.perf_counter() - start:.0f} s\n")
+      total, seconds = timed(write_checkpoint, src, layout, layers)
+      sys.stderr.write(f"{layout}: wrote {total / 1e9:.2f} GB in {seconds:.0f} s\n")
       child = subprocess.run(
-        [sys.executable, __file__, "--measure", str(src), str(out)], check=True, capture_output=True, text=True
+        [sys.executable, "-m", "mercury_jax.bench.convert", str(src), str(out)],
+        check=True,
+        capture_output=True,
+        text=True,
       )
       result = json.loads(child.stdout.strip().splitlines()[-1])
       disk = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
@@ -159,5 +163,7 @@ def main() -> None:
     )
 
 
-if __name__ == "__main__":
-  main()
+COMMANDS = {"convert": (add_arguments, run_convert)}
+
+if __name__ == "__main__":  # a child of ``convert``: one conversion, its peak memory its own
+  measure(*sys.argv[1:3])

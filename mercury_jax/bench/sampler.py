@@ -1,7 +1,7 @@
 """Sampler benchmark: wall time, tokens/s, NFE and loop overhead per (canvas length, steps); prints Markdown.
 
-  python launch/bench_sampler.py --checkpoint runs/tiny1024               # a trained model with max_length >= 1024
-  python launch/bench_sampler.py --random [PRESET]                         # random params of a preset's shape
+  python -m mercury_jax.bench sampler --checkpoint runs/tiny1024    # a trained model with max_length >= 1024
+  python -m mercury_jax.bench sampler --random [PRESET]              # random params of a preset's shape
 
 Loop overhead = sampler wall time / (NFE x one jitted forward pass of the same shape): 1.0 means the loop costs
 nothing beyond the denoiser. Following BUILD_NOTES' advice for these hosts (their CPU capacity changes by 2x for
@@ -17,14 +17,14 @@ import argparse
 import dataclasses
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
-from mercury_jax import sharding as sh
+from mercury_jax import sharding as sh, usage
+from mercury_jax.bench.throughput import time_call
 from mercury_jax.config import MeshConfig, load_config
 from mercury_jax.model import Transformer
 from mercury_jax.sampling import canvas as cv
@@ -45,12 +45,6 @@ def _sampler(args) -> tuple[Sampler, str]:
   return Sampler(nn.meta.unbox(params), cfg, tokenizer, mesh=mesh), f"random params, {args.random} preset shape"
 
 
-def _time(fn, *args) -> float:
-  start = time.perf_counter()
-  jax.block_until_ready(fn(*args))
-  return time.perf_counter() - start
-
-
 def bench(sampler: Sampler, length: int, steps: int, batch: int, repeats: int, knobs: dict) -> dict:
   settings = sampler.settings(**knobs)
   canvas = cv.make_canvas([[cv.Hole(length)]] * batch)
@@ -65,7 +59,7 @@ def bench(sampler: Sampler, length: int, steps: int, batch: int, repeats: int, k
     walls, ratios, forwards = [], [], []
     for _ in range(repeats):
       wall = sampler.run(canvas, steps, 0, settings)[1]
-      fwd = statistics.median(_time(forward, sampler.params, z, t, segment_ids) for _ in range(3))
+      fwd = statistics.median(time_call(forward, sampler.params, z, t, segment_ids) for _ in range(3))
       walls.append(wall)
       forwards.append(fwd)
       ratios.append(wall / (int(out.forwards) * fwd))
@@ -81,8 +75,7 @@ def bench(sampler: Sampler, length: int, steps: int, batch: int, repeats: int, k
   }
 
 
-def main(argv: list[str] | None = None) -> int:
-  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(p: argparse.ArgumentParser) -> None:
   source = p.add_mutually_exclusive_group(required=True)
   source.add_argument("--checkpoint", help="a trained checkpoint whose model.max_length covers the longest length")
   source.add_argument("--random", nargs="?", const="tiny", metavar="PRESET", help="random params of a preset's shape")
@@ -92,10 +85,19 @@ def main(argv: list[str] | None = None) -> int:
   p.add_argument("--sampler", default="confidence", choices=SAMPLERS)
   p.add_argument("--temperature", type=float, default=1.0)
   p.add_argument("--repeats", type=int, default=5, help="timed runs per row (3 at most for steps = length)")
-  args = p.parse_args(argv)
+
+
+def run_sampler(args: argparse.Namespace) -> None:
+  """The sampler's loop: tokens/s, NFE and loop overhead per length and steps.
+
+  Loop overhead = the sampler's wall time / (NFE x one forward pass of the same shape), timed right after it; a
+  fully masked canvas, through Sampler.run; prints a markdown table.
+  """
   sampler, source_text = _sampler(args)
   if max(args.lengths) > sampler.max_length:
-    raise SystemExit(f"length {max(args.lengths)} exceeds the model's max_length={sampler.max_length}")
+    usage.fail(
+      "mercury_jax.bench sampler", f"length {max(args.lengths)} exceeds the model's max_length={sampler.max_length}"
+    )
   knobs = {"rule": args.sampler, "temperature": args.temperature}
   print(f"model: {source_text}; {dataclasses.asdict(sampler.cfg.model)}", file=sys.stderr)
   print(f"sampler: {knobs}, batch {args.batch}, {jax.devices()[0].device_kind}", file=sys.stderr)
@@ -110,8 +112,6 @@ def main(argv: list[str] | None = None) -> int:
         f"{r['forward_ms']:.2f} | {r['overhead']:.3f} |",
         flush=True,
       )
-  return 0
 
 
-if __name__ == "__main__":
-  sys.exit(main())
+COMMANDS = {"sampler": (add_arguments, run_sampler)}

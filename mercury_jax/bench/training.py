@@ -1,6 +1,6 @@
 """Training throughput benchmark: tokens/s and MFU of a preset's jitted train step on this machine.
 
-    python launch/bench_train.py --config default [--steps 20] [--set key=value ...]
+    python -m mercury_jax.bench train --config default [--steps 20] [--set key=value ...]
 
 On a CPU, MFU's denominator is measured in the same run: after every timed step, one jitted f32 matmul (n = 2048) is
 timed, and each step's FLOP/s is divided by the peak measured right after it (the capacity of shared CPU hosts drifts
@@ -9,7 +9,7 @@ datasheet peak for the compute dtype (``bench.throughput.peak_flops``, what the 
 FLOPs per step are the model's matmul FLOPs, 6·N·tokens + 12·layers·length·heads·head_dim·tokens, with N excluding
 the embedding gather. ``--json`` appends the result as one JSON line.
 
-    JAX_PLATFORMS=cuda python launch/bench_train.py --config gpu8_125m --set mesh.fsdp=1 --set data.batch_size=16
+    JAX_PLATFORMS=cuda python -m mercury_jax.bench train --config gpu8_125m --set mesh.fsdp=1 --set data.batch_size=16
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from pathlib import Path
 
 import jax
@@ -25,19 +24,25 @@ import jax.numpy as jnp
 import numpy as np
 
 from mercury_jax import sharding as sh
-from mercury_jax.bench.throughput import peak_flops
+from mercury_jax.bench.throughput import best_seconds, peak_flops, timed
 from mercury_jax.config import load_config, parse_set_args
 from mercury_jax.model import count_params, flops_per_token
 from mercury_jax.trainer import Trainer
 
 
-def main() -> None:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--config", default="default")
   parser.add_argument("--steps", type=int, default=20)
   parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
   parser.add_argument("--json", type=Path, help="append the result here as one JSON line")
-  args = parser.parse_args()
+
+
+def run_train(args: argparse.Namespace) -> None:
+  """Training throughput: tokens/s and MFU of a preset's train step.
+
+  Random tokens, --steps timed steps after 3 warm-up steps; on a CPU each step's FLOP/s is divided by a matmul's
+  measured right after it, on an accelerator by the chip's datasheet peak.
+  """
   cfg = load_config(args.config, parse_set_args(args.set))
   mesh = sh.make_mesh(cfg.mesh)
   trainer = Trainer(cfg, mesh)
@@ -69,17 +74,9 @@ def main() -> None:
 
   step_times, ratios, peaks = [], [], []
   for i in range(args.steps):
-    start = time.perf_counter()
-    state, metrics = trainer.train_step(state, batches[i % 4])
-    jax.block_until_ready(metrics)
-    step_time = time.perf_counter() - start
-    if accelerator:
-      peak = datasheet or float("nan")
-    else:
-      jax.block_until_ready(matmul(a))  # One untimed matmul, then the timed one.
-      start = time.perf_counter()
-      jax.block_until_ready(matmul(a))
-      peak = 2 * n**3 / (time.perf_counter() - start)
+    (state, _), step_time = timed(trainer.train_step, state, batches[i % 4])
+    # On a CPU: one untimed matmul, then the timed one.
+    peak = (datasheet or float("nan")) if accelerator else 2 * n**3 / best_seconds(matmul, a, repeats=1)
     step_times.append(step_time)
     peaks.append(peak)
     ratios.append(step_flops / step_time / peak)
@@ -108,5 +105,4 @@ def main() -> None:
       f.write(json.dumps(result) + "\n")
 
 
-if __name__ == "__main__":
-  main()
+COMMANDS = {"train": (add_arguments, run_train)}

@@ -11,11 +11,11 @@ BlockSizes for our kernel. ``--cached`` times attention of a decoding chunk over
 place through a page table (the server's ``PagedKVCache``), against the XLA path over the same two layouts (it gathers
 pages, or reads long caches in tiles), printing microseconds per call and the cache's visible bytes read per second.
 
-Run (from the repository root, on the GPU host; the default grid takes about 6-8 minutes on one H200)::
+Run (on the GPU host; the default grid takes about 6-8 minutes on one H200)::
 
-  JAX_PLATFORMS=cuda python launch/gpu_attention_bench.py --json /tmp/attention_bench.json
-  JAX_PLATFORMS=cuda python launch/gpu_attention_bench.py --quick            # about 2 minutes
-  python launch/gpu_attention_bench.py --interpret --quick                   # any host: checks this script itself
+  JAX_PLATFORMS=cuda python -m mercury_jax.bench gpu-attention --json /tmp/attention_bench.json
+  JAX_PLATFORMS=cuda python -m mercury_jax.bench gpu-attention --quick     # about 2 minutes
+  python -m mercury_jax.bench gpu-attention --interpret --quick            # any host: checks the command itself
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -32,11 +31,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from mercury_jax import attention  # noqa: E402
-from mercury_jax.kernels import flash_attention as fa  # noqa: E402
-from mercury_jax.kvcache import read_pages  # noqa: E402
+from mercury_jax import attention
+from mercury_jax.bench.throughput import median_seconds, time_call
+from mercury_jax.kernels import flash_attention as fa
+from mercury_jax.kvcache import read_pages
 
 TOLERANCE = {"float32": 1e-4, "bfloat16": 2e-2}  # max |error| / max |reference|
 IMPLS = ("ours", "bundled", "cudnn", "xla")
@@ -161,21 +159,14 @@ def _attention_fn(impl: str, causal: bool, interpret: bool, block_sizes=None):
 
 
 def _time(fn, args, reps: int) -> tuple[float, float]:
-  """(compile + first call seconds, median seconds per call) with block_until_ready around every call."""
-  start = time.perf_counter()
-  jax.block_until_ready(fn(*args))
-  first = time.perf_counter() - start
-  jax.block_until_ready(fn(*args))  # Warm-up.
-  times = []
-  for _ in range(reps):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - start)
-  return first, statistics.median(times)
+  """(compile + first call seconds, median seconds per call after a warm-up call)."""
+  return time_call(fn, *args), median_seconds(fn, *args, repeats=reps)
 
 
-def _measure(impl, batch, length, heads, dim, causal, args, interpret, block_sizes=None) -> list[dict]:
-  """Times forward and forward+backward; returns one record per mode (``ms`` None and a note when skipped)."""
+def _measure(impl, args, causal, *, interpret, block_sizes=None) -> list[dict]:
+  """Times forward and forward+backward of ``args`` (q, k, v and the output's gradient, ``[batch, length, heads,
+  head_dim]``); returns one record per mode (``ms`` None and a note when skipped)."""
+  batch, length, heads, dim = args[0].shape
   fwd = _attention_fn(impl, causal, interpret, block_sizes)
   fns = {"fwd": jax.jit(fwd), "fwd+bwd": jax.jit(lambda q, k, v, do: jax.vjp(fwd, q, k, v)[1](do))}
   flops = 4 * batch * heads * length * length * dim / (2 if causal else 1)
@@ -246,7 +237,7 @@ def run_grid(interpret: bool, quick: bool, budget_s: float, xla_max_len: int, sw
               for m in ("fwd", "fwd+bwd")
             ]
             continue
-          rows[impl] = _measure(impl, batch, length, heads, dim, causal, (q, k, v, do), interpret)
+          rows[impl] = _measure(impl, (q, k, v, do), causal, interpret=interpret)
           results += rows[impl]
         for m, mode in enumerate(("fwd", "fwd+bwd")):
           cells = [rows[i][m]["tflops"] for i in IMPLS]
@@ -269,7 +260,7 @@ def run_grid(interpret: bool, quick: bool, budget_s: float, xla_max_len: int, sw
       batch, heads = max(1, tokens // length), width // dim
       q, k, v, do = (_random((batch, length, heads, dim), jnp.bfloat16, s) for s in range(4))
       for blocks in [fa.BlockSizes.get_default(dim)] + SWEEP[dim]:
-        records = _measure("ours", batch, length, heads, dim, True, (q, k, v, do), interpret, blocks)
+        records = _measure("ours", (q, k, v, do), True, interpret=interpret, block_sizes=blocks)
         for r in records:
           r["block_sizes"] = str(blocks)
         results += records
@@ -336,8 +327,7 @@ def run_cached(interpret: bool, page_size: int = 16) -> list[dict]:
   return results
 
 
-def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--quick", action="store_true", help="a short grid (and fewer correctness combinations)")
   parser.add_argument("--interpret", action="store_true", help="Pallas interpret mode with tiny shapes (any host)")
   parser.add_argument("--json", type=Path, help="write every check and timing to this file")
@@ -347,13 +337,21 @@ def main(argv=None) -> int:
   parser.add_argument("--cached", action="store_true", help="also time attention over a dense and a paged cache")
   parser.add_argument("--budget-s", type=float, default=240.0, help="start no new timing shape after this long")
   parser.add_argument("--xla-max-len", type=int, default=8192, help="XLA materialises L^2 scores: skip longer L")
-  args = parser.parse_args(argv)
+
+
+def run_gpu_attention(args: argparse.Namespace) -> int:
+  """GPU: the Pallas flash attention against XLA, cuDNN and JAX's kernel.
+
+  Part 1 checks the kernel (forward and gradients) and attend()'s GPU paths against the float32 reference; part 2
+  times forward and forward+backward over lengths 1k-32k; --cached times attention over a dense and a paged cache.
+  Exits 1 when a check fails, 2 without a GPU (--interpret runs tiny shapes on any host).
+  """
   backend = jax.default_backend()
   print(f"jax {jax.__version__}, backend {backend}, devices {jax.devices()}")
   if backend != "gpu" and not args.interpret:
     print("no GPU: pass --interpret (with --quick) to exercise the script on this host", file=sys.stderr)
     return 2
-  report = {"jax": jax.__version__, "device": str(jax.devices()[0]), "argv": sys.argv[1:]}
+  report = {"jax": jax.__version__, "device": str(jax.devices()[0]), "argv": sys.argv[1:]}  # the command's flags
   if not args.skip_correctness:
     report["correctness"] = check_correctness(args.interpret, args.quick)
   if not args.skip_timing:
@@ -368,5 +366,4 @@ def main(argv=None) -> int:
   return 1 if failed else 0
 
 
-if __name__ == "__main__":
-  sys.exit(main())
+COMMANDS = {"gpu-attention": (add_arguments, run_gpu_attention)}
