@@ -69,7 +69,8 @@ PROCESS_PLACEHOLDER = "{process}"  # In a --prompts-file path: each process read
 # The flags that are ``SamplerSettings`` fields (their argparse destinations are the field names).
 KNOBS = (
   "rule", "confidence", "temperature", "top_k", "top_p", "threshold", "block_length", "revision", "min_length",
-  "decode", "draft_length", "prefill_chunk", "solver", "self_conditioning", "guidance",
+  "decode", "draft_length", "draft_tree", "draft_lookup", "draft_blocks", "draft_confidence", "prefill_chunk", "solver",
+  "self_conditioning", "guidance",
 )  # fmt: skip
 
 EPILOG = """\
@@ -202,8 +203,9 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument(
     "--draft-length",
     type=int,
-    help="verified decoding's draft length k: each forward pass commits 1 to k tokens (default: the trained one)",
+    help="verified decoding's draft length k: the drafter's chain of k - 1 drafts (default: the trained one)",
   )
+  usage.add_draft_flags(p)
   p.add_argument(
     "--prefill-chunk",
     type=int,

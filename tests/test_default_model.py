@@ -172,3 +172,16 @@ def test_chat_turn_from_the_command_line_is_the_templates_prompt_after_bos(sampl
   assert main(["--chat", "Write a function that reverses a string.", "--length", "8", "--temperature", "0"]) == 0
   out = capsys.readouterr().out
   assert "<|user|>" not in out and "<|assistant|>" not in out  # the reply alone, not the rendered prompt
+
+
+def test_verified_greedy_with_every_draft_lever_is_the_bundled_networks_own_greedy_decoding(sampler):
+  """Trained weights, a draft tree with alternatives, a lookup chain, two pre-draft blocks and an adaptive length:
+  still the next-token head's greedy text, in fewer forward passes than the drafter's chain alone (the trained
+  model's greedy text repeats itself, which the lookups take)."""
+  prompts = ["def fibonacci(n):", "class Stack:\n    def push(self, item):"]
+  knobs = dict(draft_tree="wide", draft_lookup=8, draft_blocks="0,1", draft_confidence=0.05)
+  verified = sampler.generate(prompts, temperature=0.0, seed=2, length=64, **knobs)
+  chain = sampler.generate(prompts, temperature=0.0, seed=2, length=64, draft_tree="chain", draft_lookup=0)
+  ar = sampler.generate(prompts, temperature=0.0, seed=2, length=64, decode="ar")
+  assert [s.tokens for s in verified] == [s.tokens for s in ar] == [s.tokens for s in chain]
+  assert sum(s.nfe for s in verified) < sum(s.nfe for s in chain)
