@@ -327,7 +327,7 @@ def sample_report(
   jobs = Jobs(cfg, _TokenIds(cfg.model.vocab_size), None)  # no placement: nothing is put on devices
   try:
     settings = jobs.settings()
-    decoding = Decoding(cache, settings.block_length, settings.decode, settings.draft_length, settings.prefill_chunk)
+    decoding = Decoding.of(settings, cache)
     plan = jobs.plan(decoding, length)
   except SettingError as e:
     raise AotError(e.named(f"--{e.field.replace('_', '-')}")) from None

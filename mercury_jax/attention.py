@@ -394,8 +394,10 @@ def attend_cached(
       page_size, head_dim]``), the cache's segments ``[batch, slots]`` (dense for a paged cache too) and ``starts``
       ``[batch]``, each row's first slot of the chunk (:class:`~mercury_jax.kernels.common.CachedInputs`).
     mask: one of ``masks.CACHE_MASKS``: ``causal``, ``block_causal`` or ``bidirectional``, in slot space; or
-      ``verify_chunk``, a chunk of ``k + k*k`` queries (``masks.verify_chunk``) over the slots before ``starts``.
-    diffusion_block: the block of ``block_causal``; the draft length ``k`` of ``verify_chunk``.
+      ``verify_chunk``, a verify-and-draft chunk of a draft tree's nodes and pre-draft blocks (``masks.verify_chunk``;
+      ``k + k*k`` queries for the chain) over the slots before ``starts``.
+    diffusion_block: the block of ``block_causal``; the :class:`~mercury_jax.kernels.masks.Tree` of ``verify_chunk``
+      (or its draft length ``k``: the chain).
     implementation: ``auto``, ``xla``, ``pallas`` or ``cudnn`` (``cudnn`` runs the XLA path: cuDNN has no mask for a
       cache with per-row chunk positions; so does ``verify_chunk``, which the Pallas kernel does not implement).
     table: ``[batch, ceil(slots / page_size)]`` int32, each row's pages (None: a dense cache).

@@ -135,6 +135,9 @@ class ObjectiveConfig:
   ar_weight: float = 1.0
   draft_mask_min: float = 1.0
   draft_mask_max: float = 1.0
+  # verified: the weight λ of the drafter's KL to the clean half's own stop-gradient next-token distributions
+  # (objectives.verified: self-distillation; 0 trains on the tokens alone).
+  draft_kl_weight: float = 0.0
   # continuous (objectives.continuous, CDCD / LangFlow): Gaussian noise of scale sigma in [sigma_min, sigma_max] on
   # normalised token latents (unit variance per dimension); sigma_schedule is how training draws sigma: fixed
   # (log-uniform), warped (CDCD's time warping: a learned piecewise-linear CDF fitted to the loss) or gumbel
@@ -187,6 +190,8 @@ class ObjectiveConfig:
       raise ConfigError(f"objective.draft_length={self.draft_length} must be >= 1 (e.g. 4)")
     if self.ar_weight < 0:
       raise ConfigError(f"objective.ar_weight={self.ar_weight} must be >= 0 (e.g. 1.0)")
+    if not self.draft_kl_weight >= 0:
+      raise ConfigError(f"objective.draft_kl_weight={self.draft_kl_weight} must be >= 0 (e.g. 1.0; 0: off)")
     if not 0.0 < self.draft_mask_min <= self.draft_mask_max <= 1.0:
       raise ConfigError(
         f"objective.draft_mask_min={self.draft_mask_min} and objective.draft_mask_max={self.draft_mask_max} must "
@@ -207,12 +212,47 @@ class DataConfig:
   # long record of many files never attends across files. False: a record is one segment.
   document_segments: bool = False
   # A Jinja2 chat template that renders `messages` (OpenAI-style dicts) into the SFT prompt text, for the server's
-  # /v1/chat/completions (mercury_jax.serve.chat); "" = none: the model has no chat format.
+  # /v1/chat/completions (mercury_jax.data.chat_template); "" = none: the model has no chat format.
   chat_template: str = ""
+  # More prepared directories whose training records are mixed into data.path's, as "DIR@WEIGHT" (data.path weighs 1;
+  # e.g. "data/chat@0.33": a quarter of the rows), record by record; evaluation stays on data.path's validation split.
+  mix: tuple[str, ...] = ()
+  # Self-distillation sets (`python -m mercury_jax.distill`), "DIR[@WEIGHT]", mixed with each other by weight:
+  # distill_batch_size of their records follow the data.batch_size rows of every batch, which stay exactly the batches
+  # a run without them reads (objective.name='verified' only: their tokens train the drafter alone).
+  distill: tuple[str, ...] = ()
+  distill_batch_size: int = 0
+
+  @property
+  def rows(self) -> int:
+    """Rows of a training batch: ``batch_size`` and the self-distillation rows."""
+    return self.batch_size + self.distill_batch_size
+
+  def weighted(self, name: str) -> list[tuple[str, float]]:
+    """``data.mix`` or ``data.distill`` as ``(directory, weight)`` pairs."""
+    out = []
+    for spec in getattr(self, name):
+      path, at, weight = spec.rpartition("@")
+      if not at or "/" in weight:
+        path, weight = spec, "1"
+      try:
+        value = float(weight)
+      except ValueError:
+        value = float("nan")
+      if not path or not value > 0:
+        raise ConfigError(f"data.{name}: {spec!r} must be DIR or DIR@WEIGHT with a weight > 0 (e.g. data/chat@0.25)")
+      out.append((path, value))
+    return out
 
   def validate(self) -> None:
     if self.batch_size < 1:
       raise ConfigError(f"data.batch_size={self.batch_size} must be >= 1")
+    if self.distill_batch_size < 0 or bool(self.distill) != (self.distill_batch_size > 0):
+      raise ConfigError(
+        f"data.distill ({len(self.distill)} sets) and data.distill_batch_size={self.distill_batch_size} go "
+        "together: give both (e.g. distill_batch_size=8) or neither"
+      )
+    self.weighted("mix"), self.weighted("distill")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -344,6 +384,11 @@ class Config:
     if self.objective.verified and self.model.causal:
       raise ConfigError(
         "objective.name='verified' runs its own mask over drafts and a causal clean half; set model.causal=false"
+      )
+    if self.data.distill and not self.objective.verified:
+      raise ConfigError(
+        f"data.distill trains a verified model's drafter on its own continuations; objective.name="
+        f"{self.objective.name!r} has no drafter (use objective.name='verified' or drop data.distill)"
       )
     if self.objective.verified and self.model.time_conditioning:
       raise ConfigError(

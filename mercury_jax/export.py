@@ -78,8 +78,7 @@ def export(
   tokenizer = find_tokenizer(checkpoint)
   params, cfg = restore_params(checkpoint, step=step)
   params = jax.tree.map(lambda x: x.astype(jnp.dtype(dtype)), params)
-  if cfg.data.path:  # The training machine's data folder means nothing elsewhere: keep its name only.
-    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, path=Path(cfg.data.path).name))
+  cfg = dataclasses.replace(cfg, data=portable_data(cfg.data))
 
   out.parent.mkdir(parents=True, exist_ok=True)
   staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
@@ -100,6 +99,22 @@ def export(
     shutil.rmtree(staging, ignore_errors=True)
     raise
   return out
+
+
+def portable_data(data):
+  """``cfg.data`` with the training machine's folders cut to their names (they mean nothing elsewhere): ``path`` and
+  the ``DIR[@WEIGHT]`` entries of ``mix`` and ``distill`` (their weights kept)."""
+
+  def cut(entry: str) -> str:
+    folder, at, weight = entry.rpartition("@") if "@" in entry else (entry, "", "")
+    return Path(folder).name + at + weight
+
+  return dataclasses.replace(
+    data,
+    path=Path(data.path).name if data.path else data.path,
+    mix=tuple(cut(m) for m in data.mix),
+    distill=tuple(cut(d) for d in data.distill),
+  )
 
 
 def portable_metadata(path: str | Path) -> dict:

@@ -8,6 +8,9 @@ rows with one kind per position:
   prompt, fill-in-the-middle context or a template's text: conditioning that never changes.
 * ``TARGET`` (2): what the model predicts. In training, noised by the objective and scored; in sampling, the
   positions that start masked and are generated.
+* ``DISTILLED`` (3): training only, a token the network's own next-token head wrote (a self-distillation record,
+  ``mercury_jax.distill``). A verified model's drafter masks and scores it like ``TARGET``; every next-token loss
+  (the verifier's, the twin's) reads it as context and never scores it, and every other objective sees clean context.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import numpy as np
 PAD = 0
 FIXED = 1
 TARGET = 2
+DISTILLED = 3
 
 
 def segment_ids(kinds):

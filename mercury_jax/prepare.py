@@ -10,7 +10,9 @@ Usage::
 ``--corpus`` is ``python-stdlib``, ``site-packages`` (the Python sources of every installed distribution with a
 permissive licence) or ``site-packages:NAME,...`` (those distributions), a path or glob ending in ``.jsonl`` (lines
 ``{"text": ...}`` for language modelling, or ``{"prompt": ..., "response": ...}``, which selects SFT mode), or any
-other glob of UTF-8 text files. The mode follows from the data, so there is no ``--sft`` flag.
+other glob of UTF-8 text files. The mode follows from the data, so there is no ``--sft`` flag. SFT examples go one
+to a record, padded with EOS targets (``records.pack_sft``, for diffusion canvases), or with ``--pack`` several to a
+record and no scored padding (``records.pack_sft_packed``, for next-token objectives: the twin and verified models).
 
 ``--corpus kv-retrieval[:name=value,...]`` generates a synthetic key-value retrieval corpus (a needle in a haystack,
 ``mercury_jax.data.retrieval``) instead of reading one: its records hold their own layout of context and targets, so
@@ -70,15 +72,29 @@ def build_parser() -> argparse.ArgumentParser:
   parser.add_argument("--seq-len", type=int, default=256, help="record length in tokens (= model.max_length)")
   parser.add_argument("--shards", type=int, default=4, help="ArrayRecord files per split (at most)")
   parser.add_argument("--force", action="store_true", help="replace an existing non-empty --out directory")
+  parser.add_argument(
+    "--pack",
+    action="store_true",
+    help="SFT data: pack several examples to a record, the rest padding, no EOS padding scored (for next-token "
+    "objectives: the twin and verified models); default one example per record, padded with EOS targets",
+  )
   return parser
 
 
 def _encode_split(
-  docs: list[corpus_lib.Document], tokenizer: Tokenizer, mode: str, seq_len: int, parts: list[int], num_parts: int
+  docs: list[corpus_lib.Document],
+  tokenizer: Tokenizer,
+  mode: str,
+  seq_len: int,
+  parts: list[int],
+  num_parts: int,
+  *,
+  pack: bool = False,
 ) -> tuple[Any, dict[str, int], list[dict[str, int]]]:
   """Packs one split; returns the records, its metadata counts, and the counts of each of the ``num_parts`` corpora.
 
-  Characters count only what went in; ``parts[i]`` is the corpus of ``docs[i]``.
+  Characters count only what went in; ``parts[i]`` is the corpus of ``docs[i]``. ``pack``: SFT examples several to
+  a record (``records.pack_sft_packed``).
   """
   if mode == "lm":
     ids = tokenizer.encode_batch([d.text for d in docs])
@@ -88,12 +104,17 @@ def _encode_split(
   else:
     targets = [0] * len(docs)
     prompts = tokenizer.encode_batch([d.prompt or "" for d in docs])
-    examples = zip(prompts, tokenizer.encode_batch([d.text for d in docs]), strict=True)
-    packed, skipped = records.pack_sft(examples, seq_len, bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id)
+    responses = tokenizer.encode_batch([d.text for d in docs])
+    examples = zip(prompts, responses, strict=True)
+    ids = {"bos_id": tokenizer.bos_id, "eos_id": tokenizer.eos_id}
+    if pack:
+      packed, skipped = records.pack_sft_packed(examples, seq_len, **ids, pad_id=tokenizer.pad_id)
+    else:
+      packed, skipped = records.pack_sft(examples, seq_len, **ids)
     skipped_set = set(skipped)
     kept_index = [i for i in range(len(docs)) if i not in skipped_set]
-    for i in kept_index:
-      targets[i] = seq_len - 1 - len(prompts[i])  # After [BOS] + prompt, the record is target to its end.
+    for i in kept_index:  # Packed: the response and its EOS; else the record is target from after [BOS] + prompt.
+      targets[i] = len(responses[i]) + 1 if pack else seq_len - 1 - len(prompts[i])
   kept = [docs[i] for i in kept_index]
   per_part = [{"documents": 0, "characters": 0, "target_tokens": 0} for _ in range(num_parts)]
   for i in kept_index:
@@ -104,7 +125,7 @@ def _encode_split(
   stats = {
     "documents": len(kept),
     "skipped_documents": len(docs) - len(kept),
-    **records.record_stats(packed, eos_id=tokenizer.eos_id if mode == "sft" else None),
+    **records.record_stats(packed, eos_id=tokenizer.eos_id if mode == "sft" and not pack else None),
     "characters": sum(len(d.text) for d in kept),
     "prompt_characters": sum(len(d.prompt or "") for d in kept),
   }
@@ -135,7 +156,7 @@ class Source:
   manifest: dict[str, Any]
 
 
-def _read_source(specs: list[str]) -> Source:
+def _read_source(specs: list[str], pack: bool = False) -> Source:
   """The corpora of ``specs`` (one, or a mixture), packed by ``pack_lm`` or ``pack_sft``."""
   source = sources.load_mixture(specs)
   single = source.parts[0].corpus if source.single else None
@@ -149,7 +170,9 @@ def _read_source(specs: list[str]) -> Source:
   def encode(name: str, tokenizer: Tokenizer, seq_len: int) -> Encoded:
     pairs = source.packed(name)
     docs, indices = [d for d, _ in pairs], [i for _, i in pairs]
-    packed, stats, per_part = _encode_split(docs, tokenizer, source.mode, seq_len, indices, len(source.parts))
+    packed, stats, per_part = _encode_split(
+      docs, tokenizer, source.mode, seq_len, indices, len(source.parts), pack=pack
+    )
     return packed, stats, per_part if parts else []
 
   return Source(source.mode, single.source if single else specs, parts, texts, encode, source.manifest())
@@ -167,7 +190,7 @@ def _retrieval_source(spec: str) -> Source:
   return Source("sft", generated.spec, (), texts, encode, retrieval.manifest(generated))
 
 
-def load_source(specs: list[str]) -> Source:
+def load_source(specs: list[str], pack: bool = False) -> Source:
   """The ``Source`` of ``--corpus`` values.
 
   Raises:
@@ -181,7 +204,7 @@ def load_source(specs: list[str]) -> Source:
         "no @W), and give records=N for more of it"
       )
     return _retrieval_source(specs[0])
-  return _read_source(specs)
+  return _read_source(specs, pack)
 
 
 def _sha256(path: Path) -> str:
@@ -215,6 +238,7 @@ def prepare(
   seq_len: int = 256,
   num_shards: int = 4,
   force: bool = False,
+  pack: bool = False,
   log: Callable[[str], None] = print,
   progress: bool = False,
 ) -> dict[str, Any]:
@@ -229,6 +253,7 @@ def prepare(
     seq_len: Tokens per record.
     num_shards: ArrayRecord files per split, at most.
     force: Replace a non-empty ``out``.
+    pack: SFT data: several examples to a record (``records.pack_sft_packed``).
     log: Receives the summary lines.
     progress: Print each stage as it starts, with the time so far, on stderr (reading the corpus and training the
       tokenizer give no count to estimate the time left from).
@@ -252,7 +277,7 @@ def prepare(
   tokenizer = Tokenizer.load(tokenizer_path) if tokenizer_path else None
   specs = [corpus] if isinstance(corpus, str) else list(corpus)
   stage(f"reading {' + '.join(specs)}")
-  source = load_source(specs)
+  source = load_source(specs, pack)
   if tokenizer is None:
     texts = source.texts()
     stage(
@@ -292,6 +317,7 @@ def prepare(
       "record": {"dtype": "int32", "shape": [2, seq_len], "rows": ["tokens", "kinds"]},
       "kinds": {"padding": kinds.PAD, "prompt": kinds.FIXED, "target": kinds.TARGET},
       "corpus": source.corpus,
+      **({"sft_packing": "several per record" if pack else "one per record"} if source.mode == "sft" else {}),
       **({"corpora": part_meta} if part_meta else {}),
       "python_version": manifest.get("python_version"),
       "tokenizer": {
@@ -362,6 +388,7 @@ def main(argv: list[str] | None = None) -> int:
       seq_len=args.seq_len,
       num_shards=args.shards,
       force=args.force,
+      pack=args.pack,
       progress=True,
     )
   except (ValueError, OSError) as e:

@@ -7,6 +7,14 @@ Examples::
   python -m mercury_jax.sample --checkpoint runs/tiny --prompts-file prompts.jsonl --json
   python -m mercury_jax.sample --checkpoint runs/tiny --prompt "import os" --show-steps
   python -m mercury_jax.sample --checkpoint runs/tiny_bd --prompt "import os" --length 256 --steps 64 --stream
+  python -m mercury_jax.sample --chat "Write a function that reverses a string."
+  echo "Explain this code: print(sum(range(10)))" | python -m mercury_jax.sample --chat - --system "Be brief."
+
+``--chat MESSAGE`` is one chat turn: the user's message (``-`` reads it from stdin), after ``--system TEXT`` when
+given, rendered by the checkpoint's chat template (``data.chat_template``, or a converted checkpoint's own; the code
+``/v1/chat/completions`` renders it with, :mod:`mercury_jax.data.chat_template`), BOS in front once, no token
+healing; the reply is printed without the prompt, up to the end of the turn or ``--length`` tokens (default 128).
+A model without a chat template is a usage error.
 
 ``--prompts-file`` is JSON lines, each ``{"prompt": "..."}`` or a JSON string. Without ``--checkpoint`` the model
 bundled in ``mercury_jax/assets/default/`` is used (see its ``MODEL_CARD.md``). Compiled programs are kept in
@@ -61,7 +69,8 @@ PROCESS_PLACEHOLDER = "{process}"  # In a --prompts-file path: each process read
 # The flags that are ``SamplerSettings`` fields (their argparse destinations are the field names).
 KNOBS = (
   "rule", "confidence", "temperature", "top_k", "top_p", "threshold", "block_length", "revision", "min_length",
-  "decode", "draft_length", "prefill_chunk", "solver", "self_conditioning", "guidance",
+  "decode", "draft_length", "draft_tree", "draft_lookup", "draft_blocks", "draft_confidence", "prefill_chunk", "solver",
+  "self_conditioning", "guidance",
 )  # fmt: skip
 
 EPILOG = """\
@@ -73,7 +82,11 @@ and are an error for them. A canvas that starts with a hole gets BOS in front. -
 several processes: by default every process reads the same prompts and process 0 prints every sample. With
 --prompts-file 'prompts-{process}.jsonl' each process reads its own file ({process} becomes its process index, a
 file may be empty) and prints only its own samples (--json lines carry "process"); the tokens equal those of one
-process given all the files' prompts in process order."""
+process given all the files' prompts in process order.
+
+chat: --chat MESSAGE (or --chat - to read it from stdin) renders [--system TEXT,] MESSAGE with the model's chat
+template (the bundled default and default_ar have one) and prints the reply alone (default --length 128). A model
+without a chat template, an empty message or an empty stdin: one line on stderr, exit code 2."""
 
 NO_DEFAULT_MODEL = (
   "no --checkpoint given and the bundled model {name!r} is missing from mercury_jax/assets/{name}/ (reinstall the "
@@ -152,8 +165,16 @@ def build_parser() -> argparse.ArgumentParser:
     help='JSON lines: {"prompt": ...} or a JSON string per line; a path with {process} (e.g. prompts-{process}.jsonl) '
     "makes each process read its own file and print only its own samples",
   )
+  source.add_argument(
+    "--chat",
+    metavar="MESSAGE",
+    help="one chat turn: the user's MESSAGE ('-': read it from stdin) in the model's chat template; prints the reply",
+  )
+  p.add_argument("--system", metavar="TEXT", help="with --chat: a system message before the user's")
   p.add_argument("--template", help="text with <mask:N> holes to fill; its other text is kept as is")
-  p.add_argument("--length", type=int, help="tokens to generate after each prompt (default 64; not with --template)")
+  p.add_argument(
+    "--length", type=int, help="tokens to generate after each prompt (default 64, 128 with --chat; not with --template)"
+  )
   p.add_argument(
     "--steps",
     type=int,
@@ -182,8 +203,9 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument(
     "--draft-length",
     type=int,
-    help="verified decoding's draft length k: each forward pass commits 1 to k tokens (default: the trained one)",
+    help="verified decoding's draft length k: the drafter's chain of k - 1 drafts (default: the trained one)",
   )
+  usage.add_draft_flags(p)
   p.add_argument(
     "--prefill-chunk",
     type=int,
@@ -325,8 +347,14 @@ def _check_args(args: argparse.Namespace, flags: dict[str, str]) -> dict:
     _fail("--stream and --show-steps do not go together; pick one")
   if args.stream and args.prompts_file is not None and PROCESS_PLACEHOLDER in args.prompts_file:
     _fail("--stream samples on one process; a per-process --prompts-file needs the batch mode (drop --stream)")
-  if args.prompt is None and args.prompts_file is None and args.template is None:
-    _fail("give --prompt TEXT, --prompts-file FILE.jsonl or --template TEXT (e.g. --template '<mask:64>')")
+  if args.system is not None and args.chat is None:
+    _fail("--system goes with --chat (a chat turn's system message)")
+  if args.chat is not None and (args.template is not None or args.show_steps):
+    _fail(f"--chat does not go with {'--template' if args.template is not None else '--show-steps'}")
+  if args.prompt is None and args.prompts_file is None and args.template is None and args.chat is None:
+    _fail(
+      "give --prompt TEXT, --prompts-file FILE.jsonl, --chat MESSAGE or --template TEXT (e.g. --template '<mask:64>')"
+    )
   if args.prompt is not None and not args.prompt and args.template is None:
     _fail("--prompt is empty; give text to continue, or a --template with <mask:N> holes")
   knobs = {name: getattr(args, name) for name in KNOBS if getattr(args, name) is not None}  # Else SamplerSettings'.
@@ -404,6 +432,9 @@ def main(argv: list[str] | None = None, *, compile_cache: bool = False) -> int:
 
   sampler = load_sampler(args.checkpoint, args.model, args.mesh, _fail)
   request = _request(args, knobs, _constraint(sampler, args))
+  if args.chat is not None:
+    prompts, request["bos"] = _chat_prompt(sampler, args)
+    request.update(token_healing=False, length=128 if args.length is None else args.length)
   if args.stream:
     return _stream(sampler, prompts, args, request, flags)
   try:  # Refinement flags for an autoregressive checkpoint are a SettingError too.
@@ -446,7 +477,7 @@ def main(argv: list[str] | None = None, *, compile_cache: bool = False) -> int:
       continue
     if s.steps is not None:
       _show(s.steps, f"[sample {i + 1}/{len(samples)}]", unit)
-    print(s.prompt + s.text)
+    print(s.text if args.chat is not None else s.prompt + s.text)
     if s.complete is False:
       sys.stderr.write(f"sample {i + 1}: the structured text is unfinished: --length ran out before it could end\n")
     if i + 1 < len(samples):
@@ -460,6 +491,32 @@ def main(argv: list[str] | None = None, *, compile_cache: bool = False) -> int:
       f"{s.tokens_per_s:,.0f} tokens/s, {tpf:.2f} tokens per forward (compile {s.compile_time:.1f} s)\n"
     )
   return 0
+
+
+def _chat_prompt(sampler, args: argparse.Namespace) -> tuple[list[str], bool]:
+  """``--chat``'s prompt: ``[--system,] MESSAGE`` rendered by the model's chat template, and whether BOS goes in
+  front (as the server's :func:`~mercury_jax.data.chat_template.prompt_ids`: once, unless the template wrote it)."""
+  from mercury_jax.data.chat_template import TemplateError, chat_template_of, prompt_ids
+
+  message = args.chat
+  if message == "-":
+    try:
+      message = sys.stdin.read()
+    except (OSError, UnicodeDecodeError) as e:
+      _fail(f"--chat -: cannot read stdin: {e}")
+    message = message.removesuffix("\n")
+  if not message.strip():
+    _fail("--chat: the message is empty" + (" (nothing on stdin)" if args.chat == "-" else ""))
+  try:
+    template = chat_template_of(sampler.cfg.data.chat_template, sampler.tokenizer)
+    if template is None:
+      _fail("--chat: this model has no chat template (data.chat_template in its config); use --prompt")
+    system = [{"role": "system", "content": args.system}] if args.system is not None else []
+    rendered = template.render([*system, {"role": "user", "content": message}])
+  except TemplateError as e:
+    _fail(f"--chat: {e}")
+  ids = sampler.tokenizer.encode(rendered)
+  return [rendered], prompt_ids(sampler.tokenizer, ids) != ids
 
 
 def _constraint(sampler, args: argparse.Namespace):
@@ -506,7 +563,8 @@ def _stream(sampler, prompts, args: argparse.Namespace, request: dict, flags: di
   """``--stream``: sample 0's text as its blocks commit, each later sample once those before it are done (``--json``:
   one line per event)."""
   given = prompts if prompts is not None else [args.prompt if args.prompt is not None else ""]
-  heads = [p for p in given for _ in range(args.num_samples)]  # What each sample's text follows.
+  shown_heads = [""] * len(given) if args.chat is not None else given  # A chat turn prints its reply alone.
+  heads = [p for p in shown_heads for _ in range(args.num_samples)]  # What each sample's text follows.
   events = sampler.stream(given, **request)
   texts, done, nfe = [[] for _ in heads], [False] * len(heads), [0] * len(heads)
   shown, on_screen = 0, False  # The sample being printed, and whether its prompt is out.

@@ -81,9 +81,11 @@ class _Summaries:
     "eval_perplexity_bound": "eval/perplexity",
     "ar_loss": "train/ar_loss",  # verified: the verifier's next-token loss and the drafter's loss
     "draft_loss": "train/draft_loss",
+    "draft_kl": "train/draft_kl",  # verified: the drafter's KL to the clean half's next-token distributions
     "schedule_fit": "train/schedule_fit",  # continuous: the learned noise schedule's least-squares fit
     "eval_ar_nats_per_token": "eval/ar_nats_per_token",
     "eval_draft_nats_per_token": "eval/draft_nats_per_token",
+    "eval_draft_kl": "eval/draft_kl",
   }
 
   def __init__(self, workdir: Path, resume_step: int, enabled: bool):
@@ -162,11 +164,12 @@ def evaluate(trainer: Trainer, params, batches: list[dict[str, jax.Array]], seed
   if not trainer.cfg.objective.verified:
     nats = trainer.nats_per_token(params, batches, jax.random.key(seed))
     return {"eval_nats_per_token": nats, "eval_perplexity_bound": math.exp(min(nats, 50.0))}
-  losses = verified_losses(trainer.eval_sums(params, batches, jax.random.key(seed)), trainer.cfg.objective.ar_weight)
+  losses = verified_losses(trainer.eval_sums(params, batches, jax.random.key(seed)), trainer.cfg.objective)
   return {
     "eval_nats_per_token": losses["loss"],
     "eval_ar_nats_per_token": losses["ar"],
     "eval_draft_nats_per_token": losses["draft"],
+    "eval_draft_kl": losses["draft_kl"],
     "eval_perplexity_bound": math.exp(min(losses["ar"], 50.0)),
   }
 
@@ -208,6 +211,9 @@ def train(
     num_threads=cfg.data.num_threads,
     prefetch=cfg.data.prefetch,
     document_segments=cfg.data.document_segments,
+    mix=cfg.data.weighted("mix"),
+    distill=cfg.data.weighted("distill"),
+    distill_batch_size=cfg.data.distill_batch_size,
   )
   data_iter = iter(dataset)
   if checkpointer.latest_step() is not None:
@@ -242,7 +248,7 @@ def train(
   head_halves = 2 if cfg.objective.verified else 1  # Verified scores both halves.
   step_flops = (
     flops_per_token(cfg.model, num_params, doubled=doubled, head_halves=head_halves)
-    * cfg.data.batch_size
+    * cfg.data.rows
     * cfg.model.max_length
   )
   # On an accelerator MFU divides by every chip's datasheet peak; simulated CPU devices share one host's cores.
@@ -264,7 +270,7 @@ def train(
   try:
     with distributed.Preemption() as preemption:  # The steps bring their mesh and rules (sharding.MeshJit).
       pending = None
-      tokens_per_step = cfg.data.batch_size * cfg.model.max_length
+      tokens_per_step = cfg.data.rows * cfg.model.max_length
       for step in range(start_step, cfg.train.steps):
         batch = pipeline.to_global(next(data_iter), mesh, trainer.rules)
         state, metrics = trainer.train_step(state, batch)
@@ -310,7 +316,7 @@ def _finish_step(step: int, metrics, *, cfg: Config) -> dict[str, Any]:
       f"update was discarded and no checkpoint was written after it. Lower optim.learning_rate "
       f"(now {cfg.optim.learning_rate}) or check the data."
     )
-  extra = {k: values[k] for k in (*(f"{h}_loss" for h in HALVES), "schedule_fit") if k in values}
+  extra = {k: values[k] for k in (*(f"{h}_loss" for h in HALVES), "draft_kl", "schedule_fit") if k in values}
   return {"step": step, "loss": values["loss"], "grad_norm": values["grad_norm"], **extra}
 
 
@@ -318,11 +324,12 @@ def _status(m: dict[str, Any], total: int, bound: bool) -> str:
   mfu = "n/a" if m["mfu"] is None else f"{100 * m['mfu']:.1f}%"
   loss = f"loss {m['loss']:.4f}"
   if "ar_loss" in m:  # verified: the weighted mean, then the verifier's and the drafter's own losses
-    loss += f" (ar {m['ar_loss']:.4f}, draft {m['draft_loss']:.4f})"
+    loss += f" (ar {m['ar_loss']:.4f}, draft {m['draft_loss']:.4f}, kl {m['draft_kl']:.4f})"
   text = f"step {m['step']}/{total} | {loss} | {m['tokens_per_s']:,.0f} tok/s | MFU {mfu}"
   if "eval_ar_nats_per_token" in m:
     ppl = f"ppl {m['eval_perplexity_bound']:.2f}"  # The verifier's exact NLL.
     text += f" | eval ar {m['eval_ar_nats_per_token']:.4f} nats/tok ({ppl}), draft {m['eval_draft_nats_per_token']:.4f}"
+    text += f", kl {m['eval_draft_kl']:.4f}"
   elif "eval_nats_per_token" in m:
     ppl = f"ppl {'<= ' if bound else ''}{m['eval_perplexity_bound']:.2f}"  # An ELBO bounds it; the AR NLL is exact.
     text += f" | eval {m['eval_nats_per_token']:.4f} nats/tok ({ppl})"

@@ -18,7 +18,7 @@ from flax import linen as nn
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from mercury_jax import kinds as K, objectives, sharding as sh
-from mercury_jax.config import Config, OptimConfig
+from mercury_jax.config import Config, ObjectiveConfig, OptimConfig
 from mercury_jax.model import Transformer, abstract_params, init_params, param_shardings  # noqa: F401  (re-exported)
 
 State = dict[str, Any]
@@ -26,11 +26,13 @@ Batch = dict[str, jax.Array]
 HALVES = ("ar", "draft")  # A verified objective's two losses: the verifier's (next token) and the drafter's.
 
 
-def verified_losses(totals: dict[str, float], ar_weight: float) -> dict[str, float]:
-  """A ``verified`` objective's per-token losses from sums over batches: ``{"ar", "draft", "loss"}`` (the weighted
-  mean ``(α · ar + draft) / (1 + α)`` of the two)."""
+def verified_losses(totals: dict[str, float], cfg: ObjectiveConfig) -> dict[str, float]:
+  """A ``verified`` objective's per-token losses from sums over batches: ``{"ar", "draft", "draft_kl", "loss"}``
+  (``loss`` the weighted mean ``(α · ar + draft + λ · draft_kl) / (1 + α)``, ``objectives.verified``)."""
   out = {half: totals[f"{half}_loss_sum"] / max(totals[f"{half}_tokens"], 1.0) for half in HALVES}
-  out["loss"] = (ar_weight * out["ar"] + out["draft"]) / (1.0 + ar_weight)
+  out["draft_kl"] = totals.get("draft_kl_sum", 0.0) / max(totals["draft_tokens"], 1.0)
+  alpha = cfg.ar_weight
+  out["loss"] = (alpha * out["ar"] + out["draft"] + cfg.draft_kl_weight * out["draft_kl"]) / (1.0 + alpha)
   return out
 
 
@@ -99,11 +101,12 @@ class Trainer:
     self.rules = sh.axis_rules(cfg.mesh)
     self.model = Transformer(cfg.model)
     self.optimizer = make_optimizer(cfg.optim, cfg.train.steps)
-    if cfg.data.batch_size % sh.data_parallel_size(mesh, self.rules):
-      raise ValueError(
-        f"data.batch_size={cfg.data.batch_size} must be a multiple of the mesh's data-parallel size "
-        f"{sh.data_parallel_size(mesh, self.rules)}"
-      )
+    for name in ("batch_size", "distill_batch_size"):
+      if getattr(cfg.data, name) % sh.data_parallel_size(mesh, self.rules):
+        raise ValueError(
+          f"data.{name}={getattr(cfg.data, name)} must be a multiple of the mesh's data-parallel size "
+          f"{sh.data_parallel_size(mesh, self.rules)}"
+        )
     self.batch_sharding = sh.batch_sharding(mesh, self.rules, 2)
     self.state_shardings = self._state_shardings()
     self._eval_steps = {}  # draft mode -> compiled eval step
@@ -158,6 +161,8 @@ class Trainer:
     metrics = {"loss": loss, "grad_norm": grad_norm, "tokens": terms["tokens"]}
     for half in HALVES if self.cfg.objective.verified else ():  # The verifier's and the drafter's own losses.
       metrics[f"{half}_loss"] = terms[f"{half}_loss_sum"] / jnp.maximum(terms[f"{half}_tokens"], 1.0)
+    if self.cfg.objective.verified:
+      metrics["draft_kl"] = terms["draft_kl_sum"] / jnp.maximum(terms["draft_tokens"], 1.0)
     if "schedule_fit" in terms:
       metrics["schedule_fit"] = terms["schedule_fit"]
     return new_state, metrics
@@ -223,11 +228,11 @@ class Trainer:
     """
     totals = self.eval_sums(params, batches, key, on_batch=on_batch)
     if self.cfg.objective.verified:
-      return verified_losses(totals, self.cfg.objective.ar_weight)["loss"]
+      return verified_losses(totals, self.cfg.objective)["loss"]
     return totals["loss_sum"] / max(totals["tokens"], 1.0)
 
   def lower_train_step(self):
     """Lowers the train step from abstract values only (ahead-of-time compile checks of big presets)."""
-    b, length = self.cfg.data.batch_size, self.cfg.model.max_length
+    b, length = self.cfg.data.rows, self.cfg.model.max_length
     batch = {k: jax.ShapeDtypeStruct((b, length), jnp.int32, sharding=self.batch_sharding) for k in self.batch_keys}
     return self.train_step.lower(self.abstract_state(), batch)

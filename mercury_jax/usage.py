@@ -41,3 +41,30 @@ def add_latent_flags(p: argparse.ArgumentParser) -> None:
     help=f"a continuous checkpoint's classifier-free guidance scale in [0, {MAX_GUIDANCE:g}] (default 1: off; two "
     "passes a step otherwise)",
   )
+
+
+def add_draft_flags(p: argparse.ArgumentParser) -> None:
+  """Verified decoding's draft-tree flags (``python -m mercury_jax.sample`` and ``python -m mercury_jax.serve``):
+  each a ``SamplerSettings`` field of the same name."""
+  p.add_argument(
+    "--draft-tree",
+    help="verified decoding's draft tree: chain, small, wide, none (sampling.settings.TREES), rank paths added to "
+    "the drafter's chain like '1,2,10' (r: its r-th next likeliest token), or auto (default: the device's)",
+  )
+  p.add_argument(
+    "--draft-lookup",
+    type=int,
+    help="length of the prompt-lookup chain verified beside the drafts (the tokens that followed the last ones where "
+    "they occurred before in the text); 0: off (default -1: the device's)",
+  )
+  p.add_argument(
+    "--draft-blocks",
+    help="after which outcomes a step pre-drafts the next drafts: all (every chain depth), depths like '0,1' (a "
+    "cheaper chunk), none (default auto: the device's)",
+  )
+  p.add_argument(
+    "--draft-confidence",
+    type=float,
+    help="adaptive draft length: verify a drafter candidate only where the drafter's probability of it reaches this "
+    "bar (default 0: off)",
+  )

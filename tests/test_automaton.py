@@ -113,7 +113,7 @@ def test_suite_examples_are_valid_and_accepted_in_the_tokenizers_own_tokenisatio
   automaton = compiler.json_schema(SCHEMAS[name])
   assert automaton.accepts(tokenizer.encode(compact(EXAMPLES[name])) + [tokenizer.eos_id])
   # The shortest instance must fit the 96 tokens the structured-output tests generate (tests/test_structured.py).
-  assert automaton.num_states < 600 and automaton.distance[automaton.start] <= 88, automaton
+  assert automaton.num_states < 1024 and automaton.distance[automaton.start] <= 88, automaton
 
 
 # ----------------------------------------------------------------------------------------------- forced text
@@ -226,7 +226,8 @@ def test_strings_enums_and_combinators_are_enforced(compiler, tokenizer):
   assert accepts({"type": "string", "format": "date"}, "2024-02-29")
   assert not accepts({"type": "string", "format": "date"}, "2023-02-29")
   assert accepts({"type": "string", "pattern": "^a|b$"}, "b")
-  assert not accepts({"type": "string", "pattern": "a|b"}, "ab")  # matched in full: stricter than jsonschema's search
+  assert accepts({"type": "string", "pattern": "a|b"}, "xbx")  # searched, as JSON Schema reads it
+  assert not accepts({"type": "string", "pattern": "^a|b$"}, "ba")
   assert accepts({"enum": [{"a.b": [1, "x"]}, None]}, {"a.b": [1, "x"]})
   assert not accepts({"type": "string", "enum": ["a", 3]}, 3)  # enum values failing the type are dropped
   merged = {"allOf": [{"properties": {"a": {"type": "integer"}}, "required": ["a"]}, {"required": ["b"]}]}
@@ -292,22 +293,20 @@ def test_invalid_and_unsupported_regexes_say_what_and_where(compiler):
 def test_impossible_constraints_are_refused(compiler):
   assert "no token" in str(refusal(lambda: compiler.regex("é+")))
   assert "no token sequence satisfies" in str(refusal(lambda: compiler.regex("[a-z]*é")))
-  assert "no integer" in str(refusal(lambda: compiler.json_schema({"type": "integer", "minimum": 3, "maximum": 2})))
+  error = refusal(lambda: compiler.json_schema({"type": "integer", "minimum": 3, "maximum": 2}))
+  assert "accepts no value: no number" in str(error)
 
 
 @pytest.mark.parametrize(
   "schema,param,words",
   [
-    ({"type": "object", "properties": {"age": {"type": "integer", "not": {"const": 3}}}}, "properties.age.not", "not"),
     ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "uniqueItems", "uniqueItems"),
-    ({"properties": {"p": {"type": "number", "multipleOf": 0.5}}}, "properties.p.multipleOf", "'maximum' to enumerate"),
-    ({"type": "object", "propertyNames": {"pattern": "^a"}}, "propertyNames", "not enforced"),
-    ({"type": "string", "pattern": "^[A-Z]+$", "maxLength": 4}, "maxLength", "into the pattern"),
-    ({"type": "string", "format": "hostname"}, "format", "hostname"),
-    ({"type": "string", "pattern": "a.c"}, "pattern", "JSON strings must escape"),
-    ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, "oneOf", "branches 0 and 1 may both match"),
+    ({"properties": {"p": {"type": "number", "multipleOf": 0.123456789}}}, "properties.p.multipleOf", "minimum"),
+    ({"type": "string", "pattern": "a(?=b)"}, "pattern", "look-ahead"),
+    ({"properties": {"p": {"type": "string", "pattern": "(a)\\1"}}}, "properties.p.pattern", "backreference"),
+    ({"properties": {"a": {"$ref": "other.json"}}}, "properties.a.$ref", "outside the schema"),
     (
-      {"$defs": {"n": {"items": {"$ref": "#/$defs/n"}, "minItems": 1}}, "$ref": "#/$defs/n"},
+      {"$defs": {"n": {"type": "array", "items": {"$ref": "#/$defs/n"}, "minItems": 1}}, "$ref": "#/$defs/n"},
       "items.$ref",
       "without end",
     ),

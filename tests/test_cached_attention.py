@@ -48,6 +48,7 @@ class Case:
 
   def __str__(self):
     db = self.diffusion_block or ""
+    db = f"tree{self.diffusion_block.nodes}" if isinstance(db, masks.Tree) else db
     tiles = "" if self.blocks is SMALL else "-default" if self.blocks is None else f"-q{self.blocks.block_q}"
     return f"c{self.chunk}s{self.slots}h{self.heads}kv{self.kv_heads}d{self.head_dim}-{self.mask}{db}{tiles}"
 
@@ -573,7 +574,12 @@ def test_transformer_over_a_paged_cache_gives_the_dense_cache_logits():
 
 # One token and 24 over a cache, block-causal chunks with GQA 2 and 1, a cache smaller than its chunk, the verified
 # chunk.
-TILED_CASES = [CASES[0], CASES[2], CASES[4], CASES[6], CASES[7], Case(6, 64, 4, 2, "verify_chunk", 2)]
+# A draft tree (masks.Tree): 6 nodes, two pre-draft blocks of 3.
+TREE = masks.Tree((-1, 0, 0, 1, 2, 1), (0, 1), 3)
+TILED_CASES = [
+  CASES[0], CASES[2], CASES[4], CASES[6], CASES[7], Case(6, 64, 4, 2, "verify_chunk", 2),
+  Case(TREE.size, 64, 4, 2, "verify_chunk", TREE),
+]  # fmt: skip
 
 
 def _one_shot(case: Case, args):

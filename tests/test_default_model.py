@@ -1,8 +1,9 @@
 """The models bundled in the package (``mercury_jax/assets/default``, the verified model, its autoregressive twin
-``default_ar`` and the block-diffusion model ``default_bd``): complete, small, trained on the permissive code corpus,
-and the CLI's choices."""
+``default_ar`` and the block-diffusion model ``default_bd``): complete, small, trained on the permissive code corpus
+(the first two also on chat examples mined from it, with the chat template in their config), and the CLI's choices."""
 
 import dataclasses
+import io
 import json
 import os
 import subprocess
@@ -16,6 +17,7 @@ import pytest
 
 from mercury_jax import sharding as sh
 from mercury_jax.config import MeshConfig, load_config
+from mercury_jax.data import chat_format
 from mercury_jax.data.records import TARGET
 from mercury_jax.data.site_packages import parse_expression
 from mercury_jax.export import folder_bytes
@@ -53,13 +55,19 @@ def test_bundles_are_complete_and_fit_the_size_limit_together():
     assert len(licences) >= 20 and all(parse_expression(e)[1] for e in licences.values()), licences
   # All were trained on the same data with the same tokenizer.
   assert len({(path / "tokenizer.model").read_bytes() for path in paths}) == 1
+  # The chat pair's manifest also records the mined chat examples they trained on, and the same ones for both.
+  chats = [json.loads((default_checkpoint(n) / "manifest.json").read_text())["v4"] for n in ("default", "default_ar")]
+  assert chats[0] == chats[1] and chats[0]["chat_examples"]["split"] == "functions of the corpora's train split only"
+  mined = chats[0]["chat_examples"]["examples"]
+  assert sum(mined.values()) == sum(s["documents"] for s in chats[0]["chat_data"]["splits"].values()) > 40_000
+  assert mined["tool_call"] > 1000
 
 
 def test_bundled_models_are_the_default_presets(sampler, twin):
-  """The default bundle is configs/verified.toml's model, the twin configs/default_ar_continued.toml's (the twin
-  trained on for the same steps), the block-diffusion bundle configs/default.toml's."""
+  """The default bundle is configs/v4_chat.toml's model, the twin configs/v4_chat_ar.toml's (the twin trained on the
+  same rows for the same steps), both with the chat template; the block-diffusion bundle configs/default.toml's."""
   bd = Sampler.from_checkpoint(default_checkpoint("default_bd"))
-  presets = ((sampler, "verified"), (twin, "default_ar_continued"), (bd, "default"))
+  presets = ((sampler, "v4_chat"), (twin, "v4_chat_ar"), (bd, "default"))
   for model, name in presets:
     preset = load_config(name)
     # The sampler runs the layer stack as a loop whatever training chose (same parameters).
@@ -68,6 +76,9 @@ def test_bundled_models_are_the_default_presets(sampler, twin):
     assert model.tokenizer.vocab_size <= model.cfg.model.vocab_size
   assert sampler.cfg.objective.name == "verified" and sampler.cfg.objective.draft_length == 4
   assert sampler.plan().decode == "verified" and twin.autoregressive and bd.block_size == 8
+  assert sampler.cfg.data.chat_template == twin.cfg.data.chat_template == load_config("v4_chat").data.chat_template
+  assert sampler.cfg.data.mix == twin.cfg.data.mix == ("chat@0.5",) and sampler.cfg.data.path == "code"
+  assert not bd.cfg.data.chat_template
 
 
 def _nats_per_token(sampler: Sampler, rows: list[np.ndarray], draws: int = 4) -> list[float]:
@@ -141,3 +152,36 @@ def test_verified_greedy_is_the_bundled_networks_own_greedy_decoding(sampler):
     ar = sampler.generate(prompts, temperature=0.0, seed=2, decode="ar", **knobs)
     assert [s.tokens for s in verified] == [s.tokens for s in ar]
   assert sum(s.nfe for s in verified) < sum(len(s.tokens) for s in verified)
+
+
+def test_chat_turn_from_the_command_line_is_the_templates_prompt_after_bos(sampler, monkeypatch, capsys):
+  """``--chat -`` reads the message from stdin, renders it with ``--system`` in the bundled template and prints the
+  reply alone: the tokens the Python API gives for that text after BOS, without token healing."""
+  monkeypatch.setattr("sys.stdin", io.StringIO("Write a function that reverses a string.\n"))
+  argv = ["--chat", "-", "--system", "Be brief.", "--length", "16", "--temperature", "0", "--json"]
+  assert main(argv) == 0
+  (cli,) = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+  messages = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Write a function that reverses a string."},
+  ]
+  rendered = chat_format.render(messages)
+  assert cli["prompt"] == rendered and rendered.endswith("<|assistant|>\n") and "healed" not in cli
+  (sample,) = sampler.generate(rendered, length=16, temperature=0.0, bos=True, token_healing=False)
+  assert cli["tokens"] == sample.tokens and cli["text"] == sample.text and 1 <= len(cli["tokens"]) <= 16
+  assert main(["--chat", "Write a function that reverses a string.", "--length", "8", "--temperature", "0"]) == 0
+  out = capsys.readouterr().out
+  assert "<|user|>" not in out and "<|assistant|>" not in out  # the reply alone, not the rendered prompt
+
+
+def test_verified_greedy_with_every_draft_lever_is_the_bundled_networks_own_greedy_decoding(sampler):
+  """Trained weights, a draft tree with alternatives, a lookup chain, two pre-draft blocks and an adaptive length:
+  still the next-token head's greedy text, in fewer forward passes than the drafter's chain alone (the trained
+  model's greedy text repeats itself, which the lookups take)."""
+  prompts = ["def fibonacci(n):", "class Stack:\n    def push(self, item):"]
+  knobs = dict(draft_tree="wide", draft_lookup=8, draft_blocks="0,1", draft_confidence=0.05)
+  verified = sampler.generate(prompts, temperature=0.0, seed=2, length=64, **knobs)
+  chain = sampler.generate(prompts, temperature=0.0, seed=2, length=64, draft_tree="chain", draft_lookup=0)
+  ar = sampler.generate(prompts, temperature=0.0, seed=2, length=64, decode="ar")
+  assert [s.tokens for s in verified] == [s.tokens for s in ar] == [s.tokens for s in chain]
+  assert sum(s.nfe for s in verified) < sum(s.nfe for s in chain)

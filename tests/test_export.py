@@ -25,7 +25,8 @@ def run(tmp_path_factory, data_dir) -> dict:
     vocab_size=400, d_model=64, num_layers=2, num_heads=2, num_kv_heads=2, head_dim=32, mlp_dim=128, max_length=32
   )
   params = nn.meta.unbox(Transformer(model_cfg).init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"])
-  cfg = Config(model=model_cfg, data=DataConfig(path=str(root / "data")), name="export-test")
+  data_cfg = DataConfig(path=str(root / "data"), mix=(f"{root / 'chat'}@0.5", f"{root / 'tools'}@0.25"))
+  cfg = Config(model=model_cfg, data=data_cfg, name="export-test")
   export_params(root / "run", params, cfg, root / "tokenizer.model", step=7)
   data = root / "data"
   data.mkdir()
@@ -39,7 +40,7 @@ def test_bfloat16_export_halves_the_size_and_restores_as_float32(run, tmp_path):
   bf16 = export(run["checkpoint"], tmp_path / "bf16", dtype="bfloat16", data=run["data"], card=run["card"])
   assert folder_bytes(bf16) < 0.65 * folder_bytes(f32)
   restored, cfg = restore_params(bf16)
-  assert cfg.name == "export-test" and cfg.data.path == "data"
+  assert cfg.name == "export-test" and cfg.data.path == "data" and cfg.data.mix == ("chat@0.5", "tools@0.25")
   for path in (p for p in bf16.rglob("*") if p.is_file()):  # No absolute path of this machine is shipped.
     assert str(run["root"]).encode() not in path.read_bytes() and str(tmp_path).encode() not in path.read_bytes()
   for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(run["params"]), strict=True):

@@ -18,11 +18,11 @@ from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 import mercury_jax
 from mercury_jax.constrain import Compiler
 from mercury_jax.data import hf_tokenizer
+from mercury_jax.data.chat_template import chat_template_of, prompt_ids
 from mercury_jax.data.hf_files import SpecialTokens, read_chat_template, write_special_tokens
 from mercury_jax.data.hf_tokenizer import HFTokenizer
 from mercury_jax.data.tokenizer import TextTokenizer, Tokenizer, load_tokenizer, tokenizer_from_bytes
 from mercury_jax.sampling import healing
-from mercury_jax.serve.chat import chat_template_of, prompt_ids
 
 SENTENCEPIECE = Path(mercury_jax.__file__).parent / "assets" / "default" / "tokenizer.model"
 BPE_SIZE = 700

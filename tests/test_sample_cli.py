@@ -81,6 +81,11 @@ BAD_INPUTS = {
   "empty prompt in file": ["--prompts-file", "{empty_prompt.jsonl}"],
   "unknown flag": ["--prompt", "x", "--frobnicate"],
   "half the distributed flags": ["--prompt", "x", "--coordinator", "localhost:1234"],
+  "chat without a chat template": ["--chat", "hello"],
+  "empty chat message": ["--chat", "  "],
+  "chat and a prompt": ["--chat", "hello", "--prompt", "x"],
+  "chat with a template": ["--chat", "hello", "--template", "<mask:4>"],
+  "system without chat": ["--prompt", "x", "--system", "Be brief."],
 }
 
 

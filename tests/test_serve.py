@@ -4,8 +4,8 @@ The model is a tiny block-diffusion model fine-tuned (SFT) to sort digits behind
 so chat answers can be checked for being right, not only well formed. It is shipped, params-only in bfloat16, as
 ``tests/fixtures/sort_chat`` (2000 steps, 0.15 M parameters); ``python tests/fixtures/make_sort_chat.py`` trains and
 exports it again (about 3 minutes on 2 CPU cores) and prints how many of 40 lists its greedy chat replies sort.
-Structured output (``response_format``, tool calls) is checked for being valid against its schema; tool calls, longer
-than the model's context, go to the same weights served with a longer one (``tool_server``).
+Structured output (``response_format``) is checked for being valid against its schema; tool calls, longer than this
+model's context, are checked on the bundled default model (``test_default_chat.py``).
 
 The servers compile at the test processes' quick optimisation level (:data:`QUICK_FLAGS`): their start-up, a
 compilation per prefill and batch bucket, takes far longer than the tiny model's requests.
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import dataclasses
 import json
 import os
 import random
@@ -34,15 +33,11 @@ import openai
 import pytest
 from random_models import random_checkpoint
 
-from mercury_jax.checkpoint import export_params, find_tokenizer, restore_params
+from mercury_jax.checkpoint import restore_params
 from mercury_jax.sampling.sampler import Sampler
 
 TEMPLATE = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant:"
 CONTEXT = 24
-# A tool call is JSON, about a token a character (a call of SORT: up to 66 tokens), more than CONTEXT holds; the
-# tool_server's context holds the prompt of SORT_ME (13 tokens) and CALL_TOKENS.
-TOOL_CONTEXT = 96
-CALL_TOKENS = 80
 # The shipped sort-digits chat model (tests/fixtures/make_sort_chat.py): "sort 3 1 2" -> "1 2 3", prompts rendered by
 # its own chat template (TEMPLATE). Its greedy chat replies sorted 40 of 40 lists in the recipe's check and through
 # the tests' server alike (lists drawn with other seeds than its 2,000 training prompts, which cover most of the 1,000
@@ -71,7 +66,8 @@ class Server:
     self.url = f"http://127.0.0.1:{self.port}"
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "JAX_PLATFORMS": "cpu"}
     env["XLA_FLAGS"] = f"{QUICK_FLAGS if quick else ''} --xla_force_host_platform_device_count={devices}".strip()
-    command = [sys.executable, "-m", "mercury_jax.serve", "--checkpoint", str(checkpoint), "--port", str(self.port)]
+    command = [sys.executable, "-m", "mercury_jax.serve", "--port", str(self.port)]
+    command += ["--checkpoint", str(checkpoint)] if checkpoint is not None else []  # None: the bundled default
     command += flags
     self.followers: list[subprocess.Popen] = []
     if processes > 1:  # One multi-host server: process 0 serves HTTP, the others follow its engine commands.
@@ -349,37 +345,7 @@ SORT = {
     },
   },
 }
-WEATHER = {
-  "type": "function",
-  "function": {
-    "name": "weather",
-    "parameters": {
-      "type": "object",
-      "properties": {"city": {"type": "string", "enum": ["paris", "rome"]}, "days": {"type": "integer", "minimum": 1}},
-      "required": ["city"],
-    },
-  },
-}
-TOOLS = [SORT, WEATHER]
-PARAMETERS = {tool["function"]["name"]: tool["function"]["parameters"] for tool in TOOLS}
 SORT_ME = [{"role": "user", "content": "sort 3 1 2"}]
-
-
-@pytest.fixture(scope="module")
-def tool_server(tmp_path_factory):
-  """The fixture's model served with a context of TOOL_CONTEXT tokens, room for a tool call.
-
-  The same weights, exported with a longer ``model.max_length``: rotary position embeddings have no parameters that
-  depend on it. Beyond the CONTEXT positions it was trained on the model writes poor text, which the constraint keeps
-  valid.
-  """
-  params, cfg = restore_params(SORT_CHAT)
-  cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, max_length=TOOL_CONTEXT))
-  folder = tmp_path_factory.mktemp("tools")
-  export_params(folder, params, cfg, find_tokenizer(SORT_CHAT))
-  srv = Server(folder, "--slots", "2", quick=True)  # two calls (two automata) per step; the other requests wait
-  yield srv
-  srv.stop()
 
 
 @contextlib.contextmanager
@@ -394,61 +360,6 @@ def _concurrently(fn, requests: list[dict]) -> list:
   """``fn(**request)`` of every request, all sent at once; the results in the requests' order."""
   with concurrent.futures.ThreadPoolExecutor(len(requests)) as pool:
     return list(pool.map(lambda kw: fn(**kw), requests))
-
-
-def _called(choice) -> str:
-  """The name of the function a finished choice called; its arguments are checked against that tool's parameters."""
-  assert choice.finish_reason == "tool_calls" and choice.message.content is None, choice
-  (call,) = choice.message.tool_calls
-  assert call.type == "function" and call.id.startswith("call_")
-  jsonschema.validate(json.loads(call.function.arguments), PARAMETERS[call.function.name])
-  return call.function.name
-
-
-def test_required_and_named_tool_calls_complete_and_validate(tool_server):
-  client = tool_server.client(timeout=120)
-  named = {"type": "function", "function": {"name": "weather"}}
-  requests = [{"tool_choice": choice, "seed": seed} for choice in ("required", named, "auto") for seed in range(4)]
-  requests.append({"tool_choice": "required", "seed": 0, "max_tokens": 12})  # cut short
-  with _compiles_nothing(tool_server):
-    outs = _concurrently(
-      lambda **kw: client.chat.completions.create(
-        model="tiny", messages=SORT_ME, tools=TOOLS, **{"max_tokens": CALL_TOKENS, **kw}
-      ),
-      requests,
-    )
-  for out in outs[:4]:
-    _called(out.choices[0])
-  assert [_called(out.choices[0]) for out in outs[4:8]] == ["weather"] * 4
-  for out in outs[8:12]:  # "auto": a call, or text that does not start with "{"
-    choice = out.choices[0]
-    if choice.message.tool_calls:
-      _called(choice)
-    else:
-      assert choice.finish_reason in ("stop", "length") and not choice.message.content.startswith("{"), choice
-  short = outs[12].choices[0]
-  assert short.finish_reason == "length" and short.message.tool_calls is None
-  assert short.message.content.startswith('{"name":"') and outs[12].usage.completion_tokens == 12
-
-
-def test_a_streamed_tool_call_arrives_whole_in_delta_tool_calls(tool_server):
-  client = tool_server.client(timeout=120)
-
-  def stream(**kw) -> list:
-    kw |= {"model": "tiny", "messages": SORT_ME, "tools": TOOLS, "max_tokens": CALL_TOKENS, "stream": True}
-    return list(client.chat.completions.create(**kw))
-
-  named = {"type": "function", "function": {"name": "sort"}}
-  with _compiles_nothing(tool_server):
-    streams = _concurrently(stream, [{"tool_choice": "required", "seed": 1}, {"tool_choice": named, "seed": 2}])
-  for chunks, name in zip(streams, (None, "sort"), strict=True):
-    deltas = [chunk.choices[0].delta for chunk in chunks if chunk.choices]
-    assert deltas[0].role == "assistant" and not any(delta.content for delta in deltas)
-    (call,) = [call for delta in deltas for call in delta.tool_calls or ()]
-    assert call.index == 0 and call.id.startswith("call_") and call.type == "function"
-    assert name is None or call.function.name == name
-    jsonschema.validate(json.loads(call.function.arguments), PARAMETERS[call.function.name])
-    assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
 def test_json_schema_answers_validate_and_too_few_tokens_finish_with_length(server):

@@ -12,13 +12,13 @@ from fastapi.testclient import TestClient
 from mercury_jax.config import Config, DataConfig, ObjectiveConfig
 from mercury_jax.constrain.automaton import ConstraintError
 from mercury_jax.constrain.schema import tool_call_schema
+from mercury_jax.data.chat_template import ChatTemplate, TemplateError
 from mercury_jax.sampling.proposal import Knobs
 from mercury_jax.sampling.sampler import MASK_TEXT
 from mercury_jax.sampling.settings import SettingError
 from mercury_jax.sampling.text import Detokenizer
 from mercury_jax.serve import protocol as api, structured
 from mercury_jax.serve.answers import Choice, Shape, events
-from mercury_jax.serve.chat import ChatTemplate, TemplateError
 from mercury_jax.serve.routes import Options, create_app
 from mercury_jax.serve.scheduler import EngineDown, QueueFull, StepStats, Update
 
@@ -451,6 +451,12 @@ def test_the_detokenizer_adds_up_to_the_whole_decode_without_re_decoding_it(data
       text += piece
     assert text == tokenizer.decode(ids)
     assert max(decoded) <= 6 * size + 8  # A window, never the prefix: no update re-decodes the text so far.
+  # The text before a character split over updates goes out with the update; the character waits for its last byte.
+  ids = tokenizer.encode("x = 1 \U0001f600")
+  cut = next(k for k in range(len(ids), 0, -1) if tokenizer.decode(ids[:k]).endswith("\ufffd"))
+  detokenizer = Detokenizer(tokenizer)
+  assert detokenizer.add(ids[:cut]) == "x = 1 "
+  assert detokenizer.add(ids[cut:]) == "\U0001f600"
 
 
 def test_stop_straddling_a_block_edge_truncates_and_frees_the_slot():

@@ -154,7 +154,7 @@ def test_command_line_json_schema_and_regex(tmp_path, capsys):
 @pytest.mark.parametrize(
   "flags,message",
   [
-    (["--json-schema", '{"type": "integer", "multipleOf": 3}'], "--json-schema at multipleOf: "),
+    (["--json-schema", '{"type": "integer", "multipleOf": 0.123456789}'], "--json-schema at multipleOf: "),
     (["--json-schema", "{not json"], "--json-schema: neither a JSON Schema file nor JSON text"),
     (["--regex", "[a-"], "--regex: "),
   ],

@@ -2,6 +2,7 @@
 token healing, the command line's knobs, and the server through the official ``openai`` client."""
 
 import concurrent.futures
+import re
 
 import numpy as np
 import pytest
@@ -13,6 +14,9 @@ from mercury_jax.sampling.sampler import Sampler
 from mercury_jax.sampling.settings import SettingError
 
 PROMPTS = ["print(", "def fibon", "x = [1, 2,", "import o"]
+# A draft tree with every lever: alternatives (a Cartesian product), a lookup chain, two pre-draft blocks and an
+# adaptive length (the CLI's and the server's flags name the same fields).
+TREE = dict(draft_tree="1,2,10", draft_lookup=3, draft_blocks="0,1", draft_confidence=0.02)
 
 
 @pytest.fixture(scope="module")
@@ -25,12 +29,13 @@ def sampler(verified):
   return Sampler.from_checkpoint(verified)
 
 
-def test_greedy_verified_equals_the_next_token_head_with_healing_and_a_template(sampler):
+@pytest.mark.parametrize("tree", [{}, TREE], ids=["device_default", "tree"])
+def test_greedy_verified_equals_the_next_token_head_with_healing_and_a_template(sampler, tree):
   """Token healing re-generates each prompt's cut last token in both modes alike; the two-hole template keeps its
-  text; the rows have different prompt lengths."""
+  text; the rows have different prompt lengths; the device's draft tree and one with every lever."""
   for knobs in (dict(length=20), dict(template="a<mask:5> = b<mask:6>\n", length=0)):
     kw = dict(temperature=0.0, seed=1, **knobs)
-    verified = sampler.generate(PROMPTS, decode="verified", **kw)
+    verified = sampler.generate(PROMPTS, decode="verified", **tree, **kw)
     ar = sampler.generate(PROMPTS, decode="ar", **kw)
     assert [s.text for s in verified] == [s.text for s in ar]
     assert [s.tokens for s in verified] == [s.tokens for s in ar]
@@ -49,6 +54,18 @@ def test_stream_gives_the_text_generate_gives_and_drafts_ahead(sampler):
   assert streamed == texts and drafts > 0
 
 
+def test_greedy_verified_with_a_tree_walks_the_constraint_along_every_path(sampler):
+  """Structured output: the automaton restricts every tree node's distribution along its own path, so greedy
+  verified decoding with a tree is the constrained next-token head's greedy decoding, and valid."""
+  regex = r"\[(0|[1-9][0-9]{0,2})(, (0|[1-9][0-9]{0,2})){2,5}\]"
+  automaton = sampler.constraint(regex=regex)
+  kw = dict(length=40, constraint=automaton, temperature=0.0, seed=3)
+  verified = sampler.generate(["xs = "] * 2, decode="verified", **TREE, **kw)
+  ar = sampler.generate(["xs = "] * 2, decode="ar", **kw)
+  assert [s.tokens for s in verified] == [s.tokens for s in ar]
+  assert all(s.complete and re.fullmatch(regex, s.text) for s in verified), [s.text for s in verified]
+
+
 def test_decode_modes_and_draft_lengths_that_do_not_fit_are_setting_errors(sampler, tmp_path, data_dir):
   with pytest.raises(SettingError, match="draft_length=8 must lie in \\[2, 4\\]"):
     sampler.generate("x", length=4, draft_length=8)
@@ -58,6 +75,14 @@ def test_decode_modes_and_draft_lengths_that_do_not_fit_are_setting_errors(sampl
   with pytest.raises(SettingError, match="decode='verified' needs a verified checkpoint"):
     twin.generate("x", length=4, decode="verified")
   assert sampler.generate("x", length=4, draft_length=2)[0].accepted is not None
+  with pytest.raises(SettingError, match="draft_tree='01x' must be auto, one of chain"):
+    sampler.generate("x", length=4, draft_tree="01x")
+  with pytest.raises(SettingError, match="draft_tree='11' has path '11' without its parent '1'"):
+    sampler.generate("x", length=4, draft_tree="11")
+  with pytest.raises(SettingError, match="draft_tree='0001' has path '0001' deeper than the 3 drafts of k=4"):
+    sampler.generate("x", length=4, draft_tree="0001")
+  with pytest.raises(SettingError, match="draft_lookup=3 applies to decode='verified' only"):
+    sampler.generate("x", length=4, decode="ar", draft_lookup=3)
 
 
 @pytest.mark.parametrize(
@@ -66,6 +91,9 @@ def test_decode_modes_and_draft_lengths_that_do_not_fit_are_setting_errors(sampl
     (["--draft-length", "9"], "--draft-length=9 must lie in [2, 4]"),
     (["--decode", "ar", "--draft-length", "3"], "--draft-length=3 applies to decode='verified' only"),
     (["--decode", "verified", "--steps", "4"], "--steps=4 applies to diffusion models only"),
+    (["--draft-blocks", "0,5"], "--draft-blocks='0,5' must name chain depths in [0, 3] for k=4"),
+    (["--draft-confidence", "1.5"], "--draft-confidence=1.5 must lie in [0, 1) (0: off)"),
+    (["--draft-lookup", "99"], "--draft-lookup=99 must lie in [0, 16]"),
   ],
 )
 def test_command_line_knobs_that_do_not_fit_are_one_line_and_exit_code_2(verified, flags, message, capsys):
@@ -85,7 +113,9 @@ def test_command_line_reports_tokens_per_forward(verified, capsys):
 
 
 def test_server_answers_as_the_sampler_alone_and_concurrently_without_compiling(verified, sampler):
-  srv = Server(verified, "--slots", "2", "--max-queue", "64", quick=True)  # batch buckets 1 and 2; the others wait
+  """The server decodes with a draft tree (its flags name the sampler's fields), compiled once at start."""
+  flags = [f"--{name.replace('_', '-')}={value}" for name, value in TREE.items()]
+  srv = Server(verified, "--slots", "2", "--max-queue", "64", *flags, quick=True)  # buckets 1 and 2; others wait
   try:
     client = srv.client(timeout=120)
     models = client.models.list().data[0]
@@ -95,7 +125,7 @@ def test_server_answers_as_the_sampler_alone_and_concurrently_without_compiling(
     ]
     for kw in requests[:6]:  # The server's text is the sampler's, greedy and sampled.
       out = client.completions.create(model="tiny", **kw)
-      mine = sampler.generate(kw["prompt"], length=10, temperature=kw["temperature"], seed=kw["seed"])[0]
+      mine = sampler.generate(kw["prompt"], length=10, temperature=kw["temperature"], seed=kw["seed"], **TREE)[0]
       assert out.choices[0].text == mine.text, kw
     compiled = srv.metric("mercury_compilations_total")
     solo = [client.completions.create(model="tiny", **kw).choices[0].text for kw in requests]

@@ -237,6 +237,77 @@ def test_attend_cached_verify_chunk_matches_loops(implementation):
   np.testing.assert_allclose(np.asarray(got), want, atol=1e-5)
 
 
+# Draft trees (masks.Tree): the chain, a tree with branches and three outcomes, the root alone, no pre-draft block.
+TREES = [
+  masks.Tree.chain(3),
+  masks.Tree((-1, 0, 0, 1, 2, 0, 5), (0, 1, 5), 3),
+  masks.Tree((-1,), (0,), 2),
+  masks.Tree((-1, 0, 1, 2), (), 2),
+]
+
+
+def _tree_rule(tree: masks.Tree) -> np.ndarray:
+  """``[size, size]``: a node sees its ancestors and itself; a pre-draft block the path to its outcome and itself."""
+  n, k = tree.nodes, tree.block
+
+  def path(i):
+    out = {i}
+    while tree.parents[i] >= 0:
+      i = tree.parents[i]
+      out.add(i)
+    return out
+
+  out = np.zeros((tree.size, tree.size), bool)
+  for i in range(tree.size):
+    for j in range(tree.size):
+      if i < n:
+        out[i, j] = j < n and j in path(i)
+      else:
+        b = (i - n) // k
+        out[i, j] = (j < n and j in path(tree.outcomes[b])) or n + b * k <= j < n + (b + 1) * k
+  return out
+
+
+@pytest.mark.parametrize("tree", TREES, ids=lambda t: f"n{t.nodes}o{len(t.outcomes)}")
+def test_tree_chunk_follows_the_rule_and_the_chain_is_tidars_chunk(tree):
+  np.testing.assert_array_equal(masks.verify_chunk(tree), _tree_rule(tree))
+  np.testing.assert_array_equal(masks.verify_chunk(masks.Tree.chain(4)), _chunk_rule(4))
+  segments = np.ones((2, tree.size), np.int32)
+  segments[1, -1:] = 0
+  cache_segments, starts = np.ones((2, 24), np.int32), np.array([9, 6], np.int32)
+  in_cache, in_chunk = masks.cached(segments, cache_segments, starts, "verify_chunk", block=tree)
+  np.testing.assert_array_equal(in_chunk[0], _tree_rule(tree))
+  assert (in_cache[0] == (np.arange(24) < 9)[None]).all() and not in_cache[1, -1].any() and not in_chunk[1, -1].any()
+
+
+@pytest.mark.parametrize("blockwise", [False, True])
+def test_attend_cached_over_a_tree_matches_loops(blockwise):
+  """The XLA path (one softmax, or the cache in tiles up to the chunk's root) over a tree with branches."""
+  tree, slots, heads, kv_heads, dim = TREES[1], 24, 4, 2, 16
+  chunk = tree.size
+  segments = np.ones((2, chunk), np.int32)
+  segments[1, chunk - 2 :] = 0
+  cache_segments, starts = np.ones((2, slots), np.int32), np.array([9, 6], np.int32)
+  cache_segments[1, :2] = 0
+  rng = np.random.default_rng(1)
+  normal = lambda *shape: rng.standard_normal(shape).astype(np.float32)
+  q, kk, v = normal(2, chunk, heads, dim), normal(2, chunk, kv_heads, dim), normal(2, chunk, kv_heads, dim)
+  cache_k, cache_v = normal(2, slots, kv_heads, dim), normal(2, slots, kv_heads, dim)
+  got = attention.attend_cached(
+    CachedInputs(q, kk, v, segments, cache_k, cache_v, cache_segments, starts),
+    mask="verify_chunk",
+    diffusion_block=tree,
+    implementation="xla",
+    blockwise=blockwise,
+  )
+  in_cache, in_chunk = masks.cached(segments, cache_segments, starts, "verify_chunk", block=tree)
+  keys, values = np.concatenate([cache_k, kk], axis=1), np.concatenate([cache_v, v], axis=1)
+  vis = np.zeros((2, slots + chunk, slots + chunk), bool)
+  vis[:, slots:] = np.concatenate([in_cache, in_chunk], axis=-1)
+  qpad = np.concatenate([np.zeros((2, slots, heads, dim), np.float32), q], axis=1)
+  np.testing.assert_allclose(np.asarray(got), _attention_loops(qpad, keys, values, vis)[:, slots:], atol=1e-5)
+
+
 def test_errors_name_the_value():
   q = jnp.zeros((1, 16, 2, 16))
   with pytest.raises(ValueError, match="diffusion_block=None"):
@@ -254,6 +325,10 @@ def test_errors_name_the_value():
       diffusion_block=2,
       interpret=True,
     )
+  with pytest.raises(ValueError, match="must be a masks.Tree or a positive int"):
+    masks.check("verify_chunk", "4", masks.CACHE_MASKS)
+  with pytest.raises(ValueError, match="parents=\\(0,\\) must start with -1"):
+    masks.Tree((0,), (), 2)
   seg = jnp.ones((1, 5), jnp.int32)
-  with pytest.raises(ValueError, match="chunk of k \\+ k\\*k"):
+  with pytest.raises(ValueError, match="chunk of its tree's size"):
     masks.cached(seg, jnp.ones((1, 8), jnp.int32), jnp.zeros((1,), jnp.int32), "verify_chunk", block=2)

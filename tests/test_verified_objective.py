@@ -163,9 +163,90 @@ def test_draft_noise_follows_the_mask_rate_range():
   assert masked[:, 3:].all() and not masked[:, :3].any()
 
 
+def _distilled_batch():
+  """Row 0: real text (TARGET); row 1: a prompt (FIXED) then the network's own continuation (DISTILLED), padding."""
+  x, _ = _batch()
+  kinds = np.full(x.shape, K.TARGET, np.int32)
+  kinds[1, :5] = K.FIXED
+  kinds[1, 5:-2] = K.DISTILLED
+  kinds[1, -2:] = K.PAD
+  return x, jnp.asarray(kinds)
+
+
+def test_a_distillation_record_trains_only_the_draft_half():
+  """A DISTILLED token is masked and scored by the drafter, read as context by the verifier and never scored by it:
+  the verifier's sums and gradient are those of the real row alone; the drafter's cover both rows."""
+  x, kinds = _distilled_batch()
+  params, key = _params(), jax.random.key(1)
+  cfg = dataclasses.replace(CFG, draft_kl_weight=1.0)
+  seen = {}
+  out = verified.loss(_verified_fn(params, seen), x, kinds, key, cfg)
+  distilled = np.asarray(kinds) == K.DISTILLED
+  drafts = np.asarray(seen["tokens"][:, : MODEL.max_length])
+  assert (drafts[distilled] == MASK_ID).all()
+  assert float(out["draft_tokens"]) == ((np.asarray(kinds) == K.TARGET) | distilled).sum()
+  real_only = verified.loss(_verified_fn(params), x[:1], kinds[:1], key, cfg)
+  assert float(out["ar_tokens"]) == float(real_only["ar_tokens"]) == MODEL.max_length - 1
+  np.testing.assert_allclose(out["ar_loss_sum"], real_only["ar_loss_sum"], rtol=1e-6)
+
+  def ar_half(p):
+    o = verified.loss(_verified_fn(p), x, kinds, key, cfg)
+    return o["ar_loss_sum"] / o["ar_tokens"]
+
+  grads = jax.grad(ar_half)(params)
+  real_grads = jax.grad(
+    lambda p: (lambda o: o["ar_loss_sum"] / o["ar_tokens"])(verified.loss(_verified_fn(p), x[:1], kinds[:1], key, cfg))
+  )(params)
+  for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(real_grads), strict=True):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=1e-6 + 1e-5 * float(jnp.max(jnp.abs(w))))
+  # The twin's objective (the same rule) never scores a distilled token either.
+  assert not np.asarray(autoregressive.scored(kinds))[distilled].any()
+
+
+def test_head_kl_is_the_clean_halfs_next_token_distribution_against_the_drafters_under_a_stop_gradient():
+  rng = np.random.default_rng(4)
+  clean = jnp.asarray(rng.standard_normal((2, 6, 9)) * 2, jnp.float32)
+  draft = masked_diffusion.without_mask_class(jnp.asarray(rng.standard_normal((2, 6, 9)) * 2, jnp.float32), 4)
+  kl = np.asarray(verified.head_kl(clean, draft, 4))
+  p = np.asarray(masked_diffusion.masked_log_probs(clean, 4))
+  q = np.asarray(jax.nn.log_softmax(draft, axis=-1))
+  for b in range(2):
+    assert kl[b, 0] == 0.0  # No clean token before position 0.
+    for i in range(1, 6):
+      keep = np.isfinite(p[b, i - 1])
+      want = float((np.exp(p[b, i - 1][keep]) * (p[b, i - 1][keep] - q[b, i][keep])).sum())
+      np.testing.assert_allclose(kl[b, i], want, rtol=1e-5, atol=1e-6)
+  assert (kl >= -1e-6).all() and kl.max() > 0.1
+  same = masked_diffusion.without_mask_class(jnp.pad(clean[:, :-1], ((0, 0), (1, 0), (0, 0))), 4)
+  np.testing.assert_allclose(np.asarray(verified.head_kl(clean, same, 4))[:, 1:], 0.0, atol=1e-5)
+  teacher_grad = jax.grad(lambda c: verified.head_kl(c, draft, 4).sum())(clean)
+  assert not np.asarray(teacher_grad).any()  # The teacher is not moved.
+
+
+def test_the_kl_weight_adds_the_drafters_kl_and_leaves_the_cross_entropy_as_it_was():
+  x, kinds = _distilled_batch()
+  params, key = _params(), jax.random.key(1)
+  off = verified.loss(_verified_fn(params), x, kinds, key, CFG)
+  on = verified.loss(_verified_fn(params), x, kinds, key, dataclasses.replace(CFG, draft_kl_weight=0.5))
+  np.testing.assert_allclose(on["draft_loss_sum"], off["draft_loss_sum"], rtol=1e-6)
+  np.testing.assert_allclose(on["draft_kl_sum"], off["draft_kl_sum"], rtol=1e-6)
+  assert float(on["draft_kl_sum"]) > 0
+  kl = float(on["draft_kl_sum"] / on["draft_tokens"])
+  np.testing.assert_allclose(float(on["loss_sum"] - off["loss_sum"]), 0.5 * kl / 2, rtol=1e-4)
+  totals = {k: float(v) for k, v in on.items()}
+  np.testing.assert_allclose(
+    verified_losses(totals, dataclasses.replace(CFG, draft_kl_weight=0.5))["loss"], float(on["loss_sum"]), rtol=1e-5
+  )
+
+
 @pytest.mark.parametrize(
   "sets,match",
   [
+    (["objective.draft_kl_weight=-1"], r"objective.draft_kl_weight=-1.0 must be >= 0"),
+    (["data.distill=d"], r"data.distill \(1 sets\) and data.distill_batch_size=0 go together"),
+    (["data.distill_batch_size=4"], r"data.distill \(0 sets\) and data.distill_batch_size=4 go together"),
+    (["data.distill=d@0", "data.distill_batch_size=4"], r"data.distill: 'd@0' must be DIR or DIR@WEIGHT"),
+    (["data.mix=d@x"], r"data.mix: 'd@x' must be DIR or DIR@WEIGHT"),
     (["model.causal=true"], "set model.causal=false"),
     (["model.time_conditioning=true"], "model.time_conditioning=false"),
     (["objective.draft_length=5"], r"model.max_length=64 must be a multiple of objective.draft_length=5"),
@@ -179,6 +260,11 @@ def test_draft_noise_follows_the_mask_rate_range():
 def test_config_errors_name_the_key(sets, match):
   with pytest.raises(ConfigError, match=match):
     load_config("tiny_verified", parse_set_args(["model.max_length=64", *sets]))
+
+
+def test_distillation_sets_need_a_drafter():
+  with pytest.raises(ConfigError, match="data.distill trains a verified model's drafter"):
+    load_config("tiny", parse_set_args(["data.distill=d", "data.distill_batch_size=4"]))
 
 
 def test_tiny_preset_learns_both_halves(data_dir):
@@ -195,7 +281,7 @@ def test_tiny_preset_learns_both_halves(data_dir):
   ]
 
   def losses(params):
-    return verified_losses(trainer.eval_sums(params, held_out, jax.random.key(0)), cfg.objective.ar_weight)
+    return verified_losses(trainer.eval_sums(params, held_out, jax.random.key(0)), cfg.objective)
 
   fresh = losses(state["params"])
   batches = iter(pipeline.train_dataset(data_dir, seq_len=64, global_batch_size=8, seed=0))

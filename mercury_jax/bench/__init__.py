@@ -5,6 +5,8 @@
   interleaved speed/quality benchmark of a diffusion (or verified) model and its autoregressive twin.
 - ``serve`` (with ``serving``: the server process, the client's loads, the table): a server under load.
 - ``slot_step``, ``sampler``, ``caches``, ``structured``, ``training``: the engine's parts and the training step.
+- ``schema_coverage``: JSON Schema coverage of structured output, on the official test suite and JSONSchemaBench's
+  real-world collections.
 - ``long_context``, ``long_attention`` (and context parallelism), ``needle``: long prompts and long sequences.
 - ``families`` (with ``families_torch``), ``convert``: converted public checkpoints and the converter.
 - ``gpu_attention``, ``gpu_sampling``: the accelerator benchmarks ``launch/gpu_checks.sh`` runs.

@@ -26,6 +26,7 @@ from mercury_jax.bench import (
   objectives,
   recipes,
   sampler,
+  schema_coverage,
   serve,
   slot_step,
   structured,
@@ -35,11 +36,12 @@ from mercury_jax.bench import (
 PROG = "python -m mercury_jax.bench"
 MODULES = (  # each with ``COMMANDS = {name: (add_arguments, run)}``; run's docstring is the command's help
   compare, serve, slot_step, sampler, caches, structured, training, long_context, long_attention, needle, families,
-  convert, gpu_attention, gpu_sampling, recipes, objectives,
+  convert, gpu_attention, gpu_sampling, recipes, objectives, schema_coverage,
 )  # fmt: skip
 GROUPS = (  # what --help lists, in this order
   ("start here", ("compare", "serve")),
   ("the engine's parts", ("slot-step", "sampler", "exact-cache", "approximate-caches", "structured", "train")),
+  ("JSON Schema coverage of structured output", ("schema-suite", "schema-bench", "schema-vendor")),
   ("long contexts", ("long-context", "long-attention", "context-parallel", "needle")),
   ("public checkpoints", ("families", "convert")),
   ("on a GPU (launch/gpu_checks.sh runs them)", ("gpu-attention", "gpu-sampling")),

@@ -118,6 +118,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     caches=args.caches,
     drafts=drafts,
     continuous=continuous,
+    levers=args.levers,
   )
   for cache in args.caches:  # Reject a cache the diffusion model does not have before anything is timed.
     samplers["diffusion"].plan(Decoding(cache))
@@ -158,15 +159,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
   verified = None
   if verified_rows:
-    setting = next(s for s in settings if s.model == "verified")
     twin = next(s for s in settings if s.model == "autoregressive")
-    verified = {
-      "rows": verified_rows,
-      "costs": [
-        bench_verified.costs(samplers["verified"], ar, batches[b][0], runner.settings(setting), runner.settings(twin))
-        for b in args.batch_sizes
-      ],
-    }
+    by_lever = {s.lever: s for s in settings if s.model == "verified"}  # one cost per lever (T does not change it)
+    memo: dict = {}  # the twin's and the chunks' figures, once per batch
+    cost = lambda b, s: bench_verified.costs(  # noqa: E731
+      samplers["verified"], ar, batches[b][0], runner.settings(s), runner.settings(twin), memo
+    )
+    costs = [{"lever": lever, **cost(b, s)} for b in args.batch_sizes for lever, s in by_lever.items()]
+    verified = {"rows": verified_rows, "costs": costs}
   tol = bench_report.Tolerances(args.ppl_tolerance, args.entropy_tolerance, args.parse_tolerance)
   result = {
     "machine": machine,
@@ -231,6 +231,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
   )
   p.add_argument(
     "--draft-lengths", type=_ints, default=(0,), help="verified draft lengths, comma-separated (0: the trained one)"
+  )
+  p.add_argument(
+    "--levers",
+    type=lambda text: tuple(v for v in text.split(",") if v),
+    default=("auto",),
+    help="verified decoding's levers, each alone or together, comma-separated: "
+    + ", ".join(bench_verified.LEVERS)
+    + " (default auto: the device's draft tree, lookups and pre-draft blocks)",
   )
   p.add_argument("--no-diffusion", action="store_true", help="leave the diffusion model's rows out")
   p.add_argument(
@@ -316,6 +324,9 @@ def run_compare(args: argparse.Namespace) -> None:
     args.ar_temperatures = (1.0,)
   if 1.0 not in args.ar_temperatures:
     _fail("--ar-temperatures must include 1 (the reference for matched quality)")
+  unknown = [lever for lever in args.levers if lever not in bench_verified.LEVERS]
+  if unknown or not args.levers:
+    _fail(f"--levers {','.join(args.levers)!r} must name some of {', '.join(bench_verified.LEVERS)}")
   if not args.temperatures or min(args.temperatures + args.ar_temperatures) < 0:
     _fail(f"--temperatures {args.temperatures} and --ar-temperatures {args.ar_temperatures} must be >= 0 (0: greedy)")
   for flag, values in (

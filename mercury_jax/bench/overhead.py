@@ -17,9 +17,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mercury_jax.bench.throughput import median_seconds
+from mercury_jax.bench.throughput import median_seconds, time_call
 from mercury_jax.sampling import canvas as cv
 from mercury_jax.sampling.caches import Needs
+from mercury_jax.sampling.drafts import Candidates
 from mercury_jax.sampling.engine import BlockEngine
 from mercury_jax.sampling.jobs import Budget
 from mercury_jax.sampling.plan import Decoding
@@ -36,9 +37,12 @@ def engine_overhead(
   cache: str = "auto",
   repeats: int = 5,
   passes: int = 32,
+  timer: bool = False,
 ) -> dict[str, Any]:
-  """The overhead ratio (module docstring) of ``sampler``'s engine on one canvas batch (one device)."""
-  decoding = Decoding(cache, settings.block_length, settings.decode, settings.draft_length)
+  """The overhead ratio (module docstring) of ``sampler``'s engine on one canvas batch (one device); with ``timer``,
+  also ``"timer"``: a function that times one more run of the later passes (seconds a pass), so that two engines'
+  passes can be timed interleaved."""
+  decoding = Decoding.of(settings, cache)
   canvas = cv.Canvas(*(np.asarray(a) for a in canvas))
   plan = sampler.plan(decoding, np.shape(canvas.tokens)[1])
   canvas = cv.pad_length(canvas, plan.length, sampler.tokenizer.pad_id)
@@ -69,18 +73,24 @@ def engine_overhead(
         starts = engine.starts(moved)
         ones = jnp.ones((batch,), bool)
         needs = Needs(starts, jnp.ones((batch,), jnp.float32), ones, ones if plan.draft else moved.fresh)
+        if plan.draft:  # The whole tree: every node live (the chunk a step with every candidate runs).
+          nodes = jnp.ones((batch, plan.tree.nodes), bool)
+          needs = needs._replace(nodes=Candidates(jnp.where(nodes, 5, 0).astype(jnp.int32), nodes))
         out = engine.cache.forward(p, moved, needs)
         return total + out.logits[0, 0, 0], out.cache
 
       return jax.lax.fori_loop(0, passes, body, (jnp.zeros((), jnp.float32), st.cache))
 
-    return median_seconds(jax.jit(run), params, final, repeats=repeats) / passes
+    return jax.jit(run)
 
-  first_cost, later_cost = probe(True), probe(False)
+  first_fn, later_fn = probe(True), probe(False)
+  first_cost, later_cost = (median_seconds(f, params, final, repeats=repeats) / passes for f in (first_fn, later_fn))
   forwards, first = int(final.forwards), int(final.commit_passes)
   later = forwards - first
   predicted = prefill + first * first_cost + later * later_cost
+  timed = {"timer": lambda: time_call(later_fn, params, final) / passes} if timer else {}
   return {
+    **timed,
     "cache": plan.cache,
     "block": plan.block,
     "steps_per_block": int(np.max(per_block)),

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mercury_jax import kinds as K
+from mercury_jax.bench import verified as bench_verified
 from mercury_jax.bench.throughput import time_call
 from mercury_jax.sampling import canvas as cv
 from mercury_jax.sampling.canvas import SampleOutput
@@ -38,12 +39,14 @@ class Setting:
   temperature: float = 1.0
   cache: str = "auto"  # The Sampler's cache (``none``: the uncached reference; ``dual``/``prefix``: approximate).
   draft: int = 0  # verified: the draft length (0: the checkpoint's)
+  lever: str = "auto"  # verified: the draft tree, lookups, pre-draft blocks and length (``bench.verified.LEVERS``)
 
   @property
   def name(self) -> str:
     if self.model == "verified":
       how = "greedy" if self.temperature == 0 else f"T={self.temperature:g}"
-      return f"verified{f' k={self.draft}' if self.draft else ''} {how}"
+      lever = "" if self.lever == "auto" else f" {self.lever}"
+      return f"verified{f' k={self.draft}' if self.draft else ''}{lever} {how}"
     if self.model == "autoregressive":
       return f"AR {'greedy' if self.temperature == 0 else f'T={self.temperature:g}'}"
     name = f"{self.rule} steps={self.steps}" if self.tau is None else f"threshold tau={self.tau:g}"
@@ -52,13 +55,23 @@ class Setting:
 
 
 def grid(
-  length: int, steps, taus, temperatures, ar_temperatures, *, caches=(), drafts=None, continuous: bool = False
+  length: int,
+  steps,
+  taus,
+  temperatures,
+  ar_temperatures,
+  *,
+  caches=(),
+  drafts=None,
+  continuous: bool = False,
+  levers=("auto",),
 ) -> list[Setting]:
   """The settings measured: at each diffusion temperature, confidence at each step budget and threshold at each tau
   (budget ``length``; a ``continuous`` checkpoint: its ODE rule at each step budget); each of those at the first
   temperature again with every cache of ``caches``; then the twin at each of its temperatures; then, with ``drafts``
-  (draft lengths, 0: the checkpoint's), verified decoding at each draft length and each of the twin's temperatures
-  (no diffusion rows when ``temperatures`` is empty)."""
+  (draft lengths, 0: the checkpoint's), verified decoding at each draft length, each of ``levers``
+  (``bench.verified.LEVERS``) and each of the twin's temperatures (no diffusion rows when ``temperatures`` is
+  empty)."""
   settings = []
   for temperature in temperatures:
     if continuous:
@@ -69,7 +82,12 @@ def grid(
   first = [s for s in settings if s.temperature == temperatures[0]]
   settings += [dataclasses.replace(s, cache=cache) for cache in caches for s in first]
   settings += [Setting("autoregressive", "kv-cache", 0, None, t) for t in ar_temperatures]
-  verified = [Setting("verified", "verified", 0, None, t, draft=d) for d in drafts or () for t in ar_temperatures]
+  verified = [
+    Setting("verified", "verified", 0, None, t, draft=d, lever=lever)
+    for d in drafts or ()
+    for lever in levers
+    for t in ar_temperatures
+  ]
   return settings + verified
 
 
@@ -102,7 +120,7 @@ class Runner:
     tempered distribution (no top-p or top-k, whatever a checkpoint's ``[sampling]`` defaults say)."""
     knobs = {"rule": setting.rule, "threshold": setting.tau} if setting.model == "diffusion" else {}
     if setting.model == "verified":
-      knobs = {"decode": "verified", "draft_length": setting.draft}
+      knobs = {"decode": "verified", "draft_length": setting.draft, **bench_verified.LEVERS[setting.lever]}
     knobs = {k: v for k, v in knobs.items() if v is not None}
     return self.samplers[setting.model].settings(temperature=setting.temperature, top_p=1.0, top_k=0, **knobs)
 
@@ -158,6 +176,7 @@ def measure(
               "nfe": out.nfe[:real],
               "generated": generated.sum(axis=-1),
               "accepted": None if out.accepted is None else np.asarray(out.accepted)[:real],
+              "sources": None if out.sources is None else np.asarray(out.sources)[:real],
             }
           )
         gflops.append(2 * PROBE_SIZE**3 / time_call(probe, probe_input) / 1e9)

@@ -8,11 +8,17 @@ measures is speed:
 * acceptance by draft position: the share of steps whose ``i``-th draft was accepted (a step commits its accepted
   drafts and one token of the network's own, none past the hole's end or an EOS, so TPF is at most 1 + the sum of
   these shares);
-* the cost of one verify+draft forward (``k + k²`` tokens over the cache) ÷ one twin step (one token), each timed
-  alone on the final state of a generation (:func:`~mercury_jax.bench.overhead.engine_overhead`). That ratio times
-  TPF is the speed-up any hardware can give; on a GPU, where a 20-token forward costs what a 1-token one does, the
-  ratio approaches 1;
+* the cost of one verify+draft forward (the draft tree's whole chunk over the cache, ``k + k²`` tokens for TiDAR's
+  chain) ÷ one twin step (one token), each on the final state of a generation
+  (:func:`~mercury_jax.bench.overhead.engine_overhead`), timed in interleaved pairs (the median of their ratios).
+  TPF ÷ that ratio is the speed-up any hardware can give; on a GPU, where a 20-token forward costs what a 1-token
+  one does, the ratio approaches 1;
 * the loop overhead: wall time ÷ (prefill + forward passes × that forward's cost).
+
+The levers of issue 45 (``--levers``, :data:`LEVERS`) run as separate verified settings on the same prompts, lengths
+and seeds, interleaved with the twin round by round: the drafter's chain alone (TiDAR's chunk, the baseline), then
+the prompt-lookup chain, a wider draft tree, cheaper chunks (pre-draft blocks for the two likeliest outcomes only),
+the adaptive draft length, each alone, and all together.
 """
 
 from __future__ import annotations
@@ -27,22 +33,45 @@ import numpy as np
 from mercury_jax.bench.overhead import engine_overhead
 from mercury_jax.bench.throughput import median_seconds
 from mercury_jax.sampling import canvas as cv
+from mercury_jax.sampling.plan import Decoding
 from mercury_jax.sampling.sampler import Sampler
+
+SOURCES = ("chain", "alternatives", "lookup")  # where accepted candidates come from (``SampleOutput.sources``)
+_OFF = {"draft_tree": "chain", "draft_lookup": 0, "draft_blocks": "all", "draft_confidence": 0.0}
+# Each lever's verified-decoding knobs (``SamplerSettings``' draft fields), alone and together; ``auto`` is the
+# device's default (``sampling.drafts.DEFAULTS``).
+LEVERS = {
+  "auto": {},
+  "chain": _OFF,
+  "lookup": {**_OFF, "draft_lookup": 8},
+  "lookup-only": {**_OFF, "draft_tree": "none", "draft_lookup": 8, "draft_blocks": "none"},
+  "tree": {**_OFF, "draft_tree": "wide"},
+  "cheap": {**_OFF, "draft_blocks": "0,1"},
+  "adaptive": {**_OFF, "draft_confidence": 0.1},
+  "lookup-cheap": {**_OFF, "draft_lookup": 8, "draft_blocks": "0,1"},  # the two that paid on a CPU, together
+  "all": {"draft_tree": "wide", "draft_lookup": 8, "draft_blocks": "0,1", "draft_confidence": 0.1},
+}
 
 
 def acceptance(calls: list[dict[str, Any]]) -> dict[str, Any]:
   """Acceptance figures of one verified setting's calls (each carries ``accepted`` [rows, k], the steps that
   accepted 0 .. k - 1 drafts)."""
-  histogram = np.sum([np.asarray(c["accepted"]).sum(axis=0) for c in calls], axis=0).astype(np.float64)  # [k]
+  histogram = np.sum([np.asarray(c["accepted"]).sum(axis=0) for c in calls], axis=0).astype(np.float64)  # [W]
+  sources = np.zeros(3)
+  for c in calls:
+    if c.get("sources") is not None:
+      sources += np.asarray(c["sources"]).sum(axis=0)
   steps = histogram.sum()
   at_least = histogram[::-1].cumsum()[::-1]  # steps that accepted >= i drafts, i = 0 .. k - 1
   by_position = (at_least[1:] / max(steps, 1.0)).tolist()  # draft i (1-based) accepted
   return {
     "steps": int(steps),
     "accepted_histogram": histogram.astype(int).tolist(),
-    "accepted_by_position": by_position,
+    "accepted_by_position": by_position,  # = by depth of the draft tree
     "mean_accepted_per_step": float((histogram * np.arange(len(histogram))).sum() / max(steps, 1.0)),
     "one_outcome_tpf_estimate": one_outcome_tpf(histogram),
+    # accepted candidates per step, by where they came from
+    "accepted_by_source": dict(zip(SOURCES, (sources / max(steps, 1.0)).tolist(), strict=True)),
   }
 
 
@@ -87,20 +116,32 @@ def chunk_costs(sampler: Sampler, batch: int, lengths, *, repeats: int = 5, pass
   return out
 
 
-def costs(verified: Sampler, twin: Sampler, canvas: cv.Canvas, settings_v, settings_ar) -> dict[str, Any]:
-  """One verify+draft forward ÷ one twin step, and each engine's overhead ratio, on the same canvas batch; and the
-  cost of causal chunks of 1, ``2 k`` and ``k + k²`` tokens (a one-outcome chunk against the full one)."""
-  mine = engine_overhead(verified, canvas, None, settings_v)
-  theirs = engine_overhead(twin, canvas, None, settings_ar)
-  k = settings_v.draft_length or verified.cfg.objective.draft_length
-  batch = int(np.shape(canvas.tokens)[0])
-  chunks = chunk_costs(verified, batch, (1, 2 * k, k + k * k))
+def costs(
+  verified: Sampler, twin: Sampler, canvas: cv.Canvas, settings_v, settings_ar, memo=None, *, rounds: int = 9
+) -> dict[str, Any]:
+  """One verify+draft forward (the lever's whole chunk, every node live) ÷ one twin step, and each engine's overhead
+  ratio, on the same canvas batch; and the cost of causal chunks of 1, ``2 k`` and ``k + k²`` tokens (a
+  one-outcome chunk against the full one). The ratio is the median over ``rounds`` of one verify forward ÷ one twin
+  step timed right after it (a shared host's capacity drifts). ``memo`` (a dict) keeps the twin's and the chunks'
+  figures of a batch for the next lever's call."""
+  memo = {} if memo is None else memo
+  tree = verified.plan(Decoding.of(settings_v)).tree
+  k, batch = tree.k, int(np.shape(canvas.tokens)[0])
+  mine = engine_overhead(verified, canvas, None, settings_v, timer=True)
+  if (batch, "twin") not in memo:
+    memo[(batch, "twin")] = engine_overhead(twin, canvas, None, settings_ar, timer=True)
+    memo[(batch, "chunks")] = chunk_costs(verified, batch, (1, 2 * k, k + k * k))
+  theirs, chunks = memo[(batch, "twin")], memo[(batch, "chunks")]
+  ratios = [mine["timer"]() / theirs["timer"]() for _ in range(rounds)]  # interleaved: the load cancels
+  mine, theirs = ({key: v for key, v in d.items() if key != "timer"} for d in (mine, theirs))
   return {
     "chunk_s": {str(n): t for n, t in chunks.items()},
+    "chunk_positions": tree.mask.size,
+    "tree_nodes": tree.nodes,
     "batch": batch,
     "verify_forward_s": mine["pass_s"],
     "ar_forward_s": theirs["pass_s"],
-    "cost_ratio": mine["pass_s"] / theirs["pass_s"] if theirs["pass_s"] > 0 else float("nan"),
+    "cost_ratio": float(np.median(ratios)),  # the median of interleaved pairs
     "verified_overhead": mine["ratio"],
     "ar_overhead": theirs["ratio"],
     "verified_forwards": mine["forwards"],
@@ -114,6 +155,7 @@ def markdown(summary: dict[str, Any]) -> list[str]:
     "Quality is exactly the network's own next-token head's (speculative sampling): the rows' gen ppl, entropy and "
     "parse differ from the twin's through the network, not through the sampler."
   )
+  lines += levers_table(summary)
   lines += ["", "| setting | batch | TPF | mean accepted drafts per step | accepted by draft position |"]
   lines.append("|---|---|---|---|---|")
   for row in summary["rows"]:
@@ -135,16 +177,43 @@ def markdown(summary: dict[str, Any]) -> list[str]:
       f"| {row['name']} | {row['batch']} | {row['tokens_per_forward']:.2f} | {row['one_outcome_tpf_estimate']:.2f} |"
     )
   lines += ["", "| batch | causal chunk ms by length |", "|---|---|"]
-  for cost in summary["costs"]:
+  for cost in {c["batch"]: c for c in summary["costs"]}.values():  # one row a batch (its levers share the chunks)
     shown = ", ".join(f"{n}: {t * 1e3:.3f}" for n, t in cost["chunk_s"].items())
     lines.append(f"| {cost['batch']} | {shown} |")
-  lines += ["", "| batch | verify+draft forward ms | AR step ms | cost ratio | TPF ÷ ratio | verified wall ÷ passes |"]
+  lines += ["", "| lever | batch | verify+draft forward ms | AR step ms | cost ratio | verified wall ÷ passes |"]
   lines.append("|---|---|---|---|---|---|")
   for cost in summary["costs"]:
-    tpf = max((r["tokens_per_forward"] for r in summary["rows"] if r["batch"] == cost["batch"]), default=float("nan"))
     lines.append(
-      f"| {cost['batch']} | {cost['verify_forward_s'] * 1e3:.3f} | {cost['ar_forward_s'] * 1e3:.3f} | "
-      f"{cost['cost_ratio']:.2f} | {tpf / cost['cost_ratio']:.2f} | {cost['verified_overhead']:.3f} |"
+      f"| {cost.get('lever', 'auto')} | {cost['batch']} | {cost['verify_forward_s'] * 1e3:.3f} | "
+      f"{cost['ar_forward_s'] * 1e3:.3f} | {cost['cost_ratio']:.2f} | {cost['verified_overhead']:.3f} |"
+    )
+  return lines
+
+
+def levers_table(summary: dict[str, Any]) -> list[str]:
+  """The levers side by side: per lever and batch, TPF and tokens/s ÷ twin at each temperature, acceptance by depth
+  (at T = 1), the chunk's positions and its whole forward's cost ÷ one twin step."""
+  cost = {(c.get("lever", "auto"), c["batch"]): c for c in summary["costs"]}
+  rows: dict[tuple[str, int], dict[float, dict]] = {}
+  for row in summary["rows"]:
+    rows.setdefault((row.get("lever", "auto"), row["batch"]), {})[row["temperature"]] = row
+  lines = ["", "| lever | knobs | batch | TPF greedy / T=1 | × twin greedy / T=1 | accepted by depth (T=1) | accepted "
+           "per step from chain / alternatives / lookups (greedy; T=1) | chunk | chunk ÷ AR step |",
+           "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+  for (lever, batch), by_t in rows.items():
+    pair = lambda key, by_t=by_t: " / ".join(f"{by_t[t][key]:.2f}" if t in by_t else "–" for t in (0.0, 1.0))  # noqa: E731
+    sampled = by_t.get(1.0, next(iter(by_t.values())))
+    depth = ", ".join(f"{a:.2f}" for a in sampled["accepted_by_position"])
+    knobs = ", ".join(f"{k.removeprefix('draft_')}={v}" for k, v in LEVERS.get(lever, {}).items()) or "device default"
+    source = lambda t, by_t=by_t: (
+      "/".join(f"{v:.2f}" for v in by_t[t]["accepted_by_source"].values()) if t in by_t else "–"
+    )  # noqa: E731
+    sources = f"{source(0.0)}; {source(1.0)}"
+    c = cost.get((lever, batch))
+    chunk, ratio = (c["chunk_positions"], f"{c['cost_ratio']:.2f}") if c else ("–", "–")
+    lines.append(
+      f"| {lever} | {knobs} | {batch} | {pair('tokens_per_forward')} | {pair('speedup_vs_ar')} | {depth} | {sources} | "
+      f"{chunk} | {ratio} |"
     )
   return lines
 

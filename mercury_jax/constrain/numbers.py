@@ -1,16 +1,32 @@
-"""Regular expressions of JSON numbers within bounds: integers, and decimals with any decimal bounds and at most a
-number of fraction digits (``multipleOf`` a power of ten).
+"""JSON numbers as regular languages: integers and decimals within any decimal bounds (regexes), multiples of any
+decimal step (an automaton that reads the digits modulo the step), and their intersections and differences.
 
 Bounds and texts are exact decimals: a bound is the decimal the schema wrote (``0.1`` is 1/10, not the binary
 float nearest it), and ``0.30`` lies within ``maximum: 0.3`` while ``0.3000000000000000001`` does not, although a
 parser that rounds to binary floats reads both as 0.3. Bounded numbers are written without an exponent.
+
+Unless ``exact_numbers``, every number written parses to a finite IEEE double that is zero only when its text is:
+a number without bounds has at most :data:`WHOLE` digits before the point, fewer than :data:`ZEROS` zeros after
+it before a nonzero digit, and an exponent of at most two digits; a number with a bound on one side only has at
+most :data:`DIGITS` digits before the point (more where the bound needs them); one whose range comes near zero,
+fewer than :data:`DIGITS` zeros after the point before a nonzero digit (more where a bound or step needs them).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from fractions import Fraction
+
+import numpy as np
+
+from mercury_jax.constrain import fsa, patterns, regexes
+
+MAX_ENUMERATED = 256  # Multiples of a step too large to read digit by digit that may be listed one by one.
+DIGITS = 15  # Digits before the point, and zeros after it, of a bounded number (unless a bound needs more).
+WHOLE, ZEROS = 12, 6  # The same for a number without bounds, which may also have an exponent of two digits.
+MAX_STEP_STATES = 100_000  # States of a multipleOf automaton (about p * (k + 2) for a step p / 10**k).
 
 _FRACTION_DIGITS_LIMIT = 400  # A decimal bound has at most this many fraction digits (floats have at most ~330).
 
@@ -198,3 +214,189 @@ def _naturals(low: int, high: int | None) -> str:
   if high is None:
     parts.append(f"[1-9][0-9]{{{len(str(low))},}}")
   return group(parts)
+
+
+# ----------------------------------------------------------------------------------------------- languages
+
+
+@dataclasses.dataclass(frozen=True)
+class NumberSpec:
+  """What a number must be.
+
+  Attributes:
+    low, low_open, high, high_open: The bounds (None: unbounded; ``*_open``: the bound itself is out).
+    integer: No nonzero fraction. fractional: A nonzero fraction.
+    steps: Steps it is a multiple of. not_steps: Steps it is not a multiple of.
+    excluded: Values it is not.
+  """
+
+  low: Fraction | None = None
+  low_open: bool = False
+  high: Fraction | None = None
+  high_open: bool = False
+  integer: bool = False
+  fractional: bool = False
+  steps: tuple[Fraction, ...] = ()
+  not_steps: tuple[Fraction, ...] = ()
+  excluded: tuple[Fraction, ...] = ()
+
+
+def _fraction_digits(value: Fraction) -> int:
+  return len(_split(abs(value))[1])
+
+
+def _whole_digits(value: Fraction) -> int:
+  return len(str(math.floor(abs(value))))
+
+
+def _decimal_step(step: Fraction) -> tuple[int, int]:
+  """``(p, k)`` such that the finite decimals that are multiples of ``step`` are exactly the multiples of
+  ``p / 10**k``: m * a/b is a finite decimal only when m is a multiple of the factor q of b prime to 10, so the
+  decimal multiples of a/b are those of a/(b/q), whose denominator 2**t * 5**f divides 10**max(t, f)."""
+  a, b = step.numerator, step.denominator
+  twos = fives = 0
+  while b % 2 == 0:
+    b, twos = b // 2, twos + 1
+  while b % 5 == 0:
+    b, fives = b // 5, fives + 1
+  k = max(twos, fives)
+  return a * 2 ** (k - twos) * 5 ** (k - fives), k
+
+
+class StepTooLarge(fsa.TooLarge):
+  """A ``multipleOf`` step whose automaton (or list of multiples) would be too large."""
+
+  def __init__(self, states: int, step: Fraction):
+    super().__init__(states)
+    self.step = step
+
+
+def multiples(step: Fraction, budget: fsa.Budget) -> fsa.Dfa:
+  """The exponent-free JSON number texts whose value is a multiple of ``step`` (the digits read modulo ``p`` of the
+  step ``p / 10**k``; after ``k`` fraction digits only zeros).
+
+  Raises:
+    fsa.TooLarge: It needs more states than ``budget`` (or :data:`MAX_STEP_STATES`).
+  """
+  p, k = _decimal_step(step)
+  size = 3 + p * (k + 3)
+  if size > min(MAX_STEP_STATES, budget.states):
+    raise StepTooLarge(size, step)
+  # states: 0 start, 1 after "-", 2 after a leading "0", then per remainder r: whole(r), dot(r), fraction(r, 1..k)
+  whole = 3 + np.arange(p)
+  dot = whole + p
+  frac = lambda r, i: 3 + 2 * p + (i - 1) * p + r  # noqa: E731  fraction digit i (1..k) read, remainder r
+  table = np.full((size, fsa.ALPHABET), -1, np.int32)
+  accepting = np.zeros(size, bool)
+  digits = np.arange(10)
+  for start in (0, 1):
+    table[start, ord("0")] = 2
+    table[start, ord("1") : ord("9") + 1] = whole[digits[1:] % p]
+  table[0, ord("-")] = 1
+  accepting[2] = True  # 0
+  table[2, ord(".")] = dot[0]
+  r = np.arange(p)
+  for d in range(10):
+    table[whole, ord("0") + d] = whole[(10 * r + d) % p]
+  accepting[whole] = (r * 10**k) % p == 0
+  table[whole, ord(".")] = dot
+  if k == 0:
+    zeros = dot + p  # after the point, zeros only
+    table[dot, ord("0")] = zeros
+    table[zeros, ord("0")] = zeros
+    accepting[zeros] = r == 0
+  else:
+    for d in range(10):
+      table[dot, ord("0") + d] = [frac((10 * x + d) % p, 1) for x in range(p)]
+    for i in range(1, k + 1):
+      states = [frac(x, i) for x in range(p)]
+      accepting[states] = (r * 10 ** (k - i)) % p == 0
+      for d in range(10):
+        if i < k:
+          table[states, ord("0") + d] = [frac((10 * x + d) % p, i + 1) for x in range(p)]
+        elif d == 0:
+          table[states, ord("0")] = states
+  return fsa.minimize(fsa.from_table(table, accepting))
+
+
+def _texts_of(values: tuple[Fraction, ...]) -> fsa.Dfa:
+  """The exponent-free texts of the values (``1``, ``1.0``, ``1.00``; ``0`` also ``-0``)."""
+  parts = []
+  for value in values:
+    whole, digits = _split(abs(value))
+    sign = "-?" if value == 0 else "-" if value < 0 else ""
+    fraction = rf"\.{digits}0*" if digits else r"(?:\.0+)?"
+    parts.append(f"{sign}{whole}{fraction}")
+  return patterns.full("|".join(parts)) if parts else fsa.NOTHING
+
+
+def _listed(step: Fraction, spec: NumberSpec, states: int) -> fsa.Dfa:
+  """The multiples of ``step`` between both bounds, listed (with any trailing zeros), for a step whose automaton
+  would need ``states`` states.
+
+  Raises:
+    StepTooLarge: A bound is missing, or there are more than :data:`MAX_ENUMERATED` of them.
+  """
+  low, high = spec.low, spec.high
+  if low is None or high is None:
+    raise StepTooLarge(states, step)
+  first = math.floor(low / step) + 1 if spec.low_open and low % step == 0 else math.ceil(low / step)
+  last = math.ceil(high / step) - 1 if spec.high_open and high % step == 0 else math.floor(high / step)
+  if last - first + 1 > MAX_ENUMERATED:
+    raise StepTooLarge(states, step)
+  texts = [regexes.escape(decimal_text(m * step)) for m in range(first, last + 1)]
+  texts = [rf"{t}(?:\.0+)?" if "." not in t else rf"{t}0*" for t in texts]
+  return patterns.full("|".join(texts)) if texts else fsa.NOTHING
+
+
+def _readable(whole: int | None, zeros: int) -> str:
+  """Regex of the exponent-free numbers with at most ``whole`` digits before the point (None: any number) and, when
+  that part is 0, fewer than ``zeros`` zeros after the point before a nonzero digit: none is read as infinity, and
+  none but a zero as zero."""
+  digits = "[0-9]*" if whole is None else f"[0-9]{{0,{whole - 1}}}"
+  return f"-?(?:[1-9]{digits}(?:\\.[0-9]+)?|0(?:\\.(?:0{{0,{zeros - 1}}}[1-9][0-9]*|0+))?)"
+
+
+def language(spec: NumberSpec, budget: fsa.Budget, exact: bool) -> fsa.Dfa:
+  """The texts of the numbers ``spec`` allows, written as the module docstring says.
+
+  Raises:
+    fsa.TooLarge: A part needs more states than ``budget``.
+  """
+  low, high = spec.low, spec.high
+  bounded = low is not None or high is not None
+  if spec.integer:
+    first = None if low is None else (math.floor(low) + 1 if spec.low_open else math.ceil(low))
+    last = None if high is None else (math.ceil(high) - 1 if spec.high_open else math.floor(high))
+    if first is not None and last is not None and first > last:
+      return fsa.NOTHING
+    text = patterns.full(integers(first, last), budget)
+  elif not bounded and not (spec.steps or spec.not_steps or spec.excluded or spec.fractional):
+    if exact:
+      return patterns.full(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?", budget)
+    return patterns.full(_readable(WHOLE, ZEROS) + r"(?:[eE][+-]?[0-9]{1,2})?", budget)
+  else:
+    regex = decimals(low, spec.low_open, high, spec.high_open)
+    if not regex:
+      return fsa.NOTHING
+    text = patterns.full(regex, budget)
+  if spec.fractional:
+    text = fsa.intersect(text, patterns.full(r"-?(?:0|[1-9][0-9]*)\.[0-9]*[1-9][0-9]*"), budget)
+  for step in spec.steps:
+    try:
+      text = fsa.intersect(text, multiples(step, budget), budget)
+    except StepTooLarge as e:
+      text = fsa.intersect(text, _listed(step, spec, e.states), budget)
+  for step in spec.not_steps:
+    text = fsa.difference(text, multiples(step, budget), budget)
+  if spec.excluded:
+    text = fsa.difference(text, _texts_of(spec.excluded), budget)
+  if exact:
+    return fsa.minimize(text)
+  ends = [v for v in (low, high) if v is not None]
+  whole = None if low is not None and high is not None else max([DIGITS] + [_whole_digits(v) + 1 for v in ends])
+  near_zero = not spec.integer and not ((low is not None and low >= 1) or (high is not None and high <= -1))
+  if whole is None and not near_zero:
+    return fsa.minimize(text)
+  zeros = max([DIGITS] + [_fraction_digits(v) + 1 for v in ends + [*spec.steps, *spec.not_steps]])
+  return fsa.minimize(fsa.intersect(text, patterns.full(_readable(whole, zeros)), budget))

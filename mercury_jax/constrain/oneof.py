@@ -1,10 +1,20 @@
 """When ``oneOf`` may be written as ``anyOf``: no value the compiler writes for one branch validates against another.
 
-An automaton cannot subtract one branch's texts from another's, so overlapping branches are refused; these rules
-decide that two branches cannot overlap, each way round (the rules of :mod:`mercury_jax.constrain.schema`'s module
-docstring). They look at what the compiler writes, which is less than a branch allows: an object with
-``properties`` never gets other properties, so a branch that requires a property the other never writes excludes
-it even without ``additionalProperties: false``. Where a rule cannot tell, it says the branches may overlap.
+Without these rules ``oneOf`` is still exact (each branch intersected with the complements of the others,
+:mod:`~mercury_jax.constrain.reading`), but the complements multiply: ten branches that differ by a ``const``
+discriminator would expand into thousands of alternatives. These rules decide cheaply that two branches cannot
+overlap, each way round. They look at what the compiler writes, which is less than a branch allows: an object with
+``properties`` gets no other property unless ``additionalProperties`` (or ``patternProperties``) asks for them, so
+a branch that requires a property the other never writes excludes it. Where a rule cannot tell, the branches may
+overlap.
+
+* their types differ; the first's ``enum``/``const`` values all fail the second, or the second's all fail the first
+  (checked by ``jsonschema``);
+* the second requires a property the first never writes; the first requires a property the second forbids
+  (``false``, or outside its properties under ``additionalProperties: false``); a property both require has values
+  that exclude each other, by these same rules;
+* their numeric ranges, string lengths or array lengths do not meet; the first's ``pattern``/``format`` shares no
+  text with what the second's ``pattern`` finds.
 """
 
 from __future__ import annotations
@@ -12,102 +22,115 @@ from __future__ import annotations
 import json
 from typing import Protocol
 
-from mercury_jax.constrain import numbers, regexes
+from mercury_jax.constrain import fsa, numbers, patterns
+from mercury_jax.constrain.errors import ConstraintError
+from mercury_jax.constrain.formats import FORMATS
 
-_COMBINATORS = ("anyOf", "oneOf", "allOf", "$ref")
-_PATTERN_STATES = 4096  # Patterns are compared on their automata up to this size (estimated); larger ones cannot be.
+_COMBINATORS = ("anyOf", "oneOf", "allOf", "$ref", "not", "if", "nullable")
+_ANNOTATIONS = frozenset(["title", "description", "default", "examples", "$comment", "$id", "$anchor", "$defs"])
+_SMALL = fsa.Budget(4096)  # Patterns are compared on their automata up to this size; larger ones cannot be.
 
 
 class Resolver(Protocol):
-  """What the rules need from the schema rewriter."""
+  """What the rules need from the reader (:class:`~mercury_jax.constrain.reading.Normalizer`)."""
 
-  def resolve(self, schema) -> dict | bool | None:
-    """``schema`` with its top-level ``$ref`` followed and annotations dropped; None when it cannot be."""
+  def resolve(self, sub):
+    """``sub`` with its top-level ``$ref`` followed; None when it cannot be."""
 
-  def valid(self, value, schema: dict) -> bool | None:
-    """Whether ``value`` validates against the subschema ``schema``; None when that cannot be checked."""
+  def valid(self, value, sub) -> bool | None:
+    """Whether ``value`` validates against ``sub``; None when that cannot be checked."""
+
+  def child(self, sub, schema, *steps):
+    """The subschema ``schema`` of ``sub``."""
 
 
 def exclusive(a, b, resolver: Resolver) -> bool:
   """Whether no value written for ``a`` validates against ``b``, nor one written for ``b`` against ``a``."""
   try:
     return excludes(a, b, resolver) and excludes(b, a, resolver)
-  except ValueError:  # a pattern outlines-core cannot compile: the branch itself will say so
+  except (ConstraintError, fsa.TooLarge):  # a pattern the automaton cannot read: the branch itself will say so
     return False
+
+
+def _body(sub, resolver: Resolver):
+  sub = resolver.resolve(sub)
+  if sub is None:
+    return None, None
+  schema = sub.schema
+  return sub, ({k: v for k, v in schema.items() if k not in _ANNOTATIONS} if isinstance(schema, dict) else schema)
 
 
 def excludes(a, b, resolver: Resolver, level: int = 0) -> bool:
-  """Whether no value the compiler writes for schema ``a`` validates against schema ``b`` (False: it may, or the
-  rules cannot tell)."""
-  a, b = resolver.resolve(a), resolver.resolve(b)
-  if a is False or b is False:
+  """Whether no value the compiler writes for subschema ``a`` validates against subschema ``b`` (False: it may, or
+  the rules cannot tell)."""
+  a, body_a = _body(a, resolver)
+  b, body_b = _body(b, resolver)
+  if body_a is False or body_b is False:
     return True
-  if not isinstance(a, dict) or not isinstance(b, dict) or level > 8:
+  if not isinstance(body_a, dict) or not isinstance(body_b, dict) or level > 8:
     return False
-  kinds_a, kinds_b = _kinds(a), _kinds(b)
+  kinds_a, kinds_b = _kinds(body_a), _kinds(body_b)
   if kinds_a is not None and kinds_b is not None and not kinds_a & kinds_b:
     return True
-  written, accepted = _constants(a), _constants(b)
-  if written is not None and all(resolver.valid(v, b) is False for v in written):
+  written, accepted = _constants(body_a), _constants(body_b)
+  if written is not None and all(resolver.valid(json.loads(v), b) is False for v in written):
     return True
-  if accepted is not None and all(resolver.valid(v, a) is False for v in accepted):
+  if accepted is not None and all(resolver.valid(json.loads(v), a) is False for v in accepted):
     return True
   if kinds_a is None or len(kinds_a) != 1 or written is not None:
     return False
   kind = next(iter(kinds_a))
   if kind == "object":
-    return _objects_exclude(a, b, resolver, level)
+    return _objects_exclude(a, body_a, b, body_b, resolver, level)
   if kind == "number":
-    return _disjoint(_range(a, "minimum", "maximum"), _range(b, "minimum", "maximum"))
+    return _disjoint(_range(body_a, "minimum", "maximum"), _range(body_b, "minimum", "maximum"))
   if kind == "array":
-    return _disjoint(_range(a, "minItems", "maxItems"), _range(b, "minItems", "maxItems"))
+    return _disjoint(_range(body_a, "minItems", "maxItems"), _range(body_b, "minItems", "maxItems"))
   if kind == "string":
-    if _disjoint(_range(a, "minLength", "maxLength"), _range(b, "minLength", "maxLength")):
+    if _disjoint(_range(body_a, "minLength", "maxLength"), _range(body_b, "minLength", "maxLength")):
       return True
-    own = regexes.FORMATS.get(a.get("format")) or (regexes.normalize_regex(a["pattern"]) if "pattern" in a else None)
-    if own is None or "pattern" not in b or not _small(own, b["pattern"]):
+    if "pattern" not in body_b or not ("format" in body_a and body_a["format"] in FORMATS or "pattern" in body_a):
       return False
-    try:
-      return regexes.disjoint(own, regexes.search_regex(b["pattern"]))
-    except ValueError:
-      return False
+    own = patterns.full(FORMATS[body_a["format"]]) if body_a.get("format") in FORMATS else None
+    if "pattern" in body_a:
+      own = patterns.search(body_a["pattern"], _SMALL) if own is None else own
+    return fsa.disjoint(own, patterns.search(body_b["pattern"], _SMALL, wide=True))
   return False
 
 
-def _objects_exclude(a: dict, b: dict, resolver: Resolver, level: int) -> bool:
-  names = _written_names(a)
-  for name in b.get("required", []):
+def _objects_exclude(a, body_a: dict, b, body_b: dict, resolver: Resolver, level: int) -> bool:
+  names = _written_names(body_a)
+  for name in body_b.get("required", []):
     if names is not None and name not in names[0] and not any(_may_be_key(p, name) for p in names[1]):
       return True  # b requires a property a never writes
-  b_properties, b_patterns = b.get("properties", {}), b.get("patternProperties", {})
-  readable = _small(*b_patterns)
-  for name in a.get("required", []):
+  b_properties, b_patterns = body_b.get("properties", {}), body_b.get("patternProperties", {})
+  for name in body_a.get("required", []):
     if b_properties.get(name) is False:
       return True
-    found = [s for p, s in b_patterns.items() if readable and regexes.searches(p, name)]
-    if readable and (
-      False in found or (b.get("additionalProperties") is False and name not in b_properties and not found)
-    ):
-      return True  # a writes a property b forbids
-    if name in b_properties and excludes(
-      a.get("properties", {}).get(name, True), b_properties[name], resolver, level + 1
-    ):
-      return True
+    if name not in b_properties:
+      if False in [s for p, s in b_patterns.items() if _surely_key(p, name)]:
+        return True  # a pattern of b that surely finds the name forbids it
+      if body_b.get("additionalProperties") is False and not any(_may_be_key(p, name) for p in b_patterns):
+        return True  # b forbids every name it does not list
+    elif name in body_a.get("properties", {}):
+      first = resolver.child(a, body_a["properties"][name], "properties", name)
+      second = resolver.child(b, b_properties[name], "properties", name)
+      if excludes(first, second, resolver, level + 1):
+        return True
   return False
 
 
 def _kinds(schema: dict) -> set[str] | None:
-  """The JSON kinds a schema allows, from its explicit ``type``/``enum``/``const``/``nullable`` (None: possibly
-  any)."""
+  """The JSON kinds a schema allows, from its explicit ``type``/``enum``/``const`` (None: possibly any)."""
+  if any(k in schema for k in _COMBINATORS):
+    return None
   values = _constants(schema)
   if values is not None:
-    kinds = {_kind(json.loads(v)) for v in values}
-  elif "type" in schema and not any(k in schema for k in _COMBINATORS):
+    return {_kind(json.loads(v)) for v in values}
+  if "type" in schema:
     types = schema["type"]
-    kinds = {"number" if t == "integer" else t for t in ([types] if isinstance(types, str) else types)}
-  else:
-    return None
-  return kinds | {"null"} if schema.get("nullable") is True else kinds
+    return {"number" if t == "integer" else t for t in ([types] if isinstance(types, str) else types)}
+  return None
 
 
 def _kind(value) -> str:
@@ -131,28 +154,33 @@ def _constants(schema: dict) -> set[str] | None:
 
 def _written_names(schema: dict) -> tuple[set[str], list[str]] | None:
   """``(names, key patterns)`` that an object written for ``schema`` may have, or None for any names."""
-  patterns = [p for p, s in schema.get("patternProperties", {}).items() if s is not False]
-  if "properties" in schema or "required" in schema or patterns:
+  for word in ("additionalProperties", "unevaluatedProperties"):
+    extra = schema.get(word, True)
+    if isinstance(extra, dict) and set(extra) - _ANNOTATIONS - {"title", "description"}:
+      return None  # further properties of any name are written
+  key_patterns = [p for p, s in schema.get("patternProperties", {}).items() if s is not False]
+  if "properties" in schema or "required" in schema or key_patterns:
     listed = {n for n, s in schema.get("properties", {}).items() if s is not False}
-    return listed | set(schema.get("required", [])), patterns
+    return listed | set(schema.get("required", [])), key_patterns
   if schema.get("additionalProperties") is False or schema.get("maxProperties") == 0:
     return set(), []
   return None
 
 
 def _may_be_key(pattern: str, name: str) -> bool:
-  """Whether a key written for ``pattern`` may be ``name``."""
-  if not _small(pattern):
-    return True
+  """Whether ``pattern`` may find ``name`` (by either reading; True when that cannot be told)."""
   try:
-    return regexes.matches(regexes.key_regex(pattern), name)
-  except ValueError:
+    return patterns.search(pattern, _SMALL, wide=True).accepts(name)
+  except (ConstraintError, fsa.TooLarge):
     return True
 
 
-def _small(*patterns: str) -> bool:
-  """Whether the automata of ``patterns`` are small enough to build here."""
-  return all(regexes.min_states(regexes.normalize_regex(p)) <= _PATTERN_STATES for p in patterns)
+def _surely_key(pattern: str, name: str) -> bool:
+  """Whether ``pattern`` finds ``name`` by every reading (False when that cannot be told)."""
+  try:
+    return patterns.search(pattern, _SMALL).accepts(name)
+  except (ConstraintError, fsa.TooLarge):
+    return False
 
 
 def _range(schema: dict, low: str, high: str) -> tuple:
@@ -163,12 +191,7 @@ def _range(schema: dict, low: str, high: str) -> tuple:
       *numbers.bound(schema, "maximum", "exclusiveMaximum", min),
     )
   bottom, top = schema.get(low), schema.get(high)
-  return (
-    (None if bottom is None else numbers.exact(bottom)),
-    False,
-    (None if top is None else numbers.exact(top)),
-    False,
-  )
+  return (None if bottom is None else numbers.exact(bottom), False, None if top is None else numbers.exact(top), False)
 
 
 def _disjoint(a: tuple, b: tuple) -> bool:

@@ -1,9 +1,9 @@
-"""Regular expressions as the constraint compiler reads and writes them: full matching, the formats and JSON text
-pieces the schema rewriter splices in, a cheap size estimate, and questions answered on outlines-core's automaton
-over single bytes (does a text match, do two regexes share a text).
+"""Regular expressions of the ``regex`` constraint (Rust syntax, what outlines-core reads): full matching, errors
+explained in one line, a cheap size estimate, and outlines-core's automaton over single bytes, from which
+:func:`~mercury_jax.constrain.automaton.regex_text` takes the regex's byte automaton. Also the arrangements of
+distinct values that ``uniqueItems`` lists.
 
-The regexes are Rust regex syntax (what outlines-core compiles). :func:`min_states` reads them with Python's parser,
-which accepts nearly all of it.
+:func:`min_states` reads the regexes with Python's parser, which accepts nearly all of Rust's syntax.
 """
 
 from __future__ import annotations
@@ -17,27 +17,6 @@ from re import _constants as sre, _parser as sre_parse
 import outlines_core
 
 SENTINEL = "\x01"  # See full_match.
-FREE = r'[^"\\\x00-\x1F\x7F-\x9F]*'  # Characters outlines-core's JSON strings write unescaped, any number.
-_HOUR, _MINUTE = "(?:[01][0-9]|2[0-3])", "[0-5][0-9]"
-_YEAR = "(?:000[1-9]|00[1-9][0-9]|0[1-9][0-9]{2}|[1-9][0-9]{3})"
-_LEAP_YEAR = "(?:[0-9]{2}(?:0[48]|[2468][048]|[13579][26])|(?:0[48]|[2468][048]|[13579][26])00)"
-_DATE = (
-  f"(?:{_YEAR}-(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])|(?:0[469]|11)-(?:0[1-9]|[12][0-9]|30)"
-  f"|02-(?:0[1-9]|1[0-9]|2[0-8]))|{_LEAP_YEAR}-02-29)"
-)
-_TIME = f"{_HOUR}:{_MINUTE}:{_MINUTE}(?:\\.[0-9]{{3}}(?:[0-9]{{3}})?)?(?:Z|[+-]{_HOUR}:{_MINUTE})"
-_URL_CHARS = "[a-zA-Z0-9._~%!$&'()*+,;=:@-]"
-_OCTET = "(?:25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-9])"
-FORMATS = {  # JSON-safe regexes of the string inside the quotes; each is a subset of what RFC 3339 etc. allow.
-  "date": _DATE,
-  "time": _TIME,
-  "date-time": f"{_DATE}T{_TIME}",
-  "uuid": "[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}",
-  "email": r"[a-zA-Z0-9._%+-]+@[a-zA-Z0-9-]+(?:\.[a-zA-Z0-9-]+)*\.[a-zA-Z]{2,}",
-  "uri": rf"https?://[a-zA-Z0-9-]+(?:\.[a-zA-Z0-9-]+)*(?::[0-9]{{1,5}})?(?:/{_URL_CHARS}*)*(?:\?(?:{_URL_CHARS}|/)*)?",
-  "ipv4": rf"{_OCTET}(?:\.{_OCTET}){{3}}",
-}
-
 _REPEATS = (sre.MAX_REPEAT, sre.MIN_REPEAT, sre.POSSESSIVE_REPEAT)
 _ONE_CHARACTER = (sre.LITERAL, sre.NOT_LITERAL, sre.ANY, sre.IN, sre.CATEGORY)
 
@@ -49,25 +28,6 @@ def normalize_regex(pattern: str) -> str:
   if pattern.endswith("$") and (len(pattern) - 1 - len(pattern[:-1].rstrip("\\"))) % 2 == 0:
     pattern = pattern[:-1]
   return pattern
-
-
-def search_regex(pattern: str) -> str:
-  """A regex of every text in which JSON Schema's ``pattern`` finds a match (it searches), or of more texts: anchors
-  are read as absent, which only widens it."""
-  return rf"[\s\S]*(?:{normalize_regex(pattern)})[\s\S]*"
-
-
-def key_regex(pattern: str, inner: str | None = None) -> str:
-  """The texts in which JSON Schema's ``pattern`` finds a match (``inner``: the pattern without its anchors), an
-  unanchored side taking any characters JSON strings need not escape: the keys written for ``patternProperties``."""
-  inner = normalize_regex(pattern) if inner is None else inner
-  anchored_end = inner != (pattern[1:] if pattern.startswith("^") else pattern)
-  return ("" if pattern.startswith("^") else FREE) + f"(?:{inner})" + ("" if anchored_end else FREE)
-
-
-def searches(pattern: str, text: str) -> bool:
-  """Whether JSON Schema's ``pattern`` may find a match in ``text`` (read generously: anchors ignored)."""
-  return matches(search_regex(pattern), text)
 
 
 def full_match(regex: str) -> str:
@@ -133,28 +93,6 @@ def escape(text: str) -> str:
 # ----------------------------------------------------------------------------------------------- JSON text
 
 
-def object_regex(listed: list[tuple[str, bool]], entries: list[str], room: int | None) -> str:
-  """Regex of a compact object: the ``listed`` ``(member regex, required)`` in order (the required ones always),
-  then up to ``room`` (None: any number of) members of the ``entries`` alternatives."""
-  entry = alternation(entries, optional=False) if entries and room != 0 else None
-
-  def more(used: int) -> str:
-    if entry is None:
-      return ""
-    return f"(?:,{entry})" + ("*" if room is None else f"{{0,{room - used}}}")
-
-  required = [i for i, (_, needed) in enumerate(listed) if needed]
-  if required:
-    first = required[0]
-    members = "".join(f"(?:{m},)?" for m, _ in listed[:first]) + listed[first][0]
-    members += "".join(f",{m}" if needed else f"(?:,{m})?" for m, needed in listed[first + 1 :])
-    return rf"\{{{members}{more(0)}\}}"
-  starts = [listed[i][0] + "".join(f"(?:,{m})?" for m, _ in listed[i + 1 :]) + more(0) for i in range(len(listed))]
-  if entry is not None:
-    starts.append(entry + more(1))
-  return r"\{" + (alternation(starts, optional=True) if starts else "") + r"\}"
-
-
 def arrangements(texts: list[str], low: int, high: int, ordered: bool) -> str:
   """Regex of the lists of ``low`` to ``high`` distinct ``texts`` (comma-separated), in any order or in theirs."""
 
@@ -178,6 +116,47 @@ def alternation(options: list[str], optional: bool) -> str:
 
 
 # ----------------------------------------------------------------------------------------------- size
+
+
+_PLAIN = (sre.LITERAL, sre.NOT_LITERAL, sre.BRANCH, sre.SUBPATTERN, sre.MAX_REPEAT, sre.MIN_REPEAT)
+_EVERYTHING = [  # a class with both of a pair is every character, in any reading
+  {sre.CATEGORY_DIGIT, sre.CATEGORY_NOT_DIGIT},
+  {sre.CATEGORY_WORD, sre.CATEGORY_NOT_WORD},
+  {sre.CATEGORY_SPACE, sre.CATEGORY_NOT_SPACE},
+]
+
+
+def plain_syntax(regex: str) -> bool:
+  """Whether ``regex`` reads the same in Rust's syntax and Python's, with no construct whose meaning differs
+  between them or their Unicode tables (no ``.``, class escape, anchor, flag or look-around; ``[\\s\\S]`` is
+  every character in both): literals, explicit character classes, groups, alternatives and repeats, as the regexes
+  written out of constraints are."""
+  try:
+    with warnings.catch_warnings():
+      warnings.simplefilter("ignore")
+      items = sre_parse.parse(regex)
+  except (re.error, RecursionError, OverflowError, ValueError):
+    return False
+  stack = [items]
+  while stack:
+    for op, value in stack.pop():
+      if op is sre.IN:
+        categories = {item[1] for item in value if item[0] is sre.CATEGORY}
+        if any(item[0] not in (sre.LITERAL, sre.RANGE, sre.NEGATE, sre.CATEGORY) for item in value):
+          return False
+        if categories and not any(pair <= categories for pair in _EVERYTHING):
+          return False
+      elif op not in _PLAIN:
+        return False
+      elif op is sre.BRANCH:
+        stack += value[1]
+      elif op is sre.SUBPATTERN:
+        if value[1] or value[2]:
+          return False
+        stack.append(value[3])
+      elif op in (sre.MAX_REPEAT, sre.MIN_REPEAT):
+        stack.append(value[2])
+  return True
 
 
 def min_states(regex: str) -> int:
@@ -273,32 +252,3 @@ def byte_automaton(regex: str) -> tuple[dict[int, dict[int, int]], int, frozense
   start = rows.pop(index.get_initial_state())[ord(SENTINEL) + 1]  # The initial state only reads the sentinel.
   transitions = {state: {token - 1: nxt for token, nxt in row.items() if token} for state, row in rows.items()}
   return transitions, start, frozenset(index.get_final_states())
-
-
-def matches(regex: str, text: str) -> bool:
-  """Whether ``regex`` matches ``text`` in full, as the automaton reads it."""
-  transitions, state, finals = byte_automaton(regex)
-  for byte in text.encode():
-    state = transitions.get(state, {}).get(byte)
-    if state is None:
-      return False
-  return state in finals
-
-
-@functools.lru_cache(maxsize=1024)
-def disjoint(a: str, b: str) -> bool:
-  """Whether no text matches both ``a`` and ``b`` in full (a walk over the pairs of their states)."""
-  rows_a, start_a, finals_a = byte_automaton(a)
-  rows_b, start_b, finals_b = byte_automaton(b)
-  seen, frontier = {(start_a, start_b)}, [(start_a, start_b)]
-  while frontier:
-    state_a, state_b = frontier.pop()
-    if state_a in finals_a and state_b in finals_b:
-      return False
-    row_b = rows_b.get(state_b, {})
-    for byte, next_a in rows_a.get(state_a, {}).items():
-      pair = (next_a, row_b.get(byte))
-      if pair[1] is not None and pair not in seen:
-        seen.add(pair)
-        frontier.append(pair)
-  return True

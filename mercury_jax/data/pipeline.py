@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import grain
 import jax
 import numpy as np
+from grain.experimental import ZipMapDataset
 
 from mercury_jax import sharding
 from mercury_jax.data import records
@@ -129,6 +131,31 @@ def _document_eos(metadata: dict[str, Any], documents: bool) -> int | None:
   return int(metadata["eos_id"])
 
 
+class ConcatRows(grain.transforms.Map):
+  """``(batch, batch, ...)`` -> one batch whose rows are theirs in order (module level, so it pickles)."""
+
+  def map(self, element: tuple[dict[str, np.ndarray], ...]) -> dict[str, np.ndarray]:
+    return {key: np.concatenate([part[key] for part in element]) for key in element[0]}
+
+
+EPOCHS = 10**9  # A mixture's sources repeat this many epochs (finite, so grain can mix and zip them; never reached).
+
+
+def _mixed_records(
+  sources: Sequence[tuple[str, float]], seq_len: int, seed: int, decode: DecodeRecord
+) -> grain.MapDataset:
+  """The train records of prepared directories, each shuffled (source ``i`` with ``seed + i``) and repeated, mixed
+  record by record in proportion to their weights (grain's deterministic ``MapDataset.mix``), decoded."""
+  datasets = []
+  for i, (data_dir, _) in enumerate(sources):
+    metadata = read_metadata(data_dir)
+    _check_seq_len(data_dir, metadata, seq_len)
+    source = grain.sources.ArrayRecordDataSource(split_paths(data_dir, "train", metadata))
+    datasets.append(grain.MapDataset.source(source).shuffle(seed=(seed + i) % 2**32).repeat(EPOCHS))
+  mixed = datasets[0] if len(datasets) == 1 else grain.MapDataset.mix(datasets, [w for _, w in sources])
+  return mixed.map(decode)
+
+
 def train_dataset(
   data_dir: str | os.PathLike,
   *,
@@ -140,6 +167,9 @@ def train_dataset(
   num_threads: int = 2,
   prefetch: int = 8,
   document_segments: bool = False,
+  mix: Sequence[tuple[str, float]] = (),
+  distill: Sequence[tuple[str, float]] = (),
+  distill_batch_size: int = 0,
 ) -> grain.IterDataset:
   """An endless, shuffled stream of this process's training batches.
 
@@ -157,6 +187,13 @@ def train_dataset(
     prefetch: Elements buffered ahead.
     document_segments: Batches also carry ``"segments"``, each packed document its own attention segment
       (``data.document_segments``; LM data).
+    mix: More prepared directories ``(dir, weight)`` (``data.mix``) whose train records are mixed into
+      ``data_dir``'s (weight 1), record by record in proportion to the weights; the rows of a batch are drawn from
+      the mixed stream. Empty: ``data_dir`` alone, exactly as before mixtures existed.
+    distill: Self-distillation sets ``(dir, weight)`` (``data.distill``: ``python -m mercury_jax.distill``),
+      mixed with each other by weight; ``distill_batch_size`` of their records (over all processes) follow the
+      ``global_batch_size`` rows of every batch, so the first rows are exactly the batches without them.
+    distill_batch_size: Rows from ``distill`` per global batch.
 
   Returns:
     An IterDataset of ``{"tokens": int32[local_batch, seq_len], "kinds": int32[local_batch, seq_len]}``.
@@ -166,6 +203,8 @@ def train_dataset(
   process_index, process_count, local_batch = _process_layout(global_batch_size, process_index, process_count)
   if not 0 <= seed < 2**32:
     raise ValueError(f"seed={seed} must lie in [0, 2**32)")
+  if bool(distill) != (distill_batch_size > 0):
+    raise ValueError(f"distill ({len(distill)} sets) and distill_batch_size={distill_batch_size} go together")
   source = grain.sources.ArrayRecordDataSource(split_paths(data_dir, "train", metadata))
   if len(source) == 0:
     raise ValueError(f"the train split of {str(data_dir)!r} has no records")
@@ -173,8 +212,19 @@ def train_dataset(
   # batch k is chunks k*P .. k*P+P-1, so process p reads only its own rows (chunk k*P+p) and the global batch, its
   # row order and the iterator state ({"next_index": k}) are the same for 1, 2 or 64 processes.
   decode = DecodeRecord(seq_len, _document_eos(metadata, document_segments))
-  dataset = grain.MapDataset.source(source).shuffle(seed=seed).repeat().map(decode)
+  if mix or distill:
+    dataset = _mixed_records([(str(data_dir), 1.0), *mix], seq_len, seed, decode)
+  else:
+    dataset = grain.MapDataset.source(source).shuffle(seed=seed).repeat().map(decode)
   dataset = dataset.batch(local_batch, drop_remainder=True)[process_index::process_count]
+  if distill:
+    if document_segments:
+      raise ValueError("data.document_segments does not apply to self-distillation records; set it to false")
+    _, _, distill_local = _process_layout(distill_batch_size, process_index, process_count)
+    drafts = _mixed_records(distill, seq_len, seed, DecodeRecord(seq_len))
+    drafts = drafts.batch(distill_local, drop_remainder=True)[process_index::process_count]
+    rows = min(len(dataset), len(drafts))
+    dataset = ZipMapDataset([dataset[:rows], drafts[:rows]]).map(ConcatRows())
   options = grain.ReadOptions(num_threads=num_threads, prefetch_buffer_size=prefetch)
   return dataset.to_iter_dataset(options)
 

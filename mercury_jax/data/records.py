@@ -122,6 +122,44 @@ def pack_sft(
   return records, skipped
 
 
+def pack_sft_packed(
+  examples: Iterable[tuple[Sequence[int], Sequence[int]]], seq_len: int, *, bos_id: int, eos_id: int, pad_id: int
+) -> tuple[np.ndarray, list[int]]:
+  """SFT examples packed several to a record, in order, for next-token objectives (the twin, ``verified``).
+
+  Each example is ``[BOS] + prompt`` (``FIXED``) then ``response + [EOS]`` (``TARGET``); examples follow each other
+  until the next one does not fit, and the rest of the record is ``PAD``. Unlike :func:`pack_sft` no EOS padding is
+  scored: a next-token model learns where an answer ends from its own EOS, and a record holds as many answers as fit
+  (as language-modelling records hold several documents, a later example sees the earlier ones).
+
+  Returns:
+    ``(records, skipped)``: ``int32[num_records, 2, seq_len]`` and the indices of examples longer than ``seq_len``.
+  """
+  rows, skipped = [], []
+  tokens, kinds = [], []
+
+  def close():
+    record = np.full([2, seq_len], pad_id, dtype=RECORD_DTYPE)
+    record[1] = PAD
+    record[0, : len(tokens)], record[1, : len(kinds)] = tokens, kinds
+    rows.append(record)
+
+  for index, (prompt, response) in enumerate(examples):
+    example = [bos_id, *prompt, *response, eos_id]
+    if len(example) > seq_len:
+      skipped.append(index)
+      continue
+    if len(tokens) + len(example) > seq_len:
+      close()
+      tokens, kinds = [], []
+    tokens += example
+    kinds += [FIXED] * (1 + len(prompt)) + [TARGET] * (len(response) + 1)
+  if tokens:
+    close()
+  records = np.stack(rows) if rows else np.zeros([0, 2, seq_len], RECORD_DTYPE)
+  return records, skipped
+
+
 def record_stats(records: np.ndarray, *, eos_id: int | None = None) -> dict[str, int]:
   """Counts of records and of non-padding, target and prompt tokens in ``int32[n, 2, seq_len]``.
 

@@ -34,7 +34,8 @@ def visible_end(starts: jax.Array, chunk: int, mask: str, block: int | None) -> 
   """``[batch]`` int32: a slot past every cached slot that some query of each row's chunk may see (conservative).
 
   A query at slot ``p`` sees cached slots ``<= p`` (causal), those of its own and earlier blocks (block-causal: up to
-  the end of the block of the chunk's last slot), or the slots before the chunk (the verified chunk).
+  the end of the block of the chunk's last slot), or the slots before the chunk (the verified chunk, whatever its
+  draft tree).
   """
   if mask == "verify_chunk":
     return starts
@@ -60,7 +61,7 @@ def cached_attention(
     inputs: the chunk and the cache (:class:`~mercury_jax.kernels.common.CachedInputs`); with ``table``,
       ``cache_k`` and ``cache_v`` are one layer's pools ``[pages, kv_heads, page_size, head_dim]``.
     mask: one of :data:`mercury_jax.kernels.masks.BOUNDED`.
-    diffusion_block: the block of ``block_causal``; the draft length of ``verify_chunk``.
+    diffusion_block: the block of ``block_causal``; the tree (or draft length) of ``verify_chunk``.
     table: ``[batch, ceil(slots / page_size)]`` int32 page table of a paged cache.
     tile: slots per tile (a paged cache's is rounded up to whole pages).
     layer: with it, ``cache_k`` and ``cache_v`` carry a leading axis of layers and the tiles are read from this

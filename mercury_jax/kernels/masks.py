@@ -23,9 +23,12 @@ itself and the clean tokens before its start, and a clean token sees the clean t
 is an autoregressive model's pass and the draft half a one-pass drafter conditioned on it. Both are one function,
 :func:`block_diffusion` with ``clean_block`` (``block`` for BD3-LM, 1 for ``verified``).
 
-``verify_chunk`` is the inference-time counterpart of ``verified`` (:func:`verify_chunk`): a chunk of ``k`` causal
-tokens followed by ``k`` pre-draft blocks of ``k`` tokens, under the same rule. It is a chunk mask
-(``CHUNK_MASKS``), used over a key-value cache through :func:`cached`, not a training mask.
+``verify_chunk`` is the inference-time counterpart of ``verified`` (:func:`verify_chunk`): a chunk of draft-tree
+nodes (the last committed token and the candidates after it, each seeing its ancestors: a chain of ``k`` tokens
+when the tree is the drafter's chain) followed by pre-draft blocks of ``k`` masks, each after one outcome node
+(:class:`Tree`), under the same rule. It is a chunk mask (``CHUNK_MASKS``), used over a key-value cache through
+:func:`cached`, not a training mask; its ``block`` is its :class:`Tree` (an int ``k``: the chain of ``k`` tokens
+with a pre-draft block after each, TiDAR's chunk).
 
 What each attention path needs to know of a mask besides its visibility (whether it takes a block, runs over two
 halves, works over a cache, has a Pallas kernel there, ...) is one row of :data:`KINDS`; every list of masks that
@@ -46,7 +49,8 @@ class Kind:
   """What the attention paths need to know of one mask besides :func:`visible`.
 
   Attributes:
-    block: takes a block, a positive int (``diffusion_block``; the draft length ``k`` of ``verify_chunk``).
+    block: takes a block, a positive int (``diffusion_block``).
+    tree: its block is a draft tree (:class:`Tree`, or a positive int ``k``: the chain of ``k`` tokens).
     halves: runs over two halves of equal length, ``drafts ⊕ x_0`` (an even length).
     sequence: a mask over a whole sequence (``attention.attend``); False for a chunk mask, over a cache only.
     cache: a mask over a key-value cache (``attention.attend_cached``), in slot space.
@@ -56,6 +60,7 @@ class Kind:
   """
 
   block: bool
+  tree: bool = False
   halves: bool = False
   sequence: bool = True
   cache: bool = False
@@ -69,7 +74,7 @@ KINDS = {
   "block_causal": Kind(block=True, cache=True, cache_kernel=True, bounded=True),
   "block_diffusion": Kind(block=True, halves=True),
   "verified": Kind(block=True, halves=True),
-  "verify_chunk": Kind(block=True, sequence=False, cache=True, bounded=True),
+  "verify_chunk": Kind(block=False, tree=True, sequence=False, cache=True, bounded=True),
 }
 
 
@@ -83,6 +88,7 @@ CACHE_MASKS = _masks("cache")  # ``attend_cached``'s masks.
 CACHE_KERNEL_MASKS = _masks("cache_kernel")  # Those the cached Pallas kernel implements.
 BOUNDED = _masks("bounded")  # Over a cache, read in tiles up to the chunk's last visible slot.
 BLOCK_MASKS = _masks("block")  # The masks that take a block.
+TREE_MASKS = _masks("tree")  # The masks whose block is a draft tree.
 TWO_HALVES = _masks("halves")  # Over ``drafts ⊕ x_0``.
 
 
@@ -93,9 +99,11 @@ def check(mask: str, block: int | None, among: tuple[str, ...] = MASKS, *, lengt
   if mask not in among:
     raise ValueError(f"{mask=} must be one of {among}")
   kind = KINDS[mask]
+  if kind.tree and not isinstance(block, Tree) and (not isinstance(block, numbers.Integral) or block < 1):
+    raise ValueError(f"diffusion_block={block!r} must be a masks.Tree or a positive int (a chain) for {mask=}")
   if kind.block and (not isinstance(block, numbers.Integral) or block < 1):
     raise ValueError(f"diffusion_block={block!r} must be a positive int for {mask=}")
-  if not kind.block and block is not None:
+  if not (kind.block or kind.tree) and block is not None:
     raise ValueError(f"diffusion_block={block!r} must be None for {mask=}, which takes no block")
   if kind.halves and length is not None and length % 2:
     raise ValueError(f"{length=} must be even for {mask=}: two halves (drafts ⊕ x_0) need an even length")
@@ -139,23 +147,87 @@ def verified(q, k, *, half: int, block: int):
   return block_diffusion(q, k, half=half, block=block, clean_block=1)
 
 
-def verify_chunk(draft: int, xp=np):
-  """``[draft + draft**2, draft + draft**2]`` bool: what each query of a verify-and-draft chunk sees of the chunk.
+@dataclasses.dataclass(frozen=True)
+class Tree:
+  """The static topology of a verify-and-draft chunk (hashable: part of a compilation key).
 
-  The chunk holds ``k = draft`` causal tokens (index ``0 .. k-1``: the last committed token, then ``k - 1`` drafts at
-  the next positions), then ``k`` pre-draft blocks ``a = 0 .. k-1`` of ``k`` tokens each (block ``a`` at indices
-  ``k + a*k .. k + a*k + k-1``): the next block's drafts in case the first ``a`` drafts are accepted. A causal query
-  sees the causal keys up to itself; block ``a`` starts right after causal index ``a``, so its queries see the causal
-  keys ``0 .. a`` and their own block: ``verified``'s rule, with the causal part as the clean half.
+  The chunk holds the tree's nodes, then one pre-draft block of ``block`` masks after each outcome node. Node 0 is the
+  last committed token; every other node is a candidate for the position after its parent's (its depth says which:
+  the root's next position is depth 1). A node sees its ancestors and itself; a pre-draft block sees the path to its
+  outcome node and itself, the positions ``depth + 1 .. depth + block`` of that node (the block the drafter fills
+  when the verifier accepts the path to it).
+
+  Attributes:
+    parents: Each node's parent (node 0's is -1; a parent comes before its children).
+    outcomes: The nodes that have a pre-draft block after them, in the chunk's order.
+    block: The pre-draft blocks' length ``k``.
   """
-  k = draft
-  index = xp.arange(k + k * k)
-  is_draft = index >= k
-  block = xp.where(is_draft, (index - k) // k, -1)  # The pre-draft block a; -1 in the causal part.
-  q, kk = (lambda a: a[:, None]), (lambda a: a[None, :])
-  return drafts_over_clean(
-    q(is_draft), kk(is_draft), q(block), kk(block), q(block + 1), q(index), kk(index), clean_block=1
-  )
+
+  parents: tuple[int, ...]
+  outcomes: tuple[int, ...]
+  block: int
+
+  def __post_init__(self):
+    parents, n = self.parents, len(self.parents)
+    if not n or parents[0] != -1 or any(not 0 <= p < i for i, p in enumerate(parents) if i):
+      raise ValueError(f"parents={parents} must start with -1 (the root) and name an earlier node for every other")
+    if self.block < 1 or any(not 0 <= o < n for o in self.outcomes) or len(set(self.outcomes)) < len(self.outcomes):
+      raise ValueError(f"block={self.block} must be >= 1 and outcomes={self.outcomes} distinct nodes of {n}")
+
+  @classmethod
+  def chain(cls, k: int) -> Tree:
+    """TiDAR's chunk: the committed token and ``k - 1`` drafts in a chain, a pre-draft block after each."""
+    return cls((-1, *range(k - 1)), tuple(range(k)), k)
+
+  @property
+  def nodes(self) -> int:
+    return len(self.parents)
+
+  @property
+  def size(self) -> int:
+    """Positions of the chunk: the nodes and the pre-draft blocks."""
+    return self.nodes + len(self.outcomes) * self.block
+
+  @property
+  def depths(self) -> tuple[int, ...]:
+    depths = [0]
+    for p in self.parents[1:]:
+      depths.append(depths[p] + 1)
+    return tuple(depths)
+
+  def ancestry(self) -> np.ndarray:
+    """``[nodes, nodes]`` bool: node ``j`` is node ``i``'s ancestor or ``i`` itself."""
+    out = np.eye(self.nodes, dtype=bool)
+    for i, p in enumerate(self.parents):
+      if i:
+        out[i] |= out[p]
+    return out
+
+
+def tree_chunk(tree: Tree) -> np.ndarray:
+  """``[size, size]`` bool: what each query of a verify-and-draft chunk sees of the chunk (:class:`Tree`): a node its
+  ancestors and itself, a pre-draft block the path to its outcome node and its own block."""
+  n, k = tree.nodes, tree.block
+  index = np.arange(tree.size)
+  is_draft = index >= n
+  block = np.where(is_draft, (index - n) // k, -1)  # The pre-draft block; -1 among the nodes.
+  ancestry = tree.ancestry()
+  # A node sees its ancestry; a block the ancestry of its outcome node (its own block: the same-block rule below).
+  reach = np.zeros((tree.size, n), bool)
+  reach[:n] = ancestry
+  for b, outcome in enumerate(tree.outcomes):
+    reach[n + b * k : n + (b + 1) * k] = ancestry[outcome]
+  own_block = is_draft[:, None] & is_draft[None, :] & (block[:, None] == block[None, :])
+  return np.concatenate([reach, np.zeros((tree.size, tree.size - n), bool)], axis=1) | own_block
+
+
+def verify_chunk(tree: Tree | int, xp=np):
+  """``[size, size]`` bool: what each query of a verify-and-draft chunk sees of the chunk (:func:`tree_chunk`); an
+  int ``k`` is TiDAR's chunk (:meth:`Tree.chain`): ``k`` causal tokens (the last committed token, then ``k - 1``
+  drafts at the next positions), then ``k`` pre-draft blocks ``a = 0 .. k-1`` of ``k`` tokens each, block ``a``
+  seeing the causal keys ``0 .. a`` and itself: ``verified``'s rule, with the causal part as the clean half."""
+  tree = Tree.chain(tree) if isinstance(tree, numbers.Integral) else tree
+  return xp.asarray(tree_chunk(tree))
 
 
 def visible(q, k, mask: str, *, block: int | None = None, half: int | None = None):
@@ -183,9 +255,9 @@ def cached(segments, cache_segments, starts, mask: str, *, block: int | None = N
   chunk brings those keys itself) and the key shares its segment; and the chunk's key ``j`` when ``mask`` allows
   ``(p, starts[b] + j)`` and it shares its segment. A padding query (segment 0) sees nothing.
 
-  ``verify_chunk`` (``block`` = the draft length ``k``, a chunk of ``k + k*k``): every query sees the cached slots
-  before ``starts[b]`` (the committed context) and the chunk's keys that :func:`verify_chunk` allows, within its
-  segment.
+  ``verify_chunk`` (``block`` its :class:`Tree`, or ``k``: the chain, a chunk of ``k + k*k``): every query sees the
+  cached slots before ``starts[b]`` (the committed context) and the chunk's keys that :func:`verify_chunk` allows,
+  within its segment.
 
   ``offset`` is the slot of ``cache_segments``' first column: one shard's part of a cache whose slots are split over
   devices.
@@ -196,10 +268,13 @@ def cached(segments, cache_segments, starts, mask: str, *, block: int | None = N
   cache_slots = offset + xp.arange(slots)
   same_cache = cache_segments[:, None, :] == segments[:, :, None]  # [b, chunk, slots]
   if mask == "verify_chunk":
-    if block is None or chunk != block + block * block:
-      raise ValueError(f"mask='verify_chunk' needs block=k and a chunk of k + k*k queries, got {block=}, {chunk=}")
+    tree = Tree.chain(block) if isinstance(block, numbers.Integral) else block
+    if not isinstance(tree, Tree) or chunk != tree.size:
+      raise ValueError(
+        f"mask='verify_chunk' needs a chunk of its tree's size (k + k*k for block=k): {block=}, {chunk=}"
+      )
     before = (cache_slots[None] < starts[:, None])[:, None, :]  # [b, 1, slots]
-    return before & same_cache & live, verify_chunk(block, xp=xp)[None] & same_chunk & live
+    return before & same_cache & live, verify_chunk(tree, xp=xp)[None] & same_chunk & live
   query_slots = starts[:, None] + xp.arange(chunk)  # [b, chunk]
   own = (cache_slots[None] >= starts[:, None]) & (cache_slots[None] < starts[:, None] + chunk)  # [b, slots]
   in_cache = visible(query_slots[:, :, None], cache_slots[None, None], mask, block=block)

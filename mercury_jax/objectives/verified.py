@@ -25,8 +25,21 @@ schedule's ``t`` of that rate, ``-alpha'_t / (1 - alpha_t)`` (``1 / r`` for the 
 below 1 is weighted 1), so the range ``(0, 1]`` is BD3-LM's block ELBO with a causal clean half: :func:`loss` with
 ``draft="elbo"`` evaluates that bound with ``t ~ U[t_min, 1]``.
 
-Token kinds are ``mercury_jax.kinds``: only ``TARGET`` positions are masked and scored in the draft half; ``FIXED``
-ones (an SFT prompt) are clean context in both halves; ``PAD`` is segment 0 in both halves and never attended to.
+Token kinds are ``mercury_jax.kinds``: only ``TARGET`` and ``DISTILLED`` positions are masked and scored in the draft
+half, only ``TARGET`` ones in the clean half; ``FIXED`` ones (an SFT prompt) are clean context in both halves; ``PAD``
+is segment 0 in both halves and never attended to.
+
+**Self-distillation.** A ``DISTILLED`` token is one the network's own next-token head wrote (a self-distillation
+record, :mod:`mercury_jax.distill`: a prompt from the training split, ``FIXED``, continued by the head): the
+drafter learns what the verifier will accept, while ``L_AR`` never scores the network's own text, so the verifier
+keeps learning from real data only (DistillSpec, Zhou et al. 2023, arXiv 2310.08461; Medusa-2's self-distillation,
+Cai et al. 2024, arXiv 2401.10774). With ``objective.draft_kl_weight = λ > 0`` each masked draft position ``i`` also
+pays ``λ · KL(p_i || q_i)``, the clean half's own next-token distribution at ``i - 1`` (``p_i = p(· | x_{<i})``, under
+a stop-gradient: the teacher is not moved by it) against the drafter's ``q_i`` (mask class removed from both). On a
+greedy continuation ``x_{<i}`` is exactly the prefix under which the verifier checks draft ``i``, so ``p_i`` is the
+distribution its acceptance is decided by; on real data it is a lower-variance target than the data's token. The
+drafter's loss is then ``L_draft + λ · L_KL``, each a mean per draft token; ``draft_loss_sum`` stays the
+cross-entropy (comparable with models trained without it) and ``draft_kl_sum`` is the KL.
 """
 
 from __future__ import annotations
@@ -61,6 +74,7 @@ def draft_noise(
   """
   batch, length = x.shape
   k = cfg.draft_length
+  kinds = jnp.where(kinds == K.DISTILLED, K.TARGET, kinds)  # The drafter's targets: real and distilled alike.
   if draft not in DRAFTS:
     raise ValueError(f"{draft=} must be one of {DRAFTS}")
   if length % k:
@@ -102,11 +116,13 @@ def loss(
     draft: how the draft half is noised (:data:`DRAFTS`); training uses ``"train"``.
 
   Returns:
-    ``{"loss_sum", "tokens", "masked", "ar_loss_sum", "ar_tokens", "draft_loss_sum", "draft_tokens"}``.
-    ``loss_sum`` is the combined mean ``(α · L_AR + L_draft) / (1 + α)`` and ``tokens`` is 1, so the trainer's
-    ``loss_sum / tokens`` is the loss; ``ar_loss_sum / ar_tokens`` is the verifier's exact next-token NLL (the
-    twin's tokens, ``autoregressive.scored``) and ``draft_loss_sum / draft_tokens`` the drafter's loss per target
-    token of the draft half. The ``*_sum`` and ``*_tokens`` entries add up over batches.
+    ``{"loss_sum", "tokens", "masked", "ar_loss_sum", "ar_tokens", "draft_loss_sum", "draft_kl_sum",
+    "draft_tokens"}``. ``loss_sum`` is the combined mean ``(α · L_AR + L_draft + λ · L_KL) / (1 + α)`` and ``tokens``
+    is 1, so the trainer's ``loss_sum / tokens`` is the loss; ``ar_loss_sum / ar_tokens`` is the verifier's exact
+    next-token NLL (the twin's tokens, ``autoregressive.scored``), ``draft_loss_sum / draft_tokens`` the drafter's
+    cross-entropy per target token of the draft half (``TARGET`` and ``DISTILLED``) and ``draft_kl_sum /
+    draft_tokens`` its KL to the clean half (module docstring; computed whatever λ). The ``*_sum`` and ``*_tokens``
+    entries add up over batches.
   """
   batch, length = x.shape
   x_draft, is_masked, weight = draft_noise(key, x, kinds, cfg, draft=draft)
@@ -122,10 +138,14 @@ def loss(
   )  # [batch, 2 * length, vocab]
   draft_logits, clean_logits = logits[:, :length], logits[:, length:]
 
-  nll = token_nll(masked_diffusion.without_mask_class(draft_logits, cfg.mask_id), x)  # [batch, length]
+  draft_logits = masked_diffusion.without_mask_class(draft_logits, cfg.mask_id)
+  nll = token_nll(draft_logits, x)  # [batch, length]
   nll = jnp.where(is_masked, nll, 0.0).reshape(batch, -1, cfg.draft_length)  # [batch, blocks, k]
   draft_sum = (weight * nll.sum(axis=-1)).sum()
-  draft_tokens = (kinds == K.TARGET).sum().astype(jnp.float32)
+  draft_tokens = ((kinds == K.TARGET) | (kinds == K.DISTILLED)).sum().astype(jnp.float32)
+  kl = head_kl(clean_logits, draft_logits, cfg.mask_id)  # [batch, length]: 0 at position 0
+  has_teacher = jnp.pad(kinds[:, :-1] != K.PAD, ((0, 0), (1, 0)))  # position i - 1 exists and is text
+  kl_sum = jnp.where(is_masked & has_teacher, kl, 0.0).sum()
 
   ar_nll = token_nll(clean_logits[:, :-1].astype(jnp.float32), x[:, 1:])  # [batch, length - 1]: i predicts i + 1
   scored = autoregressive.scored(kinds)[:, 1:]
@@ -134,6 +154,7 @@ def loss(
 
   alpha = cfg.ar_weight
   l_ar, l_draft = ar_sum / jnp.maximum(ar_tokens, 1.0), draft_sum / jnp.maximum(draft_tokens, 1.0)
+  l_draft = l_draft + cfg.draft_kl_weight * kl_sum / jnp.maximum(draft_tokens, 1.0)
   return {
     "loss_sum": (alpha * l_ar + l_draft) / (1.0 + alpha),
     "tokens": jnp.ones((), jnp.float32),
@@ -141,5 +162,22 @@ def loss(
     "ar_loss_sum": ar_sum,
     "ar_tokens": ar_tokens,
     "draft_loss_sum": draft_sum,
+    "draft_kl_sum": kl_sum,
     "draft_tokens": draft_tokens,
   }
+
+
+def head_kl(clean_logits: jax.Array, draft_logits: jax.Array, mask_id: int) -> jax.Array:
+  """``KL(p_i || q_i)`` per position ``i``: the clean half's next-token distribution at ``i - 1`` (stop-gradient)
+  against the drafter's at ``i``, both without the mask class; ``[batch, length]``, 0 at position 0.
+
+  Args:
+    clean_logits: the clean half's logits, ``[batch, length, vocab]``.
+    draft_logits: the draft half's float32 logits with the mask class at ``-inf``, ``[batch, length, vocab]``.
+    mask_id: the mask class.
+  """
+  teacher = masked_diffusion.masked_log_probs(jax.lax.stop_gradient(clean_logits[:, :-1]), mask_id)
+  student = jax.nn.log_softmax(draft_logits[:, 1:], axis=-1)
+  # Both are -inf at the mask class only, where the teacher's probability is 0: that term is 0.
+  terms = jnp.where(jnp.isfinite(teacher), jnp.exp(teacher) * (teacher - student), 0.0)
+  return jnp.pad(terms.sum(axis=-1), ((0, 0), (1, 0)))  # [batch, length]

@@ -34,8 +34,10 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from mercury_jax.model import KVCache
+from mercury_jax.sampling.drafts import Candidates, chunk_inputs
 from mercury_jax.sampling.network import LatentInputs, Network
 from mercury_jax.sampling.plan import BlockPlan
 from mercury_jax.sampling.state import State, chunk, put, rows, select_rows
@@ -49,6 +51,7 @@ class Needs(NamedTuple):
   logits: jax.Array  # [b] bool: the row needs fresh logits of its block
   commit: jax.Array  # [b] bool: the row's finished previous block must reach the cache (exact cache)
   latent: LatentInputs | None = None  # the step block's noisy latents ([b, B, ...]; the continuous family)
+  nodes: Candidates | None = None  # verified: the draft tree's candidates (``drafts.candidates``)
 
 
 def spread(latent: LatentInputs | None, starts: jax.Array, slots: int, offset: int = 0) -> LatentInputs | None:
@@ -72,11 +75,12 @@ class Forward(NamedTuple):
   wrote it).
   """
 
-  logits: jax.Array  # [b, W, vocab] the window's logits (verified: each position's next-token logits)
+  logits: jax.Array  # [b, W, vocab] the window's logits (verified: each tree node's next-token logits, [b, N, vocab])
   cache: object
   ran: jax.Array  # [] bool: a pass that gives logits ran
   committed: jax.Array  # [] bool: a commit pass ran
-  drafts: jax.Array | None = None  # verified: [b, k, k, vocab] the pre-draft blocks' logits
+  drafts: jax.Array | None = None  # verified: [b, P, k, vocab] the pre-draft blocks' logits
+  kv: object = None  # verified: the tree nodes' keys and values (a KVCache of N slots), for the rule to write
 
 
 class Strategy:
@@ -254,53 +258,48 @@ class Exact(Strategy):
 
 class Verified(Exact):
   """The exact cache of verified decoding (:mod:`~mercury_jax.sampling.verify`): the prefill of the twin, then one
-  chunk per step, ``k`` causal tokens (the last committed one and ``k - 1`` drafts, whose keys and values are written)
-  and ``k`` pre-draft blocks of ``k`` tokens (``masks.verify_chunk``)."""
+  chunk per step over the cache: the draft tree's nodes (the last committed token and its candidates) and the
+  pre-draft blocks (``masks.verify_chunk`` of the plan's :class:`~mercury_jax.sampling.drafts.Topology`). The nodes'
+  keys and values go back to the rule, which writes the accepted path's (:class:`Forward`'s ``kv``)."""
 
   def forward(self, params, st: State, needs: Needs) -> Forward:
-    """The chunk whose causal part starts at slot ``needs.starts - 1`` (the last committed token), laid out by
-    :func:`verify_inputs`: the next-token logits ``[b, k, vocab]`` and the pre-draft blocks' ``[b, k, k, vocab]``.
-    Only the rows ``needs.commit`` marks write their keys and values: an inert row's cache stays as it was (a
-    server's row still prefilling in chunks pads a step's bucket with its own pages, where a key written again by
-    another program may round otherwise than its chunk's)."""
-    k, starts = self.plan.draft, needs.starts
-    tokens, positions, segments = verify_inputs(st, starts, k, self.mask_id)
-    logits, kv = self.network.chunk(
-      params,
-      tokens,
-      segments=segments,
-      positions=positions,
-      mask="verify_chunk",
-      diffusion_block=k,
-      cache=st.cache,
-      starts=starts - 1,
-    )
-    causal = KVCache(kv.keys[:, :, :k], kv.values[:, :, :k], kv.segments[:, :k])
-    batch, vocab = logits.shape[0], logits.shape[-1]
-    causal = select_rows(needs.commit, causal, st.cache.rows(starts - 1, k))
+    """The chunk whose root is slot ``needs.starts - 1`` (:func:`~mercury_jax.sampling.drafts.chunk_inputs`): the
+    nodes' next-token logits ``[b, N, vocab]``, the pre-draft blocks' ``[b, P, k, vocab]`` and the nodes' keys and
+    values. A batch whose live nodes all lie above a cut of the tree (``Topology.cuts``) runs the shallower chunk
+    of that cut (the deeper nodes' logits are zeros: they are out in every row), unless the network is batch-invariant
+    (a row's numbers must not depend on its bucket)."""
+    tree, starts = self.plan.tree, needs.starts
+    inputs = chunk_inputs(st, starts, tree, needs.nodes)
+    cuts = (tree.depth,) if getattr(self.network, "batch_invariant", False) else tree.cuts
+    batch, nodes, blocks = inputs[0].shape[0], tree.nodes, tree.mask.size - tree.nodes
+    vocab = self.network.vocab_size
+
+    def run(depth: int):
+      part = tree.cut(depth)
+      columns = np.concatenate([np.arange(part.nodes), nodes + np.arange(part.mask.size - part.nodes)])
+      tokens, positions, segments = (a[:, columns] for a in inputs)
+      logits, kv = self.network.chunk(
+        params, tokens, segments=segments, positions=positions, mask="verify_chunk", diffusion_block=part.mask,
+        cache=st.cache, starts=starts - 1,
+      )  # fmt: skip
+      logits = jnp.concatenate([_grow(logits[:, : part.nodes], 1, nodes), _grow(logits[:, part.nodes :], 1, blocks)], 1)
+      return logits, KVCache(*(_grow(a[..., : part.nodes, :, :], 2, nodes) for a in (kv.keys, kv.values)),
+                             _grow(kv.segments[:, : part.nodes], 1, nodes))  # fmt: skip
+
+    if len(cuts) == 1:
+      logits, kv = run(cuts[0])
+    else:  # the shallowest cut that holds every working row's deepest live node
+      depths = jnp.where(needs.nodes.live & needs.commit[:, None], jnp.asarray(tree.depths), 0)
+      branch = jnp.sum(jnp.asarray(cuts) < jnp.max(depths))
+      logits, kv = jax.lax.switch(branch, [lambda d=d: run(d) for d in cuts])
     ran = jnp.ones((), bool)
-    drafts = logits[:, k:].reshape(batch, k, k, vocab)
-    return Forward(logits[:, :k], st.cache.write(causal, starts - 1), ran, ran, drafts)
+    drafts = logits[:, nodes:].reshape(batch, len(tree.outcomes), tree.k, vocab)
+    return Forward(logits[:, :nodes], st.cache, ran, ran, drafts, kv)
 
 
-def verify_inputs(st: State, starts: jax.Array, k: int, mask_id: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """``(tokens, positions, segments)`` [b, k + k * k] of one verified step's chunk.
-
-  The causal part is slots ``starts - 1 .. starts + k - 2``: the last committed token, then the drafts
-  (``State.draft``; a mask token where a row has fewer, the known token where the slot is fixed text). Pre-draft
-  block ``a`` is slots ``starts + a .. starts + a + k - 1`` as they stand (masked where still to generate): the block
-  the next step drafts from when this step accepts ``a`` drafts.
-  """
-  window = 2 * k
-  z, generate = rows(st.z, starts - 1, window), rows(st.generate, starts - 1, window)
-  positions, segments = rows(st.positions, starts - 1, window), rows(st.segments, starts - 1, window)
-  d = st.draft
-  is_open = generate[:, 1:k] & (z[:, 1:k] == mask_id)
-  drafted = jnp.where(jnp.arange(k - 1)[None, :] < d.count[:, None], d.tokens, mask_id)
-  causal = jnp.concatenate([z[:, :1], jnp.where(is_open, drafted, z[:, 1:k])], axis=1)  # [b, k]
-  blocks = (1 + jnp.arange(k)[:, None] + jnp.arange(k)[None, :]).reshape(-1)  # block a: window[1 + a : 1 + a + k]
-  lay = lambda a, first: jnp.concatenate([first, a[:, blocks]], axis=1)  # noqa: E731
-  return lay(z, causal), lay(positions, positions[:, :k]), lay(segments, segments[:, :k])
+def _grow(a: jax.Array, axis: int, size: int) -> jax.Array:
+  """``a`` padded with zeros to ``size`` along ``axis``."""
+  return jnp.pad(a, [(0, size - a.shape[axis]) if i == axis else (0, 0) for i in range(a.ndim)])
 
 
 class Dual(Strategy):

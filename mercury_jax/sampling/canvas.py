@@ -204,7 +204,10 @@ class SampleOutput(NamedTuple):
     canvases: int32 [trace, batch, length]: the canvas after each step, when ``settings.trace`` > 0.
     commits: int32 [trace, batch]: tokens committed at each step, when traced.
     remasks: int32 [trace, batch]: tokens re-masked at each step (revision), when traced.
-    accepted: int32 [batch, k]: verified decoding's steps that accepted 0, 1, ..., k - 1 drafts (None otherwise).
+    accepted: int32 [batch, W]: verified decoding's steps that accepted 0, 1, ..., W - 1 candidates (None
+      otherwise; ``W - 1`` is the draft tree's depth, ``k - 1`` for the drafter's chain).
+    sources: int32 [batch, 3]: verified decoding's accepted candidates from the drafter's chain, its alternatives
+      and the lookup chain (``mercury_jax.sampling.drafts``; None otherwise).
   """
 
   tokens: jax.Array
@@ -214,6 +217,7 @@ class SampleOutput(NamedTuple):
   commits: jax.Array | None = None
   remasks: jax.Array | None = None
   accepted: jax.Array | None = None
+  sources: jax.Array | None = None
 
   @property
   def steps(self) -> jax.Array:

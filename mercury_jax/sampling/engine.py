@@ -279,7 +279,7 @@ class BlockEngine:
     needed = ((forward.ran & needs.logits) | (forward.committed & needs.commit)) & unfinished
     st = self._commit(decision, view, hooks)
     return st._replace(
-      cache=forward.cache,
+      cache=forward.cache if decision.cache is None else decision.cache,
       nfe=st.nfe + needed.astype(jnp.int32) + decision.extra,
       forwards=st.forwards + (forward.ran | forward.committed).astype(jnp.int32) + jnp.max(decision.extra),
       commit_passes=st.commit_passes + forward.committed.astype(jnp.int32),
@@ -408,7 +408,7 @@ class BlockEngine:
       canvases, commits, remasks = st.trace
       trace = (self.to_canvas(canvases, length), commits, remasks)
     out = SampleOutput(tokens, st.nfe, st.forwards, *trace)
-    return out._replace(accepted=st.draft.accepted) if st.draft is not None else out
+    return out._replace(accepted=st.draft.accepted, sources=st.draft.sources) if st.draft is not None else out
 
   def sample(self, params, canvas: Canvas, key: jax.Array, num_steps: jax.Array, knobs=None, **options):
     """The whole generation as one function: prefill, every block, the :class:`SampleOutput` (``options``:
@@ -418,9 +418,9 @@ class BlockEngine:
 
 
 def width(plan: BlockPlan) -> int:
-  """The tokens a step can commit in a row from its window's first slot: the block, or verified decoding's draft
-  length."""
-  return max(plan.block, plan.draft)
+  """The tokens a step can commit in a row from its window's first slot: the block, or verified decoding's (the draft
+  tree's depth + 1, at least the draft length)."""
+  return plan.tree.width if plan.tree is not None else plan.block
 
 
 def news(engine: BlockEngine, st: State, worked: jax.Array) -> jax.Array:

@@ -21,9 +21,11 @@ from mercury_jax import kinds as K
 from mercury_jax.config import Config, SamplingConfig
 from mercury_jax.data.tokenizer import Tokenizer
 from mercury_jax.sampling import canvas as cv, healing
+from mercury_jax.sampling.drafts import Drafting
 from mercury_jax.sampling.placement import BatchLayout, Placement
 from mercury_jax.sampling.plan import BlockPlan, Decoding, plan_for
 from mercury_jax.sampling.settings import (
+  AUTO,
   SamplerSettings,
   SettingError,
   block_loads,
@@ -186,9 +188,10 @@ class Jobs:
   def decoding(self, request: Request) -> Decoding:
     """What ``request`` asks about the plan."""
     knobs = request.knobs
+    drafting = Drafting(knobs.get("draft_tree", AUTO), knobs.get("draft_lookup", -1), knobs.get("draft_blocks", AUTO))
     return Decoding(
       request.cache, knobs.get("block_length") or 0, knobs.get("decode", "auto"), knobs.get("draft_length") or 0,
-      knobs.get("prefill_chunk") or 0,
+      knobs.get("prefill_chunk") or 0, drafting,
     )  # fmt: skip
 
   def rows(self, request: Request, decoding: Decoding, constraint) -> Rows:

@@ -47,7 +47,7 @@ def jit_on_mesh(
     batched: A pytree of arrays passed after the scalars (the block engine's constraint tables), split over the batch
       axes on their first axis; None: no such argument.
     name: The caller, for the error message.
-    accepted: The output carries verified decoding's ``accepted`` counts ([batch, k]).
+    accepted: The output carries verified decoding's ``accepted`` and ``sources`` counts ([batch, ...]).
   """
   if mesh is None:
     return jax.jit(fn)
@@ -72,7 +72,7 @@ def jit_on_mesh(
       *([] if batched is None else [jax.tree.map(lambda a: sh.batch_sharding(mesh, rules, a.ndim), batched)]),
     ),
     out_shardings=SampleOutput(
-      rows, vectors, replicated, traced_rows, traced_vectors, traced_vectors, rows if accepted else None
+      rows, vectors, replicated, traced_rows, traced_vectors, traced_vectors, *[rows if accepted else None] * 2
     ),
   )
 

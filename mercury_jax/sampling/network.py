@@ -47,7 +47,11 @@ class Network:
       position's own distribution either way (the first position, which is never generated, keeps its own output,
       as Dream's ``_sample`` does); :meth:`chunk` returns the raw outputs, and a cache strategy that wants the
       distributions of slots ``s .. s + B - 1`` runs the chunk from slot ``s - shift``.
+    batch_invariant: A row's outputs are bitwise the same in any batch (:class:`InvariantNetwork`): a pass's shape
+      must not depend on the other rows (verified decoding then always runs its whole chunk).
   """
+
+  batch_invariant = False
 
   def __init__(self, cfg: ModelConfig):
     self.cfg = cfg
@@ -130,6 +134,8 @@ class InvariantNetwork(Network):
     group: The data-parallel size of the mesh: every device works on its own shard's rows.
     tile: Positions per tile of a matmul (a bucket's positions are padded to whole tiles of every shard).
   """
+
+  batch_invariant = True
 
   def __init__(self, cfg: ModelConfig, group: int = 1, tile: int = 8):
     super().__init__(cfg)

@@ -27,6 +27,7 @@ import numpy as np
 
 from mercury_jax import kinds as K
 from mercury_jax.config import Config
+from mercury_jax.sampling.drafts import Drafting, Topology, topology
 from mercury_jax.sampling.settings import SettingError
 
 # The engine's key-value caches (``mercury_jax.sampling.caches``): exact for block-diffusion and autoregressive
@@ -53,14 +54,16 @@ class BlockPlan:
       approximate (``dual``, ``prefix``) and ``none`` runs the whole canvas bidirectionally at every step.
     draft: Verified decoding's draft length k (0: off; :mod:`~mercury_jax.sampling.verify`): an autoregressive plan
       of a verified checkpoint whose every step verifies the last step's k - 1 drafts with the network's own
-      next-token distribution and drafts the next ones, in one forward pass. The slots end with a tail of ``2 k``
-      padding slots, so the step's window never runs past them.
+      next-token distribution and drafts the next ones, in one forward pass. The slots end with a tail of padding
+      slots (``2 k`` for the chain), so the step's chunk never runs past them.
     causal_context: The cache's clean keys and values are computed causally (a verified checkpoint's clean half),
       not block-causally (a block-diffusion checkpoint's): the exact cache's prefill and commit pass use the causal
       mask.
     prefill_chunk: The exact cache's prefill runs in chunks of this many slots (a multiple of ``block``), each against
       the keys and values of the chunks before it, so its activations and scores are bounded by the chunk, not the
       prompt; 0: one pass over the whole prefill.
+    tree: Verified decoding's draft tree (:class:`~mercury_jax.sampling.drafts.Topology`; with ``draft``, default the
+      drafter's chain of ``k - 1`` drafts, TiDAR's chunk).
   """
 
   block: int
@@ -71,8 +74,11 @@ class BlockPlan:
   draft: int = 0
   causal_context: bool = False
   prefill_chunk: int = 0
+  tree: Topology | None = None
 
   def __post_init__(self):
+    if self.draft > 0 and self.tree is None:
+      object.__setattr__(self, "tree", Topology.chain(self.draft))
     if self.block < 1 or self.slots % self.block or self.slots < 2 * self.block:
       raise ValueError(f"block={self.block} must be >= 1 and slots={self.slots} a multiple of it, >= 2 blocks")
     if self.cache not in CACHES:
@@ -85,6 +91,8 @@ class BlockPlan:
       raise ValueError(f"cache={self.cache!r} is the approximate cache of whole-sequence checkpoints")
     if self.draft < 0 or (self.draft and not (self.autoregressive and self.cache == "exact")):
       raise ValueError(f"draft={self.draft} must be >= 0, and > 0 only for an autoregressive plan with the exact cache")
+    if self.tree is not None and self.tree.k != self.draft:
+      raise ValueError(f"tree.k={self.tree.k} must equal draft={self.draft}")
     if self.prefill_chunk < 0 or self.prefill_chunk % self.block:
       raise ValueError(f"prefill_chunk={self.prefill_chunk} must be >= 0 and a multiple of block={self.block}")
 
@@ -97,7 +105,11 @@ class BlockPlan:
     chunk = fields.pop("prefill_chunk", 0)
     if chunk < 0:
       raise ValueError(f"prefill_chunk={chunk} must be >= 0 (0: one pass)")
-    slots = block + -(-length // block) * block + 2 * fields.get("draft", 0)
+    draft = fields.get("draft", 0)
+    if draft and fields.get("tree") is None:
+      fields["tree"] = Topology.chain(draft)
+    tree = fields.get("tree")
+    slots = block + -(-length // block) * block + draft_tail(tree)
     return cls(block, slots, prefill_chunk=-(-chunk // block) * block, **fields)
 
   @property
@@ -113,7 +125,7 @@ class BlockPlan:
   @property
   def length(self) -> int:
     """Canvas positions per row."""
-    return self.slots - self.block - 2 * self.draft
+    return self.slots - self.block - draft_tail(self.tree)
 
   @property
   def tail(self) -> int:
@@ -131,6 +143,11 @@ class BlockPlan:
     return tuple(sorted(set(sizes), reverse=True))
 
 
+def draft_tail(tree: Topology | None) -> int:
+  """Padding slots after the canvas that a verified step's chunk, window and writes may cover (0 without one)."""
+  return 0 if tree is None else max(tree.reach, tree.width)
+
+
 def plan_blocks(
   kinds: np.ndarray,
   block: int,
@@ -141,6 +158,7 @@ def plan_blocks(
   draft: int = 0,
   causal_context: bool = False,
   prefill_chunk: int = 0,
+  tree: Topology | None = None,
 ) -> BlockPlan:
   """The :class:`BlockPlan` of a batch of canvases (host side: it is static under ``jax.jit``).
 
@@ -153,6 +171,7 @@ def plan_blocks(
     draft: Verified decoding's draft length (0: off).
     causal_context: The checkpoint's clean keys and values are causal (a verified checkpoint).
     prefill_chunk: Slots per chunk of the exact cache's prefill, rounded up to whole blocks (0: one pass).
+    tree: Verified decoding's draft tree (default: the chain of ``draft - 1`` drafts).
 
   Raises:
     ValueError: A bad block size or cache, or an autoregressive row whose first position is to be generated.
@@ -163,7 +182,7 @@ def plan_blocks(
     raise ValueError("the autoregressive twin needs a known first token in every row (a prompt, or BOS)")
   return BlockPlan.over(
     kinds.shape[1], block, cache=cache, autoregressive=autoregressive, whole_sequence=whole_sequence, draft=draft,
-    causal_context=causal_context, prefill_chunk=prefill_chunk,
+    causal_context=causal_context, prefill_chunk=prefill_chunk, tree=tree if draft else None,
   )  # fmt: skip
 
 
@@ -178,6 +197,7 @@ class Decoding:
     decode: One of :data:`DECODES`.
     draft_length: Verified decoding's draft length (0: the checkpoint's).
     prefill_chunk: Slots per chunk of the exact cache's prefill (0: one pass).
+    drafting: Verified decoding's draft tree, lookup chain and pre-draft blocks (``auto``: the device's).
   """
 
   cache: str = "auto"
@@ -185,6 +205,15 @@ class Decoding:
   decode: str = "auto"
   draft_length: int = 0
   prefill_chunk: int = 0
+  drafting: Drafting = Drafting()
+
+  @classmethod
+  def of(cls, settings, cache: str = "auto") -> Decoding:
+    """What ``settings`` (a :class:`~mercury_jax.sampling.settings.SamplerSettings`) ask of the plan."""
+    return cls(
+      cache, settings.block_length, settings.decode, settings.draft_length, settings.prefill_chunk,
+      Drafting(settings.draft_tree, settings.draft_lookup, settings.draft_blocks),
+    )  # fmt: skip
 
 
 def plan_for(cfg: Config, decoding: Decoding, length: int, *, whole_canvas: bool = True) -> BlockPlan:
@@ -207,9 +236,10 @@ def plan_for(cfg: Config, decoding: Decoding, length: int, *, whole_canvas: bool
   whole_sequence = not (autoregressive or cfg.objective.block_size or causal_context)
   block = block or (bucketed_length(length, cfg.model.max_length) if whole_canvas else APPROXIMATE_BLOCK)
   chunk = decoding.prefill_chunk if cache == "exact" else 0
+  tree = topology(draft, decoding.drafting) if draft else None
   return BlockPlan.over(
     length, block, cache=cache, autoregressive=autoregressive, whole_sequence=whole_sequence, draft=draft,
-    causal_context=causal_context, prefill_chunk=chunk,
+    causal_context=causal_context, prefill_chunk=chunk, tree=tree,
   )  # fmt: skip
 
 
@@ -233,6 +263,8 @@ def _choose(cfg: Config, decoding: Decoding) -> tuple[str, int, bool, int]:
     raise SettingError("decode", decode, f"is unknown; choose one of {', '.join(DECODES)}")
   if draft_length and cfg.objective.name != "verified":
     raise SettingError("draft_length", draft_length, "needs a verified checkpoint (objective.name='verified')")
+  if cfg.objective.name != "verified":
+    _no_drafting(decoding, "needs a verified checkpoint (objective.name='verified')")
   if cfg.objective.name == "verified":
     return _choose_verified(cfg, decoding)
   autoregressive, block_size = cfg.objective.autoregressive, cfg.objective.block_size
@@ -290,10 +322,12 @@ def _choose_verified(cfg: Config, decoding: Decoding) -> tuple[str, int, bool, i
       )
     if draft_length:
       raise SettingError("draft_length", draft_length, "applies to decode='verified' only")
+    _no_drafting(decoding, "applies to decode='verified' only")
     return exact, trained, False, 0
   if decoding.decode == "ar":
     if draft_length:
       raise SettingError("draft_length", draft_length, "applies to decode='verified' only")
+    _no_drafting(decoding, "applies to decode='verified' only")
     return exact, 1, True, 0
   draft = draft_length or trained
   if not 2 <= draft <= trained:
@@ -303,3 +337,11 @@ def _choose_verified(cfg: Config, decoding: Decoding) -> tuple[str, int, bool, i
   if cache == "none":
     raise SettingError("cache", cache, "has no verified decoder; verified decoding runs the exact cache ('auto')")
   return "exact", 1, True, draft
+
+
+def _no_drafting(decoding: Decoding, requirement: str) -> None:
+  """Raises :class:`SettingError` for the first draft-tree knob a non-verified decode was given."""
+  default, given = Drafting(), decoding.drafting
+  for field, name in (("tree", "draft_tree"), ("lookup", "draft_lookup"), ("blocks", "draft_blocks")):
+    if getattr(given, field) != getattr(default, field):
+      raise SettingError(name, getattr(given, field), requirement)

@@ -186,7 +186,7 @@ class Sampler:
       ``(output as numpy arrays, wall seconds, compile seconds)``; the output's canvases keep the padded length (the
       first ``canvas.tokens.shape[1]`` positions are the given ones) and its rows are the given ones.
     """
-    decoding = Decoding(cache, settings.block_length, settings.decode, settings.draft_length, settings.prefill_chunk)
+    decoding = Decoding.of(settings, cache)
     job = self.jobs.job(
       canvas, Budget(steps, steps_per_block), settings, decoding, layout=layout, automata=automata, seed=seed
     )
@@ -271,12 +271,15 @@ class Sampler:
       canvases, commits, remasks = state.trace
       trace = (engine.to_canvas(fetch(canvases, 1), length), fetch(commits, 1), fetch(remasks, 1))
     accepted = None if state.draft is None else fetch(state.draft.accepted, 0)
+    sources = None if state.draft is None else fetch(state.draft.sources, 0)
     first = 0
     if layout is not None and not own:
       first = jax.process_index() * layout.local_rows
     rows = np.shape(job.canvas.tokens)[0]
     cut = slice(first, first + rows)
-    out = SampleOutput(tokens[cut], nfe[cut], forwards, *trace, accepted=None if accepted is None else accepted[cut])
+    out = SampleOutput(tokens[cut], nfe[cut], forwards, *trace)
+    if accepted is not None:
+      out = out._replace(accepted=accepted[cut], sources=sources[cut])
     if trace:
       out = out._replace(canvases=out.canvases[:, cut], commits=out.commits[:, cut], remasks=out.remasks[:, cut])
     return out

@@ -18,6 +18,12 @@ from mercury_jax.limits import MAX_GUIDANCE, MAX_SEED, SOLVERS
 SAMPLERS = ("ancestral", "confidence", "threshold", "ode")
 CONFIDENCES = ("prob", "margin", "entropy")
 COMMIT_COUNTS = ("even", "timesteps")
+# Verified decoding's draft trees by name: the rank paths each adds to the drafter's chain (``parse_tree``;
+# ``mercury_jax.sampling.drafts``); ``none`` has no drafter node (the lookup chain alone).
+TREES = {"chain": "", "small": "1", "wide": "1,2,10,01", "none": ""}
+AUTO = "auto"  # A draft-tree knob's default: the device's (``drafts.DEFAULTS``).
+MAX_LOOKUP = 16  # The longest lookup chain.
+MAX_RANK = 9  # A rank path's digits: alternatives 1 .. 9.
 # ``generate`` arguments that only the refinement loop has; an autoregressive model rejects them.
 DIFFUSION_ONLY = (
   "steps", "steps_per_block", "rule", "confidence", "threshold", "block_length", "revision", "commit_counts",
@@ -76,8 +82,19 @@ class SamplerSettings:
       the engine treats them as one event with EOS, whose probability is their sum (their logits are merged into
       EOS's by a log-sum-exp and they are never proposed themselves), so every EOS rule (``min_length``, ``eos_to_pad``,
       a stream's end) applies to them.
-    draft_length: Verified decoding's draft length k (each step verifies up to k - 1 drafts and commits at most k
-      tokens); 0: the checkpoint's trained ``objective.draft_length``.
+    draft_length: Verified decoding's draft length k (the drafter's chain of k - 1 drafts); 0: the checkpoint's
+      trained ``objective.draft_length``.
+    draft_tree: Verified decoding's draft tree (:mod:`~mercury_jax.sampling.drafts`): ``chain`` (the drafter's k - 1
+      drafts), ``small``, ``wide`` (the chain and some of the drafter's next likeliest tokens), ``none`` (no drafter
+      candidate: the lookup chain alone), rank paths added to the chain (``"1,2,10"``), or ``auto``: the device's
+      (a CPU pays for every chunk position). Static: a compilation key.
+    draft_lookup: The length of the prompt-lookup chain verified beside the drafter's candidates (the tokens that
+      followed the row's last tokens where they occurred before in its text); 0: off; -1: the device's.
+    draft_blocks: After which outcomes the chunk pre-drafts the next step's chain: ``all`` (every depth of the
+      chain, TiDAR's), chain depths (``"0,1"``: the likeliest outcomes, a cheaper chunk), ``none``, or ``auto``.
+    draft_confidence: Per-row adaptive draft length: a drafter candidate is verified only where the drafter's
+      probability of it (the chain's: its top probability there) reaches this bar, so an unsure row stops its
+      branches early (0: off); a batch whose candidates all stop early runs a shorter chunk.
     solver: The ``ode`` rule's solver: ``euler`` (one forward pass per step) or ``heun`` (EDM's second-order
       correction: two passes per step but the last).
     self_conditioning: The ``ode`` rule feeds each pass the previous step's estimate of the clean latents (a
@@ -112,6 +129,10 @@ class SamplerSettings:
   num_tokens: int = 0
   decode: Literal["auto", "ar", "diffusion", "verified"] = "auto"
   draft_length: int = 0
+  draft_tree: str = AUTO
+  draft_lookup: int = -1
+  draft_blocks: str = AUTO
+  draft_confidence: float = 0.0
   commit_counts: Literal["even", "timesteps"] = "even"
   stop_ids: tuple[int, ...] = ()
   prefill_chunk: int = 0
@@ -165,6 +186,12 @@ class SamplerSettings:
       raise SettingError("trace", self.trace, "must be >= 0")
     if self.draft_length < 0:
       raise SettingError("draft_length", self.draft_length, "must be >= 0 (0: the checkpoint's own)")
+    parse_tree(self.draft_tree)
+    parse_blocks(self.draft_blocks)
+    if not -1 <= self.draft_lookup <= MAX_LOOKUP:
+      raise SettingError("draft_lookup", self.draft_lookup, f"must lie in [0, {MAX_LOOKUP}] (0: off; -1: the device's)")
+    if not 0.0 <= self.draft_confidence < 1.0:
+      raise SettingError("draft_confidence", self.draft_confidence, "must lie in [0, 1) (0: off)")
     if self.prefill_chunk < 0:
       raise SettingError("prefill_chunk", self.prefill_chunk, "must be >= 0 (0: the whole prompt in one pass)")
     if self.num_tokens < 0:
@@ -298,3 +325,31 @@ def commits_every_step(settings: SamplerSettings) -> bool:
   """Whether every step of ``settings``' rule commits at least one open position (confidence and threshold without
   revision), so a block never takes more steps than it has positions."""
   return settings.rule not in ("ancestral", "ode") and settings.revision == 0
+
+
+def parse_tree(spec: str) -> tuple[tuple[int, ...], ...]:
+  """The rank paths a ``draft_tree`` adds to the chain (a name of :data:`TREES`, or comma-separated paths of digits:
+  rank 0 the chain's draft, ``r`` the ``r``-th alternative); one-line :class:`SettingError` naming the value."""
+  if spec == AUTO:
+    return ()
+  items = [item.strip() for item in TREES.get(spec, spec).split(",") if item.strip()]
+  if not all(item.isdigit() for item in items):
+    raise SettingError("draft_tree", spec, f"must be auto, one of {', '.join(TREES)}, or rank paths like '1,2,10'")
+  paths = tuple(tuple(int(c) for c in item) for item in items)
+  for path in paths:
+    if path[:-1] and not all(r == 0 for r in path[:-1]) and path[:-1] not in paths:
+      shown = "".join(map(str, path))
+      raise SettingError("draft_tree", spec, f"has path {shown!r} without its parent {shown[:-1]!r}")
+  return paths
+
+
+def parse_blocks(spec: str) -> tuple[int, ...] | None:
+  """The chain depths a ``draft_blocks`` pre-drafts after (None: ``all``; ``none``: no pre-draft at all)."""
+  if spec in (AUTO, "all"):
+    return None
+  if spec == "none":
+    return ()
+  items = [item.strip() for item in spec.split(",") if item.strip()]
+  if not items or not all(item.isdigit() for item in items) or len(set(items)) < len(items):
+    raise SettingError("draft_blocks", spec, "must be auto, all, none, or distinct chain depths like '0,1'")
+  return tuple(sorted(int(item) for item in items))

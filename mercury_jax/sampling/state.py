@@ -96,12 +96,17 @@ Healing.AXES = Healing(FIXED, ROW)  # its fields' row axes (state.py's row moves
 
 
 class Draft(NamedTuple):
-  """Verified decoding's part of the state (:mod:`mercury_jax.sampling.verify`): the drafts the next step verifies."""
+  """Verified decoding's part of the state (:mod:`mercury_jax.sampling.verify`): the drafts the next step verifies
+  (the drafter's; the lookup candidates come from the row's text at the step, :mod:`mercury_jax.sampling.drafts`)."""
 
   tokens: jax.Array  # [b, k - 1] int32: drafts for the slots ``starts .. starts + k - 2`` (the row's next positions)
   probs: jax.Array  # [b, k - 1, vocab] float32: the distributions they were drawn from (q, after the knobs)
-  count: jax.Array  # [b] int32: how many of them are drafts (0 before the first step and after an EOS)
-  accepted: jax.Array  # [b, k] int32: steps of the row that accepted and committed 0, 1, ..., k - 1 drafts
+  count: jax.Array  # [b] int32: how many of them are drafts (0 before the first step, after an EOS or an outcome
+  # without a pre-draft block)
+  accepted: jax.Array  # [b, W] int32: steps of the row that accepted and committed 0, 1, ..., W - 1 candidates
+  alternatives: jax.Array  # [b, k - 1, R] int32: each draft position's R likeliest other tokens (the tree's ranks)
+  confidence: jax.Array  # [b, k - 1, 1 + R] float32: the drafter's top probability there, then each alternative's
+  sources: jax.Array  # [b, 3] int32: accepted candidates taken from the chain, an alternative, the lookup chain
 
 
 class Latents(NamedTuple):

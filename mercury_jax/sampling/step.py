@@ -42,6 +42,8 @@ class Decision(NamedTuple):
     proposal: [b, P] what the step proposes at the undecided positions (a stream's draft).
     preview: [b, W] what a trace frame shows at the window's still-masked positions, or None (masks).
     extra: [b] int32 forward passes beyond the cache strategy's (classifier-free guidance, Heun's correction).
+    cache: The key-value cache after the rule's own writes (verified decoding writes the accepted path's keys and
+      values), or None: the cache strategy's.
   """
 
   st: State
@@ -54,6 +56,7 @@ class Decision(NamedTuple):
   proposal: jax.Array
   preview: jax.Array | None = None
   extra: jax.Array | int = 0
+  cache: object = None
 
 
 class StepRule:

@@ -254,25 +254,31 @@ class Detokenizer:
 
   Only a small window of ids is decoded per update, the way vLLM's incremental detokenizer keeps a prefix and a read
   offset: the text of ``ids[prefix:]`` minus the text of ``ids[prefix:read]`` is what the new ids add, in context (a
-  piece's leading space, a character split over byte pieces); text that ends in the replacement character
-  ``\\ufffd`` waits for the bytes that complete it.
+  piece's leading space, a character split over byte pieces). Replacement characters ``\\ufffd`` at the end of the
+  text wait for the bytes that complete them; the text before them goes out at once.
   """
 
   def __init__(self, tokenizer):
     self.tokenizer = tokenizer
     self._ids: list[int] = []  # the ids from the prefix offset on
-    self._read = 0  # ids before this one (in ``_ids``) are decoded
+    self._read = 0  # ids before this one (in ``_ids``) are decoded and their text sent
+    self._sent = 0  # characters of the newer ids' text sent already (before a character still incomplete)
 
   def add(self, ids, final: bool = False) -> str:
-    """The text ``ids`` add (empty while it ends inside a character); ``final`` flushes whatever is left."""
+    """The text ``ids`` add (up to a character still incomplete at the end); ``final`` flushes whatever is left."""
     self._ids.extend(ids)
     if self._read == len(self._ids):
       return ""
     decode = self.tokenizer.decode
     before = decode(self._ids[: self._read]) if self._read else ""
     after = decode(self._ids)
-    if not final and (len(after) <= len(before) or after.endswith("\ufffd")):
+    complete = after if final else after.rstrip("\ufffd")
+    start = len(before) + self._sent
+    if len(complete) <= start:
       return ""
+    if len(complete) < len(after):  # The window stays: its last character is still to come.
+      self._sent = len(complete) - len(before)
+      return complete[start:]
     prefix = self._read  # The next window starts at the ids decoded now, for their context.
-    self._ids, self._read = self._ids[prefix:], len(self._ids) - prefix
-    return after[len(before) :]
+    self._ids, self._read, self._sent = self._ids[prefix:], len(self._ids) - prefix, 0
+    return after[start:]

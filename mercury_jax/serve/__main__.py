@@ -93,6 +93,8 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
   p.add_argument(
     "--draft-length", type=int, default=0, help="verified decoding's draft length (default 0: the checkpoint's)"
   )
+  usage.add_draft_flags(p)  # every request decodes with one draft tree, compiled at start
+  p.set_defaults(draft_tree="auto", draft_lookup=-1, draft_blocks="auto", draft_confidence=0.0)
   p.add_argument("--model-name", help="the name clients see (default: the checkpoint folder's name)")
 
 
@@ -356,7 +358,7 @@ def main(argv: list[str] | None = None, *, compile_cache: bool = False) -> int:
 
   import uvicorn
 
-  from mercury_jax.serve.chat import TemplateError
+  from mercury_jax.data.chat_template import TemplateError
   from mercury_jax.serve.routes import Options, create_app
 
   # Every option but the name is the flag of the same name.

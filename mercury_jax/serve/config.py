@@ -8,6 +8,7 @@ import dataclasses
 import math
 
 from mercury_jax.limits import MAX_GUIDANCE, MAX_TILE, SOLVERS, Capacity
+from mercury_jax.sampling.settings import AUTO, MAX_LOOKUP
 from mercury_jax.serve.pacing import DEFAULT_SHARE, MAX_SHARE, MIN_SHARE
 
 # The automaton sizes every slot can hold (structured output): states, token classes, transitions. A constraint that
@@ -36,6 +37,11 @@ class ServeConfig:
     decode: How every request decodes: ``auto``, ``ar``, ``diffusion`` or ``verified``
       (:func:`~mercury_jax.sampling.plan.plan_for`); the plan is static.
     draft_length: Verified decoding's draft length (0: the checkpoint's).
+    draft_tree: Verified decoding's draft tree (``SamplerSettings.draft_tree``; ``auto``: the device's); one tree
+      for every request, compiled at start.
+    draft_lookup: The length of its prompt-lookup chain (``SamplerSettings.draft_lookup``; -1: the device's, 0: off).
+    draft_blocks: After which outcomes a step pre-drafts (``SamplerSettings.draft_blocks``; ``auto``: the device's).
+    draft_confidence: Its per-row adaptive draft length (``SamplerSettings.draft_confidence``; 0: off).
     default_steps: Steps per block when a request gives none; None: the block (one token per step).
     capacity: The automaton sizes each slot holds for structured output; None: no structured output (a request with
       a constraint fails).
@@ -65,6 +71,10 @@ class ServeConfig:
   block_length: int = 0
   decode: str = "auto"
   draft_length: int = 0
+  draft_tree: str = AUTO
+  draft_lookup: int = -1
+  draft_blocks: str = AUTO
+  draft_confidence: float = 0.0
   default_steps: int | None = None
   capacity: Capacity | None = DEFAULT_CAPACITY
   page_size: int = DEFAULT_PAGE_SIZE
@@ -85,6 +95,8 @@ class ServeConfig:
       ("max_queue", self.max_queue >= 0, "must be >= 0"),
       ("block_length", self.block_length >= 0, "must be >= 0 (0: the model's own)"),
       ("draft_length", self.draft_length >= 0, "must be >= 0 (0: the checkpoint's)"),
+      ("draft_lookup", -1 <= self.draft_lookup <= MAX_LOOKUP, f"must lie in [0, {MAX_LOOKUP}] (0: off)"),
+      ("draft_confidence", 0.0 <= self.draft_confidence < 1.0, "must lie in [0, 1) (0: off)"),
       ("default_steps", self.default_steps is None or self.default_steps >= 1, "must be >= 1"),
       ("page_size", 1 <= self.page_size <= MAX_PAGE_SIZE, f"must lie in [1, {MAX_PAGE_SIZE}]"),
       ("kv_pages", self.kv_pages is None or self.kv_pages >= 2, _KV_PAGES),

@@ -11,12 +11,12 @@ from typing import TYPE_CHECKING
 
 from fastapi import Request
 
+from mercury_jax.data.chat_template import TemplateError, prompt_ids
 from mercury_jax.sampling import healing
 from mercury_jax.sampling.proposal import Knobs
 from mercury_jax.sampling.settings import Budget, SettingError, hole_loads, steps_per_block
 from mercury_jax.sampling.text import Row
 from mercury_jax.serve import protocol as api, structured
-from mercury_jax.serve.chat import TemplateError, prompt_ids
 from mercury_jax.serve.draining import Drain
 
 if TYPE_CHECKING:

@@ -2,9 +2,9 @@
 
 Endpoints: ``POST /v1/completions`` (``prompt``, optionally ``suffix`` to fill in the middle),
 ``POST /v1/chat/completions`` (``messages``, rendered by the checkpoint's ``data.chat_template``; see
-:mod:`mercury_jax.serve.chat`), ``POST /v1/fim/completions`` (``prompt`` and ``suffix``, answered like completions),
-``GET /v1/models``, ``GET /health`` (503 while draining or when the engine has failed for good) and ``GET /metrics``
-(Prometheus text).
+:mod:`mercury_jax.data.chat_template`), ``POST /v1/fim/completions`` (``prompt`` and ``suffix``, answered like
+completions), ``GET /v1/models``, ``GET /health`` (503 while draining or when the engine has failed for good) and
+``GET /metrics`` (Prometheus text).
 
 Every request passes :class:`~mercury_jax.serve.guard.Guard` first: with an API key (``--api-key``), ``/v1/...`` and
 ``/openapi.json`` need ``Authorization: Bearer KEY`` (401 otherwise); a body above ``--max-body-bytes`` answers 413,
@@ -63,9 +63,9 @@ the same automaton, so ``n``, ``diffusing``, ``suffix`` and FIM work as without 
   "call_...", "type": "function", "function": {"name", "arguments": JSON text}}]}`` and ``finish_reason``
   "tool_calls". A call cut short by ``max_tokens`` is answered as its text in ``content`` with ``finish_reason``
   "length" and no ``tool_calls``. ``stop`` strings apply to a text reply only.
-* With any ``tool_choice`` the template sees ``tools`` (see :mod:`mercury_jax.serve.chat`), and input messages may
-  carry ``tool_calls`` (assistant) and ``tool_call_id`` (``role: "tool"``). A reply makes at most one call, whatever
-  ``parallel_tool_calls`` says.
+* With any ``tool_choice`` the template sees ``tools`` (see :mod:`mercury_jax.data.chat_template`), and input
+  messages may carry ``tool_calls`` (assistant) and ``tool_call_id`` (``role: "tool"``). A reply makes at most one
+  call, whatever ``parallel_tool_calls`` says.
 * Streaming: a call is never streamed as ``content``. Once complete it is one chunk whose ``delta`` is
   ``{"tool_calls": [{"index": 0, "id", "type": "function", "function": {"name", "arguments"}}]}`` (the whole
   arguments text), then a chunk with an empty ``delta`` and ``finish_reason`` "tool_calls". A call cut short ends
@@ -90,9 +90,9 @@ from fastapi.responses import JSONResponse, Response
 from sse_starlette import EventSourceResponse
 from starlette.exceptions import HTTPException
 
+from mercury_jax.data.chat_template import ChatTemplate, chat_template_of
 from mercury_jax.sampling.settings import SettingError
 from mercury_jax.serve import answers, protocol as api, requests as ready, structured
-from mercury_jax.serve.chat import ChatTemplate, chat_template_of
 from mercury_jax.serve.draining import Drain, InFlight
 from mercury_jax.serve.guard import Guard
 from mercury_jax.serve.metrics import Metrics
@@ -336,13 +336,14 @@ async def _generate(request: Request, body, text: ready.Text, shape: structured.
     completion = sum(max(c.tokens - backed, 0) for c in choices)
     return api.Usage.of(len(text.prompt) + backed + len(text.suffix), completion, sum(c.nfe for c in choices))
 
+  warned = structured.warning_headers(constraint)
   if body.stream:
     ends = answers.Ends(deadline, served.timeout, served.drain.closing, served.drain.ended(answer_id))
     usage_of = usage if body.include_usage else None
     return EventSourceResponse(
-      answers.events(choices, form, usage_of, served.metrics, request.url.path, ends), sep="\n"
+      answers.events(choices, form, usage_of, served.metrics, request.url.path, ends), sep="\n", headers=warned
     )
-  return await _whole(request, choices, form, usage, (deadline, answer_id))
+  return await _whole(request, choices, form, usage, (deadline, answer_id), headers=warned)
 
 
 def _submit(served: Served, rows, body, shape: structured.Structure, healed: str, answer_id: str):
@@ -366,8 +367,9 @@ def _submit(served: Served, rows, body, shape: structured.Structure, healed: str
   return choices
 
 
-async def _whole(request: Request, choices, form: answers.Shape, usage, ending: tuple[float, str]):
-  """The one JSON body of a request that does not stream, once every choice is done (or the client left)."""
+async def _whole(request: Request, choices, form: answers.Shape, usage, ending: tuple[float, str], *, headers=None):
+  """The one JSON body of a request that does not stream, once every choice is done (or the client left); ``headers``:
+  the response's own (:func:`~mercury_jax.serve.structured.warning_headers`)."""
   served, path, (deadline, answer_id) = _served(request), request.url.path, ending
   collect = asyncio.ensure_future(answers.collect(choices, deadline, served.drain.closing))
   gone = asyncio.ensure_future(ready.disconnected(request))
@@ -385,7 +387,7 @@ async def _whole(request: Request, choices, form: answers.Shape, usage, ending: 
     raise served.drain.ended(answer_id) from None
   served.metrics.request(path, 200)
   began = time.perf_counter()
-  response = JSONResponse(form.whole(choices, usage()).model_dump(mode="json"))
+  response = JSONResponse(form.whole(choices, usage()).model_dump(mode="json"), headers=headers)
   served.metrics.answer_seconds.inc(time.perf_counter() - began)
   return response
 

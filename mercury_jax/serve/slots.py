@@ -48,6 +48,7 @@ from mercury_jax.constrain.automaton import Automaton, Compiler
 from mercury_jax.kvcache import PagedKVCache
 from mercury_jax.sampling import automata as constrained, healing
 from mercury_jax.sampling.canvas import Canvas
+from mercury_jax.sampling.drafts import Drafting
 from mercury_jax.sampling.engine import Start, width
 from mercury_jax.sampling.plan import BlockPlan, Decoding
 from mercury_jax.sampling.proposal import Knobs
@@ -61,9 +62,10 @@ from mercury_jax.serve.multihost import Processes
 
 def invariant_tile_of(plan: BlockPlan) -> int:
   """Positions per matmul tile of a batch-invariant step: four rows' positions (a step's block, a verified step's
-  ``k + k * k`` chunk, a whole-sequence canvas), a multiple of 8 in [8, 64]. A full bucket's products then run four
-  rows at a time, and a lone row pays a four-row product, whose weights it reads once (docs/results/serving.md)."""
-  positions = plan.length if plan.whole_sequence else plan.draft + plan.draft**2 if plan.draft else plan.block
+  chunk: its draft tree's nodes and pre-draft blocks, ``k + k * k`` for the chain; a whole-sequence canvas), a
+  multiple of 8 in [8, 64]. A full bucket's products then run four rows at a time, and a lone row pays a four-row
+  product, whose weights it reads once (docs/results/serving.md)."""
+  positions = plan.length if plan.whole_sequence else plan.tree.mask.size if plan.draft else plan.block
   return min(64, max(8, -(-4 * positions // 8) * 8))
 
 
@@ -97,6 +99,8 @@ class SlotEngine:
     chunk = -(-config.prefill_chunk // plan.block) * plan.block if plan.cache == "exact" else 0
     self.prefill_chunk = chunk if chunk < self.length else 0  # no prompt that long: every prefill is one pass
     latent = {name: getattr(config, name) for name in ("solver", "guidance") if getattr(config, name) is not None}
+    if config.draft_confidence:
+      latent["draft_confidence"] = config.draft_confidence
     self.settings = sampler.settings(rule="ode" if sampler.cfg.objective.continuous else "threshold", **latent)
     self.default_steps = 1 if self.autoregressive else (config.default_steps or plan.block)
     layout = dict(page_size=config.page_size, kv_pages=config.kv_pages, prefill_chunk=self.prefill_chunk)
@@ -127,7 +131,8 @@ class SlotEngine:
         f"max_model_len={context} must lie in [1, {sampler.max_length}] (the model's context; a longer one needs a "
         "model trained or extended to it, e.g. with RoPE scaling)"
       )
-    decoding = Decoding("auto", config.block_length, config.decode, config.draft_length)
+    drafting = Drafting(config.draft_tree, config.draft_lookup, config.draft_blocks)
+    decoding = Decoding("auto", config.block_length, config.decode, config.draft_length, drafting=drafting)
     plan = sampler.plan(decoding, context, whole_canvas=False)
     if plan.whole_sequence and sampler.cfg.objective.continuous:
       raise ValueError(

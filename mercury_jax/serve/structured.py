@@ -37,6 +37,10 @@ time and a memory limit per job, cached):
   non-empty text that does not start with ``{``: a reply that starts with ``{`` is a call, any other is a text reply
   (so a text reply never starts with ``{``, and an empty reply is not allowed).
 * ``tool_choice`` ``"none"`` and ``response_format`` ``text``: no constraint.
+
+The compiler's warning line for a schema (keywords and formats it read as annotations and ignored, lengths it writes
+shorter than the schema allows: :attr:`Automaton.warnings <mercury_jax.constrain.automaton.Automaton.warnings>`) is
+returned in the response header ``x-schema-warnings`` (:func:`warning_headers`), ASCII with backslash escapes.
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ from mercury_jax.constrain.automaton import Automaton, ConstraintError
 from mercury_jax.constrain.schema import tool_call_schema
 from mercury_jax.serve.protocol import APIError, ChatRequest, FunctionCall, GenerationRequest, NamedToolChoice, ToolCall
 
+WARNING_HEADER = "x-schema-warnings"  # The compiler's warning line for the request's schema (module docstring).
 # The text branch of a tool_choice "auto" reply: text that does not start with "{", which opens a call. Not empty, so
 # the first character always says which branch a reply took.
 TEXT_REPLY = r"[^{][\s\S]*"
@@ -224,9 +229,18 @@ async def constraint(shape: Structure, tools: list[dict], compiler) -> Automaton
     call = await compiler.json_schema(tool_call_schema(tools, shape.tool))
     if shape.calls == "required":
       return call
-    return await compiler.regex(f"(?:{call.regex})|{TEXT_REPLY}")
+    either = await compiler.regex(f"(?:{call.regex})|{TEXT_REPLY}")
+    return dataclasses.replace(either, warnings=call.warnings) if getattr(call, "warnings", ()) else either
   except ConstraintError as e:
     raise APIError(400, str(e), param=_schema_param(shape, tools, e.param), code="invalid_schema") from None
+
+
+def warning_headers(constraint: Automaton | None) -> dict[str, str]:
+  """The response headers of a reply under ``constraint``: :data:`WARNING_HEADER` with its warnings, if any."""
+  lines = getattr(constraint, "warnings", ())
+  if not lines:
+    return {}
+  return {WARNING_HEADER: "; ".join(lines).encode("ascii", "backslashreplace").decode("ascii")}
 
 
 def new_call_id() -> str:

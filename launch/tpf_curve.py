@@ -1,0 +1,95 @@
+"""Tokens per forward of a verified run's checkpoints: the drafter's learning curve, greedy and at T = 1.
+
+    python launch/tpf_curve.py --workdir RUNS/v4_distill --steps 60,120,180 --data DATA_DIR --corpus python-stdlib \
+      [--prompts 128] [--length 64] [--batch 64] [--tokens launch/draft_tokens.py's JSON] [--json OUT]
+
+For each checkpoint step (``--checkpoint`` for exported models instead) it decodes exactly what
+``python -m mercury_jax.bench --verified ... --length L --prompts N`` decodes for its verified rows: the same
+documented-function prompts of the validation split (``bench.prompts.select_prompts``, the same context rule), the
+same canvases (``bench.rounds.make_batches``), the same seed and random streams, at T = 1 and greedy, and reports what
+the bench reports for them: tokens per forward and acceptance by draft position (``bench.verified.acceptance``).
+Tokens per forward do not depend on the batch (each row draws from its own stream), so one batch size, and none of
+the bench's timing rounds, is needed: the figures equal the bench's, at a fraction of its time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+
+from mercury_jax import kinds as K
+from mercury_jax.bench import prompts as bench_prompts, verified as bench_verified
+from mercury_jax.bench.rounds import make_batches
+from mercury_jax.data import pipeline
+from mercury_jax.sampling.sampler import Sampler
+
+
+def measure(sampler: Sampler, canvases, real_rows: int, temperature: float, seed: int) -> dict:
+  """Verified decoding of every canvas at ``temperature``: TPF and acceptance over the first ``real_rows`` rows."""
+  settings = sampler.settings(temperature=temperature, top_p=1.0, top_k=0, decode="verified", draft_length=0)
+  calls, tokens, nfe = [], 0, 0
+  left = real_rows
+  for canvas in canvases:
+    out, _, _ = sampler.run(canvas, None, seed, settings)
+    real = min(left, canvas.tokens.shape[0])
+    left -= real
+    tokens_out = out.tokens[:real, : canvas.tokens.shape[1]]
+    generated = (np.asarray(canvas.kinds)[:real] == K.TARGET) & (tokens_out != sampler.tokenizer.pad_id)
+    tokens += int(generated.sum())
+    nfe += int(np.asarray(out.nfe)[:real].sum())
+    calls.append({"accepted": np.asarray(out.accepted)[:real]})
+  accept = bench_verified.acceptance(calls)
+  return {"tokens_per_forward": tokens / max(nfe, 1), "tokens": tokens, "forwards": nfe, **accept}
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--workdir", help="a train workdir; its --steps are measured")
+  parser.add_argument("--steps", default="", help="comma-separated checkpoint steps of --workdir")
+  parser.add_argument("--checkpoint", action="append", default=[], help="an exported model (repeatable)")
+  parser.add_argument("--data", required=True, help="a prepared directory with the models' tokenizer")
+  parser.add_argument("--corpus", default="python-stdlib", help="the prompts' corpus (as the bench's --corpus)")
+  parser.add_argument("--prompts", type=int, default=128)
+  parser.add_argument("--length", type=int, default=64)
+  parser.add_argument("--batch", type=int, default=64)
+  parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--temperatures", default="1,0")
+  parser.add_argument("--tokens", help="draft_tokens.py's JSON: drafter tokens at each step, for the table")
+  parser.add_argument("--offset", type=int, default=0, help="drafter tokens seen before this run (earlier stages)")
+  parser.add_argument("--json", help="write the rows here (appended to an existing file's rows)")
+  args = parser.parse_args()
+  targets = [(f"{args.workdir}@{s}", args.workdir, int(s)) for s in args.steps.split(",") if s]
+  targets += [(c, c, None) for c in args.checkpoint]
+  tokenizer = pipeline.load_data_tokenizer(args.data)
+  drafter = {}
+  if args.tokens:
+    drafter = {r["step"]: r["drafter"] for r in json.loads(Path(args.tokens).read_text())["rows"]}
+  rows = json.loads(Path(args.json).read_text())["rows"] if args.json and Path(args.json).is_file() else []
+  for name, path, step in targets:
+    sampler = Sampler.from_checkpoint(path, step=step)
+    context = sampler.max_length
+    room = min(args.length, context // 2)
+    prompts, _ = bench_prompts.select_prompts(
+      args.data, args.prompts, lambda text, limit=context - room: len(tokenizer.encode(text)) <= limit, args.corpus
+    )
+    ids = [tokenizer.encode(p.text) for p in prompts]
+    canvases = make_batches(ids, args.length, context, args.batch, tokenizer.pad_id)
+    row = {"checkpoint": name, "step": step, "length": args.length, "prompts": len(prompts)}
+    if step is not None and step in drafter:
+      row["drafter_tokens"] = args.offset + drafter[step]
+    for t in (float(v) for v in args.temperatures.split(",")):
+      label = "greedy" if t == 0 else f"T={t:g}"
+      row[label] = measure(sampler, canvases, len(prompts), t, args.seed)
+    rows.append(row)
+    shown = {k: round(v["tokens_per_forward"], 3) for k, v in row.items() if isinstance(v, dict)}
+    by_position = {k: [round(a, 3) for a in v["accepted_by_position"]] for k, v in row.items() if isinstance(v, dict)}
+    print(name, row.get("drafter_tokens", ""), shown, by_position, flush=True)
+    if args.json:
+      Path(args.json).write_text(json.dumps({"rows": rows}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+  main()
