@@ -14,8 +14,8 @@ directories share ``--prompts`` by weight), chosen with ``--seed`` without repla
 The checkpoint continues every prompt to the end of the record (``seq_len`` tokens in all) or to its first EOS,
 through the batched decoding engine (:class:`~mercury_jax.sampling.sampler.Sampler`, ``--batch`` prompts at a time)
 with its next-token head: ``--decode ar`` (the default; for a verified checkpoint the distribution verified decoding
-reproduces, and the faster of the two in a batch on a CPU, BUILD_NOTES) at ``--temperature`` (0: greedy). Prompt
-``i`` draws from random stream ``i`` of ``--seed``, so a set is the same at any batch size.
+reproduces, and the faster of the two in a batch on a CPU, docs/results/chat.md) at ``--temperature`` (0: greedy).
+Prompt ``i`` draws from random stream ``i`` of ``--seed``, so a set is the same at any batch size.
 
 DIR is a prepared data directory (``mercury_jax.data.pipeline`` reads it, ``data.distill`` trains on it): records
 ``[prompt (FIXED), continuation with its EOS (DISTILLED), PAD ...]`` (:mod:`mercury_jax.kinds`); ``manifest.json``

@@ -317,7 +317,7 @@ def test_smoke_bench_of_a_verified_model_reports_acceptance_and_the_forward_cost
   out = models / "out_verified"
   argv = ["--verified", str(models / "verified"), "--autoregressive", str(models / "ar"), "--no-diffusion"]
   argv += ["--prompts", "2", "--length", "16", "--batch-sizes", "1,2", "--ar-temperatures", "1,0"]  # --smoke, both T
-  argv += ["--levers", "chain,all"]  # today's chain, and every lever of issue 45 together
+  argv += ["--levers", "chain,all"]  # today's chain, and every engine lever together
   bench.main([*argv, "--data", str(models / "data"), "--out", str(out)])
   result = json.loads((out / "results.json").read_text())
   rows = {(r["name"], r["batch"]): r for r in result["rows"]}

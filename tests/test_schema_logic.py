@@ -1,5 +1,5 @@
-"""JSON Schema's logic and the newer keywords (issue 49): not, if/then/else, oneOf's complements, contains,
-propertyNames, the dependencies, unevaluated*, references ($anchor, $id, urn:, empty keys), boolean schemas,
+"""JSON Schema's logic and the newer keywords (docs/schema_coverage.md): not, if/then/else, oneOf's complements,
+contains, propertyNames, the dependencies, unevaluated*, references ($anchor, $id, urn:, empty keys), boolean schemas,
 tuples that stop early, the draft a schema is read in, keywords and formats the compiler does not know, formats with
 lengths, patterns that match characters JSON escapes, and numbers a parser can read.
 

@@ -1,4 +1,4 @@
-"""The server returns the compiler's warning line for a schema in the ``x-schema-warnings`` header (issue 49).
+"""The server returns the compiler's warning line for a schema in the ``x-schema-warnings`` header (docs/server.md).
 
 The requests go through the real routes (``create_app``) with the fake scheduler of ``test_serve_protocol`` and the
 real compiler (bundled tokenizer) in the process, in place of the compile pool.

@@ -31,7 +31,7 @@ PERSON = {
 def hostile(i: int) -> str:
   """A regex whose static size estimate (``regexes.min_states``) takes the compiler tens of seconds: the integers from
   a bound near 2**70, as nested alternatives (a different bound each: no cache or shared job helps). A JSON Schema's
-  bounds no longer make one: the schema compiler (issue 49) builds them in milliseconds."""
+  bounds no longer make one: the schema compiler (mercury_jax.constrain) builds them in milliseconds."""
   digits, regex = str(2**70 - 7 - i), ""
   for k in reversed(range(len(digits))):
     d, rest = int(digits[k]), len(digits) - k - 1

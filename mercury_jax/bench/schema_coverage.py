@@ -1,4 +1,5 @@
-"""JSON Schema coverage of structured output (issue 49): the official test suite and JSONSchemaBench's collections.
+"""JSON Schema coverage of structured output (docs/schema_coverage.md): the official test suite and JSONSchemaBench's
+collections.
 
     python -m mercury_jax.bench schema-suite [--samples 8] [--out docs/bench/schema]
     python -m mercury_jax.bench schema-bench --data JSONSCHEMABENCH/data [--tests JSONSCHEMABENCH/maskbench/data]

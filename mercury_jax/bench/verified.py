@@ -15,10 +15,10 @@ measures is speed:
   one does, the ratio approaches 1;
 * the loop overhead: wall time ÷ (prefill + forward passes × that forward's cost).
 
-The levers of issue 45 (``--levers``, :data:`LEVERS`) run as separate verified settings on the same prompts, lengths
-and seeds, interleaved with the twin round by round: the drafter's chain alone (TiDAR's chunk, the baseline), then
-the prompt-lookup chain, a wider draft tree, cheaper chunks (pre-draft blocks for the two likeliest outcomes only),
-the adaptive draft length, each alone, and all together.
+The engine's levers (docs/results/verified.md; ``--levers``, :data:`LEVERS`) run as separate verified settings on the
+same prompts, lengths and seeds, interleaved with the twin round by round: the drafter's chain alone (TiDAR's chunk, the
+baseline), then the prompt-lookup chain, a wider draft tree, cheaper chunks (pre-draft blocks for the two likeliest
+outcomes only), the adaptive draft length, each alone, and all together.
 """
 
 from __future__ import annotations

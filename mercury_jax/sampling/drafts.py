@@ -61,8 +61,8 @@ class Drafting:
 
 
 DEVICE_DEFAULT = Drafting()  # Every knob ``auto``: the device's defaults.
-# The device defaults (:func:`resolve`), chosen by the measured chunk cost (BUILD_NOTES "Issue 45"): a CPU pays per
-# chunk position, a GPU barely.
+# The device defaults (:func:`resolve`), chosen by the measured chunk cost (docs/results/verified.md, "Engine levers"):
+# a CPU pays per chunk position, a GPU barely.
 DEFAULTS = {"cpu": Drafting("chain", 4, "all"), "gpu": Drafting("wide", 8, "all")}
 
 
