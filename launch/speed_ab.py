@@ -23,7 +23,7 @@ from pathlib import Path
 
 _NUMBER = re.compile(r"^\s*(-?\d+(?:\.\d+)?)")
 _RATE = re.compile(r"tok(en)?s?/s|per second|/s\b", re.IGNORECASE)
-_SKIP = re.compile(r"ratio|speed-?up|\bvs\b|×|share|%", re.IGNORECASE)
+_SKIP = re.compile(r"ratio|speed-?up|\bvs\b|×|^x |share|%", re.IGNORECASE)  # ratios: "x dual per pass", "× twin"
 
 
 def tables(text: str) -> dict[tuple[int, str, str], float]:
