@@ -300,7 +300,7 @@ def test_impossible_constraints_are_refused(compiler):
 @pytest.mark.parametrize(
   "schema,param,words",
   [
-    ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "uniqueItems", "uniqueItems"),
+    ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True, "minItems": 2}, "uniqueItems", "unique"),
     ({"properties": {"p": {"type": "number", "multipleOf": 0.123456789}}}, "properties.p.multipleOf", "minimum"),
     ({"type": "string", "pattern": "a(?=b)"}, "pattern", "look-ahead"),
     ({"properties": {"p": {"type": "string", "pattern": "(a)\\1"}}}, "properties.p.pattern", "backreference"),
@@ -322,8 +322,11 @@ def test_size_limits_name_the_size_and_the_limit(compiler, tokenizer):
   schema = SCHEMAS["person"]
   a = compiler.json_schema(schema)
   for limit, size in (("max_states", a.num_states), ("max_classes", a.num_classes), ("max_edges", a.num_edges)):
-    message = str(refusal(lambda limit=limit, size=size: Compiler(tokenizer, **{limit: size - 1}).json_schema(schema)))
+    exact = Compiler(tokenizer, narrow=False, **{limit: size - 1})
+    message = str(refusal(lambda exact=exact: exact.json_schema(schema)))
     assert f"compiles to {size} automaton" in message and f"{limit}={size - 1}" in message and "raise" in message
+  narrowed = Compiler(tokenizer, max_states=a.num_states - 1).json_schema(schema)  # a subset that fits instead
+  assert narrowed.num_states < a.num_states and "written as a subset" in narrowed.warnings[0], narrowed.warnings
   tiny = refusal(lambda: Compiler(tokenizer, max_states=4).json_schema(schema))  # refused before anything is built
   assert "max_states=4" in str(tiny) and tiny.param == "properties.name.maxLength"
   assert "not valid JSON" in str(refusal(lambda: Compiler(tokenizer).json_schema('{"type": ')))

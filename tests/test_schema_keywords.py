@@ -327,13 +327,22 @@ def test_unique_items_from_a_larger_set_in_its_order(compiler, tokenizer):
   check(compiler, tokenizer, few, [["b", "d"], ["a", "b", "c"]], [["a"], ["a", "b", "c", "d"], ["d", "b"]])
 
 
-def test_unique_items_without_a_small_set_is_refused(compiler, tokenizer):
+def test_unique_items_without_a_small_set_is_written_as_one_item_or_refused_without_narrowing(compiler, tokenizer):
+  """An automaton cannot remember an unbounded set of earlier items: such arrays are written with at most one item
+  (always unique; named in the warning line), or refused with narrow=False and where minItems needs two."""
+  exact = Compiler(tokenizer, **SERVER, narrow=False)
   for items in ({"type": "string"}, {"type": "integer", "minimum": 0}, {"type": "object"}):
     schema = {"properties": {"tags": {"type": "array", "items": items, "uniqueItems": True}}}
-    error = refusal(lambda schema=schema: compiler.json_schema(schema))
+    error = refusal(lambda schema=schema: exact.json_schema(schema))
     assert error.param == "properties.tags.uniqueItems" and "finite set" in str(error), str(error)
+    narrowed = compiler.json_schema(schema)
+    assert "uniqueItems at properties.tags.uniqueItems is written as arrays of at most one item" in narrowed.warnings[0]
+  tags = {"properties": {"tags": {"type": "array", "items": {"type": "string"}, "uniqueItems": True}}}
+  check(compiler, tokenizer, tags, [{"tags": []}, {"tags": ["a"]}], [{"tags": ["a", "a"]}, {"tags": ["a", "b"]}])
+  two = {"type": "array", "items": {"type": "string"}, "uniqueItems": True, "minItems": 2}
+  assert refusal(lambda: compiler.json_schema(two)).param == "uniqueItems"
   wide = {"type": "array", "items": {"enum": list("abcdefghij")}, "uniqueItems": True, "minItems": 3, "maxItems": 5}
-  assert refusal(lambda: compiler.json_schema(wide)).param == "uniqueItems"
+  assert refusal(lambda: exact.json_schema(wide)).param == "uniqueItems"
   one = {"type": "array", "items": {"type": "string"}, "uniqueItems": True, "maxItems": 1}  # always unique
   check(compiler, tokenizer, one, [[], ["a"]], [["a", "b"]])
 

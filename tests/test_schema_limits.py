@@ -16,7 +16,8 @@ import numpy as np
 import outlines_core
 import pytest
 from hypothesis import given, settings, strategies as st
-from test_automaton import TOKENIZER
+from test_automaton import TOKENIZER, random_texts
+from test_schema_keywords import valid
 
 from mercury_jax.constrain import Compiler, ConstraintError, numbers, regexes, tokens
 from mercury_jax.constrain.suite import EXTENDED, REGEXES, SCHEMAS
@@ -79,7 +80,7 @@ SCATTERED = [hashlib.sha256(str(i).encode()).hexdigest()[:16] for i in range(500
 def test_constraints_too_big_to_fit_are_refused_in_milliseconds_without_an_index(
   tokenizer, no_index, kind, constraint, param
 ):
-  compiler = Compiler(tokenizer, **SERVER, remedy="raise --constraint-capacity")
+  compiler = Compiler(tokenizer, **SERVER, remedy="raise --constraint-capacity", narrow=False)
   start = time.perf_counter()
   with pytest.raises(ConstraintError) as error:
     getattr(compiler, kind)(constraint)
@@ -90,6 +91,58 @@ def test_constraints_too_big_to_fit_are_refused_in_milliseconds_without_an_index
   assert "more than max_states=512; the compiler builds at most" in message, message
   assert ("4096 token-level states" in message) or ("8192 byte-level states" in message), message
   assert message.endswith("raise --constraint-capacity") and "\n" not in message
+
+
+NESTED = {  # 64 optional objects of 24 optional strings of up to 4096 characters each: far past the server's limits
+  "type": "object",
+  "properties": {
+    f"o{i}": {"type": "object", "properties": {f"s{j}": {"type": "string", "maxLength": 4096} for j in range(24)}}
+    for i in range(64)
+  },
+}
+BRANCHES = {  # 12 anyOf of 4 overlapping branches each: 4**12 alternatives where allOf multiplies them
+  "type": "object",
+  "allOf": [{"anyOf": [{"required": [f"{name}{i}"]} for name in "pqrs"]} for i in range(12)],
+}
+
+
+@pytest.mark.parametrize(
+  "name,schema,phrases",
+  [
+    ("nested", NESTED, ["is written as at most", "optional properties at"]),
+    ("branches", BRANCHES, ["the alternatives at"]),
+  ],
+)
+def test_schemas_past_the_limits_are_written_as_a_subset_that_validates(tokenizer, name, schema, phrases):
+  """What does not fit is narrowed, step by step, within seconds: every text written validates, the warning line
+  names each narrowing, and narrow=False refuses the same schema."""
+  start = time.process_time()
+  automaton = Compiler(tokenizer, **SERVER).json_schema(schema)
+  assert time.process_time() - start < 20.0, time.process_time() - start  # a few seconds; generous: it cannot flake
+  assert automaton.num_states <= SERVER["max_states"] and automaton.num_edges <= SERVER["max_edges"]
+  (line,) = automaton.warnings
+  assert line.startswith("written as a subset of what the schema allows") and all(p in line for p in phrases), line
+  for text in random_texts(automaton, tokenizer, seed=3, n=16):
+    assert valid(schema, text), text
+  with pytest.raises(ConstraintError):
+    Compiler(tokenizer, **SERVER, narrow=False).json_schema(schema)
+
+
+def test_a_compile_that_would_take_minutes_is_refused_within_seconds(tokenizer):
+  """A pattern of nested alternatives whose searching automaton takes minutes to build: every attempt may build at
+  most WORK times the byte-level limit in states in all (counted the same on every machine), so the compile ends
+  within seconds, saying so, narrowing or not."""
+  digits, pattern = "1180591620717411303417", ""
+  for k in reversed(range(len(digits))):
+    rest = len(digits) - k - 1
+    higher = f"|[{int(digits[k]) + 1}-9]" + (f"\\d{{{rest}}}" if rest else "") if digits[k] != "9" else ""
+    pattern = f"{digits[k]}(?:{pattern}){higher}"
+  for narrow in (True, False):
+    start = time.process_time()
+    with pytest.raises(ConstraintError, match="in all") as error:
+      Compiler(tokenizer, **SERVER, narrow=narrow).json_schema({"type": "string", "pattern": pattern})
+    assert time.process_time() - start < 20.0, time.process_time() - start
+    assert "\n" not in str(error.value)
 
 
 def test_the_state_count_refuses_what_the_estimate_misses_before_the_dense_table(tokenizer, monkeypatch):

@@ -409,7 +409,7 @@ def test_json_object_answers_parse_to_objects(server):
 
 def test_an_unsupported_schema_keyword_answers_400_naming_it(server):
   client = server.client()
-  unique = {"type": "object", "properties": {"xs": {"type": "array", "uniqueItems": True}}}
+  unique = {"type": "object", "properties": {"xs": {"type": "array", "uniqueItems": True, "minItems": 2}}}
   response_format = {"type": "json_schema", "json_schema": {"name": "xs", "schema": unique}}
   with pytest.raises(openai.BadRequestError) as e:
     client.chat.completions.create(model="tiny", messages=SORT_ME, response_format=response_format)

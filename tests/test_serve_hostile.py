@@ -112,10 +112,10 @@ def test_a_megabyte_stop_string_answers_400(server):
 @pytest.mark.parametrize(
   "schema",
   [
-    {"type": "object", "properties": {"a": {"type": "string", "maxLength": 100000}}, "required": ["a"]},
+    {"type": "object", "properties": {"a": {"type": "string", "minLength": 100000}}, "required": ["a"]},
     {"type": "object", "properties": {"a": {"type": "string", "pattern": "^x{1000000}$"}}, "required": ["a"]},
   ],
-  ids=["maxLength", "pattern"],
+  ids=["minLength", "pattern"],  # (a long maxLength is written shorter: a subset, named in x-schema-warnings)
 )
 def test_schemas_whose_automaton_explodes_answer_400_within_a_second_without_memory_growth(server, schema):
   pid = server.process.pid

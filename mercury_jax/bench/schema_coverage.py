@@ -142,10 +142,17 @@ def _distribution(values: list[float]) -> str:
   return f"{statistics.median(values):.3g} / {p95:.3g} / {values[-1]:.3g}"
 
 
+NARROWED = "written as a subset"  # the warning line's phrase for narrowing (constrain.keywords.report)
+
+
 def _summary(title: str, rows: list[dict]) -> list[str]:
   accepted = [r for r in rows if "states" in r]
   lines = [f"### {title}", ""]
   lines.append(f"- schemas: {len(rows)}; accepted: {len(accepted)} ({100 * len(accepted) / max(len(rows), 1):.1f} %)")
+  narrowed = sum(any(w.startswith(NARROWED) or f"; {NARROWED}" in w for w in r.get("warnings", ())) for r in accepted)
+  lines.append(
+    f"- of those, written as a subset of what the schema allows (narrowed, named in the warning): {narrowed}"
+  )
   lines.append(f"- crashed: {sum('crashed' in r or 'check_failed' in r for r in rows)}")
   samples = sum(r.get("samples", 0) for r in accepted)
   lines.append(

@@ -33,9 +33,16 @@ def language(c: Conj, builder) -> fsa.Dfa:
   if high is not None and high < low:
     builder.note(f"minItems={low} is above maxItems={high}", ())
     return fsa.NOTHING
-  high = builder.capped(high, low, LONG_ARRAY, c, "maxItems")
+  high = builder.capped(high, low, builder.narrowing.long_array, c, "maxItems")
   if c.unique and (high is None or high > 1):
-    return _unique(c, builder)
+    try:
+      return _unique(c, builder)
+    except ConstraintError:
+      if not builder.narrowing.unique_one or low > 1:
+        raise
+      where = ".".join(c.unique[0]) or "(root)"
+      builder.narrowed(where, f"uniqueItems at {where} is written as arrays of at most one item")
+      high = 1  # one item is always unique
   ends = {0, low} | {e for s, e, _ in c.items if e is not None} | {s for s, _, _ in c.items}
   ends |= {k.start for k in c.contains} | {e.prefix for e, _ in c.unevaluated_items}
   last = max(ends) + 1 if high is None else high  # positions before ``last`` are their own node

@@ -38,7 +38,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from mercury_jax.constrain import fsa, patterns, regexes, render, schema as schema_lib, tokens
+from mercury_jax.constrain import fsa, meter, patterns, regexes, render, schema as schema_lib, tokens
 from mercury_jax.constrain.errors import ConstraintError
 from mercury_jax.constrain.options import Options
 from mercury_jax.data.tokenizer import TextTokenizer
@@ -255,17 +255,21 @@ class Compiler:
     def texts():
       if regexes.plain_syntax(regex):  # read bottom-up, minimized as it goes: no large unminimized automaton
         try:
-          yield patterns.full(regex, self._budget), (), "last"
+          with meter.active(self._metered()) as budget:
+            text = patterns.full(regex, budget)
         except fsa.TooLarge as e:
           raise self._too_large(e, "the regex", "regex") from None
+        yield text, (), "last"
         return
       if self._vocab.spells_ascii and regexes.min_states(regex) > self._limits.rows(self._vocab):
         rows = self._limits.rows(self._vocab)
         raise self._limits.refusal(regexes.min_states(regex), "the regex", "regex", rows, "token-level")
       try:
-        yield regex_text(regex, self._budget), (), "last"
+        with meter.active(self._metered()) as budget:
+          text = regex_text(regex, budget)
       except fsa.TooLarge as e:
         raise self._too_large(e, "the regex", "regex") from None
+      yield text, (), "last"
 
     return self._compile("regex", pattern, texts, written=regex)
 
@@ -318,6 +322,10 @@ class Compiler:
 
     return self._compile("json_object", "", texts)
 
+  def _metered(self) -> fsa.Budget:
+    """A budget for one compile: the same bound per automaton, and at most ``WORK`` times it in all."""
+    return self._budget.fresh(schema_lib.WORK * self._budget.states)
+
   def _sizes(self) -> schema_lib.Sizes | None:
     """The static estimates' limit: states a final automaton may have (None when the tokenizer cannot spell every
     ASCII character, so a text of n characters may take fewer than n tokens and states)."""
@@ -329,12 +337,20 @@ class Compiler:
     )
 
   def _too_large(self, error: fsa.TooLarge, what: str, param: str | None) -> ConstraintError:
+    if isinstance(error, fsa.Exhausted):
+      return ConstraintError(
+        f"{what} builds automata of more than {error.states} states in all, even written as the smallest subset "
+        f"the compiler narrows it to (max_states={self._limits.max_states}); make it smaller or "
+        f"{self._limits.remedy.format(name='states')}",
+        param=getattr(error, "param", param),
+      )
     return self._limits.refusal(error.states, what, getattr(error, "param", param), self._budget.states, "byte-level")
 
   def _compile(self, kind: str, source: str, texts_of, written: str | None = None) -> Automaton:
     """The cached automaton of ``kind`` and ``source``; ``texts_of()`` yields ``(byte automaton, warnings, role)``
     to try in turn until one fits the limits: ``"try"``, or ``"last"`` (refused if it does not fit), or ``"floor"``
-    (refused if it does not fit, else kept while the next ones are tried)."""
+    (kept while the next ones are tried if it fits; else refused, unless the compiler narrows), or ``"narrow"``
+    (a subset of the language: not tried once a floor fits)."""
     key = _key(kind, source, self._vocab.digest, self._canonical, self._options)
     with self._lock:
       found = self._cache.get(key)
@@ -345,10 +361,12 @@ class Compiler:
         what, param = ("the regex", "regex") if kind == "regex" else ("the constraint", None)
         chosen = floor = None
         for text, notes, role in texts_of():
+          if role == "narrow" and floor is not None:
+            break  # the whole language, recursion unrolled once, fits: no subset of it is needed
           try:
             arrays = tokens.build(text, self._vocab, self._limits, what, param, canonical=self._canonical)
           except ConstraintError as e:
-            if role in ("last", "floor"):
+            if role == "last" or (role == "floor" and not self._options.narrow):
               raise
             found = e
             continue

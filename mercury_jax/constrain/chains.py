@@ -85,6 +85,7 @@ def _chain(blocks: list[Dfa], initial: list[int], follow: list[list[int]], budge
   while done < len(sets):
     members = sorted(sets[done])
     done += 1
+    budget.spend(len(members) * compact.shape[1])
     row = []
     for column in compact[members].T.tolist():
       targets = {t for t in column if t >= 0}
@@ -96,6 +97,7 @@ def _chain(blocks: list[Dfa], initial: list[int], follow: list[list[int]], budge
         closure.add(t)
         if t < total and accepting[t]:
           closure |= after[block_of[t]]
+      budget.spend(len(closure))
       row.append(number(frozenset(closure)))
     rows.append(np.array([row], np.int64))
   out = np.concatenate(rows)

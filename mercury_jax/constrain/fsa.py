@@ -33,15 +33,50 @@ class TooLarge(Exception):
     self.states = states
 
 
-@dataclasses.dataclass(frozen=True)
+class Exhausted(TooLarge):
+  """The automata built on the way have more states in all than the :class:`Budget`'s ``work`` allows."""
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
 class Budget:
-  """The most states an automaton built on the way may have."""
+  """The most states an automaton built on the way may have, and (``work``) all of them together: one compile
+  attempt's share of time, counted in states so that it is the same on every machine (None: unbounded).
+
+  Budgets without ``work`` are equal when their ``states`` are (cached automata are shared between them); a metered
+  one is equal only to itself, so a cache never spares it work another compile did: what it spends depends on the
+  constraint alone, not on what the process compiled before.
+  """
 
   states: int
+  work: int | None = None
+  spent: list = dataclasses.field(default_factory=lambda: [0], repr=False)
+
+  def __eq__(self, other) -> bool:
+    if self.work is not None or not isinstance(other, Budget) or other.work is not None:
+      return self is other
+    return self.states == other.states
+
+  def __hash__(self) -> int:
+    return hash(self.states) if self.work is None else id(self)
 
   def check(self, states: int) -> None:
     if states > self.states:
       raise TooLarge(states)
+    if self.work is not None:
+      self.spent[0] += states
+      if self.spent[0] > self.work:
+        raise Exhausted(self.work)
+
+  def spend(self, work: int) -> None:
+    """Counts ``work`` state-sized steps done outside any one automaton's size (a subset construction's rows)."""
+    if self.work is not None:
+      self.spent[0] += work
+      if self.spent[0] > self.work:
+        raise Exhausted(self.work)
+
+  def fresh(self, work: int | None) -> Budget:
+    """The same bound per automaton, with nothing spent and ``work`` in all."""
+    return Budget(self.states, work)
 
 
 UNBOUNDED = Budget(1 << 62)

@@ -134,7 +134,8 @@ COVERAGE = (
     ("uniqueItems",),
     "enforced with limits",
     "Items from a finite set of at most 64 values (enum, const, booleans, null, integers with both bounds) are "
-    "written distinct. Other items are refused: an automaton cannot remember an unbounded set.",
+    "written distinct. Other arrays are written with at most one item (always unique; named in the warning line), "
+    "since an automaton cannot remember an unbounded set; refused where minItems needs two, or with narrow=False.",
   ),
   Keyword(("allOf",), "enforced", "Merged, keyword by keyword; subschemas of the same keyword are intersected."),
   Keyword(("anyOf",), "enforced", "The union of the branches, each merged with its siblings."),
@@ -238,8 +239,8 @@ def unknown(schema, draft: str) -> tuple[list[tuple[str, str]], list[tuple[str, 
 
 
 def report(names: list[tuple[str, str]], formats: list[tuple[str, str]], strict: bool, capped=()) -> list[str]:
-  """The warning line for the unknown keywords and formats, and the lengths written shorter than they allow
-  (``capped``: a phrase each); none when there are none.
+  """The warning line for the unknown keywords and formats, and what is written as a subset of what the schema
+  allows (``capped``: a phrase each, :class:`~mercury_jax.constrain.schema.Narrowing`); none when there are none.
 
   Raises:
     ConstraintError: ``strict``, naming the first.
@@ -266,7 +267,8 @@ def report(names: list[tuple[str, str]], formats: list[tuple[str, str]], strict:
   if capped:
     shown = list(capped)[:6] + ([f"and {len(capped) - 6} more"] if len(capped) > 6 else [])
     lines.append(
-      f"written shorter than the schema allows (each character or item is an automaton state): {'; '.join(shown)}"
+      "written as a subset of what the schema allows (each character, item, property and alternative costs "
+      f"automaton states): {'; '.join(shown)}"
     )
   return ["; ".join(lines)] if lines else []
 
@@ -313,6 +315,21 @@ def coverage_markdown() -> str:
     "and the token-level automaton before minimizing to 8 times, all within `max_memory` (1 GiB) of tables. The",
     "measured distribution over the official test suite and JSONSchemaBench's collections is on the structured",
     "output results page ([JSON Schema coverage](results/structured.md#json-schema-coverage-the-compiler-measured)).",
+    "",
+    "## Narrowing",
+    "",
+    "Where a schema's whole language does not fit the limits, the compiler writes a subset of it instead of refusing",
+    "(`narrow=True`, the default; `Compiler(tokenizer, narrow=False)` refuses). It tries, in turn: the whole language",
+    "(strings above 256 characters and arrays above 64 items written shorter, recursion unrolled 4 levels or fewer);",
+    "then strings of at most 64 characters, arrays of 16 items, 64 of the alternatives where `anyOf`, `oneOf`, `if`,",
+    "dependencies and `not` multiply, recursion 2 levels; then 16 characters, 4 items, 16 alternatives, the first 8",
+    'optional properties of each object, "any value" as scalars only; then 8 characters, 2 items, 4 alternatives, 2',
+    "optional properties, recursion 1 level; last, 1 item, 1 alternative and the required properties only. Each",
+    "attempt may build at most 256 times the byte-level limit in states in all (the same on every machine), so a",
+    "compile stays within seconds. Every text written still validates: only what is left out differs, and the",
+    "warning line (`Automaton.warnings`, the server's `x-schema-warnings` header) names each place, e.g.",
+    "`maxLength=4096 at properties.coupon.maxLength is written as at most 64` or",
+    "`only the first 8 optional properties at properties.event.properties are written`.",
     "",
   ]
   return "\n".join(lines)

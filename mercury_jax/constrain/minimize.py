@@ -10,7 +10,10 @@ from __future__ import annotations
 import numpy as np
 from scipy.sparse import csgraph, csr_matrix
 
+from mercury_jax.constrain import meter
+
 MOORE_WORK = 20_000_000  # Table cells Moore's refinement may visit (rounds * states * byte classes) before it stops.
+MOORE_SCALE = 8  # Table cells per unit of a compile attempt's work (meter.spend): a round is vectorized.
 
 
 def compressed(columns: np.ndarray, classes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -106,6 +109,7 @@ def _moore(columns: np.ndarray, accepting: np.ndarray) -> np.ndarray | None:
     work += n * max(k, 1)
     if work > MOORE_WORK:
       return None
+    meter.spend(n * max(k, 1) // MOORE_SCALE)
     rows = np.where(missing, 0, block[targets] + 1).astype(np.uint64)
     _, inverse = np.unique((rows * weights[1:]).sum(axis=1) + block.astype(np.uint64) * weights[0], return_inverse=True)
     inverse = inverse.reshape(-1)

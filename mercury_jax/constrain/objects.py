@@ -82,6 +82,12 @@ def language(c: Conj, builder) -> fsa.Dfa:
   for lits in c.names:
     allowed = fsa.intersect(allowed, builder.string_values(lits), budget)
   members = []  # (name, member language, required)
+  optional = builder.narrowing.optional
+  if optional is not None and len(listed) - len(set(c.required)) > optional:
+    kept = [name for name in listed if name not in c.required][:optional]
+    listed = {name: lits for name, lits in listed.items() if name in c.required or name in kept}
+    where = _path(c)
+    builder.narrowed(where, f"only the first {optional} optional properties at {where} are written")
   for name, lits in listed.items():
     lits = lits + tuple(lit for rule in rules if key_set(rule.keys, True, builder).accepts(name) for lit in rule.lits)
     for evaluated, rule_lits in c.unevaluated_properties:
@@ -94,7 +100,9 @@ def language(c: Conj, builder) -> fsa.Dfa:
       return fsa.NOTHING
     if not value.empty:
       members.append((name, chains.concat([fsa.literal(dumps(name) + ":"), value], budget), required))
-  parts = _parts(fsa.difference(allowed, chains.words(listed, budget)), rules, builder)
+  parts = _parts(
+    fsa.difference(allowed, chains.words(dict(c.properties) | dict.fromkeys(c.required), budget)), rules, builder
+  )
   is_map = not members and not any(rule.written for rule in rules)
   shown = [p for p in parts if p.written or is_map]
   free = chains.union([_member(p.names, p.lits, builder) for p in shown], budget)
@@ -105,6 +113,14 @@ def language(c: Conj, builder) -> fsa.Dfa:
     options = [_member(fsa.intersect(p.names, names, budget), p.lits + need.lits, builder) for p in parts]
     witnesses.append(chains.union(options, budget))
   return chains.concat([OPEN, _body(c, members, free, distinct, witnesses, builder), CLOSE], budget)
+
+
+def _path(c: Conj) -> str:
+  """Where the first subschema ``c`` was made of that lists properties stands (for the warning line)."""
+  for sub, _ in c.checks:
+    if isinstance(sub.schema, dict) and "properties" in sub.schema:
+      return ".".join(sub.path + ("properties",))
+  return "(root)"
 
 
 def _distinct(parts: list[_Part], low: int, builder) -> list[fsa.Dfa]:

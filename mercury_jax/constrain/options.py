@@ -23,12 +23,18 @@ class Options:
       most :data:`~mercury_jax.constrain.numbers.DIGITS` digits before and after the point and an exponent of at
       most two digits, so every number written parses to a finite, nonzero-where-written IEEE double.
     recursion_depth: Levels a recursive ``$ref`` is unrolled to.
+    narrow: Where a schema's whole language does not fit the compiler's limits (or is not regular:
+      ``uniqueItems`` over unbounded items), write a subset of it instead of refusing: shorter strings and
+      arrays, fewer alternatives, shallower recursion and "any value", fewer optional properties, in the steps of
+      :data:`~mercury_jax.constrain.schema.LADDER`, each named in the automaton's warning line. Every text written
+      still validates. False refuses instead (the fixed caps on long strings and arrays still apply).
   """
 
   draft: str = "auto"
   strict: bool = False
   exact_numbers: bool = False
   recursion_depth: int = 4
+  narrow: bool = True
 
   def __post_init__(self):
     if self.draft != "auto" and self.draft not in DRAFTS:
@@ -41,5 +47,5 @@ class Options:
     """The settings as text, for cache keys."""
     return (
       f"draft={self.draft} strict={self.strict} exact_numbers={self.exact_numbers} "
-      f"recursion_depth={self.recursion_depth}"
+      f"recursion_depth={self.recursion_depth} narrow={self.narrow}"
     )

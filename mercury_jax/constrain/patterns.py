@@ -223,7 +223,8 @@ def _search(pattern: str, wide: bool, budget: fsa.Budget) -> fsa.Dfa:
     options = []
     for start, items, end in _anchored(_parse(pattern)):
       body = reader.sequence(items)
-      options.append(chains.concat([fsa.EPSILON if start else anything, body, trailing_newline if end else anything]))
+      parts = [fsa.EPSILON if start else anything, body, trailing_newline if end else anything]
+      options.append(chains.concat(parts, budget))
     return fsa.minimize(chains.union(options, budget))
   except PatternError as e:
     raise _refused(pattern, e) from None

@@ -45,6 +45,10 @@ def _only(*kinds: str) -> frozenset:
   return frozenset(kinds)
 
 
+class TooManyBranches(ConstraintError):
+  """The alternatives multiply past :data:`MAX_BRANCHES` (a narrowing compiler writes fewer of them instead)."""
+
+
 class Normalizer:
   """Reads subschemas of one document into alternatives (:mod:`~mercury_jax.constrain.normal`).
 
@@ -53,10 +57,14 @@ class Normalizer:
     depth: Times a reference may be followed on one path (recursion is cut past it).
     note: Called with ``(message, path)`` when an alternative is found to accept nothing (the first such note
       explains a schema that accepts no value).
+    branches: Where alternatives multiply past this, keep the first ones (every alternative is a subset of the
+      schema's texts, so fewer of them still write valid texts); None: refuse past :data:`MAX_BRANCHES`.
+    narrowed: Called with ``(where, phrase)`` when alternatives are left out.
   """
 
-  def __init__(self, doc: Document, depth: int, note):
+  def __init__(self, doc: Document, depth: int, note, branches: int | None = None, narrowed=None):
     self.doc, self.depth, self.note = doc, depth, note
+    self.branches, self.narrowed = branches, narrowed
     self.cuts: dict[str, tuple] = {}  # $ref -> the path where it first recurs
     self.recursed = False
     self._cache: dict[tuple, list[Conj]] = {}
@@ -66,15 +74,24 @@ class Normalizer:
   def product(self, left: list[Conj], right: list[Conj], path: tuple) -> list[Conj]:
     """Every alternative of ``left`` with every one of ``right`` (those that share a kind of value)."""
     out = []
+    most = MAX_BRANCHES if self.branches is None else self.branches
     for a in left:
       for b in right:
         c = merge(a, b)
         if c.kinds:
           out.append(c)
+        if len(out) > most:
+          break
+      if len(out) > most:
+        break
     if not out and left and right:
       self.note("its parts share no kind of value (their types exclude each other)", path)
+    if len(out) > most and self.branches is not None:
+      where = ".".join(path) or "(root)"
+      self.narrowed(where, f"the alternatives at {where} are written as the first {most} of more")
+      return out[:most]
     if len(out) > MAX_BRANCHES:
-      raise ConstraintError(
+      raise TooManyBranches(
         f"the schema expands into more than {MAX_BRANCHES} alternatives (anyOf, oneOf, if, dependencies and not "
         "multiply them); simplify it",
         param=".".join(path) or None,

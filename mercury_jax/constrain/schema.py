@@ -24,15 +24,16 @@ import dataclasses
 import functools
 import math
 
-from mercury_jax.constrain import arrays, chains, fsa, keywords, numbers, objects, patterns, strings
+from mercury_jax.constrain import arrays, chains, fsa, keywords, meter, numbers, objects, patterns, strings
 from mercury_jax.constrain.document import Document, base_of, dumps
 from mercury_jax.constrain.errors import ConstraintError
 from mercury_jax.constrain.normal import Conj, Sub, value_key
 from mercury_jax.constrain.options import Options
-from mercury_jax.constrain.reading import Normalizer
+from mercury_jax.constrain.reading import Normalizer, TooManyBranches
 
 RECURSION_DEPTH = 4  # Levels a recursive $ref is unrolled to at most (the compiler's default recursion_depth).
 LONG_STRING = 256  # A longer maxLength is written as at most this many characters (each is a state of its own).
+WORK = 256  # States one attempt of a narrowing compile may build in all, per state one automaton may have (time).
 ANY_VALUE_DEPTH = 1  # Containers "any value" nests inside a schema ({}, true, items without a schema).
 JSON_OBJECT_DEPTH = 4  # Containers a json_object nests (the outer object counts).
 _KINDS = ("null", "boolean", "number", "string", "array", "object")
@@ -44,6 +45,13 @@ class _Located(fsa.TooLarge):
   def __init__(self, states: int, param: str | None):
     super().__init__(states)
     self.param = param
+
+
+def _located(error: fsa.TooLarge, param: str | None) -> fsa.TooLarge:
+  """``error`` with the subschema it was built for (work used up stays that: no one part is too large)."""
+  if isinstance(error, fsa.Exhausted):
+    return error
+  return _Located(error.states, param)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,20 +99,26 @@ class Builder:
     doc: The document.
     options: The settings.
     budget: The most states any automaton built may have.
+    narrowing: How much of the language is written (:class:`Narrowing`).
   """
 
-  def __init__(self, doc: Document, options: Options, budget: fsa.Budget):
+  def __init__(self, doc: Document, options: Options, budget: fsa.Budget, narrowing: Narrowing | None = None):
     self.doc, self.options, self.budget = doc, options, budget
+    self.narrowing = narrowing or EXACT
     self.notes: list[tuple[str, tuple]] = []
-    self.reader = Normalizer(doc, options.recursion_depth, self.note)
+    self.capped_notes: dict[str, str] = {}  # what is written as a subset (Narrowing), by where
+    self.reader = Normalizer(doc, options.recursion_depth, self.note, self.narrowing.branches, self.narrowed)
     self._cache: dict[tuple, fsa.Dfa] = {}
     self._splits: dict[int, tuple] = {}
     self.keys: dict[tuple, fsa.Dfa] = {}  # the names of a Keys (objects.key_set)
-    self.capped_notes: dict[str, str] = {}  # long maxLength / maxItems written shorter
 
   def note(self, message: str, path: tuple) -> None:
     """Records why an alternative accepts nothing."""
     self.notes.append((message, path))
+
+  def narrowed(self, where: str, phrase: str) -> None:
+    """Records that what is written at ``where`` is a subset (``phrase`` says which), for the warning line."""
+    self.capped_notes.setdefault(where or "(root)", phrase)
 
   def lang(self, lits: tuple) -> fsa.Dfa:
     """The texts of the values that satisfy every literal (``()``: any value)."""
@@ -114,13 +128,13 @@ class Builder:
     try:
       alternatives = self.reader.literals(lits)
       if len(alternatives) == 1 and alternatives[0].trivial:
-        out = any_value(ANY_VALUE_DEPTH, self.options.exact_numbers)
+        out = any_value(self.narrowing.any_depth, self.options.exact_numbers)
       else:
         out = fsa.minimize(chains.union([self._conj(c) for c in alternatives], self.budget))
     except fsa.TooLarge as e:
       if isinstance(e, _Located):
         raise
-      raise _Located(e.states, ".".join(lits[-1][0].path) or None if lits else None) from None
+      raise _located(e, ".".join(lits[-1][0].path) or None if lits else None) from None
     except ConstraintError as e:
       if e.param is not None or not lits:
         raise
@@ -162,7 +176,7 @@ class Builder:
       try:
         return chains.words(texts, self.budget)
       except fsa.TooLarge as e:
-        raise _Located(e.states, _keyword_path(c, ("enum", "const"))) from None
+        raise _located(e, _keyword_path(c, ("enum", "const"))) from None
     kinds = c.written_kinds
     out = chains.union([self._kind(kind, c) for kind in _KINDS if kind in kinds], self.budget)
     if out.empty and kinds != c.kinds:  # what its keywords apply to is impossible: the other kinds it allows
@@ -194,7 +208,7 @@ class Builder:
         self.note(f"minLength={c.min_length} is above maxLength={c.max_length}", ())
         return fsa.NOTHING
       names = tuple(name for name, _ in c.formats)
-      high = self.capped(c.max_length, c.min_length, LONG_STRING, c, "maxLength")
+      high = self.capped(c.max_length, c.min_length, self.narrowing.long_string, c, "maxLength")
       try:
         value = strings.values(
           c.min_length, high, c.patterns, c.not_patterns, names, excluded=tuple(excluded), budget=self.budget
@@ -209,7 +223,7 @@ class Builder:
           self.note("no string satisfies the patterns, formats and lengths together", ())
         return strings.text(value, c.min_length, high, self.budget)
       except fsa.TooLarge as e:
-        raise _Located(e.states, _keyword_path(c, ("maxLength", "minLength", "pattern", "format"))) from None
+        raise _located(e, _keyword_path(c, ("maxLength", "minLength", "pattern", "format"))) from None
       except ConstraintError as e:
         if e.param is not None:
           raise
@@ -217,7 +231,8 @@ class Builder:
     if excluded and any(v for v in excluded):
       return fsa.NOTHING  # a complement that excludes a container value: not written (a subset)
     if not _constrains(c, kind) and not excluded:  # any container: as "any value" writes them
-      return any_container(kind, ANY_VALUE_DEPTH + (c.written_kinds - {"null"} == {kind}), self.options.exact_numbers)
+      depth = max(1, self.narrowing.any_depth + (c.written_kinds - {"null"} == {kind}))  # the container itself
+      return any_container(kind, depth, self.options.exact_numbers)
     if kind == "array":
       c = dataclasses.replace(c, min_items=max(c.min_items, 1)) if excluded else c
       return arrays.language(c, self)
@@ -229,7 +244,7 @@ class Builder:
     if high is None or high <= max(cap, low):
       return high
     where = _keyword_path(c, (word,)) or "(root)"
-    self.capped_notes.setdefault(where, f"{word}={high} at {where} is written as at most {max(cap, low)}")
+    self.narrowed(where, f"{word}={high} at {where} is written as at most {max(cap, low)}")
     return max(cap, low)
 
   def string_values(self, lits: tuple) -> fsa.Dfa:
@@ -330,39 +345,111 @@ def _static(doc: Document, sizes: Sizes | None) -> None:
         raise sizes.refusal(count, f"pattern {pattern[:60]!r}", ".".join(where))
 
 
+@dataclasses.dataclass(frozen=True)
+class Narrowing:
+  """How much of a schema's language one attempt writes. Each setting below its default writes a subset of the
+  valid texts (every text written still validates), named in the automaton's warning line.
+
+  Attributes:
+    long_string: A larger ``maxLength`` is written as at most this many characters.
+    long_array: A larger ``maxItems`` is written as at most this many items.
+    branches: Alternatives kept where ``anyOf``, ``oneOf``, ``if``, dependencies and ``not`` multiply past it (the
+      first ones, in the schema's order); None refuses a schema with more than
+      :data:`~mercury_jax.constrain.reading.MAX_BRANCHES`.
+    optional: Optional listed properties written per object (the first ones, in the schema's order); None: all.
+    any_depth: Containers "any value" nests (``{}``, ``true``, items or further properties without a schema).
+    depth: Recursion levels at most (the compiler's ``recursion_depth`` when lower; None: that).
+    unique_one: ``uniqueItems`` over items that are not from a small finite set is written as arrays of at most
+      one item (an automaton cannot remember an unbounded set of earlier items); False refuses it.
+  """
+
+  long_string: int = LONG_STRING
+  long_array: int = arrays.LONG_ARRAY
+  branches: int | None = None
+  optional: int | None = None
+  any_depth: int = ANY_VALUE_DEPTH
+  depth: int | None = None
+  unique_one: bool = False
+
+
+EXACT = Narrowing()  # narrow=False: only the fixed caps on long strings and arrays
+WHOLE = Narrowing(unique_one=True)  # narrow=True, first attempt
+LADDER = (
+  Narrowing(long_string=64, long_array=16, branches=64, depth=2, unique_one=True),
+  Narrowing(long_string=16, long_array=4, branches=16, optional=8, any_depth=0, depth=2, unique_one=True),
+  Narrowing(long_string=8, long_array=2, branches=4, optional=2, any_depth=0, depth=1, unique_one=True),
+  Narrowing(long_string=8, long_array=1, branches=1, optional=0, any_depth=0, depth=1, unique_one=True),
+)  # narrow=True: tried in turn when the whole language does not fit the limits
+
+
 def compile_schema(schema, options: Options, budget: fsa.Budget, sizes: Sizes | None = None):
-  """Yields ``(byte automaton of the schema's texts, warnings, role)`` (module docstring): with recursion unrolled
-  ``options.recursion_depth`` levels; then, if the schema recursed, one level (role ``"floor"``: if that does not
-  fit the compiler's limits, nothing will; if it does, it is kept in case no deeper one does), then every depth
-  between, deepest first (``"try"``). A schema too large even unrolled once is so found after two tries, not one per
-  level. The role of the only automaton of a schema that does not recurse is ``"last"``.
+  """Yields ``(byte automaton of the schema's texts, warnings, role)`` to try in turn (module docstring).
+
+  First the whole language (:data:`WHOLE`; :data:`EXACT` with ``narrow=False``), with recursion unrolled
+  ``options.recursion_depth`` levels; then, if the schema recursed, one level (role ``"floor"``: kept in case no
+  deeper one fits; with ``narrow=False``, if it does not fit the compiler's limits nothing will), then every depth
+  between, deepest first (``"try"``). With ``narrow=True``, then each step of :data:`LADDER` (role ``"narrow"``:
+  not tried once a floor fits), the last one ``"last"``. Without the ladder, the only automaton of a schema that
+  does not recurse is ``"last"``.
 
   Raises:
     ConstraintError: The schema is invalid, uses what the compiler cannot enforce, or accepts no value.
-    fsa.TooLarge: Its automaton does not fit ``budget`` even at the last depth (``param`` on it where known).
+    fsa.TooLarge: Its automaton does not fit ``budget`` even at the last attempt (``param`` on it where known).
   """
   doc = Document.of(schema, options)
   names, formats = keywords.unknown(doc.root, doc.draft)
-  notes = keywords.report(names, formats, options.strict)
+  keywords.report(names, formats, options.strict)  # strict: refused before anything is built
   _static(doc, sizes)
-  depths = [options.recursion_depth] + ([1] if options.recursion_depth > 1 else [])
-  depths += list(range(options.recursion_depth - 1, 1, -1))
+  ladder = LADDER if options.narrow else ()
+  for text, builder, role in _attempts(doc, options, budget, WHOLE if options.narrow else EXACT, ladder):
+    yield text, keywords.report(names, formats, options.strict, list(builder.capped_notes.values())), role
+
+
+def _attempts(doc: Document, options: Options, budget: fsa.Budget, whole: Narrowing, ladder: tuple):
+  """``(text, builder, role)`` of each attempt (:func:`compile_schema`)."""
+  deepest = options.recursion_depth
+  depths = [deepest] + ([1] if deepest > 1 else []) + list(range(deepest - 1, 1, -1))
   for i, depth in enumerate(depths):
-    builder = Builder(doc, dataclasses.replace(options, recursion_depth=depth), budget)
-    root = Sub(doc.root, doc.resolver, (), ((id(doc.root), base_of(doc.resolver)),))  # "#" counts as followed
-    try:
-      text = builder.lang(((root, True),))
-    except fsa.TooLarge:
-      if builder.reader.recursed and depth > 1 and i + 1 < len(depths):
-        continue
-      raise
+    builder, text = _build(doc, options, budget, whole, depth)
+    recursed = builder.reader.recursed
+    final = not ladder and (i + 1 == len(depths) or not recursed)
+    if isinstance(text, fsa.TooLarge):
+      if final:
+        raise text
+      if not recursed or i == 1:  # too large unrolled once: deeper ones are larger
+        break
+      continue
     if text.empty:
       raise _refusal(builder, depth)
-    notes = keywords.report(names, formats, options.strict, list(builder.capped_notes.values()))
-    if not builder.reader.recursed:
-      yield text, notes, "last"
-      return
-    yield text, notes, "floor" if i == 1 else "try"
+    yield text, builder, "last" if final else ("floor" if i == 1 else "try")
+    if not recursed:
+      break
+  for j, narrowing in enumerate(ladder):
+    final = j + 1 == len(ladder)
+    builder, text = _build(doc, options, budget, narrowing, min(deepest, narrowing.depth or deepest))
+    if isinstance(text, fsa.TooLarge) or text.empty:
+      if not final:
+        continue
+      if isinstance(text, fsa.TooLarge):
+        raise text
+      raise _refusal(builder, builder.reader.depth)
+    yield text, builder, "last" if final else "narrow"
+
+
+def _build(doc: Document, options: Options, budget: fsa.Budget, narrowing: Narrowing, depth: int):
+  """``(builder, the byte automaton of the schema's texts or the fsa.TooLarge that stopped it)``."""
+  budget = budget.fresh(WORK * budget.states)
+  builder = Builder(doc, dataclasses.replace(options, recursion_depth=depth), budget, narrowing)
+  root = Sub(doc.root, doc.resolver, (), ((id(doc.root), base_of(doc.resolver)),))  # "#" counts as followed
+  try:
+    with meter.active(budget):
+      return builder, builder.lang(((root, True),))
+  except fsa.TooLarge as e:
+    return builder, e
+  except TooManyBranches:
+    if not options.narrow:
+      raise
+    return builder, fsa.TooLarge(0)  # fewer alternatives are tried next
 
 
 def _refusal(builder: Builder, depth: int) -> ConstraintError:
