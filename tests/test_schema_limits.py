@@ -124,6 +124,8 @@ def test_schemas_past_the_limits_are_written_as_a_subset_that_validates(tokenize
   assert line.startswith("written as a subset of what the schema allows") and all(p in line for p in phrases), line
   for text in random_texts(automaton, tokenizer, seed=3, n=16):
     assert valid(schema, text), text
+  again = Compiler(tokenizer, **SERVER).json_schema(schema)  # the module's caches are warm now: the same subset
+  assert np.array_equal(again.table, automaton.table) and again.warnings == automaton.warnings
   with pytest.raises(ConstraintError):
     Compiler(tokenizer, **SERVER, narrow=False).json_schema(schema)
 
@@ -147,7 +149,8 @@ def test_a_compile_that_would_take_minutes_is_refused_within_seconds(tokenizer):
 
 def test_the_state_count_refuses_what_the_estimate_misses_before_the_dense_table(tokenizer, monkeypatch):
   """A repetition of a part that may be empty is estimated at one copy (70 states), but its automaton has a state
-  per character up to 70 * 70; the count of states refuses it before the token table is made."""
+  per character up to 70 * 70; the count of states (or the work one compile may do) refuses it before the token
+  table is made."""
 
   def dense(*args):
     raise AssertionError("the dense table was made")
@@ -156,7 +159,7 @@ def test_the_state_count_refuses_what_the_estimate_misses_before_the_dense_table
   regex = "(?:[ab]{0,70}){0,70}"
   assert regexes.min_states(regex) == 70
   error = pytest.raises(ConstraintError, Compiler(tokenizer, **SERVER).regex, regex).value
-  assert error.param == "regex" and "needs at least" in str(error), str(error)
+  assert error.param == "regex" and ("needs at least" in str(error) or "states in all" in str(error)), str(error)
 
 
 def test_the_estimate_reads_rust_syntax():

@@ -323,8 +323,9 @@ class Compiler:
     return self._compile("json_object", "", texts)
 
   def _metered(self) -> fsa.Budget:
-    """A budget for one compile: the same bound per automaton, and at most ``WORK`` times it in all."""
-    return self._budget.fresh(schema_lib.WORK * self._budget.states)
+    """A budget for one compile: the same bound per automaton, and :data:`~mercury_jax.constrain.schema.WORK`
+    states in all."""
+    return self._budget.fresh(schema_lib.WORK)
 
   def _sizes(self) -> schema_lib.Sizes | None:
     """The static estimates' limit: states a final automaton may have (None when the tokenizer cannot spell every
@@ -338,10 +339,10 @@ class Compiler:
 
   def _too_large(self, error: fsa.TooLarge, what: str, param: str | None) -> ConstraintError:
     if isinstance(error, fsa.Exhausted):
+      narrowed = ", even written as the smallest subset the compiler narrows it to" if what == "the schema" else ""
       return ConstraintError(
-        f"{what} builds automata of more than {error.states} states in all, even written as the smallest subset "
-        f"the compiler narrows it to (max_states={self._limits.max_states}); make it smaller or "
-        f"{self._limits.remedy.format(name='states')}",
+        f"{what} builds automata of more than {error.states} states in all{narrowed} (the work one compile may do; "
+        f"max_states={self._limits.max_states}); make it smaller or {self._limits.remedy.format(name='states')}",
         param=getattr(error, "param", param),
       )
     return self._limits.refusal(error.states, what, getattr(error, "param", param), self._budget.states, "byte-level")

@@ -24,6 +24,8 @@ import dataclasses
 import functools
 import math
 
+import numpy as np
+
 from mercury_jax.constrain import arrays, chains, fsa, keywords, meter, numbers, objects, patterns, strings
 from mercury_jax.constrain.document import Document, base_of, dumps
 from mercury_jax.constrain.errors import ConstraintError
@@ -33,7 +35,8 @@ from mercury_jax.constrain.reading import Normalizer, TooManyBranches
 
 RECURSION_DEPTH = 4  # Levels a recursive $ref is unrolled to at most (the compiler's default recursion_depth).
 LONG_STRING = 256  # A longer maxLength is written as at most this many characters (each is a state of its own).
-WORK = 256  # States one attempt of a narrowing compile may build in all, per state one automaton may have (time).
+WORK = 1 << 24  # States (and partition-refinement steps) one compile attempt may build in all: its time, in units
+# that are the same on every machine (about a second of CPU on a 2-core Xeon).
 ANY_VALUE_DEPTH = 1  # Containers "any value" nests inside a schema ({}, true, items without a schema).
 JSON_OBJECT_DEPTH = 4  # Containers a json_object nests (the outer object counts).
 _KINDS = ("null", "boolean", "number", "string", "array", "object")
@@ -409,6 +412,7 @@ def _attempts(doc: Document, options: Options, budget: fsa.Budget, whole: Narrow
   """``(text, builder, role)`` of each attempt (:func:`compile_schema`)."""
   deepest = options.recursion_depth
   depths = [deepest] + ([1] if deepest > 1 else []) + list(range(deepest - 1, 1, -1))
+  tried = []  # the texts yielded: a narrowing step that changes nothing is not tried again
   for i, depth in enumerate(depths):
     builder, text = _build(doc, options, budget, whole, depth)
     recursed = builder.reader.recursed
@@ -421,6 +425,7 @@ def _attempts(doc: Document, options: Options, budget: fsa.Budget, whole: Narrow
       continue
     if text.empty:
       raise _refusal(builder, depth)
+    tried.append(text)
     yield text, builder, "last" if final else ("floor" if i == 1 else "try")
     if not recursed:
       break
@@ -433,12 +438,25 @@ def _attempts(doc: Document, options: Options, budget: fsa.Budget, whole: Narrow
       if isinstance(text, fsa.TooLarge):
         raise text
       raise _refusal(builder, builder.reader.depth)
+    if not final and any(_same(text, other) for other in tried):
+      continue
+    tried.append(text)
     yield text, builder, "last" if final else "narrow"
+
+
+def _same(a: fsa.Dfa, b: fsa.Dfa) -> bool:
+  """Whether two automata are the same table (built the same way, so the same texts)."""
+  return (
+    a.columns.shape == b.columns.shape
+    and np.array_equal(a.columns, b.columns)
+    and np.array_equal(a.classes, b.classes)
+    and np.array_equal(a.accepting, b.accepting)
+  )
 
 
 def _build(doc: Document, options: Options, budget: fsa.Budget, narrowing: Narrowing, depth: int):
   """``(builder, the byte automaton of the schema's texts or the fsa.TooLarge that stopped it)``."""
-  budget = budget.fresh(WORK * budget.states)
+  budget = budget.fresh(WORK)
   builder = Builder(doc, dataclasses.replace(options, recursion_depth=depth), budget, narrowing)
   root = Sub(doc.root, doc.resolver, (), ((id(doc.root), base_of(doc.resolver)),))  # "#" counts as followed
   try:
