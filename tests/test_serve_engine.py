@@ -229,14 +229,19 @@ def _client(scheduler: Scheduler) -> TestClient:
 def test_a_failing_step_answers_500_and_the_engine_serves_the_next_request(scheduler, monkeypatch, caplog):
   """One jitted step raises: the requests it carried end with 500 (a request id, not the error), the engine starts
   afresh, and the next request is served; /health stays ok."""
-  original, calls = scheduler.engine._step, []
+  original, admit, armed, fired = scheduler.engine._step, scheduler.engine.admission.admit, [], []
+
+  def admitted(*args, **kwargs):  # the first step after this request is admitted carries it
+    armed.append(1)
+    return admit(*args, **kwargs)
 
   def step(*args):
-    calls.append(1)
-    if len(calls) == 1:
+    if armed and not fired:  # not a step the engine dispatched before (a pipelined one may carry no request)
+      fired.append(1)
       raise RuntimeError("injected step failure")
     return original(*args)
 
+  monkeypatch.setattr(scheduler.engine.admission, "admit", admitted)
   monkeypatch.setattr(scheduler.engine, "_step", step)
   client = _client(scheduler)
   failed = client.post("/v1/completions", json={"prompt": "def f(x):", "max_tokens": 6, "temperature": 0})
