@@ -132,8 +132,8 @@ def test_schemas_past_the_limits_are_written_as_a_subset_that_validates(tokenize
 
 def test_a_compile_that_would_take_minutes_is_refused_within_seconds(tokenizer):
   """A pattern of nested alternatives whose searching automaton takes minutes to build: every attempt may build at
-  most WORK times the byte-level limit in states in all (counted the same on every machine), so the compile ends
-  within seconds, saying so, narrowing or not."""
+  most WORK (2^24) states in all (counted the same on every machine), so the compile ends within seconds, saying
+  so, narrowing or not."""
   digits, pattern = "1180591620717411303417", ""
   for k in reversed(range(len(digits))):
     rest = len(digits) - k - 1

@@ -52,7 +52,7 @@ given *in place*: the server times one iteration in 32 with its prefills and ste
 (``mercury_engine_timed_*``), under the level's own load, which on a CPU host includes the event loop, the client and
 any other process on the cores; engine / in place is then the engine thread's overhead over the device's work.
 
-``--fairness N``: before the levels, N requests whose JSON Schemas run past the compile timeout (a ``oneOf`` of 400
+``--fairness N``: before the levels, N requests whose JSON Schemas run past the compile timeout (a ``oneOf`` of 800
 object branches, a different one each) and, 0.1 s later, one whose schema is ``{"type": "boolean"}``: the seconds to
 the boolean's whole answer (its compile, prefill and tokens), how many of the N were still compiling then, and
 the N refusals' times (again, two of them: from the cache of refusals).

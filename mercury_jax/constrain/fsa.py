@@ -62,13 +62,10 @@ class Budget:
   def check(self, states: int) -> None:
     if states > self.states:
       raise TooLarge(states)
-    if self.work is not None:
-      self.spent[0] += states
-      if self.spent[0] > self.work:
-        raise Exhausted(self.work)
+    self.spend(states)
 
   def spend(self, work: int) -> None:
-    """Counts ``work`` state-sized steps done outside any one automaton's size (a subset construction's rows)."""
+    """Counts ``work`` state-sized steps (states built, a subset construction's rows) against ``work``."""
     if self.work is not None:
       self.spent[0] += work
       if self.spent[0] > self.work:
