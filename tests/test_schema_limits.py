@@ -19,7 +19,7 @@ from hypothesis import given, settings, strategies as st
 from test_automaton import TOKENIZER, random_texts
 from test_schema_keywords import valid
 
-from mercury_jax.constrain import Compiler, ConstraintError, numbers, regexes, tokens
+from mercury_jax.constrain import Compiler, ConstraintError, fsa, numbers, regexes, schema as schema_lib, tokens
 from mercury_jax.constrain.suite import EXTENDED, REGEXES, SCHEMAS
 from mercury_jax.data.tokenizer import Tokenizer
 
@@ -147,6 +147,54 @@ def test_a_compile_that_would_take_minutes_is_refused_within_seconds(tokenizer):
     assert "\n" not in str(error.value)
 
 
+def test_one_compile_spends_its_work_in_all_token_level_automata_included(tokenizer, monkeypatch):
+  """Every attempt and every token-level automaton of one compile spend one budget (COMPILE_WORK, counted the same
+  on every machine): reading token-level states counts, and a compile whose token-level automaton would pass it is
+  refused as one that does too much work, within about one batch of states of the budget."""
+  roots, children = [], []
+  fresh = fsa.Budget.fresh
+
+  def recorded(budget, work):
+    made = fresh(budget, work)
+    {schema_lib.COMPILE_WORK: roots, schema_lib.WORK: children}.get(work, []).append(made)
+    return made
+
+  monkeypatch.setattr(fsa.Budget, "fresh", recorded)
+  person = SCHEMAS["person"]
+  automaton = Compiler(tokenizer, **SERVER, narrow=False, cache_size=0).json_schema(person)
+  attempts = sum(child.spent[0] for child in children if child.parent is roots[-1])
+  token_level = roots[-1].spent[0] - attempts
+  rows = automaton.num_states - 1  # at least the final states (less DONE) were read, each at vocab // 4
+  assert token_level >= rows * (tokenizer.vocab_size // tokens.TOKENS_PER_WORK), (token_level, rows)
+  cap = attempts + token_level // 2
+  monkeypatch.setattr(schema_lib, "COMPILE_WORK", cap)
+  with pytest.raises(ConstraintError, match=f"more than {cap} states in all") as error:
+    Compiler(tokenizer, **SERVER, narrow=False, cache_size=0).json_schema(person)
+  assert roots[-1].spent[0] <= cap + 256 * tokenizer.vocab_size, roots[-1].spent[0]
+  assert "\n" not in str(error.value)
+
+
+def test_the_unrolled_floor_stands_when_deeper_attempts_run_out_of_work(tokenizer, monkeypatch):
+  """A recursive schema whose recursion unrolled once fits (the floor) keeps it when every deeper attempt and every
+  narrowing step after it runs out of work, instead of being refused."""
+  tree = {
+    "$defs": {"node": {"type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#/$defs/node"}}}}},
+    "$ref": "#/$defs/node",
+  }
+  floor = Compiler(tokenizer, **SERVER, recursion_depth=1).json_schema(tree)
+  build, calls = schema_lib._build, []
+
+  def exhausted_but_the_floor(doc, options, budget, narrowing, depth):
+    builder, text = build(doc, options, budget, narrowing, depth)
+    calls.append(depth)
+    return builder, (text if len(calls) == 2 else fsa.Exhausted(schema_lib.WORK))  # the second attempt: depth 1
+
+  monkeypatch.setattr(schema_lib, "_build", exhausted_but_the_floor)
+  kept = Compiler(tokenizer, **SERVER).json_schema(tree)
+  assert calls[1] == 1 and len(calls) > 3, calls
+  assert np.array_equal(kept.table, floor.table) and np.array_equal(kept.classes, floor.classes)
+
+
 def test_the_state_count_refuses_what_the_estimate_misses_before_the_dense_table(tokenizer, monkeypatch):
   """A repetition of a part that may be empty is estimated at one copy (70 states), but its automaton has a state
   per character up to 70 * 70; the count of states (or the work one compile may do) refuses it before the token
@@ -223,7 +271,7 @@ def test_the_estimate_never_exceeds_the_states_of_random_regexes(regex):
 def test_final_automata_are_minimal(tokenizer, kind, constraint):
   """No two states accept the same token sequences."""
   automaton = getattr(Compiler(tokenizer), kind)(*([] if constraint is None else [constraint]))
-  classes = tokens._equivalent(automaton.table, automaton.accepting)
+  classes = tokens._equivalent(automaton.table, automaton.accepting, most=automaton.num_states)
   assert len(np.unique(classes)) == automaton.num_states
 
 

@@ -252,10 +252,10 @@ class Compiler:
       raise ConstraintError("the regex must be a non-empty string", param="regex")
     regex = regexes.normalize_regex(pattern)
 
-    def texts():
+    def texts(work: fsa.Budget):
       if regexes.plain_syntax(regex):  # read bottom-up, minimized as it goes: no large unminimized automaton
         try:
-          with meter.active(self._metered()) as budget:
+          with meter.active(work.fresh(schema_lib.WORK)) as budget:
             text = patterns.full(regex, budget)
         except fsa.TooLarge as e:
           raise self._too_large(e, "the regex", "regex") from None
@@ -265,7 +265,7 @@ class Compiler:
         rows = self._limits.rows(self._vocab)
         raise self._limits.refusal(regexes.min_states(regex), "the regex", "regex", rows, "token-level")
       try:
-        with meter.active(self._metered()) as budget:
+        with meter.active(work.fresh(schema_lib.WORK)) as budget:
           text = regex_text(regex, budget)
       except fsa.TooLarge as e:
         raise self._too_large(e, "the regex", "regex") from None
@@ -296,9 +296,9 @@ class Compiler:
     except (TypeError, ValueError) as e:
       raise ConstraintError(f"the JSON Schema must be JSON data (dicts, lists, strings, numbers): {e}") from None
 
-    def texts():
+    def texts(work: fsa.Budget):
       try:
-        yield from schema_lib.compile_schema(schema, self._options, self._budget, self._sizes())
+        yield from schema_lib.compile_schema(schema, self._options, work, self._sizes())
       except fsa.TooLarge as e:
         raise self._too_large(e, "the schema", None) from None
 
@@ -309,7 +309,7 @@ class Compiler:
     :data:`~mercury_jax.constrain.schema.JSON_OBJECT_DEPTH` deep, the object included (values inside it 3 deep), or
     as deep as this compiler's limits allow."""
 
-    def texts():
+    def texts(work: fsa.Budget):
       for depth in range(schema_lib.JSON_OBJECT_DEPTH, 1, -1):
         try:
           yield schema_lib.any_object(depth, self._budget, self._options.exact_numbers), (), "try"
@@ -322,11 +322,6 @@ class Compiler:
 
     return self._compile("json_object", "", texts)
 
-  def _metered(self) -> fsa.Budget:
-    """A budget for one compile: the same bound per automaton, and :data:`~mercury_jax.constrain.schema.WORK`
-    states in all."""
-    return self._budget.fresh(schema_lib.WORK)
-
   def _sizes(self) -> schema_lib.Sizes | None:
     """The static estimates' limit: states a final automaton may have (None when the tokenizer cannot spell every
     ASCII character, so a text of n characters may take fewer than n tokens and states)."""
@@ -336,6 +331,13 @@ class Compiler:
     return schema_lib.Sizes(
       rows, lambda states, what, param: self._limits.refusal(states, what, param, rows, "token-level")
     )
+
+  def _tokens(self, text: fsa.Dfa, what: str, param: str | None, work: fsa.Budget, kind: str) -> tokens.Tables:
+    """The token-level automaton of ``text``, its work spent on ``work``."""
+    try:
+      return tokens.build(text, self._vocab, self._limits, what, param, canonical=self._canonical, budget=work)
+    except fsa.Exhausted as e:
+      raise self._too_large(e, "the schema" if kind == "json_schema" else what, param) from None
 
   def _too_large(self, error: fsa.TooLarge, what: str, param: str | None) -> ConstraintError:
     if isinstance(error, fsa.Exhausted):
@@ -348,8 +350,10 @@ class Compiler:
     return self._limits.refusal(error.states, what, getattr(error, "param", param), self._budget.states, "byte-level")
 
   def _compile(self, kind: str, source: str, texts_of, written: str | None = None) -> Automaton:
-    """The cached automaton of ``kind`` and ``source``; ``texts_of()`` yields ``(byte automaton, warnings, role)``
-    to try in turn until one fits the limits: ``"try"``, or ``"last"`` (refused if it does not fit), or ``"floor"``
+    """The cached automaton of ``kind`` and ``source``; ``texts_of(work)`` yields ``(byte automaton, warnings,
+    role)`` to try in turn until one fits the limits, building them and their token-level automata within ``work``
+    (:data:`~mercury_jax.constrain.schema.COMPILE_WORK`, each attempt at most
+    :data:`~mercury_jax.constrain.schema.WORK`): ``"try"``, or ``"last"`` (refused if it does not fit), or ``"floor"``
     (kept while the next ones are tried if it fits; else refused, unless the compiler narrows), or ``"narrow"``
     (a subset of the language: not tried once a floor fits)."""
     key = _key(kind, source, self._vocab.digest, self._canonical, self._options)
@@ -361,21 +365,26 @@ class Compiler:
       try:
         what, param = ("the regex", "regex") if kind == "regex" else ("the constraint", None)
         chosen = floor = None
-        for text, notes, role in texts_of():
-          if role == "narrow" and floor is not None:
-            break  # the whole language, recursion unrolled once, fits: no subset of it is needed
-          try:
-            arrays = tokens.build(text, self._vocab, self._limits, what, param, canonical=self._canonical)
-          except ConstraintError as e:
-            if role == "last" or (role == "floor" and not self._options.narrow):
-              raise
-            found = e
-            continue
-          if role == "floor":  # it fits: a deeper one may too
-            floor = (arrays, text, notes)
-            continue
-          chosen = (arrays, text, notes)
-          break
+        work = self._budget.fresh(schema_lib.COMPILE_WORK)
+        try:
+          for text, notes, role in texts_of(work):
+            if role == "narrow" and floor is not None:
+              break  # the whole language, recursion unrolled once, fits: no subset of it is needed
+            try:
+              arrays = self._tokens(text, what, param, work, kind)
+            except ConstraintError as e:
+              if role == "last" or (role == "floor" and not self._options.narrow):
+                raise
+              found = e
+              continue
+            if role == "floor":  # it fits: a deeper one may too
+              floor = (arrays, text, notes)
+              continue
+            chosen = (arrays, text, notes)
+            break
+        except ConstraintError:
+          if floor is None:
+            raise  # else the deeper attempts after the floor, or the compile's work, ran out: the floor stands
         chosen = chosen or floor
         if chosen is None:
           raise found

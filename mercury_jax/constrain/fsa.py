@@ -40,7 +40,9 @@ class Exhausted(TooLarge):
 @dataclasses.dataclass(frozen=True, eq=False)
 class Budget:
   """The most states an automaton built on the way may have, and (``work``) all of them together: one compile
-  attempt's share of time, counted in states so that it is the same on every machine (None: unbounded).
+  attempt's share of time, counted in states so that it is the same on every machine (None: unbounded). What it
+  spends is spent on its ``parent`` too (the whole compile's budget, which its attempts share), and either may run
+  out.
 
   Budgets without ``work`` are equal when their ``states`` are (cached automata are shared between them); a metered
   one is equal only to itself, so a cache never spares it work another compile did: what it spends depends on the
@@ -50,6 +52,7 @@ class Budget:
   states: int
   work: int | None = None
   spent: list = dataclasses.field(default_factory=lambda: [0], repr=False)
+  parent: Budget | None = dataclasses.field(default=None, repr=False)
 
   def __eq__(self, other) -> bool:
     if self.work is not None or not isinstance(other, Budget) or other.work is not None:
@@ -68,12 +71,15 @@ class Budget:
     """Counts ``work`` state-sized steps (states built, a subset construction's rows) against ``work``."""
     if self.work is not None:
       self.spent[0] += work
+      if self.parent is not None:
+        self.parent.spend(work)
       if self.spent[0] > self.work:
         raise Exhausted(self.work)
 
   def fresh(self, work: int | None) -> Budget:
-    """The same bound per automaton, with nothing spent and ``work`` in all."""
-    return Budget(self.states, work)
+    """The same bound per automaton, with nothing spent and ``work`` in all (a share of this budget's, when it is
+    metered)."""
+    return Budget(self.states, work, parent=self if self.work is not None else None)
 
 
 UNBOUNDED = Budget(1 << 62)

@@ -36,7 +36,9 @@ from mercury_jax.constrain.reading import Normalizer, TooManyBranches
 RECURSION_DEPTH = 4  # Levels a recursive $ref is unrolled to at most (the compiler's default recursion_depth).
 LONG_STRING = 256  # A longer maxLength is written as at most this many characters (each is a state of its own).
 WORK = 1 << 24  # States (and partition-refinement steps) one compile attempt may build in all: its time, in units
-# that are the same on every machine (about a second of CPU on a 2-core Xeon).
+# that are the same on every machine (about three seconds of CPU on a 2-core Xeon).
+COMPILE_WORK = 5 * WORK  # The same for one compile in all: its attempts (the whole schema and each narrowing step)
+# and their token-level automata.
 ANY_VALUE_DEPTH = 1  # Containers "any value" nests inside a schema ({}, true, items without a schema).
 JSON_OBJECT_DEPTH = 4  # Containers a json_object nests (the outer object counts).
 _KINDS = ("null", "boolean", "number", "string", "array", "object")

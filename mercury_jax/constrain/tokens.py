@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 import os
 
 import numpy as np
@@ -37,6 +38,10 @@ FORCED_TEXT_LIMIT = 64  # Characters of fixed text looked ahead per state (a sho
 # before minimizing and pruning; more is refused before the dense table grows.
 PRE_PRUNING_FACTOR = 8
 TABLE_COPIES = 4  # Dense [states, vocab] int32 tables alive at once while an automaton is built (memory estimate).
+# Tokens of the vocabulary per unit of a compile's work (fsa.Budget.spend) that reading a token-level state costs:
+# measured on a 4096-token vocabulary, a state's row (a walk of the vocabulary's trie) takes about 0.2 ms, as long as
+# about 1000 byte-level states of a subset construction.
+TOKENS_PER_WORK = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,9 +53,12 @@ class Vocab:
     texts: Each id's text, None for ids the automaton never allows outside DONE.
     first: int32 [vocab]: the code point a token's text starts with, -1 for None texts.
     lengths: int32 [vocab]: characters of each token's text.
-    ids: int64 [n]: the ids of text pieces, longest (in bytes) first.
-    pieces: uint8 [n, longest]: their bytes, zero-padded.
-    counts: int64 [longest]: how many pieces are longer than each byte position (a prefix of ``ids``).
+    ids: int64 [n]: the ids of text pieces.
+    parents: int64 [nodes]: the trie of their bytes, by depth (each node's parent comes first; -1: the root's
+      children), so a walk advances each shared prefix once (a vocabulary's pieces share most of their prefixes).
+    edges: uint8 [nodes]: the byte from each node's parent to it.
+    levels: int64 [depth + 1]: where each depth's nodes begin.
+    ends: int64 [n]: the node each piece of ``ids`` ends at.
     digest: sha256 of the serialized tokenizer.
     spells_ascii: Every ASCII character is a token (so a text of n characters can take n tokens).
   """
@@ -60,8 +68,10 @@ class Vocab:
   first: np.ndarray
   lengths: np.ndarray
   ids: np.ndarray
-  pieces: np.ndarray
-  counts: np.ndarray
+  parents: np.ndarray
+  edges: np.ndarray
+  levels: np.ndarray
+  ends: np.ndarray
   digest: bytes
   spells_ascii: bool
 
@@ -78,21 +88,22 @@ class Vocab:
       except UnicodeDecodeError:
         continue  # Part of a character: forbidden.
       raw[token_id] = data
-    ids = np.array(sorted(raw, key=lambda i: -len(raw[i])), np.int64)
-    longest = max((len(d) for d in raw.values()), default=0)
-    pieces = np.zeros((len(ids), longest), np.uint8)
-    for row, token_id in enumerate(ids.tolist()):
-      data = raw[token_id]
-      pieces[row, : len(data)] = np.frombuffer(data, np.uint8)
-    sizes = np.array([len(raw[i]) for i in ids.tolist()], np.int64)
+    ids = np.array(sorted(raw), np.int64)
+    prefixes = sorted(
+      {data[:end] for data in raw.values() for end in range(1, len(data) + 1)}, key=lambda p: (len(p), p)
+    )
+    node = {prefix: n for n, prefix in enumerate(prefixes)}
+    longest = max(map(len, prefixes), default=1)
     return cls(
       tokenizer=tokenizer,
       texts=tuple(texts),
       first=np.array([ord(t[0]) if t else -1 for t in texts], np.int32),
       lengths=np.array([len(t) if t else 0 for t in texts], np.int32),
       ids=ids,
-      pieces=pieces,
-      counts=np.array([(sizes > j).sum() for j in range(longest)], np.int64),
+      parents=np.array([node.get(p[:-1], -1) for p in prefixes], np.int64),
+      edges=np.array([p[-1] for p in prefixes], np.uint8),
+      levels=np.searchsorted([len(p) for p in prefixes], np.arange(1, longest + 2)),
+      ends=np.array([node[raw[i]] for i in ids.tolist()], np.int64),
       digest=hashlib.sha256(tokenizer.to_bytes()).digest(),
       spells_ascii=set(map(chr, range(128))) <= set(texts),
     )
@@ -130,48 +141,57 @@ class Limits:
     )
 
 
-def _token_rows(text: fsa.Dfa, vocab: Vocab, most: int):
+def _token_rows(text: fsa.Dfa, vocab: Vocab, most: int, budget: fsa.Budget):
   """``(columns [states, classes], classes [vocab], accepting)``: the byte automaton's states reached at token
   boundaries from its start (breadth-first; state i is the i-th reached), and where each token leads from each (-1:
   forbidden), with tokens whose columns are equal sharing a class; or the number of states found once it passes
-  ``most``.
+  ``most``. Each state read is spent on ``budget`` (:data:`TOKENS_PER_WORK`).
 
-  States are read 256 at a time, all the vocabulary at once (a gather per byte position of the tokens), and the
-  token classes are refined as they go: tokens that went alike so far and go alike from the new states stay
-  together (their earlier columns are equal, so a class's earlier column is any member's).
+  States are read up to 256 at a time (those found and not yet read), all the vocabulary at once (a gather per
+  node of the vocabulary's trie); every 256 states read, the token classes are refined: tokens that went alike so
+  far and go alike from the new states stay together (their earlier columns are equal, so a class's earlier column
+  is any member's).
   """
   n = text.size
   table = np.concatenate([text.columns, np.full((1, text.columns.shape[1]), n, np.int32)])  # row n: dead, stays dead
   table[:n][text.columns < 0] = n
-  pieces = text.classes[vocab.pieces]  # each token's bytes, as the automaton's byte classes
+  edges = text.classes[vocab.edges]  # the trie's bytes, as the automaton's byte classes
   vocab_size = vocab.tokenizer.vocab_size
-  number = {0: 0}
-  order = [0]
+  number = np.full(n + 1, -1, np.int32)  # each byte state's number here, -1 until reached (the dead row n never is)
+  number[0] = 0
+  order = np.zeros(min(n, most + 1), np.int64)  # the byte state of each number
+  found, read = 1, 0
   classes = np.zeros(vocab_size, np.int64)  # every token alike before any state is read
-  blocks: list[tuple[np.ndarray, np.ndarray]] = []  # each batch's columns, by the classes after it
-  done = 0
-  while done < len(order):
-    batch = np.array(order[done : done + 256], np.int64)
-    done += len(batch)
-    current = np.repeat(batch[:, None], len(vocab.ids), axis=1).astype(np.int32)
-    for j, count in enumerate(vocab.counts.tolist()):
-      current[:, :count] = table[current[:, :count], pieces[:count, j]]
-    for found in np.unique(current[current < n]).tolist():
-      if found not in number:
-        number[found] = len(order)
-        order.append(found)
-    if len(order) > most:
-      return len(order)
-    lookup = np.full(n + 1, -1, np.int32)
-    keys = np.fromiter(number.keys(), np.int64, len(number))
-    lookup[keys] = np.fromiter(number.values(), np.int32, len(number))
+  blocks: list[tuple[np.ndarray, np.ndarray]] = []  # columns of 256 states read, by the classes after them
+  pending: list[np.ndarray] = []
+  while read < found:
+    batch = order[read : min(found, read + 256)]
+    read += len(batch)
+    budget.spend(len(batch) * max(1, vocab_size // TOKENS_PER_WORK))
+    walked = np.empty((len(batch), len(edges)), np.int32)
+    top = vocab.levels[1]
+    walked[:, :top] = table[batch[:, None], edges[None, :top]]
+    for lo, hi in itertools.pairwise(vocab.levels[1:].tolist()):
+      walked[:, lo:hi] = table[walked[:, vocab.parents[lo:hi]], edges[lo:hi]]
+    reached = walked[:, vocab.ends]
+    new = np.unique(reached[reached < n])
+    new = new[number[new] < 0]
+    if found + len(new) > most:
+      return found + len(new)
+    number[new] = np.arange(found, found + len(new), dtype=np.int32)
+    order[found : found + len(new)] = new
+    found += len(new)
     rows = np.full((len(batch), vocab_size), -1, np.int32)
-    rows[:, vocab.ids] = lookup[current]
-    first, classes = _refined(classes, rows)
-    blocks.append((rows[:, first], classes))
+    rows[:, vocab.ids] = number[reached]
+    pending.append(rows)
+    if read == found or sum(map(len, pending)) >= 256:
+      rows = np.vstack(pending)
+      pending.clear()
+      first, classes = _refined(classes, rows)
+      blocks.append((rows[:, first], classes))
   first = np.unique(classes, return_index=True)[1]  # a token of each final class: its column in every batch
   columns = np.vstack([block[:, then[first]] for block, then in blocks])
-  return columns, classes, text.accepting[np.array(order)]
+  return columns, classes, text.accepting[order[:found]]
 
 
 def _refined(classes: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -227,23 +247,32 @@ def _reachable(table: np.ndarray, start: int) -> np.ndarray:
 
 def _classes(columns: np.ndarray, classes: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
   """``(columns, classes [vocab])`` with equal columns merged, numbered by first token (``classes``: the token ->
-  column map of ``columns``; None: one column per token)."""
+  column map of ``columns``; None: one column per token). Columns are compared by a hash, checked exactly (and
+  compared exactly if two collided): sorting whole columns costs seconds on a table of ten thousand states."""
   if classes is None:
     classes = np.arange(columns.shape[1])
-  _, first, inverse = np.unique(columns, axis=1, return_index=True, return_inverse=True)
+  weights = np.random.default_rng(2).integers(1, 2**63, size=columns.shape[0], dtype=np.uint64)
+  hashes = weights @ (columns.astype(np.int64) + 1).astype(np.uint64)
+  _, first, inverse = np.unique(hashes, return_index=True, return_inverse=True)
+  inverse = inverse.reshape(-1)
+  if not np.array_equal(columns[:, first[inverse]], columns):
+    _, first, inverse = np.unique(columns, axis=1, return_index=True, return_inverse=True)
+    inverse = inverse.reshape(-1)
   order = np.argsort(first)
   rank = np.empty_like(order)
   rank[order] = np.arange(len(order))
-  return np.ascontiguousarray(columns[:, first[order]], np.int32), rank[inverse.reshape(-1)][classes].astype(np.int32)
+  return np.ascontiguousarray(columns[:, first[order]], np.int32), rank[inverse][classes].astype(np.int32)
 
 
-def _equivalent(columns: np.ndarray, accepting: np.ndarray) -> np.ndarray:
-  """int32 [states]: the class of equivalent states each state belongs to, numbered in order of first member.
+def _equivalent(columns: np.ndarray, accepting: np.ndarray, most: int) -> np.ndarray | int:
+  """int32 [states]: the class of equivalent states each state belongs to, numbered in order of first member; or
+  the number of classes found once it passes ``most`` (refinement only splits, so the final count is larger still).
 
   Moore's partition refinement: states split by acceptance (DONE, where every token is allowed, alone), then by the
   classes their successors are in, until nothing splits. Rows are compared by a hash first (a round costs one pass
   over the table; a chain of states takes a round per few states, as tokens span several characters), checked
-  exactly at the end, and compared exactly if a hash collided.
+  exactly at the end, and compared exactly if a hash collided. A colliding hash only merges blocks, so its count is
+  never above the exact one: stopping on it is safe.
   """
   missing, targets = columns < 0, np.maximum(columns, 0)
   weights = np.random.default_rng(1).integers(1, 2**63, size=columns.shape[1] + 1, dtype=np.uint64)
@@ -266,6 +295,8 @@ def _equivalent(columns: np.ndarray, accepting: np.ndarray) -> np.ndarray:
       rank[np.argsort(first)] = np.arange(len(first))
       block, grew = rank[inverse], len(first) > count
       count = len(first)
+      if count > most:
+        return count
       if not grew:
         break
     members = np.unique(block, return_index=True)[1]
@@ -275,10 +306,12 @@ def _equivalent(columns: np.ndarray, accepting: np.ndarray) -> np.ndarray:
   raise AssertionError("partition refinement did not converge")
 
 
-def _minimized(columns: np.ndarray, classes: np.ndarray, accepting: np.ndarray):
+def _minimized(columns: np.ndarray, classes: np.ndarray, accepting: np.ndarray, most: int):
   """``(columns, classes, accepting)`` with equivalent states merged; a class is numbered by its first member, so
-  DONE stays 0 and the start 1."""
-  block = _equivalent(columns, accepting)
+  DONE stays 0 and the start 1. Or the number of states found once it passes ``most``."""
+  block = _equivalent(columns, accepting, most)
+  if isinstance(block, int):
+    return block
   first = np.unique(block, return_index=True)[1]
   quotient = np.where(columns[first] >= 0, block[np.maximum(columns[first], 0)], -1)
   quotient, classes = _classes(quotient, classes)
@@ -392,6 +425,13 @@ def _canonicalize(columns: np.ndarray, classes: np.ndarray, accepting: np.ndarra
   return columns, classes
 
 
+def _over(size: int, name: str, most: int, limits: Limits, at_least: bool = False) -> ConstraintError:
+  return ConstraintError(
+    f"the constraint compiles to {'at least ' * at_least}{size} automaton {name}, more than max_{name}={most}; "
+    f"simplify it (shorter maxLength, fewer optional properties or alternatives) or {limits.remedy.format(name=name)}"
+  )
+
+
 @dataclasses.dataclass(frozen=True)
 class Tables:
   """A constraint's token-level automaton (:class:`~mercury_jax.constrain.automaton.Automaton`'s arrays)."""
@@ -404,12 +444,22 @@ class Tables:
   start: int
 
 
-def build(text: fsa.Dfa, vocab: Vocab, limits: Limits, what: str, param: str | None, *, canonical: bool) -> Tables:
-  """The token-level automaton of the byte automaton ``text`` (module docstring).
+def build(
+  text: fsa.Dfa,
+  vocab: Vocab,
+  limits: Limits,
+  what: str,
+  param: str | None,
+  *,
+  canonical: bool,
+  budget: fsa.Budget = fsa.UNBOUNDED,
+) -> Tables:
+  """The token-level automaton of the byte automaton ``text`` (module docstring), its work spent on ``budget``.
 
   Raises:
     ConstraintError: No token sequence is accepted, or the automaton passes the limits (``what`` and ``param``
       name the constraint).
+    fsa.Exhausted: ``budget``'s work ran out.
   """
   impossible = ConstraintError(
     "no token sequence satisfies the constraint with this tokenizer (it can only write the text pieces it has); "
@@ -418,7 +468,7 @@ def build(text: fsa.Dfa, vocab: Vocab, limits: Limits, what: str, param: str | N
   if text.empty:
     raise impossible
   most = limits.rows(vocab)
-  found = _token_rows(text, vocab, most)
+  found = _token_rows(text, vocab, most, budget)
   if isinstance(found, int):
     raise limits.refusal(found, what, param, most, "token-level")
   columns, classes, accepting = _with_done(*found, vocab.tokenizer.eos_id)
@@ -435,7 +485,10 @@ def build(text: fsa.Dfa, vocab: Vocab, limits: Limits, what: str, param: str | N
   renumber[keep] = np.arange(len(keep), dtype=np.int32)
   columns = np.where(columns >= 0, renumber[np.maximum(columns, 0)], -1)[keep]
   columns, classes = _classes(columns, classes)
-  table, classes, accepting = _minimized(columns, classes, accepting[keep])
+  minimized = _minimized(columns, classes, accepting[keep], limits.max_states)
+  if isinstance(minimized, int):
+    raise _over(minimized, "states", limits.max_states, limits, at_least=True)
+  table, classes, accepting = minimized
   distance = _distance(table, accepting)
   assert (distance >= 0).all(), "pruning left a state that cannot reach acceptance"
   allowed_count = (table >= 0).astype(np.int64) @ np.bincount(classes, minlength=table.shape[1])
@@ -448,10 +501,7 @@ def build(text: fsa.Dfa, vocab: Vocab, limits: Limits, what: str, param: str | N
     ("edges", int(np.count_nonzero(table >= 0)), limits.max_edges),
   ):
     if size > most:
-      raise ConstraintError(
-        f"the constraint compiles to {size} automaton {name}, more than max_{name}={most}; simplify it (shorter "
-        f"maxLength, fewer optional properties or alternatives) or {limits.remedy.format(name=name)}"
-      )
+      raise _over(size, name, most, limits)
   for array in (classes, table, accepting, distance, forced):
     array.flags.writeable = False
   return Tables(classes, table, accepting, distance, forced, start)
