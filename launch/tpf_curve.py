@@ -1,7 +1,7 @@
 """Tokens per forward of a verified run's checkpoints: the drafter's learning curve, greedy and at T = 1.
 
     python launch/tpf_curve.py --workdir RUNS/v4_distill --steps 60,120,180 --data DATA_DIR --corpus python-stdlib \
-      [--prompts 128] [--length 64] [--batch 64] [--tokens launch/draft_tokens.py's JSON] [--json OUT]
+      [--lever chain] [--prompts 128] [--length 64] [--batch 64] [--tokens launch/draft_tokens.py's JSON] [--json OUT]
 
 For each checkpoint step (``--checkpoint`` for exported models instead) it decodes exactly what
 ``python -m mercury_jax.bench --verified ... --length L --prompts N`` decodes for its verified rows: the same
@@ -27,9 +27,11 @@ from mercury_jax.data import pipeline
 from mercury_jax.sampling.sampler import Sampler
 
 
-def measure(sampler: Sampler, canvases, real_rows: int, temperature: float, seed: int) -> dict:
-  """Verified decoding of every canvas at ``temperature``: TPF and acceptance over the first ``real_rows`` rows."""
-  settings = sampler.settings(temperature=temperature, top_p=1.0, top_k=0, decode="verified", draft_length=0)
+def measure(sampler: Sampler, canvases, real_rows: int, temperature: float, seed: int, lever: str = "chain") -> dict:
+  """Verified decoding of every canvas at ``temperature`` with ``lever``'s knobs: TPF and acceptance over the first
+  ``real_rows`` rows."""
+  knobs = bench_verified.LEVERS[lever]
+  settings = sampler.settings(temperature=temperature, top_p=1.0, top_k=0, decode="verified", draft_length=0, **knobs)
   calls, tokens, nfe = [], 0, 0
   left = real_rows
   for canvas in canvases:
@@ -57,6 +59,7 @@ def main() -> None:
   parser.add_argument("--batch", type=int, default=64)
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--temperatures", default="1,0")
+  parser.add_argument("--lever", default="chain", choices=sorted(bench_verified.LEVERS), help="the bench's lever")
   parser.add_argument("--tokens", help="draft_tokens.py's JSON: drafter tokens at each step, for the table")
   parser.add_argument("--offset", type=int, default=0, help="drafter tokens seen before this run (earlier stages)")
   parser.add_argument("--json", help="write the rows here (appended to an existing file's rows)")
@@ -77,16 +80,16 @@ def main() -> None:
     )
     ids = [tokenizer.encode(p.text) for p in prompts]
     canvases = make_batches(ids, args.length, context, args.batch, tokenizer.pad_id)
-    row = {"checkpoint": name, "step": step, "length": args.length, "prompts": len(prompts)}
+    row = {"checkpoint": name, "step": step, "length": args.length, "prompts": len(prompts), "lever": args.lever}
     if step is not None and step in drafter:
       row["drafter_tokens"] = args.offset + drafter[step]
     for t in (float(v) for v in args.temperatures.split(",")):
       label = "greedy" if t == 0 else f"T={t:g}"
-      row[label] = measure(sampler, canvases, len(prompts), t, args.seed)
+      row[label] = measure(sampler, canvases, len(prompts), t, args.seed, args.lever)
     rows.append(row)
     shown = {k: round(v["tokens_per_forward"], 3) for k, v in row.items() if isinstance(v, dict)}
     by_position = {k: [round(a, 3) for a in v["accepted_by_position"]] for k, v in row.items() if isinstance(v, dict)}
-    print(name, row.get("drafter_tokens", ""), shown, by_position, flush=True)
+    print(name, args.lever, row.get("drafter_tokens", ""), shown, by_position, flush=True)
     if args.json:
       Path(args.json).write_text(json.dumps({"rows": rows}, indent=1) + "\n")
 
