@@ -2,6 +2,7 @@
 
     python launch/tpf_curve.py --workdir RUNS/v4_distill --steps 60,120,180 --data DATA_DIR --corpus python-stdlib \
       [--lever chain] [--prompts 128] [--length 64] [--batch 64] [--tokens launch/draft_tokens.py's JSON] [--json OUT]
+    python launch/tpf_curve.py --workdir RUNS/v4_distill --json OUT --plot curve.png   # plot OUT's rows (bench extra)
 
 For each checkpoint step (``--checkpoint`` for exported models instead) it decodes exactly what
 ``python -m mercury_jax.bench --verified ... --length L --prompts N`` decodes for its verified rows: the same
@@ -52,7 +53,7 @@ def main() -> None:
   parser.add_argument("--workdir", help="a train workdir; its --steps are measured")
   parser.add_argument("--steps", default="", help="comma-separated checkpoint steps of --workdir")
   parser.add_argument("--checkpoint", action="append", default=[], help="an exported model (repeatable)")
-  parser.add_argument("--data", required=True, help="a prepared directory with the models' tokenizer")
+  parser.add_argument("--data", help="a prepared directory with the models' tokenizer (needed to measure)")
   parser.add_argument("--corpus", default="python-stdlib", help="the prompts' corpus (as the bench's --corpus)")
   parser.add_argument("--prompts", type=int, default=128)
   parser.add_argument("--length", type=int, default=64)
@@ -63,14 +64,22 @@ def main() -> None:
   parser.add_argument("--tokens", help="draft_tokens.py's JSON: drafter tokens at each step, for the table")
   parser.add_argument("--offset", type=int, default=0, help="drafter tokens seen before this run (earlier stages)")
   parser.add_argument("--json", help="write the rows here (appended to an existing file's rows)")
+  parser.add_argument("--plot", help="then plot --json's rows of --workdir: TPF against drafter tokens (a PNG)")
   args = parser.parse_args()
+  if args.plot and not (args.json and args.workdir):
+    parser.error("--plot draws --json's rows of --workdir: give both")
   targets = [(f"{args.workdir}@{s}", args.workdir, int(s)) for s in args.steps.split(",") if s]
   targets += [(c, c, None) for c in args.checkpoint]
-  tokenizer = pipeline.load_data_tokenizer(args.data)
+  if targets and not args.data:
+    parser.error("--data is needed to measure: the prepared directory with the models' tokenizer")
   drafter = {}
   if args.tokens:
     drafter = {r["step"]: r["drafter"] for r in json.loads(Path(args.tokens).read_text())["rows"]}
   rows = json.loads(Path(args.json).read_text())["rows"] if args.json and Path(args.json).is_file() else []
+  for row in rows:  # Rows measured before the run's token counts were known get them now.
+    if row.get("step") in drafter and row["checkpoint"] == f"{args.workdir}@{row['step']}":
+      row.setdefault("drafter_tokens", args.offset + drafter[row["step"]])
+  tokenizer = pipeline.load_data_tokenizer(args.data) if targets else None
   for name, path, step in targets:
     sampler = Sampler.from_checkpoint(path, step=step)
     context = sampler.max_length
@@ -92,6 +101,31 @@ def main() -> None:
     print(name, args.lever, row.get("drafter_tokens", ""), shown, by_position, flush=True)
     if args.json:
       Path(args.json).write_text(json.dumps({"rows": rows}, indent=1) + "\n")
+  if args.json and not targets:
+    Path(args.json).write_text(json.dumps({"rows": rows}, indent=1) + "\n")
+  if args.plot:
+    plot(rows, args.workdir, args.lever, args.plot)
+
+
+def plot(rows: list[dict], workdir: str, lever: str, out: str) -> None:
+  """TPF greedy and at T = 1 against the drafter tokens seen, for ``workdir``'s rows measured with ``lever``."""
+  import matplotlib  # The bench extra: only --plot needs it.
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  mine = [r for r in rows if r["checkpoint"].startswith(f"{workdir}@") and r.get("lever") == lever]
+  mine = sorted((r for r in mine if "drafter_tokens" in r), key=lambda r: r["drafter_tokens"])
+  fig, ax = plt.subplots(figsize=(6, 3.5))
+  seen = [r["drafter_tokens"] / 1e6 for r in mine]
+  for label in ("greedy", "T=1"):
+    ax.plot(seen, [r[label]["tokens_per_forward"] for r in mine], "o-", label=label)
+  ax.set_xlabel(f"drafter tokens seen in {Path(workdir).name} (millions)")
+  ax.set_ylabel(f"tokens per forward ({lever})")
+  ax.grid(alpha=0.3)
+  ax.legend()
+  fig.tight_layout()
+  fig.savefig(out, dpi=120)
 
 
 if __name__ == "__main__":
