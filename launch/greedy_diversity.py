@@ -1,0 +1,78 @@
+"""How repetitive a model's greedy text is: distinct-n and unigram entropy over the bench's prompts.
+
+    python launch/greedy_diversity.py --data DATA_DIR MODEL [MODEL ...] [--prompts 128] [--length 64] [--json OUT]
+
+MODEL is an exported checkpoint or ``WORKDIR@STEP``. Each model continues the same documented-function prompts as
+``launch/tpf_curve.py`` and the bench (``bench.prompts.select_prompts``, ``bench.rounds.make_batches``) greedily with
+its next-token head (``--decode ar``: for a verified model, the text its verified decoding writes at T = 0), and the
+generated tokens are scored with the bench's ``distinct_n`` (pooled over prompts) and ``unigram_entropy``. A drafter
+trained on the model's own greedy text can make that text more repetitive (docs/results/verified.md, stage B), which
+by itself raises what prompt lookup accepts: this measures it on more prompts than a bench run's quality columns.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+
+from mercury_jax import kinds as K
+from mercury_jax.bench import prompts as bench_prompts, quality
+from mercury_jax.bench.rounds import make_batches
+from mercury_jax.data import pipeline
+from mercury_jax.sampling.sampler import Sampler
+
+
+def greedy_samples(sampler: Sampler, ids: list[list[int]], length: int, batch: int, pad_id: int) -> list[list[int]]:
+  """Each prompt's greedy continuation (its generated tokens, padding dropped)."""
+  settings = sampler.settings(temperature=0.0, top_p=1.0, top_k=0, decode="ar")
+  samples, left = [], len(ids)
+  for canvas in make_batches(ids, length, sampler.max_length, batch, pad_id):
+    out, _, _ = sampler.run(canvas, None, 0, settings)
+    real = min(left, canvas.tokens.shape[0])
+    left -= real
+    tokens = np.asarray(out.tokens)[:real, : canvas.tokens.shape[1]]
+    generated = (np.asarray(canvas.kinds)[:real] == K.TARGET) & (tokens != pad_id)
+    samples += [row[keep].tolist() for row, keep in zip(tokens, generated, strict=True)]
+  return samples
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("models", nargs="+", help="exported checkpoints or WORKDIR@STEP")
+  parser.add_argument("--data", required=True, help="a prepared directory with the models' tokenizer")
+  parser.add_argument("--corpus", default="python-stdlib", help="the prompts' corpus (as the bench's --corpus)")
+  parser.add_argument("--prompts", type=int, default=128)
+  parser.add_argument("--length", type=int, default=64)
+  parser.add_argument("--batch", type=int, default=64)
+  parser.add_argument("--json", help="write the rows here")
+  args = parser.parse_args()
+  tokenizer = pipeline.load_data_tokenizer(args.data)
+  rows = []
+  for name in args.models:
+    path, _, step = name.partition("@")
+    sampler = Sampler.from_checkpoint(path, step=int(step) if step else None)
+    limit = sampler.max_length - min(args.length, sampler.max_length // 2)
+    prompts, _ = bench_prompts.select_prompts(
+      args.data, args.prompts, lambda text, limit=limit: len(tokenizer.encode(text)) <= limit, args.corpus
+    )
+    ids = [tokenizer.encode(p.text) for p in prompts]
+    samples = greedy_samples(sampler, ids, args.length, args.batch, tokenizer.pad_id)
+    row = {
+      "model": name,
+      "prompts": len(samples),
+      "tokens": sum(map(len, samples)),
+      "distinct_2": quality.distinct_n(samples, 2),
+      "distinct_3": quality.distinct_n(samples, 3),
+      "entropy": quality.unigram_entropy(samples),
+    }
+    rows.append(row)
+    print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+  if args.json:
+    Path(args.json).write_text(json.dumps({"rows": rows}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+  main()
