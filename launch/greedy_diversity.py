@@ -3,7 +3,7 @@
     python launch/greedy_diversity.py --data DATA_DIR MODEL [MODEL ...] [--prompts 128] [--length 64] [--json OUT]
 
 MODEL is an exported checkpoint or ``WORKDIR@STEP``. Each model continues the same documented-function prompts as
-``launch/tpf_curve.py`` and the bench (``bench.prompts.select_prompts``, ``bench.rounds.make_batches``) greedily with
+``launch/tpf_curve.py`` and the bench (``tpf_curve.bench_canvases``) greedily with
 its next-token head (``--decode ar``: for a verified model, the text its verified decoding writes at T = 0), and the
 generated tokens are scored with the bench's ``distinct_n`` (pooled over prompts) and ``unigram_entropy``. A drafter
 trained on the model's own greedy text can make that text more repetitive (docs/results/verified.md, stage B), which
@@ -17,19 +17,19 @@ import json
 from pathlib import Path
 
 import numpy as np
+from tpf_curve import bench_canvases  # launch/, first on sys.path when this script runs
 
 from mercury_jax import kinds as K
-from mercury_jax.bench import prompts as bench_prompts, quality
-from mercury_jax.bench.rounds import make_batches
+from mercury_jax.bench import quality
 from mercury_jax.data import pipeline
 from mercury_jax.sampling.sampler import Sampler
 
 
-def greedy_samples(sampler: Sampler, ids: list[list[int]], length: int, batch: int, pad_id: int) -> list[list[int]]:
-  """Each prompt's greedy continuation (its generated tokens, padding dropped)."""
+def greedy_samples(sampler: Sampler, canvases, count: int, pad_id: int) -> list[list[int]]:
+  """Each of the first ``count`` rows' greedy continuation (its generated tokens, padding dropped)."""
   settings = sampler.settings(temperature=0.0, top_p=1.0, top_k=0, decode="ar")
-  samples, left = [], len(ids)
-  for canvas in make_batches(ids, length, sampler.max_length, batch, pad_id):
+  samples, left = [], count
+  for canvas in canvases:
     out, _, _ = sampler.run(canvas, None, 0, settings)
     real = min(left, canvas.tokens.shape[0])
     left -= real
@@ -54,12 +54,8 @@ def main() -> None:
   for name in args.models:
     path, _, step = name.partition("@")
     sampler = Sampler.from_checkpoint(path, step=int(step) if step else None)
-    limit = sampler.max_length - min(args.length, sampler.max_length // 2)
-    prompts, _ = bench_prompts.select_prompts(
-      args.data, args.prompts, lambda text, limit=limit: len(tokenizer.encode(text)) <= limit, args.corpus
-    )
-    ids = [tokenizer.encode(p.text) for p in prompts]
-    samples = greedy_samples(sampler, ids, args.length, args.batch, tokenizer.pad_id)
+    canvases, count = bench_canvases(sampler, tokenizer, args.data, args.corpus, args.prompts, args.length, args.batch)
+    samples = greedy_samples(sampler, canvases, count, tokenizer.pad_id)
     row = {
       "model": name,
       "prompts": len(samples),

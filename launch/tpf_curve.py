@@ -28,6 +28,16 @@ from mercury_jax.data import pipeline
 from mercury_jax.sampling.sampler import Sampler
 
 
+def bench_canvases(sampler: Sampler, tokenizer, data: str, corpus: str, prompts: int, length: int, batch: int):
+  """``(canvases, prompts found)``: the bench's documented-function prompts that fit ``sampler``'s context with room
+  for ``length`` new tokens, in canvases of ``batch`` rows (the last one padded), as the bench builds them."""
+  context = sampler.max_length
+  limit = context - min(length, context // 2)
+  chosen, _ = bench_prompts.select_prompts(data, prompts, lambda text: len(tokenizer.encode(text)) <= limit, corpus)
+  ids = [tokenizer.encode(p.text) for p in chosen]
+  return make_batches(ids, length, context, batch, tokenizer.pad_id), len(chosen)
+
+
 def measure(sampler: Sampler, canvases, real_rows: int, temperature: float, seed: int, lever: str = "chain") -> dict:
   """Verified decoding of every canvas at ``temperature`` with ``lever``'s knobs: TPF and acceptance over the first
   ``real_rows`` rows."""
@@ -82,19 +92,13 @@ def main() -> None:
   tokenizer = pipeline.load_data_tokenizer(args.data) if targets else None
   for name, path, step in targets:
     sampler = Sampler.from_checkpoint(path, step=step)
-    context = sampler.max_length
-    room = min(args.length, context // 2)
-    prompts, _ = bench_prompts.select_prompts(
-      args.data, args.prompts, lambda text, limit=context - room: len(tokenizer.encode(text)) <= limit, args.corpus
-    )
-    ids = [tokenizer.encode(p.text) for p in prompts]
-    canvases = make_batches(ids, args.length, context, args.batch, tokenizer.pad_id)
-    row = {"checkpoint": name, "step": step, "length": args.length, "prompts": len(prompts), "lever": args.lever}
+    canvases, count = bench_canvases(sampler, tokenizer, args.data, args.corpus, args.prompts, args.length, args.batch)
+    row = {"checkpoint": name, "step": step, "length": args.length, "prompts": count, "lever": args.lever}
     if step is not None and step in drafter:
       row["drafter_tokens"] = args.offset + drafter[step]
     for t in (float(v) for v in args.temperatures.split(",")):
       label = "greedy" if t == 0 else f"T={t:g}"
-      row[label] = measure(sampler, canvases, len(prompts), t, args.seed, args.lever)
+      row[label] = measure(sampler, canvases, count, t, args.seed, args.lever)
     rows.append(row)
     shown = {k: round(v["tokens_per_forward"], 3) for k, v in row.items() if isinstance(v, dict)}
     by_position = {k: [round(a, 3) for a in v["accepted_by_position"]] for k, v in row.items() if isinstance(v, dict)}
