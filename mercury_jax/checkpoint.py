@@ -22,12 +22,13 @@ from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
+from flax import traverse_util
 from jax.sharding import Mesh
 
 from mercury_jax import sharding as sh
 from mercury_jax.config import CheckpointConfig, Config, ConfigError, MeshConfig, config_from_dict
 from mercury_jax.files import CHECKPOINTS, PARAMS, TOKENIZER_FILE
-from mercury_jax.model import LATENT_PARAMS, Transformer, abstract_params
+from mercury_jax.model import LATENT_PARAMS, Transformer, abstract_params, is_draft_param
 
 ITEMS = (PARAMS, "train", "data", "config")
 
@@ -183,9 +184,9 @@ def init_params_from(path: str | Path, target: Any, step: int | None = None, fre
     target: the new model's abstract parameters (shape, dtype and sharding), e.g. ``Trainer.abstract_state()``'s;
       stored parameters are cast to its dtypes (an export stores bfloat16).
     step: which step; default: the latest (or the step named by a step-folder path).
-    fresh: the new model's initialised parameters: with them, a continuous model (``model.latent_dim > 0``) may
-      start from a discrete checkpoint of the same network, its latent parameters (``model.LATENT_PARAMS``) taken
-      from ``fresh``.
+    fresh: the new model's initialised parameters: with them, a model may add parameters the checkpoint's network
+      lacks, taken from ``fresh``: a continuous model's latent parameters (``model.LATENT_PARAMS``) over a discrete
+      checkpoint, a verified model's draft-only MLPs (``model.DRAFT_PARAMS``) over one without.
 
   Raises:
     ConfigError: the trees differ; the message names the first differing parameter and both shapes.
@@ -195,16 +196,19 @@ def init_params_from(path: str | Path, target: Any, step: int | None = None, fre
   with ocp.CheckpointManager(root, item_names=("params",), item_handlers=handlers) as manager:
     step = _step(manager, path, step)
     stored = manager.item_metadata(step).params
+    flat = traverse_util.flatten_dict(target)
     added = []
     if fresh is not None:
-      names = {name.split("/")[0] for name in _shapes(stored)}
-      added = [name for name in LATENT_PARAMS if name in target and name not in names]
-    part = {name: value for name, value in target.items() if name not in added}
+      have = {tuple(name.split("/")) for name in _shapes(stored)}
+      added = [key for key in flat if key not in have and (key[0] in LATENT_PARAMS or is_draft_param(key))]
+    part = traverse_util.unflatten_dict({key: value for key, value in flat.items() if key not in added})
     mismatch = parameter_mismatch(stored, part)
     if mismatch:
       raise ConfigError(f"--init-from {str(path)!r}: {mismatch}")
     params = manager.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(part))).params
-    return {**params, **{name: fresh[name] for name in added}}
+    grown = traverse_util.flatten_dict(params)
+    fresh_flat = traverse_util.flatten_dict(fresh) if added else {}
+    return traverse_util.unflatten_dict({**grown, **{key: fresh_flat[key] for key in added}})
 
 
 def export_params(path: str | Path, params: Any, cfg: Config, tokenizer_file: str | Path, step: int = 0) -> Path:

@@ -77,10 +77,23 @@ class ModelConfig:
   # [vocab, latent_dim] whose noisy rows enter the network through a projection; 0: no latent path (every other
   # objective).
   latent_dim: int = 0
+  # Width of a draft-only SwiGLU MLP in every block, added to the residual stream only at positions whose input token
+  # is draft_token (the [MASK] a drafter fills; objective.mask_id). Every other position, and so a verified model's
+  # next-token head, computes exactly what the network without it computes: a drafter trained through it alone
+  # (train.trainable='draft') leaves the verifier, and its fair twin, as they were. 0: none.
+  draft_mlp: int = 0
+  draft_token: int = 4
 
   def validate(self) -> None:
     if self.latent_dim < 0:
       raise ConfigError(f"model.latent_dim={self.latent_dim} must be >= 0 (0: no continuous latents; e.g. 64)")
+    if self.draft_mlp < 0:
+      raise ConfigError(f"model.draft_mlp={self.draft_mlp} must be >= 0 (0: no draft-only MLP; e.g. 128)")
+    if self.draft_mlp and not 0 <= self.draft_token < self.vocab_size:
+      raise ConfigError(
+        f"model.draft_token={self.draft_token} must be a token id in [0, {self.vocab_size}) (the [MASK], "
+        "objective.mask_id)"
+      )
     if self.num_heads % self.num_kv_heads:
       raise ConfigError(
         f"model.num_heads={self.num_heads} must be a multiple of model.num_kv_heads={self.num_kv_heads}"
@@ -299,6 +312,9 @@ class TrainConfig:
   log_every: int = 10
   eval_every: int = 200
   eval_batches: int = 8
+  # Which parameters the optimiser moves: all, or only the draft-only MLPs (model.draft_mlp), every other parameter
+  # bit-identical to the run's start (--init-from): a verified model's drafter trained with its verifier fixed.
+  trainable: Literal["all", "draft"] = "all"
 
   def validate(self) -> None:
     if self.steps < 1:
@@ -408,6 +424,16 @@ class Config:
       raise ConfigError(
         f"model.max_length={self.model.max_length} must be a multiple of 2 * mesh.sequence={2 * shards}: each "
         "sequence shard holds two chunks of every training sequence (the zig-zag layout)"
+      )
+    if self.model.draft_mlp and self.model.draft_token != self.objective.mask_id:
+      raise ConfigError(
+        f"model.draft_token={self.model.draft_token} must equal objective.mask_id={self.objective.mask_id}: the "
+        "draft-only MLP runs where the drafter's input is the [MASK]"
+      )
+    if self.train.trainable == "draft" and not (self.model.draft_mlp and self.objective.verified):
+      raise ConfigError(
+        "train.trainable='draft' trains only a verified model's draft-only MLPs; set model.draft_mlp (e.g. 128) and "
+        "objective.name='verified', or train.trainable='all'"
       )
     if self.objective.continuous and not self.model.latent_dim:
       raise ConfigError("objective.name='continuous' denoises token latents; set model.latent_dim (e.g. 64)")

@@ -164,22 +164,28 @@ class Attention(nn.Module):
 
 
 class SwiGLU(nn.Module):
+  """The block's MLP; with ``width``, the draft-only MLP (``ModelConfig.draft_mlp``), whose down projection starts at
+  zero so that a model given one computes what it computed before until the drafter is trained."""
+
   config: ModelConfig
   layout: SequenceLayout | None = None
   tiling: Tiling | None = None
+  width: int | None = None
 
   @nn.compact
   def __call__(self, x: jax.Array, norm: RMSNorm | None = None) -> jax.Array:
     """The MLP of ``x`` (``norm``: its pre-norm; under a tiling the norm and the MLP run in one tile program)."""
     cfg, dtype, pdt = self.config, dtype_of(self.config.dtype), dtype_of(self.config.param_dtype)
-    w_gate = _param(self, "gate", (cfg.d_model, cfg.mlp_dim), (sh.EMBED, sh.MLP), dtype=pdt).astype(dtype)
-    w_up = _param(self, "up", (cfg.d_model, cfg.mlp_dim), (sh.EMBED, sh.MLP), dtype=pdt).astype(dtype)
+    width = cfg.mlp_dim if self.width is None else self.width
+    w_gate = _param(self, "gate", (cfg.d_model, width), (sh.EMBED, sh.MLP), dtype=pdt).astype(dtype)
+    w_up = _param(self, "up", (cfg.d_model, width), (sh.EMBED, sh.MLP), dtype=pdt).astype(dtype)
+    down_init = nn.initializers.normal(stddev=0.02 / math.sqrt(2 * cfg.num_layers))
     w_down = _param(
       self,
       "down",
-      (cfg.mlp_dim, cfg.d_model),
+      (width, cfg.d_model),
       (sh.MLP, sh.EMBED),
-      nn.initializers.normal(stddev=0.02 / math.sqrt(2 * cfg.num_layers)),
+      down_init if self.width is None else nn.initializers.zeros,
       pdt,
     ).astype(dtype)
 
@@ -204,7 +210,16 @@ class Block(nn.Module):
   tiling: Tiling | None = None
 
   @nn.compact
-  def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None, layer_cache, cache_rest):
+  def __call__(
+    self,
+    x: jax.Array,
+    positions: jax.Array,
+    segment_ids: jax.Array | None,
+    layer_cache,
+    cache_rest,
+    drafting: jax.Array | None = None,
+  ):
+    """``drafting``: ``[batch, length]`` bool, the positions the draft-only MLP updates (``ModelConfig.draft_mlp``)."""
     cfg, dtype, pdt, tiling = self.config, dtype_of(self.config.dtype), dtype_of(self.config.param_dtype), self.tiling
     activation = (sh.BATCH, _length_axis(self.layout), sh.ACT_EMBED)
     x = nn.with_logical_constraint(x, activation)
@@ -217,6 +232,11 @@ class Block(nn.Module):
     x = x + SwiGLU(cfg, self.layout, tiling, name="mlp")(
       x, norm=RMSNorm(cfg.norm_eps, dtype, pdt, tiling=tiling, name="mlp_norm")
     )
+    if cfg.draft_mlp:
+      update = SwiGLU(cfg, self.layout, tiling, width=cfg.draft_mlp, name="draft_mlp")(
+        x, norm=RMSNorm(cfg.norm_eps, dtype, pdt, tiling=tiling, name="draft_norm")
+      )
+      x = jnp.where(drafting[..., None], x + update, x)  # Elsewhere x itself, bitwise.
     return nn.with_logical_constraint(x, activation), kv if self.return_kv else None
 
 
@@ -269,6 +289,14 @@ WARP_BINS = 32
 LATENT_PARAMS = (
   "latent_embedding", "latent_in", "self_cond_in", "noise_in", "noise_out", "noise_warp", "noise_gumbel",
 )  # fmt: skip
+# The parameters ``draft_mlp > 0`` adds to every block (``blocks/<name>/...``): a verified model can start from one
+# without them (``train --init-from``), these from their initialisation, and train alone (``train.trainable``).
+DRAFT_PARAMS = ("draft_mlp", "draft_norm")
+
+
+def is_draft_param(path: tuple[str, ...]) -> bool:
+  """Whether the parameter at ``path`` (its names, e.g. ``("blocks", "draft_mlp", "up")``) is a draft-only one."""
+  return len(path) > 1 and path[0] == "blocks" and path[1] in DRAFT_PARAMS
 
 
 class Transformer(nn.Module):
@@ -403,12 +431,13 @@ class Transformer(nn.Module):
       ),
       variable_axes={"params": 0},
       split_rngs={"params": True},
-      in_axes=(nn.broadcast, nn.broadcast, 0, nn.broadcast),
+      in_axes=(nn.broadcast, nn.broadcast, 0, nn.broadcast, nn.broadcast),
       length=cfg.num_layers,
       unroll=cfg.num_layers if cfg.unroll_layers else 1,
       metadata_params={nn.PARTITION_NAME: sh.LAYERS},
     )
-    x, kv = stack(cfg, name="blocks")(x, positions, segment_ids, layer_cache, cache_rest)
+    drafting = tokens == cfg.draft_token if cfg.draft_mlp else None  # In the layout's order, as x.
+    x, kv = stack(cfg, name="blocks")(x, positions, segment_ids, layer_cache, cache_rest, drafting)
     if layout is not None:
       x = layout.to_natural(x, 1, (sh.BATCH, sh.LENGTH, sh.ACT_EMBED))
       kv_axes = (None, sh.BATCH, sh.LENGTH, sh.ACT_KV_HEADS, sh.HEAD_DIM)  # [layers, batch, length, ...]

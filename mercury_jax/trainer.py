@@ -14,12 +14,18 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
-from flax import linen as nn
+from flax import linen as nn, traverse_util
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from mercury_jax import kinds as K, objectives, sharding as sh
 from mercury_jax.config import Config, ObjectiveConfig, OptimConfig
-from mercury_jax.model import Transformer, abstract_params, init_params, param_shardings  # noqa: F401  (re-exported)
+from mercury_jax.model import (  # noqa: F401  (re-exported)
+  Transformer,
+  abstract_params,
+  init_params,
+  is_draft_param,
+  param_shardings,
+)
 
 State = dict[str, Any]
 Batch = dict[str, jax.Array]
@@ -143,13 +149,18 @@ class Trainer:
   def _train_step(self, state: State, batch: Batch) -> tuple[State, dict[str, jax.Array]]:
     key = jax.random.fold_in(state["key"], state["step"])
 
+    trainable = self._trainable(state["params"])
+
     def objective(params):
+      # A frozen parameter's gradient is a symbolic zero: its backward matmuls are never built.
+      params = jax.tree.map(lambda p, t: p if t else jax.lax.stop_gradient(p), params, trainable)
       terms = loss_terms(params, batch, key, self.model, self.cfg, training=True)
       # An objective's auxiliary fit (the continuous family's learned noise schedule) trains its own parameters.
       return terms["loss_sum"] / jnp.maximum(terms["tokens"], 1.0) + terms.get("aux_loss", 0.0), terms
 
     (loss, terms), grads = jax.value_and_grad(objective, has_aux=True)(state["params"])
     updates, opt_state = self.optimizer.update(grads, state["opt_state"], state["params"])
+    updates = jax.tree.map(lambda u, t: u if t else jnp.zeros_like(u), updates, trainable)  # Weight decay too.
     params = optax.apply_updates(state["params"], updates)
     grad_norm = optax.tree.norm(grads)
     new_state = {"step": state["step"] + 1, "params": params, "opt_state": opt_state, "key": state["key"]}
@@ -166,6 +177,13 @@ class Trainer:
     if "schedule_fit" in terms:
       metrics["schedule_fit"] = terms["schedule_fit"]
     return new_state, metrics
+
+  def _trainable(self, params) -> Any:
+    """The tree of ``params``' bools: which the optimiser moves (``train.trainable``)."""
+    if self.cfg.train.trainable == "all":
+      return jax.tree.map(lambda _: True, params)
+    flat = traverse_util.flatten_dict(params)
+    return traverse_util.unflatten_dict({key: is_draft_param(key) for key in flat})
 
   def _eval_step(self, params, batch: Batch, key: jax.Array, draft: str | None = None) -> dict[str, jax.Array]:
     terms = loss_terms(params, batch, key, self.model, self.cfg, training=False, draft=draft)

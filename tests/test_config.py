@@ -179,6 +179,7 @@ SMALL_PRESETS = (
   "v4_chat_ar",
   "v4_distill",
   "v4_distill_ar",
+  "v4_draft",
 )  # data = -1: compiled on the test's 8 devices as (2, 2, 2).
 # Presets that continue another's training: the same model, objective and mesh, so the same train step but for the
 # schedule's constants (learning rate, warmup, steps); compiled as the preset they continue (checked below).

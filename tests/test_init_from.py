@@ -6,11 +6,12 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from flax import traverse_util
 
 from mercury_jax import sharding as sh
 from mercury_jax.checkpoint import Checkpointer, export_params, init_params_from, restore_params
 from mercury_jax.config import CheckpointConfig, ConfigError, MeshConfig, load_config
-from mercury_jax.model import LATENT_PARAMS
+from mercury_jax.model import LATENT_PARAMS, is_draft_param
 from mercury_jax.train import main, train
 from mercury_jax.trainer import Trainer
 
@@ -18,9 +19,9 @@ ASSETS = Path(__file__).parent.parent / "mercury_jax" / "assets"
 TINY = {"model.max_length": "64", "model.vocab_size": "400", "train.eval_every": "0", "checkpoint.async_save": "false"}
 
 
-def _exported_tiny(tmp_path: Path, data_dir: Path, **overrides: str) -> tuple[Path, object]:
+def _exported_tiny(tmp_path: Path, data_dir: Path, preset: str = "tiny", **overrides: str) -> tuple[Path, object]:
   """A tiny model's fresh parameters exported as an inference checkpoint (seed 7, not the trainer's 0)."""
-  cfg = load_config("tiny", {**TINY, "data.path": str(data_dir), **overrides})
+  cfg = load_config(preset, {**TINY, "data.path": str(data_dir), **overrides})
   trainer = Trainer(cfg, sh.make_mesh(MeshConfig(data=1), jax.devices()[:1]))
   params = trainer.init_state(7)["params"]
   export_params(tmp_path / "source", params, cfg, data_dir / "tokenizer.model")
@@ -86,3 +87,19 @@ def test_a_continuous_model_starts_from_a_discrete_one_with_fresh_latent_paramet
     np.testing.assert_array_equal(np.asarray(grown[name]), np.asarray(fresh[name]))
   with pytest.raises(ConfigError, match=r"parameter (latent|noise|self_cond)\w* .* is missing from the checkpoint"):
     init_params_from(source, trainer.abstract_state()["params"])  # without fresh parameters: nothing may be new
+
+
+def test_a_drafter_grown_on_a_verified_model_trains_alone(tmp_path, data_dir):
+  """``model.draft_mlp`` over a checkpoint without it, ``train.trainable='draft'``: after training steps (weight
+  decay on) every parameter of the source is bitwise the source's; the draft-only MLPs have moved from their zero
+  start."""
+  source, params = _exported_tiny(tmp_path, data_dir, "tiny_verified")
+  sets = {**TINY, "data.path": str(data_dir), "train.steps": "2", "checkpoint.every": "2", "optim.warmup_steps": "0"}
+  cfg = load_config("tiny_verified", {**sets, "model.draft_mlp": "16", "train.trainable": "draft"})
+  train(cfg, tmp_path / "run", log=False, init_from=source, devices=jax.devices()[:1])
+  saved, _ = restore_params(tmp_path / "run")
+  flat, source_flat = traverse_util.flatten_dict(saved), traverse_util.flatten_dict(params)
+  assert set(flat) - set(source_flat) == {key for key in flat if is_draft_param(key)} != set()
+  for key, want in source_flat.items():
+    np.testing.assert_array_equal(np.asarray(flat[key]), want, err_msg=str(key))
+  assert np.asarray(saved["blocks"]["draft_mlp"]["down"]).any()

@@ -1,6 +1,8 @@
 """Verified decoding (``sampling/verify.py``): greedy equals the network's own autoregressive greedy decoding token
 for token, and sampling is distributed exactly as its next-token head, whatever the drafter."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,7 +12,7 @@ from test_engine import _canvas  # four rows: prompts of 3, 7 and 1 tokens, and 
 
 from mercury_jax import sharding as sh
 from mercury_jax.config import MeshConfig, ModelConfig, ObjectiveConfig
-from mercury_jax.model import KVCache, Transformer, param_shardings
+from mercury_jax.model import DRAFT_PARAMS, KVCache, Transformer, param_shardings
 from mercury_jax.sampling import canvas as cv, drafts, walk
 from mercury_jax.sampling.drafts import Drafting, topology
 from mercury_jax.sampling.engine import BlockEngine
@@ -71,6 +73,22 @@ def test_greedy_equals_the_networks_autoregressive_greedy_decoding(draft, tree, 
   assert accepted.shape == (4, width) and (accepted.sum(axis=1) == np.asarray(verified.nfe)).all()
   if tree is LOOKUPS:
     assert accepted[:, 1:].sum() > 0 and np.asarray(verified.nfe).sum() < np.asarray(ar.nfe).sum()
+
+
+def test_a_draft_only_mlp_changes_what_is_accepted_and_not_the_text():
+  """The engine's drafts run through ``model.draft_mlp`` (they are [MASK] inputs): a random one changes the accepted
+  counts, while greedy output stays the network's own autoregressive greedy text without it."""
+  cfg, canvas = _model_cfg(), _canvas()
+  params = _params(cfg)
+  grown = dataclasses.replace(cfg, draft_mlp=16, draft_token=ObjectiveConfig().mask_id)
+  extra = _params(grown, seed=1)["blocks"]
+  extra["draft_mlp"]["down"] = jax.random.normal(jax.random.key(2), extra["draft_mlp"]["down"].shape)
+  with_mlp = {**params, "blocks": {**params["blocks"], **{k: extra[k] for k in DRAFT_PARAMS}}}
+  ar = _decode(cfg, params, canvas, 0, temperature=0.0)
+  base = _decode(cfg, params, canvas, 4, temperature=0.0)
+  verified = _decode(grown, with_mlp, canvas, 4, temperature=0.0)
+  np.testing.assert_array_equal(np.asarray(verified.tokens), np.asarray(ar.tokens))
+  assert not np.array_equal(np.asarray(verified.accepted), np.asarray(base.accepted))
 
 
 def test_greedy_on_a_2x2x2_mesh_equals_one_device():

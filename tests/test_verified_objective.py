@@ -10,12 +10,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import linen as nn
 
 from mercury_jax import kinds as K, sharding as sh
 from mercury_jax.config import ConfigError, ModelConfig, ObjectiveConfig, load_config, parse_set_args
 from mercury_jax.data import pipeline
 from mercury_jax.evaluate import evaluate_params
-from mercury_jax.model import Transformer
+from mercury_jax.model import DRAFT_PARAMS, Transformer
 from mercury_jax.objectives import autoregressive, masked_diffusion, verified
 from mercury_jax.trainer import Trainer, verified_losses
 
@@ -117,6 +118,35 @@ def test_clean_half_logits_do_not_depend_on_the_drafts():
   n = MODEL.max_length
   np.testing.assert_array_equal(np.asarray(all_masked[:, n:]), np.asarray(other[:, n:]))  # exactly
   assert float(jnp.max(jnp.abs(all_masked[:, :n] - other[:, :n]))) > 1e-2  # The drafts' own logits do change.
+
+
+def test_a_draft_only_mlp_moves_the_drafts_and_not_one_bit_of_the_verifier():
+  """``model.draft_mlp``: the same network with a trained draft MLP (here random) keeps the clean half's logits, and so
+  the verifier's loss, bitwise, while the masked drafts' logits move; at its zero initialisation nothing moves."""
+  x, kinds = _batch()
+  grown = Transformer(dataclasses.replace(MODEL, draft_mlp=16, draft_token=MASK_ID))
+  fresh = nn.meta.unbox(jax.jit(grown.init)(jax.random.key(1), jnp.zeros((1, MODEL.max_length), jnp.int32)))["params"]
+  assert not np.asarray(fresh["blocks"]["draft_mlp"]["down"]).any()
+  params = {**_params(), "blocks": {**_params()["blocks"], **{k: fresh["blocks"][k] for k in DRAFT_PARAMS}}}
+
+  def run(model, params):
+    fn = lambda tokens, t, **kw: model.apply({"params": params}, tokens, **kw)  # noqa: E731
+    seen = {}
+    out = verified.loss(lambda *a, **kw: seen.setdefault("logits", fn(*a, **kw)), x, kinds, jax.random.key(0), CFG)
+    return out, seen["logits"]
+
+  base_out, base = run(Transformer(MODEL), _params())
+  same_out, same = run(grown, params)  # zero down projection
+  np.testing.assert_array_equal(np.asarray(same), np.asarray(base))
+  down = params["blocks"]["draft_mlp"]["down"]
+  params["blocks"]["draft_mlp"]["down"] = jax.random.normal(jax.random.key(2), down.shape)
+  out, logits = run(grown, params)
+  n = MODEL.max_length
+  np.testing.assert_array_equal(np.asarray(logits[:, n:]), np.asarray(base[:, n:]))
+  assert float(out["ar_loss_sum"]) == float(base_out["ar_loss_sum"])
+  masked = np.asarray(x == x) & np.asarray(kinds == K.TARGET)
+  moved = np.abs(np.asarray(logits[:, :n]) - np.asarray(base[:, :n])).max(axis=-1)
+  assert (moved[masked] > 1e-3).all() and float(out["draft_loss_sum"]) != float(base_out["draft_loss_sum"])
 
 
 def test_prompt_tokens_stay_clean_and_unscored_in_the_draft_half():
@@ -255,6 +285,10 @@ def test_the_kl_weight_adds_the_drafters_kl_and_leaves_the_cross_entropy_as_it_w
     (["objective.draft_mask_min=0"], r"0 < draft_mask_min <= draft_mask_max <= 1"),
     (["objective.draft_mask_min=0.8", "objective.draft_mask_max=0.5"], r"objective.draft_mask_min=0.8"),
     (["objective.draft_mask_max=1.5"], r"objective.draft_mask_max=1.5"),
+    (["model.draft_mlp=-1"], r"model.draft_mlp=-1 must be >= 0"),
+    (["model.draft_mlp=16", "model.draft_token=5"], r"model.draft_token=5 must equal objective.mask_id=4"),
+    (["train.trainable=draft"], r"train.trainable='draft' trains only a verified model's draft-only MLPs"),
+    (["train.trainable=head"], r"train.trainable"),
   ],
 )
 def test_config_errors_name_the_key(sets, match):
