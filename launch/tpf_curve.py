@@ -75,6 +75,7 @@ def main() -> None:
   parser.add_argument("--offset", type=int, default=0, help="drafter tokens seen before this run (earlier stages)")
   parser.add_argument("--json", help="write the rows here (appended to an existing file's rows)")
   parser.add_argument("--plot", help="then plot --json's rows of --workdir: TPF against drafter tokens (a PNG)")
+  parser.add_argument("--also", action="append", default=[], help="--plot also draws this workdir's rows (repeatable)")
   args = parser.parse_args()
   if args.plot and not (args.json and args.workdir):
     parser.error("--plot draws --json's rows of --workdir: give both")
@@ -108,23 +109,28 @@ def main() -> None:
   if args.json and not targets:
     Path(args.json).write_text(json.dumps({"rows": rows}, indent=1) + "\n")
   if args.plot:
-    plot(rows, args.workdir, args.lever, args.plot)
+    plot(rows, [args.workdir, *args.also], args.lever, args.plot)
 
 
-def plot(rows: list[dict], workdir: str, lever: str, out: str) -> None:
-  """TPF greedy and at T = 1 against the drafter tokens seen, for ``workdir``'s rows measured with ``lever``."""
+def plot(rows: list[dict], workdirs: list[str], lever: str, out: str) -> None:
+  """TPF greedy and at T = 1 against the drafter tokens seen, for each of ``workdirs``' rows measured with
+  ``lever`` (one colour per run, greedy solid, T = 1 dashed)."""
   import matplotlib  # The bench extra: only --plot needs it.
 
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
-  mine = [r for r in rows if r["checkpoint"].startswith(f"{workdir}@") and r.get("lever") == lever]
-  mine = sorted((r for r in mine if "drafter_tokens" in r), key=lambda r: r["drafter_tokens"])
   fig, ax = plt.subplots(figsize=(6, 3.5))
-  seen = [r["drafter_tokens"] / 1e6 for r in mine]
-  for label in ("greedy", "T=1"):
-    ax.plot(seen, [r[label]["tokens_per_forward"] for r in mine], "o-", label=label)
-  ax.set_xlabel(f"drafter tokens seen in {Path(workdir).name} (millions)")
+  for index, workdir in enumerate(workdirs):
+    mine = [r for r in rows if r["checkpoint"].startswith(f"{workdir}@") and r.get("lever") == lever]
+    mine = sorted((r for r in mine if "drafter_tokens" in r), key=lambda r: r["drafter_tokens"])
+    seen = [r["drafter_tokens"] / 1e6 for r in mine]
+    for label, style in (("greedy", "o-"), ("T=1", "s--")):
+      tpf = [r[label]["tokens_per_forward"] for r in mine]
+      ax.plot(
+        seen, tpf, style, color=f"C{index}", label=f"{Path(workdir).name} {label}" if len(workdirs) > 1 else label
+      )
+  ax.set_xlabel("drafter tokens seen in this stage (millions)")
   ax.set_ylabel(f"tokens per forward ({lever})")
   ax.grid(alpha=0.3)
   ax.legend()

@@ -233,9 +233,15 @@ class Block(nn.Module):
       x, norm=RMSNorm(cfg.norm_eps, dtype, pdt, tiling=tiling, name="mlp_norm")
     )
     if cfg.draft_mlp:
-      update = SwiGLU(cfg, self.layout, tiling, width=cfg.draft_mlp, name="draft_mlp")(
-        x, norm=RMSNorm(cfg.norm_eps, dtype, pdt, tiling=tiling, name="draft_norm")
-      )
+
+      def draft(block: Block, x: jax.Array) -> jax.Array:
+        return SwiGLU(cfg, block.layout, block.tiling, width=cfg.draft_mlp, name="draft_mlp")(
+          x, norm=RMSNorm(cfg.norm_eps, dtype, pdt, tiling=block.tiling, name="draft_norm")
+        )
+
+      # Run only when some position drafts: a pass with no [MASK] (AR decoding, prompt lookup alone) pays nothing.
+      # Both branches name the same parameters (Flax's lifted cond needs one structure); XLA drops the other's math.
+      update = nn.cond(drafting.any(), draft, lambda block, x: jnp.zeros_like(draft(block, x)), self, x)
       x = jnp.where(drafting[..., None], x + update, x)  # Elsewhere x itself, bitwise.
     return nn.with_logical_constraint(x, activation), kv if self.return_kv else None
 
