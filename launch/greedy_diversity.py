@@ -19,8 +19,8 @@ from pathlib import Path
 import numpy as np
 from tpf_curve import bench_canvases  # launch/, first on sys.path when this script runs
 
-from mercury_jax import kinds as K
 from mercury_jax.bench import quality
+from mercury_jax.bench.rounds import generated
 from mercury_jax.data import pipeline
 from mercury_jax.sampling.sampler import Sampler
 
@@ -34,8 +34,8 @@ def greedy_samples(sampler: Sampler, canvases, count: int, pad_id: int) -> list[
     real = min(left, canvas.tokens.shape[0])
     left -= real
     tokens = np.asarray(out.tokens)[:real, : canvas.tokens.shape[1]]
-    generated = (np.asarray(canvas.kinds)[:real] == K.TARGET) & (tokens != pad_id)
-    samples += [row[keep].tolist() for row, keep in zip(tokens, generated, strict=True)]
+    made = generated(canvas, tokens, pad_id, real)
+    samples += [row[keep].tolist() for row, keep in zip(tokens, made, strict=True)]
   return samples
 
 

@@ -21,9 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
-from mercury_jax import kinds as K
 from mercury_jax.bench import prompts as bench_prompts, verified as bench_verified
-from mercury_jax.bench.rounds import make_batches
+from mercury_jax.bench.rounds import generated, make_batches
 from mercury_jax.data import pipeline
 from mercury_jax.sampling.sampler import Sampler
 
@@ -49,9 +48,7 @@ def measure(sampler: Sampler, canvases, real_rows: int, temperature: float, seed
     out, _, _ = sampler.run(canvas, None, seed, settings)
     real = min(left, canvas.tokens.shape[0])
     left -= real
-    tokens_out = out.tokens[:real, : canvas.tokens.shape[1]]
-    generated = (np.asarray(canvas.kinds)[:real] == K.TARGET) & (tokens_out != sampler.tokenizer.pad_id)
-    tokens += int(generated.sum())
+    tokens += int(generated(canvas, out.tokens, sampler.tokenizer.pad_id, real).sum())
     nfe += int(np.asarray(out.nfe)[:real].sum())
     calls.append({"accepted": np.asarray(out.accepted)[:real]})
   accept = bench_verified.acceptance(calls)

@@ -24,8 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 from tpf_curve import bench_canvases  # launch/, first on sys.path when this script runs
 
-from mercury_jax import kinds as K
 from mercury_jax.bench import verified as bench_verified
+from mercury_jax.bench.rounds import generated
 from mercury_jax.data import pipeline
 from mercury_jax.sampling.sampler import Sampler
 
@@ -33,10 +33,7 @@ from mercury_jax.sampling.sampler import Sampler
 def _call(sampler: Sampler, canvas, settings, seed: int) -> tuple[int, int, float]:
   """``(generated tokens, forwards, wall seconds)`` of one decode of a one-row canvas."""
   out, wall, _ = sampler.run(canvas, None, seed, settings)
-  generated = (np.asarray(canvas.kinds) == K.TARGET) & (
-    out.tokens[:, : canvas.tokens.shape[1]] != sampler.tokenizer.pad_id
-  )
-  return int(generated.sum()), int(np.asarray(out.nfe).sum()), wall
+  return int(generated(canvas, out.tokens, sampler.tokenizer.pad_id).sum()), int(np.asarray(out.nfe).sum()), wall
 
 
 def main() -> None:

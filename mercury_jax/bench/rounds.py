@@ -141,6 +141,14 @@ class Runner:
     return out._replace(tokens=out.tokens[:, : np.shape(canvas.tokens)[1]]), wall  # Drop the Sampler's bucket.
 
 
+def generated(canvas: cv.Canvas, tokens, pad_id: int, rows: int | None = None) -> np.ndarray:
+  """``[rows, length]`` bool: the canvas's target positions that hold a generated token (not padding) in ``tokens``,
+  a decode's output for the canvas's first ``rows`` rows (default all), possibly wider than the canvas."""
+  rows = canvas.tokens.shape[0] if rows is None else rows
+  width = canvas.tokens.shape[1]
+  return (np.asarray(canvas.kinds)[:rows] == K.TARGET) & (np.asarray(tokens)[:rows, :width] != pad_id)
+
+
 def measure(
   runner: Runner, settings: list[Setting], batches: dict[int, list[cv.Canvas]], rows: int, repeats: int, progress=None
 ):
@@ -167,14 +175,14 @@ def measure(
           out, wall = runner.call(settings[i], canvas)
           tick()
           pad_id = runner.samplers[settings[i].model].tokenizer.pad_id  # Each model pads with its own id.
-          generated = (np.asarray(canvas.kinds)[:real] == K.TARGET) & (out.tokens[:real] != pad_id)
+          made = generated(canvas, out.tokens, pad_id, real)
           calls[(i, batch)].append(
             {
               "round": round_index,
               "wall": wall,
               "tokens": out.tokens[:real],
               "nfe": out.nfe[:real],
-              "generated": generated.sum(axis=-1),
+              "generated": made.sum(axis=-1),
               "accepted": None if out.accepted is None else np.asarray(out.accepted)[:real],
               "sources": None if out.sources is None else np.asarray(out.sources)[:real],
             }
