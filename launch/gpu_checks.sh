@@ -8,6 +8,8 @@
 #                (python -m mercury_jax.bench gpu-sampling)
 #   attention    flash attention TFLOP/s against XLA, cuDNN and JAX's bundled Pallas kernel, and the cache reads
 #                (python -m mercury_jax.bench gpu-attention)
+#   levers       verified decoding's draft trees against the twin at batch 1, where a chunk position costs little
+#                (python -m mercury_jax.bench compare --levers; docs/bench/levers/README.md has the CPU's)
 #
 #   launch/gpu_checks.sh [OUT_DIR] [PART ...]     # default: every part, logs and JSON into OUT_DIR (default gpu_out)
 #
@@ -19,14 +21,14 @@
 #   pip install --no-index --no-deps --target /tmp/site wheels/*.whl && export PYTHONPATH=/tmp/site
 # Set XLA_PYTHON_CLIENT_PREALLOCATE=false to share the GPU with another job (a training run beside the tests).
 #
-# Each part runs under its own time limit (seconds: CORRECTNESS_S, TRAIN_S, SAMPLE_S, ATTENTION_S), so one that hangs
-# or fails costs its limit, not the rest of a timed session; a summary line per part ends the output.
+# Each part runs under its own time limit (seconds: CORRECTNESS_S, TRAIN_S, SAMPLE_S, ATTENTION_S, LEVERS_S), so one
+# that hangs or fails costs its limit, not the rest of a timed session; a summary line per part ends the output.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-gpu_out}
 shift || true
 parts=("$@")
-[ ${#parts[@]} -eq 0 ] && parts=(correctness train sample attention)
+[ ${#parts[@]} -eq 0 ] && parts=(correctness train sample attention levers)
 mkdir -p "$out"
 PYTHON=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 JAX_PLATFORMS=${JAX_PLATFORMS:-cuda} PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -73,8 +75,14 @@ for part in "${parts[@]}"; do
       run_part attention "${ATTENTION_S:-200}" "$PYTHON" -m mercury_jax.bench gpu-attention --quick \
         --skip-correctness --cached --budget-s 60 --json "$out/attention.json"
       ;;
+    levers)
+      run_part levers "${LEVERS_S:-420}" "$PYTHON" -m mercury_jax.bench compare --verified mercury_jax/assets/default \
+        --autoregressive mercury_jax/assets/default_ar --data mercury_jax/assets/default --corpus python-stdlib \
+        --no-diffusion --levers auto,chain,tree,tree-blocks,alternatives --prompts 32 --length 64 --batch-sizes 1 \
+        --ar-temperatures 1,0 --out "$out/levers"
+      ;;
     *)
-      echo "unknown part $part: choose from correctness train sample attention" >&2
+      echo "unknown part $part: choose from correctness train sample attention levers" >&2
       exit 2
       ;;
   esac

@@ -1,7 +1,8 @@
 """Tokens per forward of a verified run's checkpoints: the drafter's learning curve, greedy and at T = 1.
 
     python launch/tpf_curve.py --workdir RUNS/v4_distill --steps 60,120,180 --data DATA_DIR --corpus python-stdlib \
-      [--lever chain] [--prompts 128] [--length 64] [--batch 64] [--tokens launch/draft_tokens.py's JSON] [--json OUT]
+      [--lever chain] [--tree RANK_PATHS] [--blocks all|tree|DEPTHS] [--prompts 128] [--length 64] [--batch 64] \
+      [--tokens launch/draft_tokens.py's JSON] [--json OUT]
     python launch/tpf_curve.py --workdir RUNS/v4_distill --json OUT --plot curve.png   # plot OUT's rows (bench extra)
 
 For each checkpoint step (``--checkpoint`` for exported models instead) it decodes exactly what
@@ -37,10 +38,12 @@ def bench_canvases(sampler: Sampler, tokenizer, data: str, corpus: str, prompts:
   return make_batches(ids, length, context, batch, tokenizer.pad_id), len(chosen)
 
 
-def measure(sampler: Sampler, canvases, real_rows: int, temperature: float, seed: int, lever: str = "chain") -> dict:
-  """Verified decoding of every canvas at ``temperature`` with ``lever``'s knobs: TPF and acceptance over the first
-  ``real_rows`` rows."""
-  knobs = bench_verified.LEVERS[lever]
+def measure(
+  sampler: Sampler, canvases, real_rows: int, temperature: float, seed: int, lever: str = "chain", **overrides
+) -> dict:
+  """Verified decoding of every canvas at ``temperature`` with ``lever``'s knobs (and ``overrides`` of them): TPF
+  and acceptance over the first ``real_rows`` rows."""
+  knobs = {**bench_verified.LEVERS[lever], **overrides}
   settings = sampler.settings(temperature=temperature, top_p=1.0, top_k=0, decode="verified", draft_length=0, **knobs)
   calls, tokens, nfe = [], 0, 0
   left = real_rows
@@ -68,6 +71,8 @@ def main() -> None:
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--temperatures", default="1,0")
   parser.add_argument("--lever", default="chain", choices=sorted(bench_verified.LEVERS), help="the bench's lever")
+  parser.add_argument("--tree", help="the draft tree instead of the lever's (SamplerSettings.draft_tree)")
+  parser.add_argument("--blocks", help="the pre-draft blocks instead of the lever's (SamplerSettings.draft_blocks)")
   parser.add_argument("--tokens", help="draft_tokens.py's JSON: drafter tokens at each step, for the table")
   parser.add_argument("--offset", type=int, default=0, help="drafter tokens seen before this run (earlier stages)")
   parser.add_argument("--json", help="write the rows here (appended to an existing file's rows)")
@@ -87,20 +92,21 @@ def main() -> None:
   for row in rows:  # Rows measured before the run's token counts were known get them now.
     if row.get("step") in drafter and row["checkpoint"] == f"{args.workdir}@{row['step']}":
       row.setdefault("drafter_tokens", args.offset + drafter[row["step"]])
+  knobs = {f"draft_{name}": v for name in ("tree", "blocks") if (v := getattr(args, name)) is not None}
   tokenizer = pipeline.load_data_tokenizer(args.data) if targets else None
   for name, path, step in targets:
     sampler = Sampler.from_checkpoint(path, step=step)
     canvases, count = bench_canvases(sampler, tokenizer, args.data, args.corpus, args.prompts, args.length, args.batch)
-    row = {"checkpoint": name, "step": step, "length": args.length, "prompts": count, "lever": args.lever}
+    row = {"checkpoint": name, "step": step, "length": args.length, "prompts": count, "lever": args.lever, **knobs}
     if step is not None and step in drafter:
       row["drafter_tokens"] = args.offset + drafter[step]
     for t in (float(v) for v in args.temperatures.split(",")):
       label = "greedy" if t == 0 else f"T={t:g}"
-      row[label] = measure(sampler, canvases, count, t, args.seed, args.lever)
+      row[label] = measure(sampler, canvases, count, t, args.seed, args.lever, **knobs)
     rows.append(row)
     shown = {k: round(v["tokens_per_forward"], 3) for k, v in row.items() if isinstance(v, dict)}
     by_position = {k: [round(a, 3) for a in v["accepted_by_position"]] for k, v in row.items() if isinstance(v, dict)}
-    print(name, args.lever, row.get("drafter_tokens", ""), shown, by_position, flush=True)
+    print(name, args.lever, knobs or "", row.get("drafter_tokens", ""), shown, by_position, flush=True)
     if args.json:
       Path(args.json).write_text(json.dumps({"rows": rows}, indent=1) + "\n")
   if args.json and not targets:

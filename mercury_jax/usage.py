@@ -59,8 +59,8 @@ def add_draft_flags(p: argparse.ArgumentParser) -> None:
   )
   p.add_argument(
     "--draft-blocks",
-    help="after which outcomes a step pre-drafts the next drafts: all (every chain depth), depths like '0,1' (a "
-    "cheaper chunk), none (default auto: the device's)",
+    help="after which outcomes a step pre-drafts the next drafts: all (every chain depth), tree (every node of the "
+    "tree, alternatives too), depths like '0,1' (a cheaper chunk), none (default auto: the device's)",
   )
   p.add_argument(
     "--draft-confidence",

@@ -175,11 +175,11 @@ def test_chat_turn_from_the_command_line_is_the_templates_prompt_after_bos(sampl
 
 
 def test_verified_greedy_with_every_draft_lever_is_the_bundled_networks_own_greedy_decoding(sampler):
-  """Trained weights, a draft tree with alternatives, a lookup chain, two pre-draft blocks and an adaptive length:
-  still the next-token head's greedy text, in fewer forward passes than the drafter's chain alone (the trained
-  model's greedy text repeats itself, which the lookups take)."""
+  """Trained weights, a draft tree with alternatives, a lookup chain, a pre-draft block after every node and an
+  adaptive length: still the next-token head's greedy text, in fewer forward passes than the drafter's chain alone
+  (the trained model's greedy text repeats itself, which the lookups take)."""
   prompts = ["def fibonacci(n):", "class Stack:\n    def push(self, item):"]
-  knobs = dict(draft_tree="wide", draft_lookup=8, draft_blocks="0,1", draft_confidence=0.05)
+  knobs = dict(draft_tree="wide", draft_lookup=8, draft_blocks="tree", draft_confidence=0.05)
   verified = sampler.generate(prompts, temperature=0.0, seed=2, length=64, **knobs)
   chain = sampler.generate(prompts, temperature=0.0, seed=2, length=64, draft_tree="chain", draft_lookup=0)
   ar = sampler.generate(prompts, temperature=0.0, seed=2, length=64, decode="ar")

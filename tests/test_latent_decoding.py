@@ -14,7 +14,7 @@ import pytest
 from flax import linen as nn
 from random_models import random_checkpoint
 from test_paged_serving import _requests, _together
-from test_structured import LENGTH, _check, _suite
+from test_structured import LENGTH, _check, _suite, halves
 
 from mercury_jax import sharding as sh
 from mercury_jax.config import MeshConfig, ModelConfig, ObjectiveConfig
@@ -158,11 +158,11 @@ def samplers(tmp_path_factory, data_dir):
 
 @pytest.mark.parametrize("kind", ["continuous_block", "continuous"])
 def test_random_weights_give_valid_output_for_every_schema_and_regex(samplers, kind):
-  """Validity by construction: what a block's last step commits is the automaton's most probable valid string."""
+  """Validity by construction: what a block's last step commits is the automaton's most probable valid string. Every
+  suite row runs once per model, greedy and sampled halves swapped between the two (``test_structured.halves``)."""
   sampler = samplers[kind]
-  rows, automata = _suite(sampler)
   steps = 24 if kind == "continuous" else None  # a block-causal model: a step per position (4 a block)
-  for temperature in (0.0, 1.0):
+  for temperature, rows, automata in halves(*_suite(sampler), swap=int(kind == "continuous")):
     samples = sampler.generate(
       ["x = "] * len(rows), length=LENGTH, constraint=automata, temperature=temperature, seed=3, steps=steps
     )

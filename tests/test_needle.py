@@ -49,14 +49,15 @@ def test_the_fixture_is_the_8k_retrieval_model():
 
 
 def test_the_engine_retrieves_needles_at_random_depths_of_8k_prompts_with_chunked_prefill(tmp_path):
-  result = _needle(tmp_path, "--trials", "64", "--prefill-chunk", "512", "--batch", str(BATCH))
+  # 32 needles in two batches (64 took twice the time and told nothing more: all 64 and these 32 were retrieved).
+  result = _needle(tmp_path, "--trials", "32", "--prefill-chunk", "512", "--batch", str(BATCH))
   trials = result["trials"]
-  assert (result["context"], result["rope"], len(trials)) == (CONTEXT, "yarn", 64)
+  assert (result["context"], result["rope"], len(trials)) == (CONTEXT, "yarn", 32)
   depths = np.asarray([t["depth"] for t in trials])
   assert depths.min() < 0.05 and depths.max() > 0.9  # from the first tokens of the prompt to its last
-  assert sum(t["distance"] > TRAINED for t in trials) > 40  # most needles lie beyond the trained context
+  assert sum(t["distance"] > TRAINED for t in trials) > 20  # most needles lie beyond the trained context (23 of 32)
   assert result["rate"] >= 0.9, [(round(t["depth"], 2), t["answer"], t["text"]) for t in trials if not t["retrieved"]]
-  # One compilation for all 64: the first batch compiles the engine's programs, the other three reuse them.
+  # One compilation for all 32: the first batch compiles the engine's programs, the second reuses them.
   assert trials[0]["compile_time"] > 0 and all(t["compile_time"] == 0 for t in trials[BATCH:])
 
 

@@ -45,16 +45,27 @@ def _suite(sampler: Sampler):
   return rows, automata
 
 
-@pytest.mark.parametrize("kind", [*KINDS, "whole_sequence_dual_cache"])
+def halves(rows: list, automata: list, swap: int):
+  """``[(temperature, rows, automata)]``: every suite row once, half of them greedy and half sampled; ``swap`` (0 or
+  1) exchanges the halves, so decoders that alternate it run every row at both temperatures between them."""
+  return [(t, rows[part::2], automata[part::2]) for t, part in ((0.0, swap), (1.0, 1 - swap))]
+
+
+DECODERS = [*KINDS, "whole_sequence_dual_cache"]
+
+
+@pytest.mark.parametrize("kind", DECODERS)
 def test_random_weights_give_valid_output_for_every_schema_and_regex(kind, tmp_path, data_dir):
+  """Each decoder writes every schema and regex of the suite; the greedy and sampled halves alternate between the
+  decoders (:func:`halves`)."""
+  swap = DECODERS.index(kind) % 2
   dual = kind.endswith("_dual_cache")
   kind = kind.removesuffix("_dual_cache")
   sampler = Sampler.from_checkpoint(random_checkpoint(tmp_path, kind, data_dir / "tokenizer.model"))
-  rows, automata = _suite(sampler)
   knobs = {} if kind == "autoregressive" else {"block_length": 8} if kind == "whole_sequence" else {}
   if dual:  # Fast-dLLM's approximate cache: blocks in lockstep
     knobs["cache"] = "dual"
-  for temperature in (0.0, 1.0):
+  for temperature, rows, automata in halves(*_suite(sampler), swap):
     samples = sampler.generate(
       ["x = "] * len(rows), length=LENGTH, constraint=automata, temperature=temperature, seed=3, **knobs
     )

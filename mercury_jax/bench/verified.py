@@ -17,8 +17,9 @@ measures is speed:
 
 The engine's levers (docs/results/verified.md; ``--levers``, :data:`LEVERS`) run as separate verified settings on the
 same prompts, lengths and seeds, interleaved with the twin round by round: the drafter's chain alone (TiDAR's chunk, the
-baseline), then the prompt-lookup chain, a wider draft tree, cheaper chunks (pre-draft blocks for the two likeliest
-outcomes only), the adaptive draft length, each alone, and all together.
+baseline), then the prompt-lookup chain, a wider draft tree (with pre-draft blocks after the chain's nodes, or after
+every node), cheaper chunks (pre-draft blocks for the two likeliest outcomes only), the adaptive draft length, each
+alone, and all together.
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ LEVERS = {
   "lookup": {**_OFF, "draft_lookup": 8},
   "lookup-only": {**_OFF, "draft_tree": "none", "draft_lookup": 8, "draft_blocks": "none"},
   "tree": {**_OFF, "draft_tree": "wide"},
+  "tree-blocks": {**_OFF, "draft_tree": "wide", "draft_blocks": "tree"},  # a pre-draft block after every node
+  "alternatives": {**_OFF, "draft_tree": "1,2,3,4,5,6,7", "draft_blocks": "tree"},  # 8 first drafts, T = 1's best
   "cheap": {**_OFF, "draft_blocks": "0,1"},
   "adaptive": {**_OFF, "draft_confidence": 0.1},
   "lookup-cheap": {**_OFF, "draft_lookup": 8, "draft_blocks": "0,1"},  # the two that paid on a CPU, together

@@ -23,8 +23,10 @@ depth the chain's first, then the alternatives, then the lookup chain's: the ord
 
 Pre-draft blocks (``blocks``): the chunk drafts the next step's chain after the *outcome nodes* alone, the chain's
 nodes at the depths listed (``all``: every depth ``0 .. k - 1``, TiDAR's chunk; the likeliest outcomes make a
-cheaper chunk). A step whose outcome has no pre-draft block leaves the next step no drafter candidates: it verifies
-the lookup chain alone (or nothing) and pre-drafts again.
+cheaper chunk), or every node of the tree (``tree``: the alternatives and the lookup chain too). A step whose outcome
+has no pre-draft block leaves the next step no drafter candidates: it verifies the lookup chain alone (or nothing)
+and pre-drafts again. At T = 1 a tree's alternatives are accepted about as often as the chain's draft, so without
+their blocks many steps end where nothing was drafted (``docs/bench/levers/README.md``, "T = 1").
 
 Per-row adaptive length (``confidence`` > 0): a drafter node takes part only where the drafter's own probability of
 its candidate reaches the bar, the chain's by the drafter's top probability at its depth (a property of the
@@ -43,7 +45,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from mercury_jax.kernels import masks
-from mercury_jax.sampling.settings import AUTO, MAX_LOOKUP, MAX_RANK, SettingError, parse_blocks, parse_tree
+from mercury_jax.sampling.settings import (
+  AUTO,
+  EVERY_NODE,
+  MAX_LOOKUP,
+  MAX_RANK,
+  SettingError,
+  parse_blocks,
+  parse_tree,
+)
 from mercury_jax.sampling.state import Draft, State, rows
 
 ROOT, CHAIN, LOOKUP = -1, 0, -2  # A node's source; r >= 1: the drafter's r-th alternative.
@@ -167,9 +177,10 @@ class Topology:
     return Topology(self.k, self.parents[:keep], self.sources[:keep], outcomes)
 
 
-def build(k: int, paths, lookup: int, blocks: tuple[int, ...] | None, chain: bool = True) -> Topology:
+def build(k: int, paths, lookup: int, blocks: tuple[int, ...] | str | None, chain: bool = True) -> Topology:
   """The topology of the chain of ``k - 1`` drafts (unless not ``chain``), the rank ``paths`` added to it, a lookup
-  chain of ``lookup`` nodes and pre-draft blocks after the chain's nodes at the depths ``blocks`` (None: all)."""
+  chain of ``lookup`` nodes and pre-draft blocks after the chain's nodes at the depths ``blocks`` (None: all), or
+  after every node (``EVERY_NODE``)."""
   every = {(): ROOT}
   if chain:
     every.update({(0,) * d: CHAIN for d in range(1, k)})
@@ -178,8 +189,11 @@ def build(k: int, paths, lookup: int, blocks: tuple[int, ...] | None, chain: boo
   order = sorted(every, key=lambda path: (len(path), [MAX_RANK + 1 if r == LOOKUP else r for r in path]))
   index = {path: i for i, path in enumerate(order)}
   parents = tuple(index[path[:-1]] if path else -1 for path in order)
-  depths = range(k) if blocks is None else blocks
-  outcomes = tuple(index[(0,) * d] for d in depths if chain and (0,) * d in index)
+  if blocks == EVERY_NODE:
+    outcomes = tuple(range(len(order)))
+  else:
+    depths = range(k) if blocks is None else blocks
+    outcomes = tuple(index[(0,) * d] for d in depths if chain and (0,) * d in index)
   return Topology(k, parents, tuple(every[path] for path in order), outcomes)
 
 
@@ -196,7 +210,7 @@ def topology(k: int, drafting: Drafting, backend: str | None = None) -> Topology
   if not 0 <= drafting.lookup <= MAX_LOOKUP:
     raise SettingError("draft_lookup", drafting.lookup, f"must lie in [0, {MAX_LOOKUP}] (0: off; -1: the device's)")
   blocks = parse_blocks(drafting.blocks)
-  if blocks is not None and any(d > k - 1 for d in blocks):
+  if isinstance(blocks, tuple) and any(d > k - 1 for d in blocks):
     raise SettingError("draft_blocks", drafting.blocks, f"must name chain depths in [0, {k - 1}] for k={k}")
   if not chain and blocks != ():
     blocks = ()  # No drafter node, no pre-draft block.

@@ -24,6 +24,9 @@ TREES = {"chain": "", "small": "1", "wide": "1,2,10,01", "none": ""}
 AUTO = "auto"  # A draft-tree knob's default: the device's (``drafts.DEFAULTS``).
 MAX_LOOKUP = 16  # The longest lookup chain.
 MAX_RANK = 9  # A rank path's digits: alternatives 1 .. 9.
+# ``draft_blocks``: a pre-draft block after every node of the tree (the alternatives' and the lookup chain's too), so a
+# step that accepts an alternative still has the drafter's chain next (``all`` pre-drafts after the chain's nodes).
+EVERY_NODE = "tree"
 # ``generate`` arguments that only the refinement loop has; an autoregressive model rejects them.
 DIFFUSION_ONLY = (
   "steps", "steps_per_block", "rule", "confidence", "threshold", "block_length", "revision", "commit_counts",
@@ -91,7 +94,8 @@ class SamplerSettings:
     draft_lookup: The length of the prompt-lookup chain verified beside the drafter's candidates (the tokens that
       followed the row's last tokens where they occurred before in its text); 0: off; -1: the device's.
     draft_blocks: After which outcomes the chunk pre-drafts the next step's chain: ``all`` (every depth of the
-      chain, TiDAR's), chain depths (``"0,1"``: the likeliest outcomes, a cheaper chunk), ``none``, or ``auto``.
+      chain, TiDAR's), ``tree`` (every node: the alternatives and the lookup chain too, so a step that ends on one
+      still drafts next), chain depths (``"0,1"``: the likeliest outcomes, a cheaper chunk), ``none``, or ``auto``.
     draft_confidence: Per-row adaptive draft length: a drafter candidate is verified only where the drafter's
       probability of it (the chain's: its top probability there) reaches this bar, so an unsure row stops its
       branches early (0: off); a batch whose candidates all stop early runs a shorter chunk.
@@ -343,13 +347,16 @@ def parse_tree(spec: str) -> tuple[tuple[int, ...], ...]:
   return paths
 
 
-def parse_blocks(spec: str) -> tuple[int, ...] | None:
-  """The chain depths a ``draft_blocks`` pre-drafts after (None: ``all``; ``none``: no pre-draft at all)."""
+def parse_blocks(spec: str) -> tuple[int, ...] | str | None:
+  """The chain depths a ``draft_blocks`` pre-drafts after (None: ``all``; ``none``: no pre-draft at all), or
+  :data:`EVERY_NODE` (after every node of the tree)."""
   if spec in (AUTO, "all"):
     return None
   if spec == "none":
     return ()
+  if spec == EVERY_NODE:
+    return EVERY_NODE
   items = [item.strip() for item in spec.split(",") if item.strip()]
   if not items or not all(item.isdigit() for item in items) or len(set(items)) < len(items):
-    raise SettingError("draft_blocks", spec, "must be auto, all, none, or distinct chain depths like '0,1'")
+    raise SettingError("draft_blocks", spec, "must be auto, all, tree, none, or distinct chain depths like '0,1'")
   return tuple(sorted(int(item) for item in items))
