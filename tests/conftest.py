@@ -62,7 +62,33 @@ def data_dir(tmp_path_factory) -> Path:
   return out
 
 
+# The files that take longest on 2 cores, longest first (seconds of one worker, docs/results/tests.md). ``--dist
+# loadfile`` hands whole files to the workers in collection order (``--no-loadscope-reorder`` in pyproject's addopts;
+# xdist's own order, by number of tests, left most of these for the end), so they start first and the run ends on
+# short files: the two workers finish close together.
+LONGEST_FIRST = (
+  "test_latent_decoding.py",  # 250
+  "test_chunked_serving.py",  # 180
+  "test_structured.py",  # 150
+  "test_multiprocess.py",  # 140
+  "test_paged_serving.py",  # 135
+  "test_context_parallel.py",  # 130
+  "test_default_model.py",  # 120
+  "test_verified_entry_points.py",  # 100
+  "test_serve.py",  # 95
+  "test_needle.py",  # 85
+  "test_train.py",  # 75
+  "test_bench.py",  # 70
+  "test_serve_hostile.py",  # 70
+  "test_serve_engine.py",  # 65
+  "test_engine.py",  # 65
+  "test_default_chat.py",  # 60
+)
+
+
 def pytest_collection_modifyitems(config, items):
+  rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+  items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep pytest's order
   if jax.default_backend() == "gpu":
     return
   skip = pytest.mark.skip(reason="needs a GPU")
