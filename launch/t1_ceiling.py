@@ -1,14 +1,15 @@
 """What any drafter can reach at T = 1: the verifier's own two-step-ahead marginal, measured on its own samples.
 
     python launch/t1_ceiling.py --checkpoint mercury_jax/assets/default --data DATA_DIR [--corpus python-stdlib] \
-      [--prompts 32] [--length 64] [--positions 16] [--candidates 64] [--seed 0] [--json OUT]
+      [--prompts 32] [--length 64] [--positions 16] [--candidates 64] [--seed 0] [--temperature 1] [--json OUT]
 
 A verified step commits the accepted drafts and one token the head draws itself (the bonus or the correction). The
 next step's drafts come from the pre-draft block written in the same forward pass, whose first slot is that token's:
 the drafter never sees it. So the first draft the next step verifies, at slot ``i + 1``, was predicted from ``x_{<i}``
-alone, while the verifier accepts it against ``p(. | x_{<=i})`` (``mercury_jax.sampling.verify``). At T = 1 no
+alone, while the verifier accepts it against ``p(. | x_{<=i})`` (``mercury_jax.sampling.verify``). When sampling, no
 drafter can do better on average than a function of ``x_{<i}``; the one the training objective aims at is the head's
-exact two-step marginal ``m(y) = sum_c p(c | x_{<i}) p(y | x_{<i}, c)``.
+exact two-step marginal ``m(y) = sum_c p(c | x_{<i}) p(y | x_{<i}, c)``. ``--temperature`` measures it at another
+sampling temperature: the continuations, the head's and the drafter's distributions all tempered, as the engine's.
 
 For the head's own T = 1 continuations (``--decode ar`` of the bench's prompts, as ``launch/tpf_curve.py`` chooses
 them) this script takes ``--positions`` evenly spaced generated slots ``i`` per prompt and runs one verify chunk over
@@ -67,16 +68,19 @@ def probe_positions(mask: np.ndarray, per_row: int) -> tuple[np.ndarray, np.ndar
   return picked.astype(np.int32), valid
 
 
-def build(sampler: Sampler, settings, candidates: int):
-  """The jitted probe of one row: ``(tokens [L], segments [L], slots [P]) -> per-probe statistics``."""
+def build(
+  sampler: Sampler, settings, candidates: int, temperature: float = 1.0, draft_temperature: float | None = None
+):
+  """The jitted probe of one row: ``(tokens [L], segments [L], slots [P]) -> per-probe statistics``, every
+  distribution (the head's and the drafter's) at ``temperature``, as the engine samples them."""
   net, params = sampler.network, sampler.params
   k = sampler.cfg.objective.draft_length
   mask_id = sampler.cfg.objective.mask_id
   tree = Tree((-1,) + (0,) * candidates, (0,), k)
 
-  def dist(logits):  # the engine's distribution at T = 1 (excluded ids and the mask class removed)
+  def dist(logits, t=temperature):  # the engine's distribution at ``t`` (excluded ids and the mask class removed)
     logits = clean_logits(logits, jnp.zeros(logits.shape[:-1], bool), settings)
-    return jax.nn.softmax(logits, axis=-1)
+    return jax.nn.softmax(logits / t, axis=-1)
 
   def probe(tokens, segments, slots):
     length = tokens.shape[0]
@@ -98,7 +102,7 @@ def build(sampler: Sampler, settings, candidates: int):
       diffusion_block=tree, cache=cache, starts=slots - 1,
     )  # fmt: skip
     children = dist(out[:, 1 : 1 + candidates])  # p(. | x_{<i}, c) [n, K, vocab]
-    drafts = dist(out[:, 1 + candidates :])  # q at slots i .. i + k - 1 [n, k, vocab]
+    drafts = dist(out[:, 1 + candidates :], draft_temperature or temperature)  # q at slots i .. i + k - 1 [n, k, vocab]
     marginal = jnp.einsum("nk,nkv->nv", top_p, children)  # m over the candidates
     stats = {
       "drafter": jnp.minimum(p_next, drafts[:, 1]).sum(-1),
@@ -161,19 +165,23 @@ def main() -> None:
   parser.add_argument("--candidates", type=int, default=64, help="the head's likeliest tokens summed into m")
   parser.add_argument("--batch", type=int, default=32, help="rows per decode")
   parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--temperature", type=float, default=1.0, help="of the continuations and every distribution")
+  parser.add_argument("--draft-temperature", type=float, help="the drafter's own (default: --temperature)")
   parser.add_argument("--json", help="write the report here")
   args = parser.parse_args()
   for name in ("prompts", "length", "positions", "candidates", "batch"):
     if not 1 <= getattr(args, name) <= 4096:
       parser.error(f"--{name}={getattr(args, name)} must be in [1, 4096]")
+  if not 0.05 <= args.temperature <= 4.0:
+    parser.error(f"--temperature={args.temperature} must be in [0.05, 4] (greedy has no ceiling)")
 
   sampler = Sampler.from_checkpoint(args.checkpoint)
   if sampler.cfg.objective.name != "verified":
     parser.error(f"--checkpoint {args.checkpoint} is a {sampler.cfg.objective.name!r} model; this needs a verified one")
   tokenizer = sampler.tokenizer
   canvases, found = bench_canvases(sampler, tokenizer, args.data, args.corpus, args.prompts, args.length, args.batch)
-  settings = sampler.settings(temperature=1.0, top_p=1.0, top_k=0, decode="ar")
-  probe = build(sampler, settings, args.candidates)
+  settings = sampler.settings(temperature=args.temperature, top_p=1.0, top_k=0, decode="ar")
+  probe = build(sampler, settings, args.candidates, args.temperature, args.draft_temperature)
   values: dict[str, list[np.ndarray]] = {}
   left = found
   for canvas in canvases:
@@ -197,6 +205,8 @@ def main() -> None:
     "length": args.length,
     "candidates": args.candidates,
     "seed": args.seed,
+    "temperature": args.temperature,
+    "draft_temperature": args.draft_temperature or args.temperature,
     **summarise(values, sampler.cfg.objective.draft_length),
   }
   print(json.dumps(report, indent=1))
