@@ -68,11 +68,9 @@ def probe_positions(mask: np.ndarray, per_row: int) -> tuple[np.ndarray, np.ndar
   return picked.astype(np.int32), valid
 
 
-def build(
-  sampler: Sampler, settings, candidates: int, temperature: float = 1.0, draft_temperature: float | None = None
-):
-  """The jitted probe of one row: ``(tokens [L], segments [L], slots [P]) -> per-probe statistics``, every
-  distribution (the head's and the drafter's) at ``temperature``, as the engine samples them."""
+def build(sampler: Sampler, settings, candidates: int, temperature: float, draft_temperature: float):
+  """The jitted probe of one row: ``(tokens [L], segments [L], slots [P]) -> per-probe statistics``, the head's
+  distributions at ``temperature`` and the drafter's at ``draft_temperature``, as the engine tempers them."""
   net, params = sampler.network, sampler.params
   k = sampler.cfg.objective.draft_length
   mask_id = sampler.cfg.objective.mask_id
@@ -102,7 +100,7 @@ def build(
       diffusion_block=tree, cache=cache, starts=slots - 1,
     )  # fmt: skip
     children = dist(out[:, 1 : 1 + candidates])  # p(. | x_{<i}, c) [n, K, vocab]
-    drafts = dist(out[:, 1 + candidates :], draft_temperature or temperature)  # q at slots i .. i + k - 1 [n, k, vocab]
+    drafts = dist(out[:, 1 + candidates :], draft_temperature)  # q at slots i .. i + k - 1 [n, k, vocab]
     marginal = jnp.einsum("nk,nkv->nv", top_p, children)  # m over the candidates
     stats = {
       "drafter": jnp.minimum(p_next, drafts[:, 1]).sum(-1),
@@ -112,7 +110,7 @@ def build(
       "head_top_1": p_next.max(-1),
     }
     for name, source in (("ideal", marginal), ("drafter", drafts[:, 1])):
-      order = jnp.argsort(-source, axis=-1)[:, : max(TOPS) + 1]
+      _, order = jax.lax.top_k(source, max(TOPS) + 1)
       taken = jnp.cumsum(jnp.take_along_axis(p_next, order, axis=-1), axis=-1)
       for top in TOPS:
         stats[f"{name}_top_{top}"] = taken[:, top - 1]
@@ -181,7 +179,8 @@ def main() -> None:
   tokenizer = sampler.tokenizer
   canvases, found = bench_canvases(sampler, tokenizer, args.data, args.corpus, args.prompts, args.length, args.batch)
   settings = sampler.settings(temperature=args.temperature, top_p=1.0, top_k=0, decode="ar")
-  probe = build(sampler, settings, args.candidates, args.temperature, args.draft_temperature)
+  draft_temperature = args.draft_temperature or args.temperature
+  probe = build(sampler, settings, args.candidates, args.temperature, draft_temperature)
   values: dict[str, list[np.ndarray]] = {}
   left = found
   for canvas in canvases:
@@ -206,7 +205,7 @@ def main() -> None:
     "candidates": args.candidates,
     "seed": args.seed,
     "temperature": args.temperature,
-    "draft_temperature": args.draft_temperature or args.temperature,
+    "draft_temperature": draft_temperature,
     **summarise(values, sampler.cfg.objective.draft_length),
   }
   print(json.dumps(report, indent=1))

@@ -62,27 +62,27 @@ def data_dir(tmp_path_factory) -> Path:
   return out
 
 
-# The files that take longest on 2 cores, longest first (seconds of one worker, docs/results/tests.md). ``--dist
-# loadfile`` hands whole files to the workers in collection order (``--no-loadscope-reorder`` in pyproject's addopts;
-# xdist's own order, by number of tests, left most of these for the end), so they start first and the run ends on
-# short files: the two workers finish close together.
+# The files that take longest on 2 cores, longest first: those whose items led a full run's ``--durations=120`` list
+# (2026-12-06; the structured-output files before their suites were halved). ``--dist loadfile`` hands whole files to
+# the workers in collection order (``--no-loadscope-reorder`` in pyproject's addopts; xdist's own order, by number of
+# tests, left most of these for the end), so they start first and the run ends on short files.
 LONGEST_FIRST = (
-  "test_latent_decoding.py",  # 250
-  "test_chunked_serving.py",  # 180
-  "test_structured.py",  # 150
-  "test_multiprocess.py",  # 140
-  "test_paged_serving.py",  # 135
-  "test_context_parallel.py",  # 130
-  "test_default_model.py",  # 120
-  "test_verified_entry_points.py",  # 100
-  "test_serve.py",  # 95
-  "test_needle.py",  # 85
-  "test_train.py",  # 75
-  "test_bench.py",  # 70
-  "test_serve_hostile.py",  # 70
-  "test_serve_engine.py",  # 65
-  "test_engine.py",  # 65
-  "test_default_chat.py",  # 60
+  "test_latent_decoding.py",
+  "test_chunked_serving.py",
+  "test_structured.py",
+  "test_multiprocess.py",
+  "test_paged_serving.py",
+  "test_context_parallel.py",
+  "test_default_model.py",
+  "test_verified_entry_points.py",
+  "test_serve.py",
+  "test_needle.py",
+  "test_train.py",
+  "test_bench.py",
+  "test_serve_hostile.py",
+  "test_serve_engine.py",
+  "test_engine.py",
+  "test_default_chat.py",
 )
 
 
