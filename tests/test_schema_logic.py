@@ -333,25 +333,27 @@ def _resident_peak_after(compile_) -> int:
   return field("VmHWM") - before
 
 
-def test_the_schema_that_passed_the_memory_limit_is_narrowed_or_refused_in_milliseconds(tokenizer):  # noqa: F811
-  """The schema that once grew Sampler.constraint to 24 GB: 17 optional strings of up to 8192 characters. Its whole
-  language does not fit the limits: the library's compiler (Sampler.constraint's, and so the command line's)
-  writes a subset within a second and a few megabytes, named in the warning line, whose texts validate; with
-  narrow=False it is refused as quickly."""
+def test_the_schema_that_passed_the_memory_limit_is_narrowed_or_refused_within_megabytes(tokenizer):  # noqa: F811
+  """The schema that once grew Sampler.constraint to 24 GB over minutes: 17 optional strings of up to 8192
+  characters. Its whole language does not fit the limits: the library's compiler (Sampler.constraint's, and so the
+  command line's) writes a subset within a few megabytes, named in the warning line, whose texts validate; with
+  narrow=False it is refused as cheaply. The clock is this thread's CPU time (other threads of a test worker do
+  not count), bounded at about ten times the 2-core figures (0.35 s to refuse, 1.6 s to narrow): it catches a
+  return to minutes, not a slow machine."""
   schema = {
     "type": "object",
     "properties": {f"p{i}": {"type": "string", "maxLength": 8192} for i in range(17)},
     "additionalProperties": True,
   }
-  start = time.process_time()
+  start = time.thread_time()
   grown = _resident_peak_after(lambda: refusal(lambda: Compiler(tokenizer, narrow=False).json_schema(schema)))
-  assert time.process_time() - start < 2.0 and grown < 200 << 20, (time.process_time() - start, grown >> 20)
+  assert time.thread_time() - start < 4.0 and grown < 200 << 20, (time.thread_time() - start, grown >> 20)
   error = refusal(lambda: Compiler(tokenizer, narrow=False).json_schema(schema))
   assert "byte-level states" in str(error) and "MiB" in str(error), str(error)
-  start = time.process_time()
+  start = time.thread_time()
   narrowed = []
   grown = _resident_peak_after(lambda: narrowed.append(Compiler(tokenizer).json_schema(schema)))
-  assert time.process_time() - start < 4.0 and grown < 200 << 20, (time.process_time() - start, grown >> 20)
+  assert time.thread_time() - start < 16.0 and grown < 200 << 20, (time.thread_time() - start, grown >> 20)
   (automaton,) = narrowed
   assert (
     "is written as at most" in automaton.warnings[0] and "optional properties at properties" in automaton.warnings[0]

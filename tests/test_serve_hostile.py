@@ -24,6 +24,7 @@ from test_serve import Server
 
 from mercury_jax.checkpoint import export_params
 from mercury_jax.config import Config, DataConfig, ModelConfig, ObjectiveConfig
+from mercury_jax.data.tokenizer import EOS_ID
 from mercury_jax.model import Transformer
 
 KEY = "hostile-test-key"
@@ -31,14 +32,19 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 PROMPT = "def f(x):"
 
 
-def flat_checkpoint(root: Path, tokenizer: Path, context: int, template: str = "") -> Path:
+def flat_checkpoint(root: Path, tokenizer: Path, context: int, template: str = "", endless: bool = False) -> Path:
   """A block-diffusion checkpoint (blocks of 4) with the random weights of its init: nearly flat distributions, so
-  the threshold rule commits one token per step and EOS is rare."""
+  the threshold rule commits one token per step, and EOS ends about one request in four before 400 tokens.
+  ``endless``: never EOS, so every request runs to ``max_tokens`` (one embedding dimension is a large constant
+  that only EOS's row of the head reads, negatively)."""
   model = ModelConfig(
     vocab_size=512, d_model=32, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16, mlp_dim=64,
     max_length=context, causal=False,
   )  # fmt: skip
   params = nn.meta.unbox(Transformer(model).init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32)))["params"]
+  if endless:
+    params["embedding"] = params["embedding"].at[:, 0].set(8.0)
+    params["head"] = params["head"].at[0].set(0.0).at[0, EOS_ID].set(-30.0)
   cfg = Config(model=model, objective=ObjectiveConfig(block_size=4), data=DataConfig(chat_template=template))
   return export_params(root / "flat", params, cfg, tokenizer).parent
 
@@ -275,19 +281,21 @@ def _outcome(url: str, body: dict) -> dict:
 
 
 def test_at_the_grace_limit_requests_in_flight_end_with_503_or_an_error_event_then_done(tmp_path, data_dir):
-  """2 slots, --max-queue 14, --grace 1: 16 requests of 400 tokens at a token per step (8 rounds of about 0.5 s on
-  2 cores) arrive at once (all taken: 2 run, 14 wait), a 17th is refused with 429, then SIGTERM. While the server
-  drains, /health answers 503 and a new request 503 (the port still listens); at the grace limit every request
-  still in flight ends properly: a plain one with 503 (OpenAI's error object, code "shutdown", its request id,
+  """2 slots, --max-queue 14, --grace 2: 16 requests of 2,000 tokens at a token per step (about 2 s each on 2 cores,
+  none ended early by EOS) arrive at once (all taken: 2 run, 14 wait), a 17th is refused with 429, then SIGTERM. While
+  the server drains, /health answers 503 and a new request 503 (the port still listens); at the grace limit every
+  request still in flight ends properly: a plain one with 503 (OpenAI's error object, code "shutdown", its request id,
   Retry-After), a stream with that error as an event, then [DONE]; no body is cut short, and the process exits 0
-  without a traceback."""
-  path = flat_checkpoint(tmp_path, data_dir / "tokenizer.model", 512)
-  flags = ("--slots", "2", "--max-queue", "14", "--grace", "1", "--constraint-capacity", "0")
+  without a traceback. The plain requests are sent last, so they wait at the grace limit; requests long against the
+  test's own pauses keep the 16 held until the 17th arrives (with 400 tokens, some ending at EOS, a slot could free
+  first on a loaded machine and the 17th was taken)."""
+  path = flat_checkpoint(tmp_path, data_dir / "tokenizer.model", 2048, endless=True)
+  flags = ("--slots", "2", "--max-queue", "14", "--grace", "2", "--constraint-capacity", "0")
   srv = Server(path, *flags, quick=True)
   url = f"{srv.url}/v1/completions"
   try:
     bodies = [
-      {"prompt": PROMPT, "max_tokens": 400, "steps_per_block": 4, "seed": i, "stream": i >= 4} for i in range(16)
+      {"prompt": PROMPT, "max_tokens": 2000, "steps_per_block": 4, "seed": i, "stream": i < 12} for i in range(16)
     ]
     with concurrent.futures.ThreadPoolExecutor(len(bodies)) as pool:
       futures = [pool.submit(_outcome, url, body) for body in bodies]
@@ -299,11 +307,11 @@ def test_at_the_grace_limit_requests_in_flight_end_with_503_or_an_error_event_th
           break
         assert time.monotonic() < deadline, "the server never took the 16 requests"
         time.sleep(0.02)
-      full = httpx.post(url, json=bodies[0], timeout=60)  # 2 busy slots, 14 waiting: no room
+      full = httpx.post(url, json=bodies[-1], timeout=60)  # 2 busy slots, 14 waiting: no room
       srv.process.send_signal(signal.SIGTERM)
       time.sleep(0.2)
       health = httpx.get(f"{srv.url}/health", timeout=10)
-      late = httpx.post(url, json=bodies[0], timeout=10)
+      late = httpx.post(url, json=bodies[-1], timeout=10)
       outcomes = [f.result() for f in futures]
     code = srv.stop()
     log = "".join(srv.log)
@@ -318,7 +326,7 @@ def test_at_the_grace_limit_requests_in_flight_end_with_503_or_an_error_event_th
   assert late.status_code == 503 and late.json()["error"]["code"] == "draining" and late.headers["retry-after"]
   assert code == 0, log
   assert not [o for o in outcomes if o["transport"]], outcomes  # nothing cut mid-body
-  plain, streams = outcomes[:4], outcomes[4:]
+  streams, plain = outcomes[:12], outcomes[12:]
   for o in plain:
     assert o["finished"] or (o["status"] == 503 and o["retry_after"] and o["error"]["code"] == "shutdown"), o
   for o in streams:
