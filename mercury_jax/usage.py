@@ -49,18 +49,20 @@ def add_draft_flags(p: argparse.ArgumentParser) -> None:
   p.add_argument(
     "--draft-tree",
     help="verified decoding's draft tree: chain, small, wide, none (sampling.settings.TREES), rank paths added to "
-    "the drafter's chain like '1,2,10' (r: its r-th next likeliest token), or auto (default: the device's)",
+    "the drafter's chain like '1,2,10' (r: its r-th next likeliest token), or auto (default: the device's; a CPU's "
+    "is none, the lookup chain alone, its fastest measured; a GPU's wide)",
   )
   p.add_argument(
     "--draft-lookup",
     type=int,
     help="length of the prompt-lookup chain verified beside the drafts (the tokens that followed the last ones where "
-    "they occurred before in the text); 0: off (default -1: the device's)",
+    "they occurred before in the text); 0: off (default -1: the device's, 8 on a CPU and a GPU)",
   )
   p.add_argument(
     "--draft-blocks",
     help="after which outcomes a step pre-drafts the next drafts: all (every chain depth), tree (every node of the "
-    "tree, alternatives too), depths like '0,1' (a cheaper chunk), none (default auto: the device's)",
+    "tree, alternatives too), depths like '0,1' (a cheaper chunk), none (default auto: the device's; none on a CPU, "
+    "all on a GPU)",
   )
   p.add_argument(
     "--draft-confidence",

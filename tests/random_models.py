@@ -24,6 +24,15 @@ LATENT_KINDS = {
   "continuous": (False, ObjectiveConfig(name="continuous", self_conditioning=0.5)),
 }
 LATENT_DIM = 16
+# Verified decoding with every kind of candidate: the drafter's chain, a lookup chain beside it, a pre-draft block
+# after each chain depth. The serving, cache and structured-output tests run a verified model with it: a CPU's
+# device default (``sampling.drafts.DEFAULTS``) verifies the lookup chain alone and would leave the drafter out.
+DRAFTER = {"draft_tree": "chain", "draft_lookup": 4, "draft_blocks": "all"}
+
+
+def drafting(kind: str) -> dict:
+  """:data:`DRAFTER` for a verified ``kind``, else nothing (the draft knobs need a verified checkpoint)."""
+  return DRAFTER if kind == "verified" else {}
 
 
 def random_checkpoint(root: Path, kind: str, tokenizer: Path, vocab_size: int = 512) -> Path:

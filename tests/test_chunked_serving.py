@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import openai
 import pytest
-from random_models import random_checkpoint
+from random_models import drafting, random_checkpoint
 from test_serve import Server
 
 from mercury_jax.checkpoint import export_params, find_tokenizer, restore_params
@@ -58,8 +58,8 @@ def test_a_prompt_prefilled_in_chunks_holds_the_one_pass_cache_and_decodes_its_t
   which no free row is left to pad, so a row still filling pads it and must come out of each step as it went in
   (stepped before its last chunk, its request failed on "skipped slots")."""
   sampler = Sampler.from_checkpoint(checkpoints[kind])
-  one_pass = Scheduler(sampler, ServeConfig(slots=5, page_size=3))
-  chunked = Scheduler(sampler, ServeConfig(slots=5, page_size=3, prefill_chunk=16))
+  one_pass = Scheduler(sampler, ServeConfig(slots=5, page_size=3, **drafting(kind)))
+  chunked = Scheduler(sampler, ServeConfig(slots=5, page_size=3, prefill_chunk=16, **drafting(kind)))
   engine = chunked.engine
   rng = np.random.default_rng(0)
   lengths = (90, 45, 5, 6, 7)

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from random_models import random_checkpoint
+from random_models import drafting, random_checkpoint
 
 from mercury_jax.config import ModelConfig
 from mercury_jax.kvcache import SINK, KVCache, PagedKVCache, read_pages
@@ -140,7 +140,7 @@ def test_page_pool_hands_out_each_page_once_and_takes_them_back():
 def test_paged_rows_equal_the_dense_engine_cache_and_tokens(samplers, kind):
   """Pages of 3 slots (boundaries inside blocks of 4), prompts of 25 and 7 tokens (up to 18 pages): after admission a
   row's pages hold its dense prefill's keys and values, and it decodes the dense engine's tokens."""
-  scheduler = Scheduler(samplers[kind], ServeConfig(slots=2, page_size=3))
+  scheduler = Scheduler(samplers[kind], ServeConfig(slots=2, page_size=3, **drafting(kind)))
   engine = scheduler.engine
   requests = _requests(2, seed=1, prompt_lengths=(25, 7))
   command = engine.admission.command()
@@ -178,7 +178,7 @@ def sixteen(samplers):
 
   def get(kind: str) -> Scheduler:
     if kind not in started:
-      started[kind] = Scheduler(samplers[kind], ServeConfig(slots=16, max_queue=64))
+      started[kind] = Scheduler(samplers[kind], ServeConfig(slots=16, max_queue=64, **drafting(kind)))
       started[kind].start()
     return started[kind]
 

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from fastapi.testclient import TestClient
+from random_models import drafting
 
 from mercury_jax.checkpoint import export_params
 from mercury_jax.config import Config, ModelConfig, ObjectiveConfig
@@ -52,7 +53,8 @@ def _checkpoint(root: Path, kind: str, tokenizer: Path) -> Path:
 def scheduler(request, tmp_path_factory, data_dir):
   path = _checkpoint(tmp_path_factory.mktemp("engine"), request.param, data_dir / "tokenizer.model")
   block_length = 8 if request.param == "whole_sequence" else 0  # The others have their trained block.
-  sched = Scheduler(Sampler.from_checkpoint(path), ServeConfig(slots=4, max_queue=64, block_length=block_length))
+  config = ServeConfig(slots=4, max_queue=64, block_length=block_length, **drafting(request.param))
+  sched = Scheduler(Sampler.from_checkpoint(path), config)
   sched.start()
   yield sched
   sched.shutdown(0)

@@ -12,7 +12,7 @@ import jax
 import jsonschema
 import numpy as np
 import pytest
-from random_models import KINDS, random_checkpoint
+from random_models import KINDS, drafting, random_checkpoint
 
 from mercury_jax import sharding as sh
 from mercury_jax.config import MeshConfig
@@ -62,7 +62,7 @@ def test_random_weights_give_valid_output_for_every_schema_and_regex(kind, tmp_p
   dual = kind.endswith("_dual_cache")
   kind = kind.removesuffix("_dual_cache")
   sampler = Sampler.from_checkpoint(random_checkpoint(tmp_path, kind, data_dir / "tokenizer.model"))
-  knobs = {} if kind == "autoregressive" else {"block_length": 8} if kind == "whole_sequence" else {}
+  knobs = {"block_length": 8} if kind == "whole_sequence" else drafting(kind)
   if dual:  # Fast-dLLM's approximate cache: blocks in lockstep
     knobs["cache"] = "dual"
   for temperature, rows, automata in halves(*_suite(sampler), swap):

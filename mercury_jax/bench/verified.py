@@ -52,6 +52,8 @@ LEVERS = {
   "cheap": {**_OFF, "draft_blocks": "0,1"},
   "adaptive": {**_OFF, "draft_confidence": 0.1},
   "lookup-cheap": {**_OFF, "draft_lookup": 8, "draft_blocks": "0,1"},  # the two that paid on a CPU, together
+  "lookup4": {**_OFF, "draft_lookup": 4},  # a short lookup chain, every pre-draft block
+  "lookup4-cheap": {**_OFF, "draft_lookup": 4, "draft_blocks": "0,1"},  # the same, blocks for two outcomes only
   "all": {"draft_tree": "wide", "draft_lookup": 8, "draft_blocks": "0,1", "draft_confidence": 0.1},
 }
 
