@@ -22,7 +22,7 @@ from mercury_jax.checkpoint import restore_params
 FIXTURE = Path(__file__).parent / "fixtures" / "needle"
 CONTEXT = 8192
 TRAINED = 2048
-BATCH = 16
+BATCH = 8
 
 
 def _needle(tmp_path: Path, *flags: str) -> dict:
@@ -49,16 +49,16 @@ def test_the_fixture_is_the_8k_retrieval_model():
 
 
 def test_the_engine_retrieves_needles_at_random_depths_of_8k_prompts_with_chunked_prefill(tmp_path):
-  # 32 needles in two batches: 54 s in a CI run, where 64 in four took 107 s on the same CPU model
-  # (docs/results/tests.md); all 32 were retrieved, as all 64 were.
-  result = _needle(tmp_path, "--trials", "32", "--prefill-chunk", "512", "--batch", str(BATCH))
+  # 16 needles in two batches of 8: 16 s alone on 2 cores (32 in two batches of 16 took 42-60 s in suite runs;
+  # docs/results/tests.md); all 16 were retrieved, as all 32 and all 64 were.
+  result = _needle(tmp_path, "--trials", "16", "--prefill-chunk", "512", "--batch", str(BATCH))
   trials = result["trials"]
-  assert (result["context"], result["rope"], len(trials)) == (CONTEXT, "yarn", 32)
+  assert (result["context"], result["rope"], len(trials)) == (CONTEXT, "yarn", 16)
   depths = np.asarray([t["depth"] for t in trials])
-  assert depths.min() < 0.05 and depths.max() > 0.9  # from the first tokens of the prompt to its last
-  assert sum(t["distance"] > TRAINED for t in trials) > 20  # most needles lie beyond the trained context (23 of 32)
+  assert depths.min() < 0.25 and depths.max() > 0.9  # from the prompt's first fifth to its last tokens
+  assert sum(t["distance"] > TRAINED for t in trials) > 10  # most needles lie beyond the trained context (12 of 16)
   assert result["rate"] >= 0.9, [(round(t["depth"], 2), t["answer"], t["text"]) for t in trials if not t["retrieved"]]
-  # One compilation for all 32: the first batch compiles the engine's programs, the second reuses them.
+  # One compilation for all 16: the first batch compiles the engine's programs, the second reuses them.
   assert trials[0]["compile_time"] > 0 and all(t["compile_time"] == 0 for t in trials[BATCH:])
 
 
