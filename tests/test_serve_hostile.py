@@ -36,7 +36,7 @@ def flat_checkpoint(root: Path, tokenizer: Path, context: int, template: str = "
   """A block-diffusion checkpoint (blocks of 4) with the random weights of its init: nearly flat distributions, so
   the threshold rule commits one token per step, and EOS ends about one request in four before 400 tokens.
   ``endless``: never EOS, so every request runs to ``max_tokens`` (one embedding dimension is a large constant
-  that only EOS's row of the head reads, negatively)."""
+  that only EOS's logit reads, negatively)."""
   model = ModelConfig(
     vocab_size=512, d_model=32, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16, mlp_dim=64,
     max_length=context, causal=False,
