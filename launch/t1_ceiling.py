@@ -170,8 +170,10 @@ def main() -> None:
   for name in ("prompts", "length", "positions", "candidates", "batch"):
     if not 1 <= getattr(args, name) <= 4096:
       parser.error(f"--{name}={getattr(args, name)} must be in [1, 4096]")
-  if not 0.05 <= args.temperature <= 4.0:
-    parser.error(f"--temperature={args.temperature} must be in [0.05, 4] (greedy has no ceiling)")
+  for name in ("temperature", "draft_temperature"):
+    value = getattr(args, name)
+    if value is not None and not 0.05 <= value <= 4.0:
+      parser.error(f"--{name.replace('_', '-')}={value} must be in [0.05, 4] (greedy has no ceiling)")
 
   sampler = Sampler.from_checkpoint(args.checkpoint)
   if sampler.cfg.objective.name != "verified":
@@ -179,7 +181,7 @@ def main() -> None:
   tokenizer = sampler.tokenizer
   canvases, found = bench_canvases(sampler, tokenizer, args.data, args.corpus, args.prompts, args.length, args.batch)
   settings = sampler.settings(temperature=args.temperature, top_p=1.0, top_k=0, decode="ar")
-  draft_temperature = args.draft_temperature or args.temperature
+  draft_temperature = args.temperature if args.draft_temperature is None else args.draft_temperature
   probe = build(sampler, settings, args.candidates, args.temperature, draft_temperature)
   values: dict[str, list[np.ndarray]] = {}
   left = found

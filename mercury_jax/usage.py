@@ -50,7 +50,7 @@ def add_draft_flags(p: argparse.ArgumentParser) -> None:
     "--draft-tree",
     help="verified decoding's draft tree: chain, small, wide, none (sampling.settings.TREES), rank paths added to "
     "the drafter's chain like '1,2,10' (r: its r-th next likeliest token), or auto (default: the device's; a CPU's "
-    "is none, the lookup chain alone, its fastest measured; a GPU's wide)",
+    "is none, the lookup chain alone, its fastest measured greedy; a GPU's wide)",
   )
   p.add_argument(
     "--draft-lookup",

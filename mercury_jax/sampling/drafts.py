@@ -73,8 +73,8 @@ class Drafting:
 DEVICE_DEFAULT = Drafting()  # Every knob ``auto``: the device's defaults.
 # The device defaults (:func:`resolve`), chosen by the measured chunk cost (docs/results/verified.md, "Engine levers"):
 # a CPU pays per chunk position, a GPU barely. On a CPU the lookup chain alone (a 9-position chunk, no drafter) was
-# the fastest verified setting at both temperatures in every run (batch 1: 1.6-1.8 x the twin greedy, 0.82-0.89 at
-# T = 1, against 1.05-1.09 / 0.57-0.68 for the chain with a lookup of 4 and every block, the default before).
+# the fastest greedy setting at batch 1 and level at T = 1 with the cheapest drafter chunk (blocks "0,1"), and beat
+# the default before it (the chain, a lookup of 4, every block) at both: 1.76 / 0.84 x the twin against 1.05 / 0.57.
 DEFAULTS = {"cpu": Drafting("none", 8, "none"), "gpu": Drafting("wide", 8, "all")}
 
 
