@@ -89,7 +89,7 @@ def test_random_weights_give_valid_output_for_every_schema_and_regex(kind, tmp_p
   if dual:  # Fast-dLLM's approximate cache: blocks in lockstep
     knobs["cache"] = "dual"
   # A block-refining decoder's steps are mostly the constrained program; a verified or autoregressive one takes a
-  # step per token or two, and a batch of its own cost it one more compile than it saved (22-27 s against 21-22 s).
+  # step per token or two, and a batch of its own cost it one more compile than it saved (23-27 s against 21-22 s).
   split = kind in ("block_diffusion", "whole_sequence")
   for temperature, rows, automata in halves(*_suite(sampler), swap, split):
     samples = sampler.generate(
